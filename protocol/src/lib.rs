@@ -1,0 +1,43 @@
+//! The gradflow wire protocol, v1: the types every instrumented trainer sends and the
+//! server accepts, their parsing and validation, and the encoding of non-finite floats.
+//!
+//! This crate is the one boundary every client sees. It does no I/O and depends only
+//! on serde, so any Rust client (the bundled trainer, someone's own) can use it.
+//!
+//! # Layout
+//!
+//! - [`run`]: the registration body of `PUT /api/v1/runs/{run_id}` and [`RunId`].
+//! - [`step`]: the step records of `POST /api/v1/runs/{run_id}/steps`.
+//! - [`parse`]: JSON and NDJSON batch parsing with field paths in errors.
+//! - [`float`]: [`Float`], a number that may be `"NaN"`, `"Infinity"`, `"-Infinity"`.
+//! - [`timestamp`]: RFC 3339 or Unix-seconds timestamps.
+//! - [`limits`]: the bounds on one request.
+//! - [`error`]: [`InvalidBody`], what was wrong and where.
+
+pub mod error;
+pub mod float;
+pub mod limits;
+pub mod parse;
+pub mod run;
+pub mod step;
+pub mod timestamp;
+mod validate;
+
+pub use error::InvalidBody;
+pub use float::{Float, non_finite_spelling};
+pub use parse::{parse_steps_json, parse_steps_ndjson};
+pub use run::{
+    DetectorOverrides, Dtype, LossScaler, Optimizer, ParamSpec, Precision, Role, RunId,
+    RunRegistration, default_group, default_module,
+};
+pub use step::{GpuStat, ModuleStep, ParamStep, ScalerState, StepRecord, validate_batch};
+pub use timestamp::Timestamp;
+
+/// Formats a float for an error message: `NaN`, `Infinity`, `-Infinity` as the wire
+/// spells them, other values in Rust's shortest round-trip form.
+pub fn format_float(value: f64) -> String {
+    match non_finite_spelling(value) {
+        Some(spelling) => spelling.to_owned(),
+        None => value.to_string(),
+    }
+}

@@ -1,0 +1,25 @@
+//! Bounds on what one request may carry. They keep a single client from exhausting
+//! the server's memory or the store, and are far above what a real model sends: a
+//! Qwen2.5-72B has about 960 parameter tensors.
+
+/// The largest step number: 2^53 − 1, the largest integer a JavaScript client (the
+/// dashboard) reads exactly.
+pub const MAX_STEP: u64 = (1 << 53) - 1;
+/// Parameters in one registration.
+pub const MAX_PARAMS_PER_RUN: usize = 100_000;
+/// Entries of `modules[]` in one step record.
+pub const MAX_MODULES_PER_STEP: usize = 100_000;
+/// Entries of `params[]` in one step record.
+pub const MAX_PARAMS_PER_STEP: usize = 100_000;
+/// Named scalars in one step record's `metrics`.
+pub const MAX_METRICS_PER_STEP: usize = 10_000;
+/// Devices in one step record's `gpu`.
+pub const MAX_GPUS_PER_STEP: usize = 1_024;
+/// Step records in one batch.
+pub const MAX_STEPS_PER_BATCH: usize = 100_000;
+/// Bytes in a parameter, module, group or metric name.
+pub const MAX_NAME_BYTES: usize = 512;
+/// Bytes in free-text fields: a run's name, host, optimizer name.
+pub const MAX_TEXT_BYTES: usize = 1_024;
+/// Dimensions of a parameter's shape.
+pub const MAX_SHAPE_DIMS: usize = 16;

@@ -1,0 +1,244 @@
+//! Body parsing with error paths.
+//!
+//! Valid bodies take the fast path: plain `serde_json` straight into the typed records.
+//! Only a body that fails is parsed a second time through `serde_path_to_error` to
+//! find where, so tracking paths costs nothing on the ingest hot path.
+
+use serde::de::DeserializeOwned;
+
+use crate::error::InvalidBody;
+use crate::step::{StepRecord, validate_batch};
+
+/// Deserializes `body`; on failure the error's path is prefixed with `root`
+/// (`steps`, or empty for an object body).
+pub(crate) fn json_with_path<T: DeserializeOwned>(
+    body: &[u8],
+    root: &str,
+) -> Result<T, InvalidBody> {
+    match serde_json::from_slice(body) {
+        Ok(value) => Ok(value),
+        Err(fast) => Err(
+            locate_error::<T>(body, root).unwrap_or_else(|| InvalidBody {
+                path: root.to_owned(),
+                message: fast.to_string(),
+            }),
+        ),
+    }
+}
+
+fn locate_error<T: DeserializeOwned>(body: &[u8], root: &str) -> Option<InvalidBody> {
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let error = match serde_path_to_error::deserialize::<_, T>(&mut deserializer) {
+        Ok(_) => match deserializer.end() {
+            Ok(()) => return None,
+            Err(trailing) => return Some(InvalidBody::new(root, trailing.to_string())),
+        },
+        Err(error) => error,
+    };
+    let path = join_path(root, &error.path().to_string());
+    Some(InvalidBody::new(path, error.into_inner().to_string()))
+}
+
+/// `serde_path_to_error` writes the root as `.` and a top-level index as `[3]`.
+fn join_path(root: &str, inner: &str) -> String {
+    match inner {
+        "." | "" => root.to_owned(),
+        _ if root.is_empty() => inner.to_owned(),
+        _ if inner.starts_with('[') => format!("{root}{inner}"),
+        _ => format!("{root}.{inner}"),
+    }
+}
+
+/// Parses and validates a JSON array of step records (`application/json`).
+pub fn parse_steps_json(body: &[u8]) -> Result<Vec<StepRecord>, InvalidBody> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first == Some(&b'{') {
+        return Err(InvalidBody::new(
+            "steps",
+            "expected a JSON array of step records: send one record as [{...}], \
+             or use Content-Type: application/x-ndjson with one record a line",
+        ));
+    }
+    let records: Vec<StepRecord> = json_with_path(body, "steps")?;
+    validate_batch(&records)?;
+    Ok(records)
+}
+
+/// Parses and validates NDJSON step records (`application/x-ndjson`): one JSON
+/// object a line; blank lines are skipped. Paths count records (`steps[3]`), and
+/// messages name the line.
+pub fn parse_steps_ndjson(body: &[u8]) -> Result<Vec<StepRecord>, InvalidBody> {
+    let mut records = Vec::new();
+    for (line_index, line) in body.split(|b| *b == b'\n').enumerate() {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let root = format!("steps[{}]", records.len());
+        let record: StepRecord = json_with_path(line, &root).map_err(|mut error| {
+            error.message = format!("line {}: {}", line_index + 1, error.message);
+            error
+        })?;
+        records.push(record);
+        if records.len() > crate::limits::MAX_STEPS_PER_BATCH {
+            break; // validate_batch reports the limit
+        }
+    }
+    validate_batch(&records)?;
+    Ok(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Float;
+
+    const EXAMPLE: &str = r#"{
+      "step": 12,
+      "time": "2026-11-21T10:00:12.345Z",
+      "loss": 4.7711,
+      "lr": 3e-4,
+      "modules": [
+        {"module": "qwen.layers.0.self_attn", "grad_norm": 1.2e-5, "hook_hits": 1}
+      ],
+      "params": [
+        {"name": "qwen.layers.0.input_layernorm.weight", "grad_norm": 3.1e-3,
+         "update_norm": 0.0, "drift": 0.0, "mean": 1.0}
+      ],
+      "scaler": {"scale": 65536.0, "growth_tracker": 3, "found_inf": false, "step_skipped": false},
+      "gpu": [{"index": 0, "memory_used_bytes": 21474836480, "memory_total_bytes": 150754820096,
+               "utilization_pct": 87, "temperature_c": 61, "power_w": 412.5}],
+      "metrics": {"reward": 0.12, "mask_ratio": 0.95}
+    }"#;
+
+    #[test]
+    fn the_protocol_example_parses() {
+        let records = parse_steps_json(format!("[{EXAMPLE}]").as_bytes()).unwrap();
+        assert_eq!(records[0].step, 12);
+        assert_eq!(records[0].modules[0].hook_hits, Some(1));
+        assert_eq!(records[0].gpu[0].memory_used_bytes, Some(21474836480));
+        assert_eq!(records[0].metrics["reward"], Some(Float(0.12)));
+    }
+
+    #[test]
+    fn ndjson_and_json_agree() {
+        let compact: serde_json::Value = serde_json::from_str(EXAMPLE).unwrap();
+        let line = serde_json::to_string(&compact).unwrap();
+        let mut second = compact.clone();
+        second["step"] = 13.into();
+        let ndjson = format!("{line}\r\n\n{}\n", serde_json::to_string(&second).unwrap());
+        let from_ndjson = parse_steps_ndjson(ndjson.as_bytes()).unwrap();
+        let from_json = parse_steps_json(
+            serde_json::to_string(&[compact, second])
+                .unwrap()
+                .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(from_ndjson, from_json);
+    }
+
+    #[test]
+    fn absent_and_null_both_mean_not_measured() {
+        let records = parse_steps_json(
+            br#"[{"step": 0, "modules": null, "metrics": {"x": null}, "loss": null,
+                  "params": [{"name": "w", "grad_norm": null}]}]"#,
+        )
+        .unwrap();
+        assert!(records[0].modules.is_empty());
+        assert_eq!(records[0].metrics["x"], None);
+        assert_eq!(records[0].loss, None);
+        assert_eq!(records[0].params[0].grad_norm, None);
+    }
+
+    #[test]
+    fn errors_name_the_first_bad_field() {
+        let ok = r#"{"step": 1, "modules": [{"module": "a", "grad_norm": 1.0}]}"#;
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                r#"[{"step": 0}, {"step": 1, "modules": [{"module": "a", "grad_norm": "oops"}]}]"#,
+                "steps[1].modules[0].grad_norm",
+                "unknown non-finite spelling",
+            ),
+            (r#"[{"step": -1}]"#, "steps[0].step", "must not be negative"),
+            (r#"[{"step": 1.5}]"#, "steps[0].step", "must be an integer"),
+            (
+                r#"[{"step": "1"}]"#,
+                "steps[0].step",
+                "non-negative integer",
+            ),
+            (r#"[{"loss": 1}]"#, "steps[0]", "missing field `step`"),
+            (
+                r#"[{"step": 9007199254740992}]"#,
+                "steps[0].step",
+                "largest allowed",
+            ),
+            (
+                r#"[{"step": 2}, {"step": 2}]"#,
+                "steps[1].step",
+                "strictly increase",
+            ),
+            (
+                r#"[{"step": 3}, {"step": 1}]"#,
+                "steps[1].step",
+                "strictly increase",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a", "hook_hits": -1}]}]"#,
+                "steps[0].modules[0].hook_hits",
+                "-1",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a", "grad_norm": -0.5}]}]"#,
+                "steps[0].modules[0].grad_norm",
+                "cannot be negative",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": ""}]}]"#,
+                "steps[0].modules[0].module",
+                "empty",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a\u0007b"}]}]"#,
+                "steps[0].modules[0].module",
+                "control character",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a"}, {"module": "a"}]}]"#,
+                "steps[0].modules[1].module",
+                "twice",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a", "grad_nrom": 1}]}]"#,
+                "steps[0].modules[0].grad_nrom",
+                "unknown field `grad_nrom`",
+            ),
+            (r#"[{"step": 0}"#, "steps", "EOF"),
+            (r#"[{"step": 0}] x"#, "steps", "trailing"),
+            (r#"{"step": 0}"#, "steps", "JSON array"),
+            (
+                r#"[{"step": 0, "gpu": [{"index": 0, "utilization_pct": 101}]}]"#,
+                "steps[0].gpu[0].utilization_pct",
+                "between 0 and 100",
+            ),
+            (
+                r#"[{"step": 0, "scaler": {"scale": -1}}]"#,
+                "steps[0].scaler.scale",
+                "negative",
+            ),
+        ];
+        for (body, path, message) in cases {
+            let err = parse_steps_json(body.as_bytes()).unwrap_err();
+            assert_eq!(&err.path, path, "{body}: {err}");
+            assert!(err.message.contains(message), "{body}: {err}");
+        }
+        assert!(parse_steps_json(format!("[{ok}]").as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn ndjson_errors_count_records_and_name_lines() {
+        let body = "{\"step\": 0}\n\n{\"step\": \"x\"}\n";
+        let err = parse_steps_ndjson(body.as_bytes()).unwrap_err();
+        assert_eq!(err.path, "steps[1].step");
+        assert!(err.message.starts_with("line 3:"), "{err}");
+    }
+}

@@ -1,0 +1,472 @@
+//! Registering a run: `PUT /api/v1/runs/{run_id}` and its body.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{InvalidBody, Path};
+use crate::float::Float;
+use crate::limits::{MAX_NAME_BYTES, MAX_PARAMS_PER_RUN, MAX_SHAPE_DIMS, MAX_TEXT_BYTES};
+use crate::timestamp::Timestamp;
+use crate::validate::{check_name, check_text};
+
+/// A run's identifier, chosen by the client: `[A-Za-z0-9._-]{1,128}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(transparent)]
+pub struct RunId(String);
+
+impl RunId {
+    pub fn parse(text: &str) -> Result<RunId, String> {
+        if text.is_empty() || text.len() > 128 {
+            return Err(format!(
+                "run id must be 1 to 128 characters long, got {}",
+                text.len()
+            ));
+        }
+        if let Some(bad) = text
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+        {
+            return Err(format!(
+                "run id {text:?} contains {bad:?}: only letters, digits, '.', '_' and '-' are allowed"
+            ));
+        }
+        if text == "." || text == ".." {
+            return Err(format!("run id {text:?} is reserved"));
+        }
+        Ok(RunId(text.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for RunId {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        RunId::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A floating-point format a parameter can be stored or computed in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    F64,
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    /// Explicit bits of the significand (the implicit leading one not counted).
+    pub fn mantissa_bits(self) -> u32 {
+        match self {
+            Dtype::F64 => 52,
+            Dtype::F32 => 23,
+            Dtype::F16 => 10,
+            Dtype::Bf16 => 7,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::F64 => "f64",
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// What a parameter is, for the detectors that care (norm weights, above all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Norm,
+    Embedding,
+    Linear,
+    Bias,
+    #[default]
+    Other,
+}
+
+/// The loss scaler in use (torch.amp.GradScaler is `dynamic`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossScaler {
+    None,
+    Static,
+    Dynamic,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Precision {
+    /// The dtype the optimizer updates (the master weights).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param_dtype: Option<Dtype>,
+    /// The forward dtype (autocast).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_dtype: Option<Dtype>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scaler: Option<LossScaler>,
+}
+
+/// The optimizer's hyper-parameters. Fields beyond the named ones (momentum,
+/// nesterov, …) are kept as sent in `other`, since every optimizer has its own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Optimizer {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<Float>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub betas: Option<[Float; 2]>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<Float>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<Float>,
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+/// One parameter tensor of the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamSpec {
+    pub name: String,
+    /// Defaults to `name` without its last dot-separated part.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub module: Option<String>,
+    /// Defaults to the first dot-separated part of `name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<Role>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<Dtype>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requires_grad: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_optimizer: Option<bool>,
+}
+
+impl ParamSpec {
+    /// The module this parameter belongs to (`module`, or `name` less its last part).
+    pub fn module_name(&self) -> &str {
+        match &self.module {
+            Some(module) => module,
+            None => default_module(&self.name),
+        }
+    }
+
+    /// The coarse component (`group`, or the first dot-separated part of `name`).
+    pub fn group_name(&self) -> &str {
+        match &self.group {
+            Some(group) => group,
+            None => default_group(&self.name),
+        }
+    }
+
+    pub fn role(&self) -> Role {
+        self.role.unwrap_or_default()
+    }
+
+    /// Parameters are trainable unless they say otherwise.
+    pub fn requires_grad(&self) -> bool {
+        self.requires_grad.unwrap_or(true)
+    }
+
+    /// Parameters are in the optimizer unless they say otherwise.
+    pub fn in_optimizer(&self) -> bool {
+        self.in_optimizer.unwrap_or(true)
+    }
+}
+
+/// The group a module or parameter name falls in when none is given: its first
+/// dot-separated part (`qwen.layers.0.mlp` → `qwen`).
+pub fn default_group(name: &str) -> &str {
+    name.split('.').next().unwrap_or(name)
+}
+
+/// The module a parameter belongs to when none is given: its name without the last
+/// dot-separated part (`qwen.norm.weight` → `qwen.norm`); a name without dots is its
+/// own module.
+pub fn default_module(name: &str) -> &str {
+    match name.rsplit_once('.') {
+        Some((module, _)) => module,
+        None => name,
+    }
+}
+
+/// Per-run overrides of the server's detector thresholds, in steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct DetectorOverrides {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stuck_zero_steps: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen_norm_steps: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overflow_streak_steps: Option<u32>,
+}
+
+/// The body of `PUT /api/v1/runs/{run_id}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunRegistration {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Timestamp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<Optimizer>,
+    pub params: Vec<ParamSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detectors: Option<DetectorOverrides>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<serde_json::Value>,
+}
+
+impl RunRegistration {
+    /// Parses and validates a registration body.
+    pub fn from_json(body: &[u8]) -> Result<RunRegistration, InvalidBody> {
+        let registration: RunRegistration = crate::parse::json_with_path(body, "")?;
+        registration.validate()?;
+        Ok(registration)
+    }
+
+    /// Checks what serde's types cannot say: name rules, uniqueness, ranges.
+    pub fn validate(&self) -> Result<(), InvalidBody> {
+        let root = Path::root("");
+        if let Some(name) = &self.name {
+            check_text(&root.field("name"), name, MAX_TEXT_BYTES)?;
+        }
+        if let Some(host) = &self.host {
+            check_text(&root.field("host"), host, MAX_TEXT_BYTES)?;
+        }
+        if self.world_size == Some(0) {
+            return Err(root
+                .field("world_size")
+                .error("world_size must be at least 1"));
+        }
+        if let (Some(rank), Some(world_size)) = (self.rank, self.world_size)
+            && rank >= world_size
+        {
+            return Err(root
+                .field("rank")
+                .error(format!("rank {rank} is not below world_size {world_size}")));
+        }
+        if let Some(optimizer) = &self.optimizer {
+            validate_optimizer(&root.field("optimizer"), optimizer)?;
+        }
+        if let Some(detectors) = &self.detectors {
+            let path = root.field("detectors");
+            for (field, value) in [
+                ("stuck_zero_steps", detectors.stuck_zero_steps),
+                ("frozen_norm_steps", detectors.frozen_norm_steps),
+                ("overflow_streak_steps", detectors.overflow_streak_steps),
+            ] {
+                if value == Some(0) {
+                    return Err(path
+                        .field(field)
+                        .error(format!("{field} must be at least 1")));
+                }
+            }
+        }
+        let params_path = root.field("params");
+        if self.params.len() > MAX_PARAMS_PER_RUN {
+            return Err(params_path.error(format!(
+                "{} parameters is more than the limit of {MAX_PARAMS_PER_RUN}",
+                self.params.len()
+            )));
+        }
+        let mut seen = HashSet::with_capacity(self.params.len());
+        for (i, param) in self.params.iter().enumerate() {
+            let path = params_path.index(i);
+            check_name(&path.field("name"), &param.name)?;
+            if let Some(module) = &param.module {
+                check_name(&path.field("module"), module)?;
+            }
+            if let Some(group) = &param.group {
+                check_name(&path.field("group"), group)?;
+            }
+            if let Some(shape) = &param.shape
+                && shape.len() > MAX_SHAPE_DIMS
+            {
+                return Err(path.field("shape").error(format!(
+                    "{} dimensions is more than the limit of {MAX_SHAPE_DIMS}",
+                    shape.len()
+                )));
+            }
+            if !seen.insert(param.name.as_str()) {
+                return Err(path
+                    .field("name")
+                    .error(format!("parameter {:?} is listed twice", param.name)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The registration with the protocol's defaults written out (`module` and
+    /// `group` of each parameter), as the server stores and shows it.
+    pub fn normalized(mut self) -> RunRegistration {
+        for param in &mut self.params {
+            if param.module.is_none() {
+                param.module = Some(default_module(&param.name).to_owned());
+            }
+            if param.group.is_none() {
+                param.group = Some(default_group(&param.name).to_owned());
+            }
+        }
+        self
+    }
+}
+
+fn validate_optimizer(path: &Path<'_>, optimizer: &Optimizer) -> Result<(), InvalidBody> {
+    if let Some(name) = &optimizer.name {
+        check_text(&path.field("name"), name, MAX_NAME_BYTES)?;
+    }
+    for (field, value) in [
+        ("lr", optimizer.lr),
+        ("eps", optimizer.eps),
+        ("weight_decay", optimizer.weight_decay),
+    ] {
+        if let Some(value) = value
+            && !(value.is_finite() && value.get() >= 0.0)
+        {
+            return Err(path.field(field).error(format!(
+                "{field} must be a finite number ≥ 0, got {}",
+                value.get()
+            )));
+        }
+    }
+    if let Some(betas) = optimizer.betas {
+        for (i, beta) in betas.iter().enumerate() {
+            if !(beta.is_finite() && (0.0..1.0).contains(&beta.get())) {
+                return Err(path
+                    .field("betas")
+                    .index(i)
+                    .error(format!("betas must lie in [0, 1), got {}", beta.get())));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_ids_follow_the_protocol_pattern() {
+        for ok in ["r1", "qwen-agent_bf16.repro", &"a".repeat(128)] {
+            assert!(RunId::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "a/b",
+            "..",
+            ".",
+            "a b",
+            "r1;DROP TABLE runs",
+            "é",
+            &"a".repeat(129),
+        ] {
+            assert!(RunId::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn defaults_come_from_the_name() {
+        let param = ParamSpec {
+            name: "qwen.layers.0.input_layernorm.weight".into(),
+            module: None,
+            group: None,
+            role: None,
+            dtype: None,
+            shape: None,
+            requires_grad: None,
+            in_optimizer: None,
+        };
+        assert_eq!(param.module_name(), "qwen.layers.0.input_layernorm");
+        assert_eq!(param.group_name(), "qwen");
+        assert!(param.requires_grad() && param.in_optimizer());
+        assert_eq!(default_module("bias"), "bias");
+        assert_eq!(default_group("bias"), "bias");
+    }
+
+    #[test]
+    fn the_protocol_example_parses() {
+        let body = br#"{
+          "name": "qwen-agent bf16 repro",
+          "started_at": "2026-11-21T10:00:00Z",
+          "host": "node-3", "rank": 0, "world_size": 1,
+          "precision": {"param_dtype": "bf16", "compute_dtype": "bf16", "loss_scaler": "dynamic"},
+          "optimizer": {"name": "adamw", "lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+          "params": [
+            {"name": "qwen.layers.0.input_layernorm.weight", "module": "qwen.layers.0.input_layernorm",
+             "group": "qwen", "role": "norm", "dtype": "bf16", "shape": [896],
+             "requires_grad": true, "in_optimizer": true}
+          ],
+          "detectors": {"stuck_zero_steps": 100},
+          "config": {"anything": "free-form JSON, stored and shown as is"}
+        }"#;
+        let reg = RunRegistration::from_json(body).unwrap();
+        assert_eq!(reg.params[0].role(), Role::Norm);
+        assert_eq!(reg.precision.unwrap().param_dtype, Some(Dtype::Bf16));
+    }
+
+    #[test]
+    fn invalid_registrations_name_the_field() {
+        let cases: &[(&str, &str)] = &[
+            (r#"{}"#, ""),
+            (
+                r#"{"params": [{"name": "a", "dtype": "float32"}]}"#,
+                "params[0].dtype",
+            ),
+            (
+                r#"{"params": [{"name": "a"}, {"name": "a"}]}"#,
+                "params[1].name",
+            ),
+            (r#"{"params": [{"name": ""}]}"#, "params[0].name"),
+            (r#"{"params": [], "rank": 2, "world_size": 2}"#, "rank"),
+            (
+                r#"{"params": [], "detectors": {"stuck_zero_steps": 0}}"#,
+                "detectors.stuck_zero_steps",
+            ),
+            (
+                r#"{"params": [], "detectors": {"stuck_zero": 3}}"#,
+                "detectors.stuck_zero",
+            ),
+            (
+                r#"{"params": [], "optimizer": {"lr": "NaN"}}"#,
+                "optimizer.lr",
+            ),
+            (r#"{"params": [], "nmae": "typo"}"#, "nmae"),
+        ];
+        for (body, path) in cases {
+            let err = RunRegistration::from_json(body.as_bytes()).unwrap_err();
+            assert_eq!(&err.path, path, "{body}: {err}");
+        }
+    }
+}

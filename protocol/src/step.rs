@@ -1,0 +1,282 @@
+//! Streaming steps: `POST /api/v1/runs/{run_id}/steps` and its records.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+
+use serde::de::{self, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::error::{InvalidBody, Path};
+use crate::float::Float;
+use crate::limits::{
+    MAX_GPUS_PER_STEP, MAX_METRICS_PER_STEP, MAX_MODULES_PER_STEP, MAX_PARAMS_PER_STEP, MAX_STEP,
+    MAX_STEPS_PER_BATCH,
+};
+use crate::timestamp::Timestamp;
+use crate::validate::{check_name, check_norm};
+
+/// One training step's telemetry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StepRecord {
+    #[serde(deserialize_with = "step_number")]
+    pub step: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time: Option<Timestamp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<Float>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<Float>,
+    #[serde(
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub modules: Vec<ModuleStep>,
+    #[serde(
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub params: Vec<ParamStep>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaler: Option<ScalerState>,
+    #[serde(
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub gpu: Vec<GpuStat>,
+    /// Any other named scalars; a `null` value is "not measured this step".
+    #[serde(
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub metrics: BTreeMap<String, Option<Float>>,
+}
+
+/// A module's gradient after this step's backward.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleStep {
+    pub module: String,
+    /// L2 norm over the gradients of the module's own parameters; `None`: none of
+    /// them had a gradient.
+    #[serde(default)]
+    pub grad_norm: Option<Float>,
+    /// Times the module's backward hook fired this step; `0`: backward never reached it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hook_hits: Option<u32>,
+}
+
+/// A parameter's state after this step's optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamStep {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<Float>,
+    /// L2 norm of (value after − value before) this step's optimizer step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_norm: Option<Float>,
+    /// Largest absolute difference from the value at registration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift: Option<Float>,
+    /// Mean value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean: Option<Float>,
+}
+
+/// The loss scaler after this step's update (torch.amp.GradScaler semantics).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ScalerState {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<Float>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub growth_tracker: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub found_inf: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_skipped: Option<bool>,
+}
+
+/// One device's telemetry (NVML).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuStat {
+    pub index: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_used_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_total_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub utilization_pct: Option<Float>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature_c: Option<Float>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_w: Option<Float>,
+}
+
+impl StepRecord {
+    /// Checks one record; `path` is where it sits in its batch (`steps[3]`).
+    pub(crate) fn validate(&self, path: &Path<'_>) -> Result<(), InvalidBody> {
+        if self.step > MAX_STEP {
+            return Err(path.field("step").error(format!(
+                "step {} is larger than the largest allowed step {MAX_STEP} (2^53 - 1)",
+                self.step
+            )));
+        }
+        let modules = path.field("modules");
+        if self.modules.len() > MAX_MODULES_PER_STEP {
+            return Err(modules.error(format!(
+                "{} modules is more than the limit of {MAX_MODULES_PER_STEP} per step",
+                self.modules.len()
+            )));
+        }
+        let mut seen = HashSet::with_capacity(self.modules.len());
+        for (i, module) in self.modules.iter().enumerate() {
+            let path = modules.index(i);
+            check_name(&path.field("module"), &module.module)?;
+            check_norm(&path.field("grad_norm"), module.grad_norm)?;
+            if !seen.insert(module.module.as_str()) {
+                return Err(path.field("module").error(format!(
+                    "module {:?} appears twice in this step",
+                    module.module
+                )));
+            }
+        }
+        let params = path.field("params");
+        if self.params.len() > MAX_PARAMS_PER_STEP {
+            return Err(params.error(format!(
+                "{} parameters is more than the limit of {MAX_PARAMS_PER_STEP} per step",
+                self.params.len()
+            )));
+        }
+        seen.clear();
+        for (i, param) in self.params.iter().enumerate() {
+            let path = params.index(i);
+            check_name(&path.field("name"), &param.name)?;
+            check_norm(&path.field("grad_norm"), param.grad_norm)?;
+            check_norm(&path.field("update_norm"), param.update_norm)?;
+            check_norm(&path.field("drift"), param.drift)?;
+            if !seen.insert(param.name.as_str()) {
+                return Err(path.field("name").error(format!(
+                    "parameter {:?} appears twice in this step",
+                    param.name
+                )));
+            }
+        }
+        if let Some(scaler) = &self.scaler
+            && let Some(scale) = scaler.scale
+            && scale.get() < 0.0
+        {
+            return Err(path.field("scaler").field("scale").error(format!(
+                "a loss scale cannot be negative, got {}",
+                crate::format_float(scale.get())
+            )));
+        }
+        let gpus = path.field("gpu");
+        if self.gpu.len() > MAX_GPUS_PER_STEP {
+            return Err(gpus.error(format!(
+                "{} devices is more than the limit of {MAX_GPUS_PER_STEP}",
+                self.gpu.len()
+            )));
+        }
+        let mut indices = HashSet::with_capacity(self.gpu.len());
+        for (i, gpu) in self.gpu.iter().enumerate() {
+            let path = gpus.index(i);
+            if !indices.insert(gpu.index) {
+                return Err(path
+                    .field("index")
+                    .error(format!("device {} appears twice in this step", gpu.index)));
+            }
+            if let Some(pct) = gpu.utilization_pct
+                && !(0.0..=100.0).contains(&pct.get())
+            {
+                return Err(path.field("utilization_pct").error(format!(
+                    "utilization must lie between 0 and 100, got {}",
+                    crate::format_float(pct.get())
+                )));
+            }
+        }
+        let metrics = path.field("metrics");
+        if self.metrics.len() > MAX_METRICS_PER_STEP {
+            return Err(metrics.error(format!(
+                "{} metrics is more than the limit of {MAX_METRICS_PER_STEP} per step",
+                self.metrics.len()
+            )));
+        }
+        for name in self.metrics.keys() {
+            check_name(&metrics.field(name), name)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks every record of a batch and that steps strictly increase inside it.
+pub fn validate_batch(records: &[StepRecord]) -> Result<(), InvalidBody> {
+    let root = Path::root("steps");
+    if records.len() > MAX_STEPS_PER_BATCH {
+        return Err(root.error(format!(
+            "{} step records is more than the limit of {MAX_STEPS_PER_BATCH} per batch",
+            records.len()
+        )));
+    }
+    let mut previous: Option<u64> = None;
+    for (i, record) in records.iter().enumerate() {
+        let path = root.index(i);
+        record.validate(&path)?;
+        if let Some(previous) = previous
+            && record.step <= previous
+        {
+            return Err(path.field("step").error(format!(
+                "step {} does not follow step {previous}: steps must strictly increase within a batch",
+                record.step
+            )));
+        }
+        previous = Some(record.step);
+    }
+    Ok(())
+}
+
+fn step_number<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    struct StepVisitor;
+
+    impl Visitor<'_> for StepVisitor {
+        type Value = u64;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a non-negative integer step")
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+            u64::try_from(v)
+                .map_err(|_| E::custom(format_args!("step must not be negative, got {v}")))
+        }
+
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
+            Err(E::custom(format_args!(
+                "step must be an integer, got {}",
+                crate::format_float(v)
+            )))
+        }
+    }
+
+    deserializer.deserialize_any(StepVisitor)
+}
+
+/// Reads `null` as the empty collection: the protocol says absent and `null` both
+/// mean "not measured".
+fn null_as_empty<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}

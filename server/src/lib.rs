@@ -1,0 +1,26 @@
+//! gradflow-server: receives gradient-flow telemetry from instrumented trainers,
+//! stores it in SQLite and serves it back.
+//!
+//! The data path: a trainer sends step records (PROTOCOL.md, parsed and validated by
+//! `gradflow-protocol`) → [`routes`] reads the body ([`body`]) → [`store`] flattens each
+//! record into a row of its run's columns and commits the batch with its rollups in
+//! one transaction → reads come back through [`store`] and the downsampler in
+//! [`series`].
+//!
+//! # Layout
+//!
+//! - [`config`]: command-line flags and their environment variables.
+//! - [`startup`]: builds the [`startup::Application`] and runs it until shutdown.
+//! - [`routes`]: the HTTP API, one file per resource.
+//! - [`body`]: content types, gzip and size limits of request bodies.
+//! - [`error`]: [`error::ApiError`], the JSON error body.
+//! - [`store`]: everything that touches SQLite.
+//! - [`series`]: pure downsampling and read planning.
+
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod routes;
+pub mod series;
+pub mod startup;
+pub mod store;

@@ -1,0 +1,45 @@
+//! Extractors whose rejections are the API's JSON errors (axum's own answer in plain
+//! text).
+
+use std::collections::HashMap;
+
+use axum::extract::{FromRequestParts, Path, Query};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use gradflow_protocol::RunId;
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+
+/// The `{run_id}` of the path, parsed.
+pub struct RunIdParam(pub RunId);
+
+impl<S: Send + Sync> FromRequestParts<S> for RunIdParam {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Path(params) = Path::<HashMap<String, String>>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| {
+                ApiError::new(StatusCode::BAD_REQUEST, "invalid_run_id", e.body_text())
+                    .with_path("run_id")
+            })?;
+        let raw = params.get("run_id").map(String::as_str).unwrap_or_default();
+        RunId::parse(raw).map(RunIdParam).map_err(|message| {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_run_id", message).with_path("run_id")
+        })
+    }
+}
+
+/// Query parameters, deserialized into `T` (which should deny unknown fields).
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        Query::<T>::try_from_uri(&parts.uri)
+            .map(|Query(value)| ApiQuery(value))
+            .map_err(|e| ApiError::invalid_query(e.body_text()))
+    }
+}

@@ -1,0 +1,81 @@
+//! The HTTP API of PROTOCOL.md: one file per resource, handlers named for what they do.
+//!
+//! # Layout
+//!
+//! - [`health`]: `GET /healthz`.
+//! - [`runs`]: register, list, read and delete runs.
+//! - [`steps`]: `POST /api/v1/runs/{run_id}/steps`, the ingest path.
+//! - [`series`]: `GET /api/v1/runs/{run_id}/series`.
+//! - [`extract`]: extractors that reject bad input with the API's JSON errors.
+//! - [`auth`]: the ingest token that guards every write.
+
+pub mod auth;
+pub mod extract;
+pub mod health;
+pub mod runs;
+pub mod series;
+pub mod steps;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::{Method, StatusCode, Uri};
+use axum::middleware;
+use axum::routing::{get, post, put};
+use tower_http::trace::TraceLayer;
+
+use crate::error::ApiError;
+use crate::store::Store;
+
+/// What every handler can reach.
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Arc<Store>,
+    pub settings: Arc<ApiSettings>,
+}
+
+/// The request-handling part of the server's configuration.
+#[derive(Debug, Clone)]
+pub struct ApiSettings {
+    /// When set, every write needs `Authorization: Bearer <token>`.
+    pub ingest_token: Option<String>,
+    /// Largest request body, before and after decompression.
+    pub max_body_bytes: usize,
+}
+
+/// The application: every route of the API with its middleware.
+pub fn app(state: AppState) -> Router {
+    let api = Router::new()
+        .route(
+            "/runs/{run_id}",
+            put(runs::register_run)
+                .get(runs::get_run)
+                .delete(runs::delete_run),
+        )
+        .route("/runs", get(runs::list_runs))
+        .route("/runs/{run_id}/steps", post(steps::ingest_steps))
+        .route("/runs/{run_id}/series", get(series::read_series))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_ingest_token,
+        ));
+    Router::new()
+        .route("/healthz", get(health::healthz))
+        .nest("/api/v1", api)
+        .fallback(no_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::not_found("not_found", format!("no route for {method} {}", uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{method} is not allowed on {}", uri.path()),
+    )
+}

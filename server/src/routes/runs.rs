@@ -1,0 +1,115 @@
+//! Runs: `PUT`, `GET` and `DELETE /api/v1/runs/{run_id}`, and `GET /api/v1/runs`.
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use gradflow_protocol::{RunRegistration, Timestamp};
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::extract::RunIdParam;
+use crate::body::{self, BodyFormat};
+use crate::error::ApiError;
+use crate::store::StoredRun;
+
+/// `PUT /api/v1/runs/{run_id}`: `201` the first time, `200` for the same body again,
+/// `409` for a different one.
+#[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
+pub async fn register_run(
+    State(state): State<AppState>,
+    run_id: RunIdParam,
+    headers: HeaderMap,
+    request_body: Body,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let RunIdParam(run_id) = run_id;
+    let format = body::body_format(&headers, false)?;
+    debug_assert_eq!(format, BodyFormat::Json);
+    let encoding = body::body_encoding(&headers)?;
+    let limit = state.settings.max_body_bytes;
+    let received = body::receive(&headers, request_body, limit).await?;
+    let registration = tokio::task::spawn_blocking(move || {
+        let bytes = body::decode(received, encoding, limit)?;
+        RunRegistration::from_json(&bytes).map_err(ApiError::invalid_body)
+    })
+    .await
+    .map_err(|e| crate::store::StoreError::Internal(e.into()))??;
+    let (run, created) = state.store.register_run(&run_id, registration).await?;
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(run_view(&run))))
+}
+
+/// `GET /api/v1/runs/{run_id}`: the registration, plus where the stream stands.
+pub async fn get_run(
+    State(state): State<AppState>,
+    RunIdParam(run_id): RunIdParam,
+) -> Result<Json<Value>, ApiError> {
+    let run = state.store.run(&run_id).await?;
+    Ok(Json(run_view(&run)))
+}
+
+/// `GET /api/v1/runs`: every run, newest first.
+pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let runs = state.store.runs().await?;
+    let runs: Vec<Value> = runs
+        .into_iter()
+        .map(|run| {
+            json!({
+                "run_id": run.run_id,
+                "name": run.name,
+                "created_at": rfc3339(run.created_at),
+                "last_step": run.last_step,
+                "last_seen": run.last_seen.map(rfc3339),
+                "step_count": run.step_count,
+                "open_alerts": no_alerts(),
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "runs": runs })))
+}
+
+/// `DELETE /api/v1/runs/{run_id}`: removes the run and everything of it.
+#[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
+pub async fn delete_run(
+    State(state): State<AppState>,
+    run_id: RunIdParam,
+) -> Result<Json<Value>, ApiError> {
+    let RunIdParam(run_id) = run_id;
+    let steps = state.store.delete_run(&run_id).await?;
+    Ok(Json(
+        json!({"run_id": run_id, "deleted": true, "steps_deleted": steps}),
+    ))
+}
+
+/// The registration's fields with the run's progress beside them.
+fn run_view(run: &StoredRun) -> Value {
+    let mut view = serde_json::to_value(&run.registration).unwrap_or_else(|_| json!({}));
+    let progress = json!({
+        "run_id": run.run_id,
+        "created_at": rfc3339(run.created_at),
+        "first_step": run.first_step,
+        "last_step": run.last_step,
+        "last_seen": run.last_seen.map(rfc3339),
+        "step_count": run.step_count,
+        "open_alerts": no_alerts(),
+    });
+    if let (Some(view), Value::Object(progress)) = (view.as_object_mut(), progress) {
+        view.extend(progress);
+    }
+    view
+}
+
+/// Open alerts by severity; the detectors fill these in.
+fn no_alerts() -> Value {
+    json!({"critical": 0, "warning": 0, "info": 0})
+}
+
+fn rfc3339(unix_seconds: f64) -> String {
+    Timestamp::from_unix_seconds(unix_seconds)
+        .map(Timestamp::to_rfc3339)
+        .unwrap_or_default()
+}

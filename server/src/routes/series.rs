@@ -1,0 +1,182 @@
+//! `GET /api/v1/runs/{run_id}/series?metric=&subject=&from_step=&to_step=&max_points=`.
+
+use axum::Json;
+use axum::extract::State;
+use gradflow_protocol::limits::MAX_STEP;
+use gradflow_protocol::non_finite_spelling;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::extract::{ApiQuery, RunIdParam};
+use crate::error::ApiError;
+use crate::store::SeriesRequest;
+use crate::store::codec::{Cell, widen_for_display};
+use crate::store::columns::SeriesKind;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SeriesParams {
+    metric: String,
+    subject: Option<String>,
+    from_step: Option<u64>,
+    to_step: Option<u64>,
+    max_points: Option<usize>,
+}
+
+/// What a metric name of the API reads, and whether it needs a subject.
+enum Subject {
+    /// Run-wide: no subject.
+    None,
+    /// A subject is required (a module, group, parameter or metric name).
+    Required(&'static str),
+    /// A device index, `0` when not given.
+    Device,
+}
+
+fn metric_kinds(metric: &str) -> Option<(Vec<SeriesKind>, Subject)> {
+    use SeriesKind::*;
+    let (kinds, subject) = match metric {
+        "loss" => (vec![Loss], Subject::None),
+        "lr" => (vec![Lr], Subject::None),
+        "scaler_scale" => (vec![ScalerScale], Subject::None),
+        "scaler_growth_tracker" => (vec![ScalerGrowthTracker], Subject::None),
+        "found_inf" => (vec![FoundInf], Subject::None),
+        "step_skipped" => (vec![StepSkipped], Subject::None),
+        // A group's norm is derived; a name that is both a group and a module (a
+        // one-module group) gives the same value either way.
+        "grad_norm" => (
+            vec![GroupGradNorm, ModuleGradNorm],
+            Subject::Required("a group or module"),
+        ),
+        "hook_hits" => (vec![HookHits], Subject::Required("a module")),
+        "param_grad_norm" => (vec![ParamGradNorm], Subject::Required("a parameter")),
+        "update_norm" => (vec![UpdateNorm], Subject::Required("a parameter")),
+        "drift" => (vec![Drift], Subject::Required("a parameter")),
+        "param_mean" => (vec![ParamMean], Subject::Required("a parameter")),
+        "metric" => (vec![Metric], Subject::Required("a metrics name")),
+        "gpu_memory_used_bytes" => (vec![GpuMemoryUsedBytes], Subject::Device),
+        "gpu_memory_total_bytes" => (vec![GpuMemoryTotalBytes], Subject::Device),
+        "gpu_utilization_pct" => (vec![GpuUtilizationPct], Subject::Device),
+        "gpu_temperature_c" => (vec![GpuTemperatureC], Subject::Device),
+        "gpu_power_w" => (vec![GpuPowerW], Subject::Device),
+        _ => return None,
+    };
+    Some((kinds, subject))
+}
+
+const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, \
+    param_mean, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, \
+    gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, \
+    gpu_power_w";
+
+/// Reads one series; with `max_points`, a longer range is reduced to at most that
+/// many points by min/max per bucket, which keeps spikes and non-finite values.
+pub async fn read_series(
+    State(state): State<AppState>,
+    RunIdParam(run_id): RunIdParam,
+    ApiQuery(params): ApiQuery<SeriesParams>,
+) -> Result<Json<Value>, ApiError> {
+    let Some((kinds, subject_rule)) = metric_kinds(&params.metric) else {
+        return Err(ApiError::invalid_query(format!(
+            "unknown metric {:?}: one of {METRICS}",
+            params.metric
+        ))
+        .with_path("metric"));
+    };
+    let subject = match (&subject_rule, params.subject.as_deref()) {
+        (Subject::None, None) => None,
+        (Subject::None, Some(_)) => {
+            return Err(ApiError::invalid_query(format!(
+                "metric {:?} is run-wide and takes no subject",
+                params.metric
+            ))
+            .with_path("subject"));
+        }
+        (Subject::Required(what), None | Some("")) => {
+            return Err(ApiError::invalid_query(format!(
+                "metric {:?} needs a subject: {what}",
+                params.metric
+            ))
+            .with_path("subject"));
+        }
+        (Subject::Required(_), Some(s)) => Some(s.to_owned()),
+        (Subject::Device, None) => Some("0".to_owned()),
+        (Subject::Device, Some(s)) => match s.parse::<u32>() {
+            Ok(index) => Some(index.to_string()),
+            Err(_) => {
+                return Err(ApiError::invalid_query(format!(
+                    "subject {s:?} is not a device index"
+                ))
+                .with_path("subject"));
+            }
+        },
+    };
+    let from = params.from_step.unwrap_or(0);
+    let to = params.to_step.unwrap_or(MAX_STEP);
+    if from > to {
+        return Err(
+            ApiError::invalid_query(format!("from_step {from} is after to_step {to}"))
+                .with_path("from_step"),
+        );
+    }
+    if let Some(max_points) = params.max_points
+        && max_points < 2
+    {
+        return Err(ApiError::invalid_query(format!(
+            "max_points must be at least 2 (a minimum and a maximum), got {max_points}"
+        ))
+        .with_path("max_points"));
+    }
+    let request = SeriesRequest {
+        candidates: kinds
+            .iter()
+            .map(|k| (*k, subject.clone().unwrap_or_default()))
+            .collect(),
+        from,
+        to,
+        max_points: params.max_points,
+    };
+    let data = state.store.series(&run_id, &request).await?;
+    if data.kind.is_none()
+        && let (Subject::Required(what), Some(subject)) = (&subject_rule, &subject)
+    {
+        return Err(ApiError::not_found(
+            "unknown_subject",
+            format!(
+                "run {run_id} has reported no {} named {subject:?}",
+                what.trim_start_matches("a ")
+            ),
+        )
+        .with_path("subject"));
+    }
+    let points: Vec<Value> = data
+        .points
+        .iter()
+        .map(|(step, cell)| json!([step, cell_json(*cell)]))
+        .collect();
+    Ok(Json(json!({
+        "metric": params.metric,
+        "subject": subject,
+        "downsampled": data.downsampled,
+        "points": points,
+    })))
+}
+
+/// A stored cell as the protocol spells it: numbers (integers without a fraction),
+/// non-finite values as their strings, null as null.
+fn cell_json(cell: Cell) -> Value {
+    match cell {
+        Cell::Absent | Cell::Null => Value::Null,
+        Cell::Value(v) => {
+            let wide = widen_for_display(v);
+            if let Some(spelling) = non_finite_spelling(wide) {
+                Value::from(spelling)
+            } else if wide.fract() == 0.0 && wide.abs() < 9.0e15 {
+                Value::from(wide as i64)
+            } else {
+                Value::from(wide)
+            }
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! `POST /api/v1/runs/{run_id}/steps`: the ingest path.
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use gradflow_protocol::{parse_steps_json, parse_steps_ndjson};
+
+use super::AppState;
+use super::extract::RunIdParam;
+use crate::body::{self, BodyFormat};
+use crate::error::ApiError;
+use crate::store::{IngestOutcome, StoreError};
+
+/// Stores a batch of step records (a JSON array, or NDJSON), all or nothing.
+#[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
+pub async fn ingest_steps(
+    State(state): State<AppState>,
+    run_id: RunIdParam,
+    headers: HeaderMap,
+    request_body: Body,
+) -> Result<Json<IngestOutcome>, ApiError> {
+    let RunIdParam(run_id) = run_id;
+    let format = body::body_format(&headers, true)?;
+    let encoding = body::body_encoding(&headers)?;
+    let limit = state.settings.max_body_bytes;
+    let received = body::receive(&headers, request_body, limit).await?;
+    // Decompressing and parsing a batch is CPU work of milliseconds: keep it off the
+    // async executor.
+    let records = tokio::task::spawn_blocking(move || {
+        let bytes = body::decode(received, encoding, limit)?;
+        match format {
+            BodyFormat::Json => parse_steps_json(&bytes),
+            BodyFormat::Ndjson => parse_steps_ndjson(&bytes),
+        }
+        .map_err(ApiError::invalid_body)
+    })
+    .await
+    .map_err(|e| StoreError::Internal(e.into()))??;
+    let outcome = state.store.ingest(&run_id, &records).await?;
+    if outcome.duplicates > 0 {
+        tracing::info!(
+            duplicates = outcome.duplicates,
+            accepted = outcome.accepted,
+            "duplicate steps ignored"
+        );
+    }
+    Ok(Json(outcome))
+}

@@ -1,0 +1,91 @@
+//! Wiring: opens the store, binds the listener, serves until told to stop.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+
+use crate::config::ServerConfig;
+use crate::routes::{self, ApiSettings, AppState};
+use crate::store::Store;
+
+/// A bound, ready server. Tests build one on `127.0.0.1:0` and read [`Application::address`].
+pub struct Application {
+    listener: TcpListener,
+    state: AppState,
+}
+
+impl Application {
+    pub async fn build(config: &ServerConfig) -> anyhow::Result<Application> {
+        let store = Store::open(&config.db, config.sync).await?;
+        let listener = TcpListener::bind(&config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
+        let state = AppState {
+            store: Arc::new(store),
+            settings: Arc::new(ApiSettings {
+                ingest_token: config.ingest_token.clone(),
+                max_body_bytes: config.max_body_bytes,
+            }),
+        };
+        Ok(Application { listener, state })
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    /// Serves until `shutdown` resolves, lets requests in flight finish (so a batch
+    /// being written is committed and answered), then closes the database.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let Application { listener, state } = self;
+        let store = state.store.clone();
+        axum::serve(listener, routes::app(state))
+            .with_graceful_shutdown(shutdown)
+            .await
+            .context("serving HTTP")?;
+        match Arc::try_unwrap(store) {
+            Ok(store) => store.close().await?,
+            Err(_) => {
+                tracing::warn!("requests still hold the store; skipping the final checkpoint")
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::error!(%error, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutting down: finishing requests in flight");
+}

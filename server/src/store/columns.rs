@@ -1,0 +1,218 @@
+//! The column dictionary: which position in a run's packed step values holds which
+//! series (a kind of value and its subject: `module_grad_norm` of
+//! `qwen.layers.0.mlp`, `loss` of nothing).
+//!
+//! Positions are handed out in order of first appearance and never change, so a row
+//! written early is simply shorter than one written later (its missing tail reads as
+//! absent). The dictionary of each run is persisted in the `columns` table, in the
+//! same transaction as the first row that uses a new column.
+
+use std::collections::HashMap;
+
+/// What a column holds. The string form is stored in the `columns` table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SeriesKind {
+    Loss,
+    Lr,
+    ScalerScale,
+    ScalerGrowthTracker,
+    FoundInf,
+    StepSkipped,
+    ModuleGradNorm,
+    HookHits,
+    GroupGradNorm,
+    ParamGradNorm,
+    UpdateNorm,
+    Drift,
+    ParamMean,
+    Metric,
+    GpuMemoryUsedBytes,
+    GpuMemoryTotalBytes,
+    GpuUtilizationPct,
+    GpuTemperatureC,
+    GpuPowerW,
+}
+
+impl SeriesKind {
+    pub const ALL: [SeriesKind; 19] = [
+        SeriesKind::Loss,
+        SeriesKind::Lr,
+        SeriesKind::ScalerScale,
+        SeriesKind::ScalerGrowthTracker,
+        SeriesKind::FoundInf,
+        SeriesKind::StepSkipped,
+        SeriesKind::ModuleGradNorm,
+        SeriesKind::HookHits,
+        SeriesKind::GroupGradNorm,
+        SeriesKind::ParamGradNorm,
+        SeriesKind::UpdateNorm,
+        SeriesKind::Drift,
+        SeriesKind::ParamMean,
+        SeriesKind::Metric,
+        SeriesKind::GpuMemoryUsedBytes,
+        SeriesKind::GpuMemoryTotalBytes,
+        SeriesKind::GpuUtilizationPct,
+        SeriesKind::GpuTemperatureC,
+        SeriesKind::GpuPowerW,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SeriesKind::Loss => "loss",
+            SeriesKind::Lr => "lr",
+            SeriesKind::ScalerScale => "scaler_scale",
+            SeriesKind::ScalerGrowthTracker => "scaler_growth_tracker",
+            SeriesKind::FoundInf => "found_inf",
+            SeriesKind::StepSkipped => "step_skipped",
+            SeriesKind::ModuleGradNorm => "module_grad_norm",
+            SeriesKind::HookHits => "hook_hits",
+            SeriesKind::GroupGradNorm => "group_grad_norm",
+            SeriesKind::ParamGradNorm => "param_grad_norm",
+            SeriesKind::UpdateNorm => "update_norm",
+            SeriesKind::Drift => "drift",
+            SeriesKind::ParamMean => "param_mean",
+            SeriesKind::Metric => "metric",
+            SeriesKind::GpuMemoryUsedBytes => "gpu_memory_used_bytes",
+            SeriesKind::GpuMemoryTotalBytes => "gpu_memory_total_bytes",
+            SeriesKind::GpuUtilizationPct => "gpu_utilization_pct",
+            SeriesKind::GpuTemperatureC => "gpu_temperature_c",
+            SeriesKind::GpuPowerW => "gpu_power_w",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<SeriesKind> {
+        SeriesKind::ALL.into_iter().find(|k| k.as_str() == text)
+    }
+}
+
+/// A run's columns: (kind, subject) → position.
+#[derive(Debug, Clone, Default)]
+pub struct ColumnDictionary {
+    by_kind: HashMap<SeriesKind, HashMap<Box<str>, u32>>,
+    len: u32,
+}
+
+impl ColumnDictionary {
+    pub fn column_count(&self) -> u32 {
+        self.len
+    }
+
+    pub fn get(&self, kind: SeriesKind, subject: &str) -> Option<u32> {
+        self.by_kind.get(&kind)?.get(subject).copied()
+    }
+
+    /// Adds a column at the next position; the caller guarantees it is new.
+    pub fn push(&mut self, kind: SeriesKind, subject: &str) -> u32 {
+        let position = self.len;
+        let previous = self
+            .by_kind
+            .entry(kind)
+            .or_default()
+            .insert(subject.into(), position);
+        debug_assert!(
+            previous.is_none(),
+            "column {kind:?} {subject:?} added twice"
+        );
+        self.len += 1;
+        position
+    }
+
+    /// Restores a column read back from the store at its recorded position.
+    pub fn restore(&mut self, kind: SeriesKind, subject: &str, position: u32) {
+        self.by_kind
+            .entry(kind)
+            .or_default()
+            .insert(subject.into(), position);
+        self.len = self.len.max(position + 1);
+    }
+
+    /// The subjects of a kind, in no particular order.
+    pub fn subjects(&self, kind: SeriesKind) -> impl Iterator<Item = (&str, u32)> {
+        self.by_kind
+            .get(&kind)
+            .into_iter()
+            .flat_map(|m| m.iter().map(|(s, p)| (&**s, *p)))
+    }
+}
+
+/// Hands out positions for one batch without touching the run's dictionary, so a
+/// batch that fails to commit leaves no trace. [`ColumnAssigner::added`] lists what
+/// to persist and then merge.
+pub struct ColumnAssigner<'a> {
+    base: &'a ColumnDictionary,
+    added: ColumnDictionary,
+    order: Vec<(SeriesKind, String)>,
+}
+
+impl<'a> ColumnAssigner<'a> {
+    pub fn new(base: &'a ColumnDictionary) -> Self {
+        let added = ColumnDictionary {
+            by_kind: HashMap::new(),
+            len: base.column_count(),
+        };
+        ColumnAssigner {
+            base,
+            added,
+            order: Vec::new(),
+        }
+    }
+
+    pub fn position(&mut self, kind: SeriesKind, subject: &str) -> u32 {
+        if let Some(position) = self.base.get(kind, subject) {
+            return position;
+        }
+        if let Some(position) = self.added.get(kind, subject) {
+            return position;
+        }
+        self.order.push((kind, subject.to_owned()));
+        self.added.push(kind, subject)
+    }
+
+    pub fn column_count(&self) -> u32 {
+        self.added.column_count()
+    }
+
+    /// The columns this batch added, with their positions, in order.
+    pub fn added(self) -> Vec<(SeriesKind, String, u32)> {
+        let first = self.base.column_count();
+        self.order
+            .into_iter()
+            .enumerate()
+            .map(|(i, (kind, subject))| (kind, subject, first + i as u32))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_round_trip_through_their_names() {
+        for kind in SeriesKind::ALL {
+            assert_eq!(SeriesKind::parse(kind.as_str()), Some(kind));
+        }
+        assert_eq!(SeriesKind::parse("nope"), None);
+    }
+
+    #[test]
+    fn an_assigner_extends_without_touching_the_base() {
+        let mut base = ColumnDictionary::default();
+        base.push(SeriesKind::Loss, "");
+        let mut assigner = ColumnAssigner::new(&base);
+        assert_eq!(assigner.position(SeriesKind::Loss, ""), 0);
+        assert_eq!(assigner.position(SeriesKind::ModuleGradNorm, "a"), 1);
+        assert_eq!(assigner.position(SeriesKind::HookHits, "a"), 2);
+        assert_eq!(assigner.position(SeriesKind::ModuleGradNorm, "a"), 1);
+        assert_eq!(assigner.column_count(), 3);
+        let added = assigner.added();
+        assert_eq!(base.column_count(), 1);
+        assert_eq!(
+            added,
+            vec![
+                (SeriesKind::ModuleGradNorm, "a".to_owned(), 1),
+                (SeriesKind::HookHits, "a".to_owned(), 2)
+            ]
+        );
+    }
+}

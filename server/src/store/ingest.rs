@@ -1,0 +1,204 @@
+//! The batch transaction: a batch is stored whole or not at all.
+//!
+//! Everything a batch changes — new columns, step rows, rollup buckets, the run's
+//! progress — is written in one SQLite transaction, so a failure anywhere leaves the
+//! database as it was, and a commit (with `synchronous=FULL`, an fsync of the WAL)
+//! makes the batch durable before the client hears `200`. The in-memory run state is
+//! updated only after the commit succeeds.
+
+use anyhow::Context;
+use gradflow_protocol::{InvalidBody, RunId, StepRecord};
+use serde::Serialize;
+use sqlx::{Connection, SqliteConnection};
+
+use super::codec;
+use super::columns::ColumnAssigner;
+use super::flatten::flatten;
+use super::rollup::{BucketSummary, ROLLUP_WIDTHS};
+use super::{RunState, Store, StoreError, StoreResult, Writer, now_seconds};
+
+/// The answer to a batch, as PROTOCOL.md words it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct IngestOutcome {
+    /// Records stored by this request.
+    pub accepted: usize,
+    /// Records whose step was not after the run's last stored step: ignored.
+    pub duplicates: usize,
+    /// The run's last stored step after this request.
+    pub last_step: Option<u64>,
+}
+
+/// A flattened record, ready to write.
+struct NewRow {
+    step: u64,
+    time: Option<f64>,
+    cells: Vec<u32>,
+    blob: Vec<u8>,
+}
+
+impl Store {
+    /// Stores a validated batch (steps strictly increasing) for `run_id`.
+    pub async fn ingest(
+        &self,
+        run_id: &RunId,
+        records: &[StepRecord],
+    ) -> StoreResult<IngestOutcome> {
+        let mut guard = self.writer.lock().await;
+        guard.run_state(run_id.as_str()).await?;
+        let Writer {
+            conn,
+            runs,
+            compressor,
+        } = &mut *guard;
+        let state = runs.get_mut(run_id.as_str()).expect("loaded above");
+        check_params_are_registered(state, records)?;
+
+        // Steps strictly increase within a batch, so the duplicates are a prefix.
+        let first_new = records
+            .iter()
+            .position(|r| state.last_step.is_none_or(|last| r.step > last))
+            .unwrap_or(records.len());
+        let (duplicates, new) = records.split_at(first_new);
+        if new.is_empty() {
+            return Ok(IngestOutcome {
+                accepted: 0,
+                duplicates: duplicates.len(),
+                last_step: state.last_step,
+            });
+        }
+
+        let mut assigner = ColumnAssigner::new(&state.columns);
+        let mut rows = Vec::with_capacity(new.len());
+        for record in new {
+            let cells = flatten(record, &state.module_groups, &mut assigner);
+            let blob = codec::encode(&cells, compressor)?;
+            rows.push(NewRow {
+                step: record.step,
+                time: record.time.map(|t| t.unix_seconds()),
+                cells,
+                blob,
+            });
+        }
+        let added = assigner.added();
+
+        let mut tx = conn.begin().await?;
+        for (kind, subject, position) in &added {
+            sqlx::query("INSERT INTO columns (run, col, kind, subject) VALUES (?, ?, ?, ?)")
+                .bind(state.key)
+                .bind(*position as i64)
+                .bind(kind.as_str())
+                .bind(subject)
+                .execute(&mut *tx)
+                .await?;
+        }
+        for row in &rows {
+            sqlx::query("INSERT INTO steps (run, step, time, vals) VALUES (?, ?, ?, ?)")
+                .bind(state.key)
+                .bind(row.step as i64)
+                .bind(row.time)
+                .bind(&row.blob)
+                .execute(&mut *tx)
+                .await?;
+        }
+        for width in ROLLUP_WIDTHS {
+            update_rollups(&mut tx, state, width, &rows, compressor).await?;
+        }
+        let last = rows.last().expect("at least one new row").step;
+        sqlx::query(
+            "UPDATE runs SET first_step = COALESCE(first_step, ?), last_step = ?, \
+             last_seen = ?, step_count = step_count + ? WHERE id = ?",
+        )
+        .bind(rows[0].step as i64)
+        .bind(last as i64)
+        .bind(now_seconds())
+        .bind(rows.len() as i64)
+        .bind(state.key)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+
+        for (kind, subject, position) in added {
+            state.columns.restore(kind, &subject, position);
+        }
+        state.last_step = Some(last);
+        Ok(IngestOutcome {
+            accepted: rows.len(),
+            duplicates: duplicates.len(),
+            last_step: Some(last),
+        })
+    }
+}
+
+/// PROTOCOL.md: `params[]` of a step are parameters of the registration.
+fn check_params_are_registered(state: &RunState, records: &[StepRecord]) -> StoreResult<()> {
+    for (i, record) in records.iter().enumerate() {
+        for (j, param) in record.params.iter().enumerate() {
+            if !state.params.contains(&param.name) {
+                return Err(StoreError::Invalid(InvalidBody::new(
+                    format!("steps[{i}].params[{j}].name"),
+                    format!(
+                        "parameter {:?} is not in the run's registration: register every \
+                         parameter the model has in PUT /api/v1/runs/{{run_id}}",
+                        param.name
+                    ),
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Folds the new rows into the rollup buckets of one level.
+async fn update_rollups(
+    conn: &mut SqliteConnection,
+    state: &RunState,
+    width: u64,
+    rows: &[NewRow],
+    compressor: &mut zstd::bulk::Compressor<'static>,
+) -> StoreResult<()> {
+    // Only the bucket holding the run's previous last step can already exist: steps
+    // only grow.
+    let open_bucket = state.last_step.map(|s| s / width);
+    for group in rows.chunk_by(|a, b| a.step / width == b.step / width) {
+        let bucket = group[0].step / width;
+        let mut summary = BucketSummary::default();
+        if open_bucket == Some(bucket) {
+            let chunks = (state.columns.column_count() as usize).div_ceil(super::rollup::CHUNK_COLUMNS);
+            for chunk in 0..chunks {
+                let stored: Option<Vec<u8>> = sqlx::query_scalar(
+                    "SELECT summary FROM rollups WHERE run = ? AND width = ? AND chunk = ? \
+                     AND bucket = ?",
+                )
+                .bind(state.key)
+                .bind(width as i64)
+                .bind(chunk as i64)
+                .bind(bucket as i64)
+                .fetch_optional(&mut *conn)
+                .await?;
+                if let Some(blob) = stored {
+                    summary.restore_chunk(chunk, &blob).with_context(|| {
+                        format!("reading rollup bucket {bucket} of width {width}")
+                    })?;
+                }
+            }
+        }
+        for row in group {
+            summary.add_row((row.step - bucket * width) as u16, &row.cells);
+        }
+        for chunk in 0..summary.chunk_count() {
+            let blob = summary.encode_chunk(chunk, compressor)?;
+            sqlx::query(
+                "INSERT INTO rollups (run, width, chunk, bucket, summary) VALUES (?, ?, ?, ?, ?) \
+                 ON CONFLICT (run, width, chunk, bucket) DO UPDATE SET summary = excluded.summary",
+            )
+            .bind(state.key)
+            .bind(width as i64)
+            .bind(chunk as i64)
+            .bind(bucket as i64)
+            .bind(blob)
+            .execute(&mut *conn)
+            .await?;
+        }
+    }
+    Ok(())
+}

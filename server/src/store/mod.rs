@@ -1,0 +1,224 @@
+//! All SQL lives here. The store owns the SQLite file: one writer connection behind
+//! an async mutex (SQLite allows one writer at a time anyway, and serialising batches
+//! here makes duplicate detection and column assignment race-free), and a pool of
+//! readers that WAL mode lets run beside it.
+//!
+//! # Layout
+//!
+//! - [`codec`]: a step's values packed into one compressed blob.
+//! - [`columns`]: the per-run column dictionary (which blob position holds what).
+//! - [`flatten`]: a step record → a row of cells, deriving group norms.
+//! - [`rollup`]: per-bucket extremes that keep long-range reads fast.
+//! - `runs`: registration, listing, reading and deleting runs.
+//! - `ingest`: the all-or-nothing batch transaction.
+//! - `read`: series reads over raw rows and rollups.
+
+pub mod codec;
+pub mod columns;
+pub mod flatten;
+mod ingest;
+mod read;
+pub mod rollup;
+mod runs;
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::Context;
+use gradflow_protocol::{InvalidBody, RunRegistration};
+use sqlx::sqlite::{
+    SqliteAutoVacuum, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
+};
+use sqlx::{Connection, SqliteConnection};
+use tokio::sync::Mutex;
+
+pub use ingest::IngestOutcome;
+pub use read::{SeriesData, SeriesRequest};
+pub use runs::{RunSummary, StoredRun};
+
+use columns::{ColumnDictionary, SeriesKind};
+
+/// When a commit reaches the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncMode {
+    /// fsync the WAL on every commit: an acknowledged batch survives a power cut.
+    Full,
+    /// fsync only at checkpoints: an acknowledged batch survives a killed server but
+    /// not a power cut.
+    Normal,
+}
+
+/// What a store operation can fail with, each mapped to one HTTP answer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("run {0:?} is not registered")]
+    RunNotFound(String),
+    #[error(transparent)]
+    Invalid(InvalidBody),
+    #[error("{message}")]
+    Conflict { path: String, message: String },
+    /// The database cannot take writes right now (disk full, locked, read-only):
+    /// the request may be retried.
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+    #[error(transparent)]
+    Internal(#[from] anyhow::Error),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        // SQLite's primary result codes for conditions that pass: BUSY, LOCKED,
+        // READONLY, IOERR, FULL, CANTOPEN.
+        const TRANSIENT: [i64; 6] = [5, 6, 8, 10, 13, 14];
+        let code = error
+            .as_database_error()
+            .and_then(|e| e.code())
+            .and_then(|c| c.parse::<i64>().ok());
+        match code {
+            Some(code) if TRANSIENT.contains(&(code & 0xff)) => {
+                StoreError::Unavailable(error.to_string())
+            }
+            _ => StoreError::Internal(anyhow::Error::new(error)),
+        }
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// The SQLite-backed store.
+pub struct Store {
+    read: SqlitePool,
+    writer: Mutex<Writer>,
+}
+
+/// Everything only the writer touches.
+struct Writer {
+    conn: SqliteConnection,
+    /// Per-run state needed to ingest, loaded on first use and kept in step with
+    /// what is committed (updated only after a commit succeeds).
+    runs: HashMap<String, RunState>,
+    compressor: zstd::bulk::Compressor<'static>,
+}
+
+/// What ingesting into a run needs to know without a query.
+#[derive(Debug, Clone)]
+struct RunState {
+    key: i64,
+    last_step: Option<u64>,
+    columns: ColumnDictionary,
+    /// Parameter names of the registration: a step may only report these.
+    params: HashSet<String>,
+    /// Module → group, from the registration's parameters.
+    module_groups: HashMap<String, String>,
+}
+
+impl RunState {
+    fn new(key: i64, registration: &RunRegistration) -> RunState {
+        RunState {
+            key,
+            last_step: None,
+            columns: ColumnDictionary::default(),
+            params: registration.params.iter().map(|p| p.name.clone()).collect(),
+            module_groups: registration
+                .params
+                .iter()
+                .map(|p| (p.module_name().to_owned(), p.group_name().to_owned()))
+                .collect(),
+        }
+    }
+}
+
+impl Store {
+    /// Opens (creating if missing) the database at `path` and applies the migrations.
+    pub async fn open(path: &Path, sync: SyncMode) -> anyhow::Result<Store> {
+        let url = format!("sqlite://{}", path.display());
+        let options = SqliteConnectOptions::from_str(&url)
+            .with_context(|| format!("parsing database path {}", path.display()))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(match sync {
+                SyncMode::Full => SqliteSynchronous::Full,
+                SyncMode::Normal => SqliteSynchronous::Normal,
+            })
+            // Takes effect only when the file is created; retention frees pages with
+            // incremental vacuum instead of rewriting the whole file.
+            .auto_vacuum(SqliteAutoVacuum::Incremental)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(5))
+            .pragma("cache_size", "-65536"); // 64 MiB per connection
+        let mut conn = SqliteConnection::connect_with(&options)
+            .await
+            .with_context(|| format!("opening database {}", path.display()))?;
+        sqlx::migrate!("../migrations")
+            .run(&mut conn)
+            .await
+            .with_context(|| format!("applying migrations to {}", path.display()))?;
+        let read = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .with_context(|| format!("opening read connections to {}", path.display()))?;
+        Ok(Store {
+            read,
+            writer: Mutex::new(Writer {
+                conn,
+                runs: HashMap::new(),
+                compressor: codec::compressor()?,
+            }),
+        })
+    }
+
+    /// Waits for the batch in flight, then closes every connection (checkpointing
+    /// the WAL into the main file).
+    pub async fn close(self) -> anyhow::Result<()> {
+        self.read.close().await;
+        let writer = self.writer.into_inner();
+        writer.conn.close().await.context("closing the database")?;
+        Ok(())
+    }
+}
+
+impl Writer {
+    /// The ingest state of `run_id`, loaded from the database on first use.
+    async fn run_state(&mut self, run_id: &str) -> StoreResult<&mut RunState> {
+        if !self.runs.contains_key(run_id) {
+            let state = load_run_state(&mut self.conn, run_id).await?;
+            self.runs.insert(run_id.to_owned(), state);
+        }
+        Ok(self.runs.get_mut(run_id).expect("inserted above"))
+    }
+}
+
+async fn load_run_state(conn: &mut SqliteConnection, run_id: &str) -> StoreResult<RunState> {
+    let row: Option<(i64, String, Option<i64>)> =
+        sqlx::query_as("SELECT id, registration, last_step FROM runs WHERE run_id = ?")
+            .bind(run_id)
+            .fetch_optional(&mut *conn)
+            .await?;
+    let Some((key, registration, last_step)) = row else {
+        return Err(StoreError::RunNotFound(run_id.to_owned()));
+    };
+    let registration: RunRegistration = serde_json::from_str(&registration)
+        .with_context(|| format!("reading the stored registration of run {run_id}"))?;
+    let mut state = RunState::new(key, &registration);
+    state.last_step = last_step.map(|s| s as u64);
+    let columns: Vec<(i64, String, String)> =
+        sqlx::query_as("SELECT col, kind, subject FROM columns WHERE run = ?")
+            .bind(key)
+            .fetch_all(&mut *conn)
+            .await?;
+    for (position, kind, subject) in columns {
+        let kind = SeriesKind::parse(&kind)
+            .with_context(|| format!("unknown column kind {kind:?} in run {run_id}"))?;
+        state.columns.restore(kind, &subject, position as u32);
+    }
+    Ok(state)
+}
+
+/// Seconds since the Unix epoch, as stored in `created_at` and `last_seen`.
+fn now_seconds() -> f64 {
+    gradflow_protocol::Timestamp::now().unix_seconds()
+}

@@ -1,0 +1,186 @@
+//! Series reads. A range holding no more points than asked for is read from the step
+//! rows and returned whole; a longer one is covered by rollup buckets (raw rows only
+//! at its ragged ends) and reduced by the min/max downsampler.
+
+use anyhow::Context;
+use futures_util::TryStreamExt;
+use gradflow_protocol::RunId;
+
+use super::codec::{Cell, Packed};
+use super::columns::SeriesKind;
+use super::rollup::{CHUNK_COLUMNS, ROLLUP_WIDTHS, decode_columns};
+use super::{Store, StoreError, StoreResult};
+use crate::series::{MinMax, Source, plan};
+
+/// What to read: the first of `candidates` (kind, subject) the run has, over
+/// `from..=to`, reduced to at most `max_points` when given.
+#[derive(Debug, Clone)]
+pub struct SeriesRequest {
+    pub candidates: Vec<(SeriesKind, String)>,
+    pub from: u64,
+    pub to: u64,
+    pub max_points: Option<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeriesData {
+    /// The candidate that was found, or `None` when the run has no such column yet.
+    pub kind: Option<SeriesKind>,
+    pub points: Vec<(u64, Cell)>,
+    pub downsampled: bool,
+}
+
+impl Store {
+    pub async fn series(&self, run_id: &RunId, request: &SeriesRequest) -> StoreResult<SeriesData> {
+        let run: Option<(i64, Option<i64>, Option<i64>)> =
+            sqlx::query_as("SELECT id, first_step, last_step FROM runs WHERE run_id = ?")
+                .bind(run_id.as_str())
+                .fetch_optional(&self.read)
+                .await?;
+        let Some((key, first, last)) = run else {
+            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
+        };
+        let mut found = None;
+        for (kind, subject) in &request.candidates {
+            let column: Option<i64> = sqlx::query_scalar(
+                "SELECT col FROM columns WHERE run = ? AND kind = ? AND subject = ?",
+            )
+            .bind(key)
+            .bind(kind.as_str())
+            .bind(subject)
+            .fetch_optional(&self.read)
+            .await?;
+            if let Some(column) = column {
+                found = Some((*kind, column as usize));
+                break;
+            }
+        }
+        let empty = SeriesData {
+            kind: found.map(|(k, _)| k),
+            points: Vec::new(),
+            downsampled: false,
+        };
+        let (Some((kind, column)), Some(first), Some(last)) = (found, first, last) else {
+            return Ok(empty);
+        };
+        let from = request.from.max(first as u64);
+        let to = request.to.min(last as u64);
+        if from > to {
+            return Ok(empty);
+        }
+        let reduce = match request.max_points {
+            Some(max_points) if to - from + 1 > max_points as u64 => {
+                let rows: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM steps WHERE run = ? AND step BETWEEN ? AND ?",
+                )
+                .bind(key)
+                .bind(from as i64)
+                .bind(to as i64)
+                .fetch_one(&self.read)
+                .await?;
+                (rows as u64 > max_points as u64).then_some(max_points)
+            }
+            _ => None,
+        };
+        let Some(max_points) = reduce else {
+            let mut points = Vec::new();
+            self.read_raw(key, column, from, to, |step, cell| {
+                points.push((step, cell))
+            })
+            .await?;
+            return Ok(SeriesData {
+                kind: Some(kind),
+                points,
+                downsampled: false,
+            });
+        };
+
+        let mut minmax = MinMax::new(from, to, max_points);
+        let widths: Vec<u64> = ROLLUP_WIDTHS
+            .iter()
+            .rev()
+            .copied()
+            .filter(|w| *w <= minmax.bucket_width())
+            .collect();
+        for source in plan(from, to, &widths) {
+            match source {
+                Source::Raw { from, to } => {
+                    self.read_raw(key, column, from, to, |step, cell| minmax.add(step, cell))
+                        .await?;
+                }
+                Source::Rollup { width, first, last } => {
+                    self.read_rollups(key, column, width, first, last, |step, cell| {
+                        minmax.add(step, cell)
+                    })
+                    .await?;
+                }
+            }
+        }
+        Ok(SeriesData {
+            kind: Some(kind),
+            points: minmax.finish(),
+            downsampled: true,
+        })
+    }
+
+    /// Calls `sink` with every present cell of `column` in steps `from..=to`.
+    async fn read_raw(
+        &self,
+        key: i64,
+        column: usize,
+        from: u64,
+        to: u64,
+        mut sink: impl FnMut(u64, Cell),
+    ) -> StoreResult<()> {
+        let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+            "SELECT step, vals FROM steps WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step",
+        )
+        .bind(key)
+        .bind(from as i64)
+        .bind(to as i64)
+        .fetch(&self.read);
+        while let Some((step, blob)) = rows.try_next().await? {
+            let packed = Packed::decode(&blob)
+                .with_context(|| format!("decoding the values of step {step}"))?;
+            let cell = packed.cell(column);
+            if cell != Cell::Absent {
+                sink(step as u64, cell);
+            }
+        }
+        Ok(())
+    }
+
+    /// Calls `sink` with the points summarising `column` in buckets `first..=last`.
+    async fn read_rollups(
+        &self,
+        key: i64,
+        column: usize,
+        width: u64,
+        first: u64,
+        last: u64,
+        mut sink: impl FnMut(u64, Cell),
+    ) -> StoreResult<()> {
+        let chunk = column / CHUNK_COLUMNS;
+        let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+            "SELECT bucket, summary FROM rollups WHERE run = ? AND width = ? AND chunk = ? \
+             AND bucket BETWEEN ? AND ? ORDER BY bucket",
+        )
+        .bind(key)
+        .bind(width as i64)
+        .bind(chunk as i64)
+        .bind(first as i64)
+        .bind(last as i64)
+        .fetch(&self.read);
+        while let Some((bucket, blob)) = rows.try_next().await? {
+            let columns = decode_columns(&blob)
+                .with_context(|| format!("decoding rollup bucket {bucket} of width {width}"))?;
+            if let Some(summary) = columns.get(column % CHUNK_COLUMNS) {
+                let start = bucket as u64 * width;
+                for (offset, cell) in summary.points() {
+                    sink(start + offset as u64, cell);
+                }
+            }
+        }
+        Ok(())
+    }
+}

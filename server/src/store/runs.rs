@@ -1,0 +1,244 @@
+//! Registering, listing, reading and deleting runs.
+
+use anyhow::Context;
+use gradflow_protocol::{RunId, RunRegistration};
+use serde_json::Value;
+use sqlx::Connection;
+
+use super::{RunState, Store, StoreError, StoreResult, now_seconds};
+
+/// A run as stored: its registration (with the protocol's defaults written out) and
+/// where its stream stands.
+#[derive(Debug, Clone)]
+pub struct StoredRun {
+    pub run_id: String,
+    pub registration: RunRegistration,
+    pub created_at: f64,
+    pub first_step: Option<u64>,
+    pub last_step: Option<u64>,
+    pub last_seen: Option<f64>,
+    pub step_count: u64,
+}
+
+/// A line of the runs list.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct RunSummary {
+    pub run_id: String,
+    pub name: Option<String>,
+    pub created_at: f64,
+    pub last_step: Option<i64>,
+    pub last_seen: Option<f64>,
+    pub step_count: i64,
+}
+
+type RunRow = (
+    String,
+    String,
+    f64,
+    Option<i64>,
+    Option<i64>,
+    Option<f64>,
+    i64,
+);
+
+const SELECT_RUN: &str = "SELECT run_id, registration, created_at, first_step, last_step, \
+                          last_seen, step_count FROM runs WHERE run_id = ?";
+
+impl Store {
+    /// Registers `run_id`. Idempotent: the same registration again returns the stored
+    /// run and `false`; a different one for an existing run is a conflict that names
+    /// the first field that differs.
+    pub async fn register_run(
+        &self,
+        run_id: &RunId,
+        registration: RunRegistration,
+    ) -> StoreResult<(StoredRun, bool)> {
+        let registration = registration.normalized();
+        let canonical =
+            serde_json::to_string(&registration).context("serializing a registration")?;
+        let mut writer = self.writer.lock().await;
+        let existing: Option<RunRow> = sqlx::query_as(SELECT_RUN)
+            .bind(run_id.as_str())
+            .fetch_optional(&mut writer.conn)
+            .await?;
+        if let Some(row) = existing {
+            let stored = stored_run(row)?;
+            if stored_canonical(&stored)? == canonical {
+                return Ok((stored, false));
+            }
+            let old = serde_json::to_value(&stored.registration).context("re-encoding")?;
+            let new = serde_json::to_value(&registration).context("re-encoding")?;
+            let path = first_difference(&old, &new, String::new()).unwrap_or_default();
+            return Err(StoreError::Conflict {
+                message: format!(
+                    "run {run_id} is already registered with a different body{}; \
+                     register under a new run id, or DELETE the run first",
+                    if path.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (first difference at {path})")
+                    }
+                ),
+                path,
+            });
+        }
+        let created_at = now_seconds();
+        let mut tx = writer.conn.begin().await?;
+        let key: i64 = sqlx::query_scalar(
+            "INSERT INTO runs (run_id, name, registration, created_at) VALUES (?, ?, ?, ?) \
+             RETURNING id",
+        )
+        .bind(run_id.as_str())
+        .bind(registration.name.as_deref())
+        .bind(&canonical)
+        .bind(created_at)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let state = RunState::new(key, &registration);
+        writer.runs.insert(run_id.as_str().to_owned(), state);
+        tracing::info!(run_id = %run_id, params = registration.params.len(), "run registered");
+        Ok((
+            StoredRun {
+                run_id: run_id.as_str().to_owned(),
+                registration,
+                created_at,
+                first_step: None,
+                last_step: None,
+                last_seen: None,
+                step_count: 0,
+            },
+            true,
+        ))
+    }
+
+    pub async fn run(&self, run_id: &RunId) -> StoreResult<StoredRun> {
+        let row: Option<RunRow> = sqlx::query_as(SELECT_RUN)
+            .bind(run_id.as_str())
+            .fetch_optional(&self.read)
+            .await?;
+        match row {
+            Some(row) => stored_run(row),
+            None => Err(StoreError::RunNotFound(run_id.as_str().to_owned())),
+        }
+    }
+
+    /// Every run, newest first.
+    pub async fn runs(&self) -> StoreResult<Vec<RunSummary>> {
+        Ok(sqlx::query_as(
+            "SELECT run_id, name, created_at, last_step, last_seen, step_count FROM runs \
+             ORDER BY created_at DESC, id DESC",
+        )
+        .fetch_all(&self.read)
+        .await?)
+    }
+
+    /// Removes the run and everything of it; returns how many steps went with it.
+    pub async fn delete_run(&self, run_id: &RunId) -> StoreResult<u64> {
+        let mut writer = self.writer.lock().await;
+        let row: Option<(i64, i64)> =
+            sqlx::query_as("SELECT id, step_count FROM runs WHERE run_id = ?")
+                .bind(run_id.as_str())
+                .fetch_optional(&mut writer.conn)
+                .await?;
+        let Some((key, step_count)) = row else {
+            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
+        };
+        let mut tx = writer.conn.begin().await?;
+        for table in ["rollups", "steps", "columns"] {
+            sqlx::query(&format!("DELETE FROM {table} WHERE run = ?"))
+                .bind(key)
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query("DELETE FROM runs WHERE id = ?")
+            .bind(key)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        writer.runs.remove(run_id.as_str());
+        tracing::info!(run_id = %run_id, steps = step_count, "run deleted");
+        Ok(step_count as u64)
+    }
+}
+
+fn stored_run(row: RunRow) -> StoreResult<StoredRun> {
+    let (run_id, registration, created_at, first_step, last_step, last_seen, step_count) = row;
+    let registration = serde_json::from_str(&registration)
+        .with_context(|| format!("reading the stored registration of run {run_id}"))?;
+    Ok(StoredRun {
+        run_id,
+        registration,
+        created_at,
+        first_step: first_step.map(|s| s as u64),
+        last_step: last_step.map(|s| s as u64),
+        last_seen,
+        step_count: step_count as u64,
+    })
+}
+
+fn stored_canonical(run: &StoredRun) -> StoreResult<String> {
+    Ok(serde_json::to_string(&run.registration).context("serializing a registration")?)
+}
+
+/// The path of the first place where two JSON values differ, in the protocol's path
+/// notation (`params[3].dtype`), or `None` when they are equal.
+fn first_difference(a: &Value, b: &Value, path: String) -> Option<String> {
+    let join = |key: &str| {
+        if path.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{path}.{key}")
+        }
+    };
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter()
+                .find_map(|key| match (x.get(key), y.get(key)) {
+                    (Some(u), Some(v)) => first_difference(u, v, join(key)),
+                    _ => Some(join(key)),
+                })
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            let common = x
+                .iter()
+                .zip(y)
+                .enumerate()
+                .find_map(|(i, (u, v))| first_difference(u, v, format!("{path}[{i}]")));
+            common.or_else(|| {
+                (x.len() != y.len()).then(|| format!("{path}[{}]", x.len().min(y.len())))
+            })
+        }
+        _ => (a != b).then_some(path),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn first_difference_names_the_field() {
+        let a = json!({"params": [{"name": "a", "dtype": "f32"}], "name": "x"});
+        let b = json!({"params": [{"name": "a", "dtype": "bf16"}], "name": "x"});
+        assert_eq!(first_difference(&a, &a, String::new()), None);
+        assert_eq!(
+            first_difference(&a, &b, String::new()).as_deref(),
+            Some("params[0].dtype")
+        );
+        let c = json!({"params": [{"name": "a", "dtype": "f32"}, {"name": "b"}], "name": "x"});
+        assert_eq!(
+            first_difference(&a, &c, String::new()).as_deref(),
+            Some("params[1]")
+        );
+        let d = json!({"params": [{"name": "a", "dtype": "f32"}]});
+        assert_eq!(
+            first_difference(&a, &d, String::new()).as_deref(),
+            Some("name")
+        );
+    }
+}
