@@ -1,1 +1,98 @@
-//! Shared helpers for the end-to-end tests.
+//! Helpers for the end-to-end tests: the real binaries, started as a user would.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// The path of a workspace binary, built beside the test executable
+/// (`target/<profile>/`). `cargo nextest run --workspace` builds them.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test executables live in target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --workspace --bins` first",
+        path.display()
+    );
+    path
+}
+
+/// A `gradflow-server` process on a free loopback port.
+pub struct ServerProcess {
+    child: Child,
+    pub base: String,
+}
+
+impl ServerProcess {
+    /// Starts the server on `db` with extra flags, and waits until it listens.
+    pub fn start(db: &Path, extra_args: &[&str]) -> ServerProcess {
+        let mut child = Command::new(binary("gradflow-server"))
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--db")
+            .arg(db)
+            .args(extra_args)
+            .env("RUST_LOG", "gradflow_server=info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("gradflow-server starts");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (tx, rx) = mpsc::channel();
+        // Reads the log until the listening line, then keeps draining it so the
+        // server never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(address) = line
+                    .split_whitespace()
+                    .find_map(|word| word.strip_prefix("address="))
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(address.to_owned());
+                }
+            }
+        });
+        let address = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("gradflow-server logs its address within 30 s");
+        ServerProcess {
+            child,
+            base: format!("http://{address}"),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// SIGKILL: no shutdown, no flush, no checkpoint.
+    pub fn kill(mut self) {
+        self.child.kill().expect("kill gradflow-server");
+        self.child.wait().expect("reap gradflow-server");
+    }
+
+    /// SIGTERM, then waits for a clean exit.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("send SIGTERM");
+        self.child.wait().expect("reap gradflow-server")
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -89,9 +89,11 @@ pub fn to_stored_f32(value: f64) -> f32 {
 }
 
 /// The `f64` a stored `f32` stands for: the shortest decimal that reads back as the
-/// same `f32`, so `3e-4` is served as `0.0003`, not `0.000300000014249235`.
+/// same `f32`, so `3e-4` is served as `0.0003`, not `0.000300000014249235`. Whole
+/// numbers widen exactly (`21474836480` bytes stays `21474836480`, where the shortest
+/// decimal would be `21474836000`).
 pub fn widen_for_display(value: f32) -> f64 {
-    if !value.is_finite() {
+    if !value.is_finite() || value.fract() == 0.0 {
         return value as f64;
     }
     value
@@ -235,7 +237,7 @@ mod tests {
 
     #[test]
     fn widening_serves_the_decimal_that_was_sent() {
-        for sent in [3e-4, 4.7711, 0.95, 65536.0, 1.2e-5] {
+        for sent in [3e-4, 4.7711, 0.95, 65536.0, 1.2e-5, 21474836480.0, 1e10] {
             assert_eq!(widen_for_display(to_stored_f32(sent)), sent);
         }
     }

@@ -163,7 +163,8 @@ async fn update_rollups(
         let bucket = group[0].step / width;
         let mut summary = BucketSummary::default();
         if open_bucket == Some(bucket) {
-            let chunks = (state.columns.column_count() as usize).div_ceil(super::rollup::CHUNK_COLUMNS);
+            let chunks =
+                (state.columns.column_count() as usize).div_ceil(super::rollup::CHUNK_COLUMNS);
             for chunk in 0..chunks {
                 let stored: Option<Vec<u8>> = sqlx::query_scalar(
                     "SELECT summary FROM rollups WHERE run = ? AND width = ? AND chunk = ? \
