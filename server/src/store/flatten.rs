@@ -59,6 +59,11 @@ pub fn flatten(
         }
     }
 
+    // Columns are handed out kind by kind (all module norms, then all hook hits, then
+    // each parameter field), not module by module: the run's first step fixes the
+    // order, and keeping a kind's columns together keeps the constant ones (hook hits
+    // of 1, update norms of 0) contiguous, which is what lets zstd squeeze them out.
+    //
     // Group norms: sqrt of the sum of squared module norms. A group none of whose
     // reported modules had a gradient is null; one with no reported module, absent.
     let mut groups: Vec<(&str, GroupNorm)> = Vec::new();
@@ -70,14 +75,6 @@ pub fn flatten(
             &module.module,
             Cell::from_wire(norm),
         );
-        if let Some(hits) = module.hook_hits {
-            put(
-                columns,
-                SeriesKind::HookHits,
-                &module.module,
-                Cell::from_wire(Some(hits as f64)),
-            );
-        }
         let group = module_groups
             .get(&module.module)
             .map(String::as_str)
@@ -91,20 +88,36 @@ pub fn flatten(
         };
         entry.add(norm);
     }
+    for module in &record.modules {
+        if let Some(hits) = module.hook_hits {
+            put(
+                columns,
+                SeriesKind::HookHits,
+                &module.module,
+                Cell::from_wire(Some(hits as f64)),
+            );
+        }
+    }
     for (group, norm) in &groups {
         put(columns, SeriesKind::GroupGradNorm, group, norm.cell());
     }
 
-    for param in &record.params {
-        let name = param.name.as_str();
-        for (kind, value) in [
-            (SeriesKind::ParamGradNorm, param.grad_norm),
-            (SeriesKind::UpdateNorm, param.update_norm),
-            (SeriesKind::Drift, param.drift),
-            (SeriesKind::ParamMean, param.mean),
-        ] {
-            if let Some(value) = value {
-                put(columns, kind, name, Cell::from_wire(Some(value.get())));
+    type ParamField = fn(&gradflow_protocol::ParamStep) -> Option<Float>;
+    let fields: [(SeriesKind, ParamField); 4] = [
+        (SeriesKind::ParamGradNorm, |p| p.grad_norm),
+        (SeriesKind::UpdateNorm, |p| p.update_norm),
+        (SeriesKind::Drift, |p| p.drift),
+        (SeriesKind::ParamMean, |p| p.mean),
+    ];
+    for (kind, field) in fields {
+        for param in &record.params {
+            if let Some(value) = field(param) {
+                put(
+                    columns,
+                    kind,
+                    &param.name,
+                    Cell::from_wire(Some(value.get())),
+                );
             }
         }
     }
