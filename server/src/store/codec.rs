@@ -123,6 +123,12 @@ pub fn compressor() -> anyhow::Result<zstd::bulk::Compressor<'static>> {
     zstd::bulk::Compressor::new(ZSTD_LEVEL).context("creating a zstd compressor")
 }
 
+/// A new decompressor. Reuse it across blobs: a fresh zstd context per blob costs
+/// more than decompressing a step's few hundred bytes.
+pub fn decompressor() -> anyhow::Result<zstd::bulk::Decompressor<'static>> {
+    zstd::bulk::Decompressor::new().context("creating a zstd decompressor")
+}
+
 /// A decoded blob: read single columns without unshuffling the rest.
 pub struct Packed {
     planes: Vec<u8>,
@@ -130,7 +136,10 @@ pub struct Packed {
 }
 
 impl Packed {
-    pub fn decode(blob: &[u8]) -> anyhow::Result<Packed> {
+    pub fn decode(
+        blob: &[u8],
+        decompressor: &mut zstd::bulk::Decompressor<'_>,
+    ) -> anyhow::Result<Packed> {
         if blob.len() < HEADER_LEN {
             bail!(
                 "value blob of {} bytes is shorter than its header",
@@ -141,7 +150,8 @@ impl Packed {
             bail!("value blob has unknown format {}", blob[0]);
         }
         let count = u32::from_le_bytes(blob[1..5].try_into().expect("4 bytes")) as usize;
-        let planes = zstd::bulk::decompress(&blob[HEADER_LEN..], count * 4)
+        let planes = decompressor
+            .decompress(&blob[HEADER_LEN..], count * 4)
             .context("decompressing a step's values")?;
         if planes.len() != count * 4 {
             bail!(
@@ -212,7 +222,7 @@ mod tests {
         ];
         let bits: Vec<u32> = cells.iter().map(|c| c.to_bits()).collect();
         let blob = encode(&bits, &mut compressor().unwrap()).unwrap();
-        let packed = Packed::decode(&blob).unwrap();
+        let packed = Packed::decode(&blob, &mut decompressor().unwrap()).unwrap();
         assert_eq!(packed.column_count(), cells.len());
         for (i, cell) in cells.iter().enumerate() {
             assert_eq!(packed.cell(i).to_bits(), cell.to_bits(), "column {i}");
@@ -251,8 +261,9 @@ mod tests {
 
     #[test]
     fn corrupt_blobs_are_errors_not_panics() {
-        assert!(Packed::decode(&[]).is_err());
-        assert!(Packed::decode(&[9, 0, 0, 0, 0]).is_err());
-        assert!(Packed::decode(&[1, 4, 0, 0, 0, 1, 2, 3]).is_err());
+        let mut d = decompressor().unwrap();
+        assert!(Packed::decode(&[], &mut d).is_err());
+        assert!(Packed::decode(&[9, 0, 0, 0, 0], &mut d).is_err());
+        assert!(Packed::decode(&[1, 4, 0, 0, 0, 1, 2, 3], &mut d).is_err());
     }
 }

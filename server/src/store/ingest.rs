@@ -49,6 +49,7 @@ impl Store {
             conn,
             runs,
             compressor,
+            decompressor,
         } = &mut *guard;
         let state = runs.get_mut(run_id.as_str()).expect("loaded above");
         check_params_are_registered(state, records)?;
@@ -101,7 +102,7 @@ impl Store {
                 .await?;
         }
         for width in ROLLUP_WIDTHS {
-            update_rollups(&mut tx, state, width, &rows, compressor).await?;
+            update_rollups(&mut tx, state, width, &rows, compressor, decompressor).await?;
         }
         let last = rows.last().expect("at least one new row").step;
         sqlx::query(
@@ -155,6 +156,7 @@ async fn update_rollups(
     width: u64,
     rows: &[NewRow],
     compressor: &mut zstd::bulk::Compressor<'static>,
+    decompressor: &mut zstd::bulk::Decompressor<'static>,
 ) -> StoreResult<()> {
     // Only the bucket holding the run's previous last step can already exist: steps
     // only grow.
@@ -177,9 +179,11 @@ async fn update_rollups(
                 .fetch_optional(&mut *conn)
                 .await?;
                 if let Some(blob) = stored {
-                    summary.restore_chunk(chunk, &blob).with_context(|| {
-                        format!("reading rollup bucket {bucket} of width {width}")
-                    })?;
+                    summary
+                        .restore_chunk(chunk, &blob, decompressor)
+                        .with_context(|| {
+                            format!("reading rollup bucket {bucket} of width {width}")
+                        })?;
                 }
             }
         }

@@ -101,6 +101,7 @@ struct Writer {
     /// what is committed (updated only after a commit succeeds).
     runs: HashMap<String, RunState>,
     compressor: zstd::bulk::Compressor<'static>,
+    decompressor: zstd::bulk::Decompressor<'static>,
 }
 
 /// What ingesting into a run needs to know without a query.
@@ -167,6 +168,7 @@ impl Store {
                 conn,
                 runs: HashMap::new(),
                 compressor: codec::compressor()?,
+                decompressor: codec::decompressor()?,
             }),
         })
     }

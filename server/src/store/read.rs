@@ -6,7 +6,7 @@ use anyhow::Context;
 use futures_util::TryStreamExt;
 use gradflow_protocol::RunId;
 
-use super::codec::{Cell, Packed};
+use super::codec::{Cell, Packed, decompressor};
 use super::columns::SeriesKind;
 use super::rollup::{CHUNK_COLUMNS, ROLLUP_WIDTHS, decode_columns};
 use super::{Store, StoreError, StoreResult};
@@ -139,8 +139,9 @@ impl Store {
         .bind(from as i64)
         .bind(to as i64)
         .fetch(&self.read);
+        let mut decompressor = decompressor()?;
         while let Some((step, blob)) = rows.try_next().await? {
-            let packed = Packed::decode(&blob)
+            let packed = Packed::decode(&blob, &mut decompressor)
                 .with_context(|| format!("decoding the values of step {step}"))?;
             let cell = packed.cell(column);
             if cell != Cell::Absent {
@@ -171,8 +172,9 @@ impl Store {
         .bind(first as i64)
         .bind(last as i64)
         .fetch(&self.read);
+        let mut decompressor = decompressor()?;
         while let Some((bucket, blob)) = rows.try_next().await? {
-            let columns = decode_columns(&blob)
+            let columns = decode_columns(&blob, &mut decompressor)
                 .with_context(|| format!("decoding rollup bucket {bucket} of width {width}"))?;
             if let Some(summary) = columns.get(column % CHUNK_COLUMNS) {
                 let start = bucket as u64 * width;

@@ -122,8 +122,13 @@ impl BucketSummary {
     }
 
     /// Puts a stored chunk back in place.
-    pub fn restore_chunk(&mut self, chunk: usize, blob: &[u8]) -> anyhow::Result<()> {
-        let columns = decode_columns(blob)?;
+    pub fn restore_chunk(
+        &mut self,
+        chunk: usize,
+        blob: &[u8],
+        decompressor: &mut zstd::bulk::Decompressor<'_>,
+    ) -> anyhow::Result<()> {
+        let columns = decode_columns(blob, decompressor)?;
         let start = chunk * CHUNK_COLUMNS;
         if self.columns.len() < start + columns.len() {
             self.columns
@@ -175,13 +180,17 @@ fn encode_columns(
 }
 
 /// The summaries of a stored chunk.
-pub fn decode_columns(blob: &[u8]) -> anyhow::Result<Vec<ColumnSummary>> {
+pub fn decode_columns(
+    blob: &[u8],
+    decompressor: &mut zstd::bulk::Decompressor<'_>,
+) -> anyhow::Result<Vec<ColumnSummary>> {
     if blob.len() < HEADER_LEN || blob[0] != FORMAT {
         bail!("rollup blob has an unknown format");
     }
     let n = u32::from_le_bytes(blob[1..5].try_into().expect("4 bytes")) as usize;
-    let raw =
-        zstd::bulk::decompress(&blob[HEADER_LEN..], n * 16).context("decompressing a rollup")?;
+    let raw = decompressor
+        .decompress(&blob[HEADER_LEN..], n * 16)
+        .context("decompressing a rollup")?;
     if raw.len() != n * 16 {
         bail!("rollup blob holds {} bytes, expected {}", raw.len(), n * 16);
     }
@@ -211,7 +220,7 @@ pub fn decode_columns(blob: &[u8]) -> anyhow::Result<Vec<ColumnSummary>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::codec::{NULL_BITS, compressor};
+    use crate::store::codec::{NULL_BITS, compressor, decompressor};
 
     #[test]
     fn a_summary_keeps_extremes_nan_and_null_with_their_offsets() {
@@ -233,7 +242,8 @@ mod tests {
 
         let blob = bucket.encode_chunk(0, &mut compressor().unwrap()).unwrap();
         let mut back = BucketSummary::default();
-        back.restore_chunk(0, &blob).unwrap();
+        back.restore_chunk(0, &blob, &mut decompressor().unwrap())
+            .unwrap();
         assert_eq!(back, bucket);
     }
 
@@ -256,7 +266,8 @@ mod tests {
         let mut back = BucketSummary::default();
         let mut compressor = compressor().unwrap();
         for chunk in (0..3).rev() {
-            back.restore_chunk(chunk, &bucket.encode_chunk(chunk, &mut compressor).unwrap())
+            let blob = bucket.encode_chunk(chunk, &mut compressor).unwrap();
+            back.restore_chunk(chunk, &blob, &mut decompressor().unwrap())
                 .unwrap();
         }
         assert_eq!(back, bucket);
@@ -265,7 +276,8 @@ mod tests {
 
     #[test]
     fn corrupt_rollups_are_errors() {
-        assert!(decode_columns(&[2, 0, 0, 0, 0]).is_err());
-        assert!(decode_columns(&[1, 9, 0, 0, 0, 0]).is_err());
+        let mut d = decompressor().unwrap();
+        assert!(decode_columns(&[2, 0, 0, 0, 0], &mut d).is_err());
+        assert!(decode_columns(&[1, 9, 0, 0, 0, 0], &mut d).is_err());
     }
 }
