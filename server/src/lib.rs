@@ -16,9 +16,11 @@
 //! - [`error`]: [`error::ApiError`], the JSON error body.
 //! - [`store`]: everything that touches SQLite.
 //! - [`series`]: pure downsampling and read planning.
+//! - [`detect`]: the streaming detectors, pure: records in, alert transitions out.
 
 pub mod body;
 pub mod config;
+pub mod detect;
 pub mod error;
 pub mod routes;
 pub mod series;

@@ -1,0 +1,112 @@
+//! What the detectors know of a run from its registration, indexed once.
+
+use std::collections::{BTreeMap, HashMap};
+
+use gradflow_protocol::{Dtype, Role, RunRegistration};
+
+use super::Thresholds;
+
+/// A norm weight the frozen-weight detector watches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NormParam {
+    pub group: String,
+    /// The dtype the optimizer updates: the parameter's own, else the run's
+    /// `precision.param_dtype`; `None` when neither says.
+    pub dtype: Option<Dtype>,
+    pub in_optimizer: bool,
+    /// Elements, when the shape is known.
+    pub numel: Option<u64>,
+}
+
+/// The optimizer's step size model, from the registration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimizerInfo {
+    /// As registered, for texts ("AdamW").
+    pub display_name: String,
+    /// Adam-family optimizers normalise the gradient: an element moves by about `lr`.
+    pub normalises_gradient: bool,
+    pub lr: Option<f64>,
+    pub weight_decay: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunContext {
+    pub thresholds: Thresholds,
+    pub registration: RunRegistration,
+    /// Modules with at least one trainable (`requires_grad`) parameter → their group.
+    pub trainable_modules: HashMap<String, String>,
+    /// Trainable modules per group, counted.
+    pub trainable_modules_per_group: BTreeMap<String, usize>,
+    /// Trainable norm weights by name.
+    pub norm_params: HashMap<String, NormParam>,
+    pub optimizer: OptimizerInfo,
+}
+
+impl RunContext {
+    pub fn new(registration: &RunRegistration, server_thresholds: Thresholds) -> RunContext {
+        let registration = registration.clone().normalized();
+        let run_dtype = registration.precision.as_ref().and_then(|p| p.param_dtype);
+        let mut trainable_modules = HashMap::new();
+        let mut norm_params = HashMap::new();
+        for param in &registration.params {
+            if !param.requires_grad() {
+                continue;
+            }
+            trainable_modules.insert(
+                param.module_name().to_owned(),
+                param.group_name().to_owned(),
+            );
+            if param.role() == Role::Norm {
+                norm_params.insert(
+                    param.name.clone(),
+                    NormParam {
+                        group: param.group_name().to_owned(),
+                        dtype: param.dtype.or(run_dtype),
+                        in_optimizer: param.in_optimizer(),
+                        numel: param.shape.as_ref().map(|s| s.iter().product()),
+                    },
+                );
+            }
+        }
+        let mut trainable_modules_per_group = BTreeMap::new();
+        for group in trainable_modules.values() {
+            *trainable_modules_per_group
+                .entry(group.clone())
+                .or_insert(0) += 1;
+        }
+        let optimizer = registration.optimizer.as_ref();
+        let name = optimizer.and_then(|o| o.name.clone()).unwrap_or_default();
+        let lower = name.to_ascii_lowercase();
+        let optimizer = OptimizerInfo {
+            display_name: if name.is_empty() {
+                "the optimizer".into()
+            } else {
+                name.clone()
+            },
+            // Unnamed optimizers are taken as Adam-like: by far the common case.
+            normalises_gradient: name.is_empty()
+                || ["adam", "lamb", "lion", "adafactor", "sophia"]
+                    .iter()
+                    .any(|n| lower.contains(n)),
+            lr: optimizer.and_then(|o| o.lr).map(|f| f.get()),
+            weight_decay: optimizer
+                .and_then(|o| o.weight_decay)
+                .map_or(0.0, |f| f.get()),
+        };
+        let thresholds = server_thresholds.with_overrides(registration.detectors.as_ref());
+        RunContext {
+            thresholds,
+            registration,
+            trainable_modules,
+            trainable_modules_per_group,
+            norm_params,
+            optimizer,
+        }
+    }
+
+    /// The group of a trainable module, or `None` for a module without trainable
+    /// parameters (its gradient being absent says nothing).
+    pub fn trainable_group(&self, module: &str) -> Option<&str> {
+        self.trainable_modules.get(module).map(String::as_str)
+    }
+}

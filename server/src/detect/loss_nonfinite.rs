@@ -1,0 +1,110 @@
+//! `loss_nonfinite`: the loss is NaN or infinite. Opens at once; resolves on the
+//! first step with a finite loss.
+
+use gradflow_protocol::StepRecord;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::{AlertKind, Opened, Severity, Transition};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LossNonfinite {
+    open: bool,
+}
+
+const SUBJECT: &str = "loss";
+
+impl LossNonfinite {
+    pub fn on_step(&mut self, record: &StepRecord, out: &mut Vec<Transition>) {
+        let Some(loss) = record.loss.map(|l| l.get()) else {
+            return;
+        };
+        if loss.is_finite() {
+            if std::mem::take(&mut self.open) {
+                out.push(Transition::Resolve {
+                    kind: AlertKind::LossNonfinite,
+                    subject: SUBJECT.into(),
+                    step: record.step,
+                });
+            }
+            return;
+        }
+        if self.open {
+            return;
+        }
+        self.open = true;
+        let cause = if loss.is_nan() { "nan" } else { "inf" };
+        let spelled = gradflow_protocol::format_float(loss);
+        out.push(Transition::Open(Opened {
+            kind: AlertKind::LossNonfinite,
+            subject: SUBJECT.into(),
+            severity: Severity::Critical,
+            first_step: Some(record.step),
+            step: Some(record.step),
+            title: format!("Loss is {spelled} at step {}", record.step),
+            detail: format!(
+                "The loss reported at step {} is {spelled}. Every gradient computed from it is \
+                 non-finite, and an optimizer step taken with it corrupts the weights.",
+                record.step
+            ),
+            fix: "Find the first non-finite value: run one step under \
+                  torch.autograd.set_detect_anomaly(True), and check the batch (NaN inputs, \
+                  labels out of range) and the loss (log of 0, division by a zero count of tokens \
+                  when a mask is empty). Skip steps whose loss is not finite, clip gradients, and \
+                  lower the lr if the loss rose before it broke."
+                .into(),
+            evidence: json!({"cause": cause, "loss": spelled}),
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(losses: &[serde_json::Value]) -> Vec<(u64, Transition)> {
+        let mut detector = LossNonfinite::default();
+        let mut all = Vec::new();
+        for (step, loss) in losses.iter().enumerate() {
+            let record: StepRecord =
+                serde_json::from_value(json!({"step": step, "loss": loss})).unwrap();
+            let mut out = Vec::new();
+            detector.on_step(&record, &mut out);
+            all.extend(out.into_iter().map(|t| (step as u64, t)));
+        }
+        all
+    }
+
+    #[test]
+    fn opens_immediately_once_per_episode_and_resolves() {
+        let t = run(&[
+            json!(1.0),
+            json!("NaN"),
+            json!("Infinity"),
+            json!(null),
+            json!(0.9),
+        ]);
+        assert_eq!(t.len(), 2, "{t:?}");
+        let (1, Transition::Open(o)) = &t[0] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(o.evidence["cause"], "nan");
+        assert_eq!(
+            t[1],
+            (
+                4,
+                Transition::Resolve {
+                    kind: AlertKind::LossNonfinite,
+                    subject: "loss".into(),
+                    step: 4
+                }
+            )
+        );
+        let t = run(&[json!("-Infinity")]);
+        let (0, Transition::Open(o)) = &t[0] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(o.evidence["cause"], "inf");
+        assert!(run(&[json!(1.0), json!(0.5), json!(null)]).is_empty());
+    }
+}

@@ -1,0 +1,221 @@
+//! The streaming detectors: what is wrong with a run, decided from its registration
+//! and its step records as they arrive.
+//!
+//! **Detectors are pure**: a registration or a step record and the detector's own
+//! state in, alert transitions out. No SQL, no clock, no HTTP: the store persists
+//! their state and their alerts in the same transaction as the steps that moved
+//! them, which is what makes them restart-safe.
+//!
+//! # Layout
+//!
+//! One detector a file, each unit-tested beside itself:
+//!
+//! - [`stuck_zero`]: `grad_stuck_zero`, gradients exactly 0 or absent for N steps.
+//! - [`frozen_norm`]: `norm_weight_frozen`, norm weights whose updates round away.
+//! - [`scaler_overflow`]: `scaler_overflow_streak`, `found_inf` K steps running.
+//! - [`grad_nonfinite`]: `grad_nonfinite`, NaN/Inf gradients the scaler did not catch.
+//! - [`loss_nonfinite`]: `loss_nonfinite`, a NaN or infinite loss.
+//! - [`registration`]: the checks made once, at registration: `scaler_bf16_incompatible`,
+//!   `dtype_mismatch`, `param_not_in_optimizer`.
+//! - [`context`]: what the detectors know of a run from its registration.
+//! - [`precision`]: floating-point spacing arithmetic (the bf16 ulp story).
+
+pub mod context;
+pub mod frozen_norm;
+pub mod grad_nonfinite;
+pub mod loss_nonfinite;
+pub mod precision;
+pub mod registration;
+pub mod scaler_overflow;
+pub mod stuck_zero;
+
+use gradflow_protocol::StepRecord;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub use context::RunContext;
+
+/// The server-wide thresholds, in consecutive reported steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Thresholds {
+    pub stuck_zero_steps: u32,
+    pub frozen_norm_steps: u32,
+    pub overflow_streak_steps: u32,
+}
+
+impl Default for Thresholds {
+    /// PROTOCOL.md's defaults.
+    fn default() -> Self {
+        Thresholds {
+            stuck_zero_steps: 50,
+            frozen_norm_steps: 20,
+            overflow_streak_steps: 10,
+        }
+    }
+}
+
+impl Thresholds {
+    /// These thresholds with a run's own overrides applied.
+    pub fn with_overrides(self, overrides: Option<&gradflow_protocol::DetectorOverrides>) -> Self {
+        let Some(o) = overrides else { return self };
+        Thresholds {
+            stuck_zero_steps: o.stuck_zero_steps.unwrap_or(self.stuck_zero_steps),
+            frozen_norm_steps: o.frozen_norm_steps.unwrap_or(self.frozen_norm_steps),
+            overflow_streak_steps: o
+                .overflow_streak_steps
+                .unwrap_or(self.overflow_streak_steps),
+        }
+    }
+}
+
+/// The kinds of PROTOCOL.md's alert table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlertKind {
+    GradStuckZero,
+    NormWeightFrozen,
+    ScalerBf16Incompatible,
+    ScalerOverflowStreak,
+    GradNonfinite,
+    LossNonfinite,
+    DtypeMismatch,
+    ParamNotInOptimizer,
+}
+
+impl AlertKind {
+    pub const ALL: [AlertKind; 8] = [
+        AlertKind::GradStuckZero,
+        AlertKind::NormWeightFrozen,
+        AlertKind::ScalerBf16Incompatible,
+        AlertKind::ScalerOverflowStreak,
+        AlertKind::GradNonfinite,
+        AlertKind::LossNonfinite,
+        AlertKind::DtypeMismatch,
+        AlertKind::ParamNotInOptimizer,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AlertKind::GradStuckZero => "grad_stuck_zero",
+            AlertKind::NormWeightFrozen => "norm_weight_frozen",
+            AlertKind::ScalerBf16Incompatible => "scaler_bf16_incompatible",
+            AlertKind::ScalerOverflowStreak => "scaler_overflow_streak",
+            AlertKind::GradNonfinite => "grad_nonfinite",
+            AlertKind::LossNonfinite => "loss_nonfinite",
+            AlertKind::DtypeMismatch => "dtype_mismatch",
+            AlertKind::ParamNotInOptimizer => "param_not_in_optimizer",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<AlertKind> {
+        AlertKind::ALL.into_iter().find(|k| k.as_str() == text)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    Critical,
+    Warning,
+    Info,
+}
+
+impl Severity {
+    pub const ALL: [Severity; 3] = [Severity::Critical, Severity::Warning, Severity::Info];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Critical => "critical",
+            Severity::Warning => "warning",
+            Severity::Info => "info",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Severity> {
+        Severity::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+}
+
+/// A new episode: everything an alert says when it opens.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Opened {
+    pub kind: AlertKind,
+    pub subject: String,
+    pub severity: Severity,
+    /// The first step of the episode (the first of the N zero steps); `None` for
+    /// registration checks.
+    pub first_step: Option<u64>,
+    /// The step that completed the threshold and opened the alert.
+    pub step: Option<u64>,
+    pub title: String,
+    pub detail: String,
+    pub fix: String,
+    pub evidence: Value,
+}
+
+/// What a detector decided on one input.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transition {
+    Open(Opened),
+    /// The episode of `kind` on `subject` ended at `step`, the first step where the
+    /// condition no longer held.
+    Resolve {
+        kind: AlertKind,
+        subject: String,
+        step: u64,
+    },
+}
+
+/// Every streaming detector's state for one run. Serialized with the run (as JSON)
+/// in the transaction of each batch, so a restarted server continues every streak.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DetectorSet {
+    pub stuck_zero: stuck_zero::StuckZeroGrad,
+    pub frozen_norm: frozen_norm::FrozenNormWeight,
+    pub scaler_overflow: scaler_overflow::ScalerOverflowStreak,
+    pub grad_nonfinite: grad_nonfinite::GradNonfinite,
+    pub loss_nonfinite: loss_nonfinite::LossNonfinite,
+}
+
+impl DetectorSet {
+    /// Runs every streaming detector on one step record, in order.
+    pub fn on_step(&mut self, context: &RunContext, record: &StepRecord) -> Vec<Transition> {
+        let mut transitions = Vec::new();
+        self.loss_nonfinite.on_step(record, &mut transitions);
+        self.grad_nonfinite
+            .on_step(context, record, &mut transitions);
+        self.stuck_zero.on_step(context, record, &mut transitions);
+        self.frozen_norm.on_step(context, record, &mut transitions);
+        self.scaler_overflow
+            .on_step(context, record, &mut transitions);
+        transitions
+    }
+}
+
+/// `1.2e-5`-style formatting for the numbers in alert texts.
+pub(crate) fn sci(value: f64) -> String {
+    match gradflow_protocol::non_finite_spelling(value) {
+        Some(s) => s.to_owned(),
+        None => format!("{value:.2e}"),
+    }
+}
+
+/// "steps 0–49", or "step 7" for one.
+pub(crate) fn step_range(first: u64, last: u64) -> String {
+    if first == last {
+        format!("step {first}")
+    } else {
+        format!("steps {first}–{last}")
+    }
+}
+
+/// A list of names for a person: at most `max`, then "and N more".
+pub(crate) fn name_list(names: &[&str], max: usize) -> String {
+    let shown: Vec<&str> = names.iter().take(max).copied().collect();
+    let mut text = shown.join(", ");
+    if names.len() > max {
+        text.push_str(&format!(" and {} more", names.len() - max));
+    }
+    text
+}

@@ -1,0 +1,256 @@
+//! The checks made once, when a run registers, before its first step: what the
+//! registration alone proves wrong.
+//!
+//! - `scaler_bf16_incompatible`: a loss scaler over bf16 trainable parameters.
+//! - `dtype_mismatch`: trainable parameters whose dtype is not the run's
+//!   `precision.param_dtype` (e.g. LoRA adapters left in bf16 under fp32 masters).
+//! - `param_not_in_optimizer`: `requires_grad` parameters the optimizer does not hold.
+//!
+//! One alert per kind and group, listing the parameters.
+
+use std::collections::BTreeMap;
+
+use gradflow_protocol::{Dtype, LossScaler, ParamSpec};
+use serde_json::json;
+
+use super::{AlertKind, Opened, RunContext, Severity, name_list};
+
+/// Every registration-time alert of a run.
+pub fn check(context: &RunContext) -> Vec<Opened> {
+    let mut alerts = Vec::new();
+    scaler_bf16_incompatible(context, &mut alerts);
+    dtype_mismatch(context, &mut alerts);
+    param_not_in_optimizer(context, &mut alerts);
+    alerts
+}
+
+fn trainable(context: &RunContext) -> impl Iterator<Item = &ParamSpec> {
+    context
+        .registration
+        .params
+        .iter()
+        .filter(|p| p.requires_grad())
+}
+
+fn by_group<'a>(params: impl Iterator<Item = &'a ParamSpec>) -> BTreeMap<&'a str, Vec<&'a str>> {
+    let mut groups: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for param in params {
+        groups
+            .entry(param.group_name())
+            .or_default()
+            .push(&param.name);
+    }
+    groups
+}
+
+fn scaler_bf16_incompatible(context: &RunContext, out: &mut Vec<Opened>) {
+    let precision = context.registration.precision.clone().unwrap_or_default();
+    let scaler = match precision.loss_scaler {
+        Some(LossScaler::Static) => "static",
+        Some(LossScaler::Dynamic) => "dynamic",
+        _ => return,
+    };
+    let run_dtype = precision.param_dtype;
+    let bf16: Vec<&str> = trainable(context)
+        .filter(|p| p.dtype.or(run_dtype) == Some(Dtype::Bf16))
+        .map(|p| p.name.as_str())
+        .collect();
+    if bf16.is_empty() {
+        return;
+    }
+    out.push(Opened {
+        kind: AlertKind::ScalerBf16Incompatible,
+        subject: "run".into(),
+        severity: Severity::Critical,
+        first_step: None,
+        step: None,
+        title: "Loss scaler over bf16 parameters: GradScaler will fail".into(),
+        detail: format!(
+            "The run uses a {scaler} loss scaler and {} trainable parameters are bf16 ({}). \
+             PyTorch's CUDA kernel behind GradScaler.unscale_ handles float, double and half only, \
+             so the first step fails with \"_amp_foreach_non_finite_check_and_unscale_cuda\" not \
+             implemented for 'BFloat16'. Loss scaling exists for fp16's narrow exponent range; \
+             bf16 has fp32's.",
+            bf16.len(),
+            name_list(&bf16, 3)
+        ),
+        fix: "bf16 needs no loss scaling: drop the GradScaler (or construct it with \
+              enabled=False) when training in bf16. If fp16 compute was meant, keep fp32 master \
+              weights and run the forward under torch.autocast(dtype=torch.float16) with the \
+              scaler. Check the dtype mapping of your config: a string such as \"float32\" \
+              silently mapped to bf16 is a known way to get here."
+            .into(),
+        evidence: json!({
+            "cause": "bf16_params_with_loss_scaler",
+            "loss_scaler": scaler,
+            "bf16_params": bf16.len(),
+            "params": bf16.iter().take(20).collect::<Vec<_>>(),
+        }),
+    });
+}
+
+fn dtype_mismatch(context: &RunContext, out: &mut Vec<Opened>) {
+    let Some(expected) = context
+        .registration
+        .precision
+        .as_ref()
+        .and_then(|p| p.param_dtype)
+    else {
+        return;
+    };
+    let mismatched = trainable(context).filter(|p| p.dtype.is_some_and(|d| d != expected));
+    for (group, names) in by_group(mismatched) {
+        let dtypes: Vec<&str> = {
+            let mut d: Vec<&str> = context
+                .registration
+                .params
+                .iter()
+                .filter(|p| names.contains(&p.name.as_str()))
+                .filter_map(|p| p.dtype.map(Dtype::as_str))
+                .collect();
+            d.sort();
+            d.dedup();
+            d
+        };
+        out.push(Opened {
+            kind: AlertKind::DtypeMismatch,
+            subject: group.to_owned(),
+            severity: Severity::Warning,
+            first_step: None,
+            step: None,
+            title: format!(
+                "{} parameters of {group} are not {}",
+                names.len(),
+                expected.as_str()
+            ),
+            detail: format!(
+                "The run's master weights are {} (precision.param_dtype), but {} trainable \
+                 parameters of {group} are {} ({}). The optimizer updates them in that dtype: \
+                 small updates round away in low precision, and mixing dtypes breaks fused \
+                 optimizers and loss scaling.",
+                expected.as_str(),
+                names.len(),
+                dtypes.join(" and "),
+                name_list(&names, 3),
+            ),
+            fix: format!(
+                "Cast these parameters to {} after creating them (adapters and heads added \
+                 after the model was cast are the usual culprits: model.to(dtype) before adding \
+                 them, or cast them explicitly), and let autocast handle compute precision.",
+                expected.as_str()
+            ),
+            evidence: json!({
+                "cause": "mixed_param_dtypes",
+                "expected": expected.as_str(),
+                "found": dtypes,
+                "params": names.iter().take(20).collect::<Vec<_>>(),
+                "mismatched_params": names.len(),
+            }),
+        });
+    }
+}
+
+fn param_not_in_optimizer(context: &RunContext, out: &mut Vec<Opened>) {
+    let missing = trainable(context).filter(|p| !p.in_optimizer());
+    for (group, names) in by_group(missing) {
+        out.push(Opened {
+            kind: AlertKind::ParamNotInOptimizer,
+            subject: group.to_owned(),
+            severity: Severity::Critical,
+            first_step: None,
+            step: None,
+            title: format!(
+                "{} trainable parameters of {group} are not in the optimizer",
+                names.len()
+            ),
+            detail: format!(
+                "{} parameters of {group} have requires_grad=True but the optimizer does not hold \
+                 them ({}): they get gradients every step and never change.",
+                names.len(),
+                name_list(&names, 3)
+            ),
+            fix: "Build the optimizer after every module exists and after wrapping (LoRA, DDP, \
+                  torch.compile), from model.parameters() or explicit parameter groups that \
+                  include these; or set requires_grad=False on them if they are meant to stay \
+                  frozen."
+                .into(),
+            evidence: json!({
+                "cause": "not_in_optimizer",
+                "params": names.iter().take(20).collect::<Vec<_>>(),
+                "missing_params": names.len(),
+            }),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::Thresholds;
+    use gradflow_protocol::RunRegistration;
+    use serde_json::Value;
+
+    fn alerts(registration: Value) -> Vec<Opened> {
+        let registration: RunRegistration = serde_json::from_value(registration).unwrap();
+        check(&RunContext::new(&registration, Thresholds::default()))
+    }
+
+    #[test]
+    fn a_scaler_over_bf16_is_flagged_at_registration_with_the_pytorch_error() {
+        let found = alerts(json!({
+            "precision": {"param_dtype": "bf16", "loss_scaler": "dynamic"},
+            "params": [{"name": "qwen.w"}, {"name": "agent.w"}]
+        }));
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].kind, AlertKind::ScalerBf16Incompatible);
+        assert_eq!(found[0].step, None);
+        assert!(
+            found[0]
+                .detail
+                .contains("_amp_foreach_non_finite_check_and_unscale_cuda")
+        );
+        assert!(found[0].fix.contains("no loss scaling"));
+        // Healthy combinations stay silent.
+        for precision in [
+            json!({"param_dtype": "bf16", "loss_scaler": "none"}),
+            json!({"param_dtype": "f32", "compute_dtype": "f16", "loss_scaler": "dynamic"}),
+            json!({"param_dtype": "bf16"}),
+        ] {
+            assert!(
+                alerts(json!({"precision": precision, "params": [{"name": "a.w"}]})).is_empty()
+            );
+        }
+        // Frozen bf16 parameters do not count.
+        assert!(
+            alerts(
+                json!({"precision": {"param_dtype": "f32", "loss_scaler": "dynamic"},
+            "params": [{"name": "a.w", "dtype": "bf16", "requires_grad": false}]})
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn bf16_adapters_under_fp32_masters_are_a_dtype_mismatch_per_group() {
+        let found = alerts(json!({
+            "precision": {"param_dtype": "f32"},
+            "params": [{"name": "qwen.lora_a", "dtype": "bf16"}, {"name": "qwen.lora_b", "dtype": "bf16"},
+                       {"name": "qwen.w", "dtype": "f32"}, {"name": "agent.w", "dtype": "f32"}]
+        }));
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].subject, "qwen");
+        assert_eq!(found[0].evidence["mismatched_params"], 2);
+        assert_eq!(found[0].evidence["found"], json!(["bf16"]));
+    }
+
+    #[test]
+    fn trainable_parameters_outside_the_optimizer_are_named() {
+        let found = alerts(json!({"params": [
+            {"name": "qwen.w", "in_optimizer": false},
+            {"name": "qwen.frozen", "in_optimizer": false, "requires_grad": false},
+            {"name": "agent.w"}]}));
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].kind, AlertKind::ParamNotInOptimizer);
+        assert_eq!(found[0].evidence["params"], json!(["qwen.w"]));
+    }
+}

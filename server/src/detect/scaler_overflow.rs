@@ -1,0 +1,194 @@
+//! `scaler_overflow_streak`: the loss scaler reports `found_inf` on K consecutive
+//! steps. One overflow now and then is the dynamic scaler doing its job (it halves
+//! the scale and skips the step); K in a row means the gradients are non-finite at
+//! any scale, and no optimizer step has happened for K steps.
+
+use gradflow_protocol::StepRecord;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::{AlertKind, Opened, RunContext, Severity, Transition, sci, step_range};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ScalerOverflowStreak {
+    len: u32,
+    first_step: u64,
+    /// The scale reported just before the streak began, and the latest.
+    scale_before: Option<f64>,
+    scale_now: Option<f64>,
+    skipped: u32,
+    open: bool,
+}
+
+const SUBJECT: &str = "scaler";
+
+impl ScalerOverflowStreak {
+    pub fn on_step(
+        &mut self,
+        context: &RunContext,
+        record: &StepRecord,
+        out: &mut Vec<Transition>,
+    ) {
+        let Some(scaler) = &record.scaler else { return };
+        let scale = scaler.scale.map(|s| s.get());
+        match scaler.found_inf {
+            None => {}
+            Some(false) => {
+                if self.open {
+                    out.push(Transition::Resolve {
+                        kind: AlertKind::ScalerOverflowStreak,
+                        subject: SUBJECT.into(),
+                        step: record.step,
+                    });
+                }
+                *self = ScalerOverflowStreak {
+                    scale_before: scale.or(self.scale_now),
+                    scale_now: scale.or(self.scale_now),
+                    ..ScalerOverflowStreak::default()
+                };
+            }
+            Some(true) => {
+                if self.len == 0 {
+                    self.first_step = record.step;
+                    self.scale_before = self.scale_now;
+                }
+                self.len += 1;
+                self.skipped += u32::from(scaler.step_skipped != Some(false));
+                self.scale_now = scale.or(self.scale_now);
+                let threshold = context.thresholds.overflow_streak_steps;
+                if self.len >= threshold && !self.open {
+                    self.open = true;
+                    out.push(self.opened(record.step));
+                }
+            }
+        }
+    }
+
+    fn opened(&self, step: u64) -> Transition {
+        let scale = match (self.scale_before, self.scale_now) {
+            (Some(before), Some(now)) => {
+                format!(" The loss scale fell from {} to {}.", sci(before), sci(now))
+            }
+            (None, Some(now)) => format!(" The loss scale is now {}.", sci(now)),
+            _ => String::new(),
+        };
+        Transition::Open(Opened {
+            kind: AlertKind::ScalerOverflowStreak,
+            subject: SUBJECT.into(),
+            severity: Severity::Critical,
+            first_step: Some(self.first_step),
+            step: Some(step),
+            title: format!("Loss scaler overflows on every step: {} in a row", self.len),
+            detail: format!(
+                "The loss scaler found inf/NaN gradients on each of the last {} steps ({}), so {} \
+                 optimizer steps were skipped and the model has not trained since step {}.{scale} \
+                 Halving the scale has not helped: the gradients are non-finite at any scale.",
+                self.len,
+                step_range(self.first_step, step),
+                self.skipped,
+                self.first_step,
+            ),
+            fix: "Find the non-finite value at its source: an fp16 overflow in forward (attention \
+                  logits, large activations; compute them in fp32 or train in bf16), a NaN in the \
+                  inputs or labels, log/sqrt/division of 0 in the loss, or a diverged model (lower \
+                  the lr, clip gradients, restore a checkpoint)."
+                .into(),
+            evidence: json!({
+                "cause": "overflow",
+                "steps": self.len,
+                "first_step": self.first_step,
+                "skipped_steps": self.skipped,
+                "scale_before": self.scale_before,
+                "scale_now": self.scale_now,
+            }),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::Thresholds;
+    use gradflow_protocol::RunRegistration;
+
+    fn run(found_inf: &[Option<bool>]) -> Vec<(u64, Transition)> {
+        let registration: RunRegistration = serde_json::from_value(json!({"params": []})).unwrap();
+        let context = RunContext::new(
+            &registration,
+            Thresholds {
+                overflow_streak_steps: 3,
+                ..Thresholds::default()
+            },
+        );
+        let mut detector = ScalerOverflowStreak::default();
+        let mut scale = 65536.0;
+        let mut all = Vec::new();
+        for (step, inf) in found_inf.iter().enumerate() {
+            if *inf == Some(true) {
+                scale /= 2.0;
+            }
+            let mut record = json!({"step": step});
+            if let Some(inf) = inf {
+                record["scaler"] = json!({"scale": scale, "found_inf": inf, "step_skipped": inf});
+            }
+            let mut out = Vec::new();
+            detector.on_step(&context, &serde_json::from_value(record).unwrap(), &mut out);
+            all.extend(out.into_iter().map(|t| (step as u64, t)));
+        }
+        all
+    }
+
+    #[test]
+    fn opens_on_the_kth_overflow_and_resolves_on_the_first_clean_step() {
+        let t = run(&[
+            Some(false),
+            Some(true),
+            Some(true),
+            Some(true),
+            Some(true),
+            Some(false),
+        ]);
+        assert_eq!(t.len(), 2, "{t:?}");
+        assert_eq!(t[0].0, 3);
+        let Transition::Open(o) = &t[0].1 else {
+            panic!()
+        };
+        assert_eq!(o.evidence["scale_before"], 65536.0);
+        assert_eq!(o.evidence["scale_now"], 8192.0);
+        assert!(
+            o.detail.contains("fell from 6.55e4 to 8.19e3"),
+            "{}",
+            o.detail
+        );
+        assert_eq!(
+            t[1],
+            (
+                5,
+                Transition::Resolve {
+                    kind: AlertKind::ScalerOverflowStreak,
+                    subject: "scaler".into(),
+                    step: 5
+                }
+            )
+        );
+    }
+
+    #[test]
+    fn occasional_overflows_and_unreported_steps_are_silent() {
+        assert!(
+            run(&[
+                Some(true),
+                Some(true),
+                Some(false),
+                Some(true),
+                Some(true),
+                Some(false)
+            ])
+            .is_empty()
+        );
+        // Steps without scaler state do not break a streak, nor extend it.
+        let t = run(&[Some(true), None, Some(true), None, Some(true)]);
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0].0, 4);
+    }
+}
