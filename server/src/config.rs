@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+use crate::detect::{Detection, Thresholds};
 use crate::store::SyncMode;
 
 /// gradflow-server: stores gradient-flow telemetry from instrumented trainers in
@@ -33,4 +34,41 @@ pub struct ServerConfig {
     /// cut), `normal` only at checkpoints (survives a killed server).
     #[arg(long, env = "GRADFLOW_SYNC", value_enum, default_value = "full")]
     pub sync: SyncMode,
+
+    /// grad_stuck_zero opens after this many consecutive steps with a gradient norm of
+    /// exactly 0 (or none); a run's registration may override it.
+    #[arg(long, env = "GRADFLOW_STUCK_ZERO_STEPS", default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
+    pub stuck_zero_steps: u32,
+
+    /// norm_weight_frozen opens after this many consecutive steps where norm weights
+    /// had a gradient but an update of exactly 0.
+    #[arg(long, env = "GRADFLOW_FROZEN_NORM_STEPS", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    pub frozen_norm_steps: u32,
+
+    /// scaler_overflow_streak opens after this many consecutive steps with found_inf.
+    #[arg(long, env = "GRADFLOW_OVERFLOW_STREAK_STEPS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub overflow_streak_steps: u32,
+
+    /// Store telemetry without running the detectors (no alerts are opened). Meant
+    /// for measuring what detection costs, not for production.
+    #[arg(long, env = "GRADFLOW_DISABLE_DETECTORS")]
+    pub disable_detectors: bool,
+}
+
+impl ServerConfig {
+    /// The detector settings these flags ask for.
+    pub fn detection(&self) -> Detection {
+        Detection {
+            enabled: !self.disable_detectors,
+            thresholds: self.thresholds(),
+        }
+    }
+
+    pub fn thresholds(&self) -> Thresholds {
+        Thresholds {
+            stuck_zero_steps: self.stuck_zero_steps,
+            frozen_norm_steps: self.frozen_norm_steps,
+            overflow_streak_steps: self.overflow_streak_steps,
+        }
+    }
 }

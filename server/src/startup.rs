@@ -15,22 +15,29 @@ use crate::store::Store;
 pub struct Application {
     listener: TcpListener,
     state: AppState,
+    shutdown: tokio::sync::watch::Sender<bool>,
 }
 
 impl Application {
     pub async fn build(config: &ServerConfig) -> anyhow::Result<Application> {
-        let store = Store::open(&config.db, config.sync).await?;
+        let store = Store::open(&config.db, config.sync, config.detection()).await?;
         let listener = TcpListener::bind(&config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
+        let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = AppState {
+            shutdown: shutdown_rx,
             store: Arc::new(store),
             settings: Arc::new(ApiSettings {
                 ingest_token: config.ingest_token.clone(),
                 max_body_bytes: config.max_body_bytes,
             }),
         };
-        Ok(Application { listener, state })
+        Ok(Application {
+            listener,
+            state,
+            shutdown,
+        })
     }
 
     pub fn address(&self) -> SocketAddr {
@@ -45,19 +52,21 @@ impl Application {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        let Application { listener, state } = self;
+        let Application {
+            listener,
+            state,
+            shutdown: stop_streams,
+        } = self;
         let store = state.store.clone();
+        let shutdown = async move {
+            shutdown.await;
+            let _ = stop_streams.send(true);
+        };
         axum::serve(listener, routes::app(state))
             .with_graceful_shutdown(shutdown)
             .await
             .context("serving HTTP")?;
-        match Arc::try_unwrap(store) {
-            Ok(store) => store.close().await?,
-            Err(_) => {
-                tracing::warn!("requests still hold the store; skipping the final checkpoint")
-            }
-        }
-        Ok(())
+        store.close().await
     }
 }
 

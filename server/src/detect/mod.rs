@@ -68,6 +68,22 @@ impl Thresholds {
     }
 }
 
+/// Whether the detectors run, and with which server-wide thresholds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Detection {
+    pub enabled: bool,
+    pub thresholds: Thresholds,
+}
+
+impl Default for Detection {
+    fn default() -> Self {
+        Detection {
+            enabled: true,
+            thresholds: Thresholds::default(),
+        }
+    }
+}
+
 /// The kinds of PROTOCOL.md's alert table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

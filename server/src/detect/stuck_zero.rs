@@ -134,7 +134,9 @@ impl StuckZeroGrad {
         }
 
         for (&group, &reading) in &group_readings {
-            let streak = self.groups.entry(group.to_owned()).or_default();
+            let Some(streak) = streak_for(&mut self.groups, group, reading) else {
+                continue;
+            };
             if streak.update(step, reading) {
                 out.push(resolve(group, step));
             }
@@ -153,7 +155,9 @@ impl StuckZeroGrad {
             }
         }
         for (module, group, reading) in module_readings {
-            let streak = self.modules.entry(module.to_owned()).or_default();
+            let Some(streak) = streak_for(&mut self.modules, module, reading) else {
+                continue;
+            };
             if streak.update(step, reading) {
                 out.push(resolve(module, step));
             }
@@ -167,6 +171,23 @@ impl StuckZeroGrad {
         self.groups.retain(|_, s| s.len > 0 || s.open);
         self.modules.retain(|_, s| s.len > 0 || s.open);
     }
+}
+
+/// The streak to update for a reading: the existing one, or a new one for a zero
+/// reading. A healthy entity without a streak has nothing to update, and on the hot
+/// path (every module of every step) that saves allocating its name.
+fn streak_for<'a>(
+    streaks: &'a mut BTreeMap<String, Streak>,
+    name: &str,
+    reading: Reading,
+) -> Option<&'a mut Streak> {
+    if !streaks.contains_key(name) {
+        if !reading.zero {
+            return None;
+        }
+        streaks.insert(name.to_owned(), Streak::default());
+    }
+    streaks.get_mut(name)
 }
 
 /// Groups with a non-zero gradient this step, for the contrast in the detail.

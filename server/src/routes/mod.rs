@@ -6,10 +6,14 @@
 //! - [`runs`]: register, list, read and delete runs.
 //! - [`steps`]: `POST /api/v1/runs/{run_id}/steps`, the ingest path.
 //! - [`series`]: `GET /api/v1/runs/{run_id}/series`.
+//! - [`alerts`]: `GET /api/v1/alerts` and `GET /api/v1/runs/{run_id}/alerts`.
+//! - [`events`]: `GET /api/v1/events`, Server-Sent Events.
 //! - [`extract`]: extractors that reject bad input with the API's JSON errors.
 //! - [`auth`]: the ingest token that guards every write.
 
+pub mod alerts;
 pub mod auth;
+pub mod events;
 pub mod extract;
 pub mod health;
 pub mod runs;
@@ -32,6 +36,8 @@ use crate::store::Store;
 pub struct AppState {
     pub store: Arc<Store>,
     pub settings: Arc<ApiSettings>,
+    /// Turns true when the server begins to shut down (ends event streams).
+    pub shutdown: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The request-handling part of the server's configuration.
@@ -55,6 +61,9 @@ pub fn app(state: AppState) -> Router {
         .route("/runs", get(runs::list_runs))
         .route("/runs/{run_id}/steps", post(steps::ingest_steps))
         .route("/runs/{run_id}/series", get(series::read_series))
+        .route("/runs/{run_id}/alerts", get(alerts::list_run_alerts))
+        .route("/alerts", get(alerts::list_alerts))
+        .route("/events", get(events::stream_events))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_ingest_token,

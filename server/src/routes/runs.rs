@@ -12,6 +12,7 @@ use super::extract::RunIdParam;
 use crate::body::{self, BodyFormat};
 use crate::error::ApiError;
 use crate::store::StoredRun;
+use crate::store::alerts::OpenAlertCounts;
 
 /// `PUT /api/v1/runs/{run_id}`: `201` the first time, `200` for the same body again,
 /// `409` for a different one.
@@ -40,7 +41,9 @@ pub async fn register_run(
     } else {
         StatusCode::OK
     };
-    Ok((status, Json(run_view(&run))))
+    let counts = state.store.open_alert_counts().await?;
+    let open_alerts = counts.get(run_id.as_str()).copied().unwrap_or_default();
+    Ok((status, Json(run_view(&run, open_alerts))))
 }
 
 /// `GET /api/v1/runs/{run_id}`: the registration, plus where the stream stands.
@@ -49,15 +52,19 @@ pub async fn get_run(
     RunIdParam(run_id): RunIdParam,
 ) -> Result<Json<Value>, ApiError> {
     let run = state.store.run(&run_id).await?;
-    Ok(Json(run_view(&run)))
+    let counts = state.store.open_alert_counts().await?;
+    let open_alerts = counts.get(run_id.as_str()).copied().unwrap_or_default();
+    Ok(Json(run_view(&run, open_alerts)))
 }
 
 /// `GET /api/v1/runs`: every run, newest first.
 pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let runs = state.store.runs().await?;
+    let counts = state.store.open_alert_counts().await?;
     let runs: Vec<Value> = runs
         .into_iter()
         .map(|run| {
+            let open_alerts = counts.get(&run.run_id).copied().unwrap_or_default();
             json!({
                 "run_id": run.run_id,
                 "name": run.name,
@@ -65,7 +72,7 @@ pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, Api
                 "last_step": run.last_step,
                 "last_seen": run.last_seen.map(rfc3339),
                 "step_count": run.step_count,
-                "open_alerts": no_alerts(),
+                "open_alerts": open_alerts,
             })
         })
         .collect();
@@ -86,7 +93,7 @@ pub async fn delete_run(
 }
 
 /// The registration's fields with the run's progress beside them.
-fn run_view(run: &StoredRun) -> Value {
+fn run_view(run: &StoredRun, open_alerts: OpenAlertCounts) -> Value {
     let mut view = serde_json::to_value(&run.registration).unwrap_or_else(|_| json!({}));
     let progress = json!({
         "run_id": run.run_id,
@@ -95,17 +102,12 @@ fn run_view(run: &StoredRun) -> Value {
         "last_step": run.last_step,
         "last_seen": run.last_seen.map(rfc3339),
         "step_count": run.step_count,
-        "open_alerts": no_alerts(),
+        "open_alerts": open_alerts,
     });
     if let (Some(view), Value::Object(progress)) = (view.as_object_mut(), progress) {
         view.extend(progress);
     }
     view
-}
-
-/// Open alerts by severity; the detectors fill these in.
-fn no_alerts() -> Value {
-    json!({"critical": 0, "warning": 0, "info": 0})
 }
 
 fn rfc3339(unix_seconds: f64) -> String {

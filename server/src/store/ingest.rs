@@ -5,17 +5,24 @@
 //! database as it was, and a commit (with `synchronous=FULL`, an fsync of the WAL)
 //! makes the batch durable before the client hears `200`. The in-memory run state is
 //! updated only after the commit succeeds.
+//!
+//! The detectors run here too, on each new record in step order: their transitions
+//! become alert rows and their state a JSON row in the same transaction, so alerts,
+//! streaks and steps can never disagree, not even after a crash.
 
 use anyhow::Context;
 use gradflow_protocol::{InvalidBody, RunId, StepRecord};
 use serde::Serialize;
 use sqlx::{Connection, SqliteConnection};
 
+use super::alerts::{self, Alert, OpenEpisode};
 use super::codec;
 use super::columns::ColumnAssigner;
+use super::events::{AlertAction, Event};
 use super::flatten::flatten;
 use super::rollup::{BucketSummary, ROLLUP_WIDTHS};
 use super::{RunState, Store, StoreError, StoreResult, Writer, now_seconds};
+use crate::detect::Transition;
 
 /// The answer to a batch, as PROTOCOL.md words it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -44,7 +51,9 @@ impl Store {
         records: &[StepRecord],
     ) -> StoreResult<IngestOutcome> {
         let mut guard = self.writer.lock().await;
-        guard.run_state(run_id.as_str()).await?;
+        guard
+            .run_state(run_id.as_str(), self.detection.thresholds)
+            .await?;
         let Writer {
             conn,
             runs,
@@ -104,6 +113,54 @@ impl Store {
         for width in ROLLUP_WIDTHS {
             update_rollups(&mut tx, state, width, &rows, compressor, decompressor).await?;
         }
+
+        let mut detectors = state.detectors.clone();
+        let mut open = state.open.clone();
+        let mut opened = Vec::new();
+        let mut resolved = Vec::new();
+        for record in new.iter().filter(|_| self.detection.enabled) {
+            for transition in detectors.on_step(&state.context, record) {
+                match transition {
+                    Transition::Open(alert) => {
+                        let id = alerts::insert_opened(&mut tx, state.key, &alert).await?;
+                        open.insert(
+                            (alert.kind, alert.subject.clone()),
+                            OpenEpisode {
+                                id,
+                                last_step: alert.step,
+                            },
+                        );
+                        opened.push(Alert::from_opened(id, run_id.as_str(), &alert));
+                    }
+                    Transition::Resolve {
+                        kind,
+                        subject,
+                        step,
+                    } => {
+                        if let Some(episode) = open.remove(&(kind, subject)) {
+                            alerts::resolve(&mut tx, episode, step).await?;
+                            resolved.push(episode.id);
+                        }
+                    }
+                }
+            }
+            for episode in open.values_mut() {
+                episode.last_step = Some(record.step);
+            }
+        }
+        for episode in open.values() {
+            alerts::extend(&mut tx, *episode).await?;
+        }
+        let detector_state =
+            serde_json::to_string(&detectors).context("encoding detector state")?;
+        sqlx::query(
+            "INSERT INTO detector_state (run, state) VALUES (?, ?) \
+             ON CONFLICT (run) DO UPDATE SET state = excluded.state",
+        )
+        .bind(state.key)
+        .bind(detector_state)
+        .execute(&mut *tx)
+        .await?;
         let last = rows.last().expect("at least one new row").step;
         sqlx::query(
             "UPDATE runs SET first_step = COALESCE(first_step, ?), last_step = ?, \
@@ -122,11 +179,37 @@ impl Store {
             state.columns.restore(kind, &subject, position);
         }
         state.last_step = Some(last);
-        Ok(IngestOutcome {
+        state.detectors = detectors;
+        state.open = open;
+        let outcome = IngestOutcome {
             accepted: rows.len(),
             duplicates: duplicates.len(),
             last_step: Some(last),
-        })
+        };
+        drop(guard);
+
+        self.announce(Event::Step {
+            run_id: run_id.as_str().to_owned(),
+            last_step: last,
+            accepted: outcome.accepted,
+        });
+        for alert in opened {
+            tracing::warn!(run_id = %run_id, kind = %alert.kind, subject = %alert.subject, "alert opened: {}", alert.title);
+            self.announce(Event::Alert {
+                action: AlertAction::Opened,
+                alert: Box::new(alert),
+            });
+        }
+        for id in resolved {
+            if let Some(alert) = self.alert(id).await? {
+                tracing::info!(run_id = %run_id, kind = %alert.kind, subject = %alert.subject, "alert resolved");
+                self.announce(Event::Alert {
+                    action: AlertAction::Resolved,
+                    alert: Box::new(alert),
+                });
+            }
+        }
+        Ok(outcome)
     }
 }
 

@@ -9,12 +9,16 @@
 //! - [`columns`]: the per-run column dictionary (which blob position holds what).
 //! - [`flatten`]: a step record → a row of cells, deriving group norms.
 //! - [`rollup`]: per-bucket extremes that keep long-range reads fast.
+//! - [`alerts`]: alerts as stored, written from detector transitions.
+//! - [`events`]: what is announced after each commit.
 //! - `runs`: registration, listing, reading and deleting runs.
 //! - `ingest`: the all-or-nothing batch transaction.
 //! - `read`: series reads over raw rows and rollups.
 
+pub mod alerts;
 pub mod codec;
 pub mod columns;
+pub mod events;
 pub mod flatten;
 mod ingest;
 mod read;
@@ -24,6 +28,7 @@ mod runs;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -33,13 +38,16 @@ use sqlx::sqlite::{
     SqliteSynchronous,
 };
 use sqlx::{Connection, SqliteConnection};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, broadcast};
 
 pub use ingest::IngestOutcome;
 pub use read::{SeriesData, SeriesRequest};
 pub use runs::{RunSummary, StoredRun};
 
+use crate::detect::{Detection, DetectorSet, RunContext, Thresholds};
+use alerts::OpenEpisodes;
 use columns::{ColumnDictionary, SeriesKind};
+use events::Event;
 
 /// When a commit reaches the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -92,6 +100,8 @@ pub type StoreResult<T> = Result<T, StoreError>;
 pub struct Store {
     read: SqlitePool,
     writer: Mutex<Writer>,
+    events: broadcast::Sender<Event>,
+    detection: Detection,
 }
 
 /// Everything only the writer touches.
@@ -114,14 +124,22 @@ struct RunState {
     params: HashSet<String>,
     /// Module → group, from the registration's parameters.
     module_groups: HashMap<String, String>,
+    /// What the detectors know of the run, and their streaks.
+    context: Arc<RunContext>,
+    detectors: DetectorSet,
+    /// The run's open alert episodes.
+    open: OpenEpisodes,
 }
 
 impl RunState {
-    fn new(key: i64, registration: &RunRegistration) -> RunState {
+    fn new(key: i64, registration: &RunRegistration, thresholds: Thresholds) -> RunState {
         RunState {
             key,
             last_step: None,
             columns: ColumnDictionary::default(),
+            context: Arc::new(RunContext::new(registration, thresholds)),
+            detectors: DetectorSet::default(),
+            open: OpenEpisodes::new(),
             params: registration.params.iter().map(|p| p.name.clone()).collect(),
             module_groups: registration
                 .params
@@ -134,7 +152,9 @@ impl RunState {
 
 impl Store {
     /// Opens (creating if missing) the database at `path` and applies the migrations.
-    pub async fn open(path: &Path, sync: SyncMode) -> anyhow::Result<Store> {
+    /// `detection` says whether the detectors run, and their server-wide thresholds
+    /// (runs may override them).
+    pub async fn open(path: &Path, sync: SyncMode, detection: Detection) -> anyhow::Result<Store> {
         let url = format!("sqlite://{}", path.display());
         let options = SqliteConnectOptions::from_str(&url)
             .with_context(|| format!("parsing database path {}", path.display()))?
@@ -164,6 +184,8 @@ impl Store {
             .with_context(|| format!("opening read connections to {}", path.display()))?;
         Ok(Store {
             read,
+            events: broadcast::channel(EVENT_BUFFER).0,
+            detection,
             writer: Mutex::new(Writer {
                 conn,
                 runs: HashMap::new(),
@@ -173,28 +195,55 @@ impl Store {
         })
     }
 
-    /// Waits for the batch in flight, then closes every connection (checkpointing
-    /// the WAL into the main file).
-    pub async fn close(self) -> anyhow::Result<()> {
+    /// Waits for the batch in flight, checkpoints the WAL into the main file and
+    /// closes the readers. Takes `&self`: when the server stops, the last connection
+    /// task may still hold a handle on the store for a moment.
+    pub async fn close(&self) -> anyhow::Result<()> {
+        let mut writer = self.writer.lock().await;
         self.read.close().await;
-        let writer = self.writer.into_inner();
-        writer.conn.close().await.context("closing the database")?;
+        sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+            .execute(&mut writer.conn)
+            .await
+            .context("checkpointing the WAL")?;
         Ok(())
+    }
+}
+
+/// Events a slow listener may fall behind by before it misses some.
+const EVENT_BUFFER: usize = 4096;
+
+impl Store {
+    /// Subscribes to the events announced after each commit.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+
+    fn announce(&self, event: Event) {
+        // No listener is not an error.
+        let _ = self.events.send(event);
     }
 }
 
 impl Writer {
     /// The ingest state of `run_id`, loaded from the database on first use.
-    async fn run_state(&mut self, run_id: &str) -> StoreResult<&mut RunState> {
+    async fn run_state(
+        &mut self,
+        run_id: &str,
+        thresholds: Thresholds,
+    ) -> StoreResult<&mut RunState> {
         if !self.runs.contains_key(run_id) {
-            let state = load_run_state(&mut self.conn, run_id).await?;
+            let state = load_run_state(&mut self.conn, run_id, thresholds).await?;
             self.runs.insert(run_id.to_owned(), state);
         }
         Ok(self.runs.get_mut(run_id).expect("inserted above"))
     }
 }
 
-async fn load_run_state(conn: &mut SqliteConnection, run_id: &str) -> StoreResult<RunState> {
+async fn load_run_state(
+    conn: &mut SqliteConnection,
+    run_id: &str,
+    thresholds: Thresholds,
+) -> StoreResult<RunState> {
     let row: Option<(i64, String, Option<i64>)> =
         sqlx::query_as("SELECT id, registration, last_step FROM runs WHERE run_id = ?")
             .bind(run_id)
@@ -205,8 +254,18 @@ async fn load_run_state(conn: &mut SqliteConnection, run_id: &str) -> StoreResul
     };
     let registration: RunRegistration = serde_json::from_str(&registration)
         .with_context(|| format!("reading the stored registration of run {run_id}"))?;
-    let mut state = RunState::new(key, &registration);
+    let mut state = RunState::new(key, &registration, thresholds);
     state.last_step = last_step.map(|s| s as u64);
+    let detectors: Option<String> =
+        sqlx::query_scalar("SELECT state FROM detector_state WHERE run = ?")
+            .bind(key)
+            .fetch_optional(&mut *conn)
+            .await?;
+    if let Some(detectors) = detectors {
+        state.detectors = serde_json::from_str(&detectors)
+            .with_context(|| format!("reading the detector state of run {run_id}"))?;
+    }
+    state.open = alerts::load_open(conn, key).await?;
     let columns: Vec<(i64, String, String)> =
         sqlx::query_as("SELECT col, kind, subject FROM columns WHERE run = ?")
             .bind(key)

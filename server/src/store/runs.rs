@@ -5,7 +5,10 @@ use gradflow_protocol::{RunId, RunRegistration};
 use serde_json::Value;
 use sqlx::Connection;
 
+use super::alerts::{self, Alert, OpenEpisode};
+use super::events::{AlertAction, Event};
 use super::{RunState, Store, StoreError, StoreResult, now_seconds};
+use crate::detect::registration;
 
 /// A run as stored: its registration (with the protocol's defaults written out) and
 /// where its stream stands.
@@ -94,10 +97,36 @@ impl Store {
         .bind(created_at)
         .fetch_one(&mut *tx)
         .await?;
+        // What the registration alone proves wrong is known before the first step.
+        let mut state = RunState::new(key, &registration, self.detection.thresholds);
+        let mut opened = Vec::new();
+        let checks = if self.detection.enabled {
+            registration::check(&state.context)
+        } else {
+            Vec::new()
+        };
+        for alert in checks {
+            let id = alerts::insert_opened(&mut tx, key, &alert).await?;
+            state.open.insert(
+                (alert.kind, alert.subject.clone()),
+                OpenEpisode {
+                    id,
+                    last_step: None,
+                },
+            );
+            opened.push(Alert::from_opened(id, run_id.as_str(), &alert));
+        }
         tx.commit().await?;
-        let state = RunState::new(key, &registration);
         writer.runs.insert(run_id.as_str().to_owned(), state);
-        tracing::info!(run_id = %run_id, params = registration.params.len(), "run registered");
+        drop(writer);
+        tracing::info!(run_id = %run_id, params = registration.params.len(), alerts = opened.len(), "run registered");
+        for alert in opened {
+            tracing::warn!(run_id = %run_id, kind = %alert.kind, subject = %alert.subject, "alert opened: {}", alert.title);
+            self.announce(Event::Alert {
+                action: AlertAction::Opened,
+                alert: Box::new(alert),
+            });
+        }
         Ok((
             StoredRun {
                 run_id: run_id.as_str().to_owned(),
@@ -145,7 +174,7 @@ impl Store {
             return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
         };
         let mut tx = writer.conn.begin().await?;
-        for table in ["rollups", "steps", "columns"] {
+        for table in ["alerts", "detector_state", "rollups", "steps", "columns"] {
             sqlx::query(&format!("DELETE FROM {table} WHERE run = ?"))
                 .bind(key)
                 .execute(&mut *tx)

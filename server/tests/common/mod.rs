@@ -30,6 +30,10 @@ pub fn config(db: PathBuf) -> ServerConfig {
         ingest_token: None,
         max_body_bytes: 32 * 1024 * 1024,
         sync: SyncMode::Normal,
+        stuck_zero_steps: 50,
+        frozen_norm_steps: 20,
+        overflow_streak_steps: 10,
+        disable_detectors: false,
     }
 }
 

@@ -1,0 +1,110 @@
+//! `GET /api/v1/alerts` and `GET /api/v1/runs/{run_id}/alerts`.
+
+use axum::Json;
+use axum::extract::State;
+use gradflow_protocol::RunId;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::extract::{ApiQuery, RunIdParam};
+use crate::detect::{AlertKind, Severity};
+use crate::error::ApiError;
+use crate::store::alerts::AlertFilter;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllAlertsParams {
+    run_id: Option<String>,
+    status: Option<String>,
+    kind: Option<String>,
+    severity: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunAlertsParams {
+    status: Option<String>,
+    kind: Option<String>,
+    severity: Option<String>,
+}
+
+/// Alerts of every run (or of `run_id`), oldest `first_step` first.
+pub async fn list_alerts(
+    State(state): State<AppState>,
+    ApiQuery(params): ApiQuery<AllAlertsParams>,
+) -> Result<Json<Value>, ApiError> {
+    let run_id = match params.run_id.as_deref() {
+        Some(raw) => Some(
+            RunId::parse(raw)
+                .map_err(|m| ApiError::invalid_query(m).with_path("run_id"))?
+                .as_str()
+                .to_owned(),
+        ),
+        None => None,
+    };
+    let filter = filter(run_id, params.status, params.kind, params.severity)?;
+    let alerts = state.store.alerts(&filter).await?;
+    Ok(Json(json!({ "alerts": alerts })))
+}
+
+/// One run's alerts.
+pub async fn list_run_alerts(
+    State(state): State<AppState>,
+    RunIdParam(run_id): RunIdParam,
+    ApiQuery(params): ApiQuery<RunAlertsParams>,
+) -> Result<Json<Value>, ApiError> {
+    let filter = filter(
+        Some(run_id.as_str().to_owned()),
+        params.status,
+        params.kind,
+        params.severity,
+    )?;
+    let alerts = state.store.alerts(&filter).await?;
+    Ok(Json(json!({ "alerts": alerts })))
+}
+
+fn filter(
+    run_id: Option<String>,
+    status: Option<String>,
+    kind: Option<String>,
+    severity: Option<String>,
+) -> Result<AlertFilter, ApiError> {
+    let open = match status.as_deref() {
+        None | Some("all") => None,
+        Some("open") => Some(true),
+        Some("resolved") => Some(false),
+        Some(other) => {
+            return Err(ApiError::invalid_query(format!(
+                "unknown status {other:?}: one of open, resolved, all"
+            ))
+            .with_path("status"));
+        }
+    };
+    let kind = match kind.as_deref() {
+        None => None,
+        Some(text) => Some(AlertKind::parse(text).ok_or_else(|| {
+            let kinds: Vec<&str> = AlertKind::ALL.iter().map(|k| k.as_str()).collect();
+            ApiError::invalid_query(format!(
+                "unknown kind {text:?}: one of {}",
+                kinds.join(", ")
+            ))
+            .with_path("kind")
+        })?),
+    };
+    let severity = match severity.as_deref() {
+        None => None,
+        Some(text) => Some(Severity::parse(text).ok_or_else(|| {
+            ApiError::invalid_query(format!(
+                "unknown severity {text:?}: one of critical, warning, info"
+            ))
+            .with_path("severity")
+        })?),
+    };
+    Ok(AlertFilter {
+        run_id,
+        open,
+        kind,
+        severity,
+    })
+}

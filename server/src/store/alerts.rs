@@ -1,0 +1,233 @@
+//! Alerts as stored: written by the ingest and registration transactions from the
+//! detectors' transitions, read back with filters.
+
+use std::collections::HashMap;
+
+use anyhow::Context;
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::SqliteConnection;
+
+use super::{Store, StoreError, StoreResult, now_seconds};
+use crate::detect::{AlertKind, Opened, Severity};
+
+/// An alert as the API shows it (PROTOCOL.md's alert object), decoded straight from
+/// its row.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct Alert {
+    pub id: i64,
+    pub run_id: String,
+    pub kind: String,
+    pub severity: String,
+    pub subject: String,
+    pub status: String,
+    pub first_step: Option<i64>,
+    pub last_step: Option<i64>,
+    pub resolved_step: Option<i64>,
+    /// The step whose arrival opened the alert (it completed the threshold).
+    pub opened_step: Option<i64>,
+    pub title: String,
+    pub detail: String,
+    pub fix: String,
+    #[sqlx(json)]
+    pub evidence: Value,
+}
+
+const ALERT_COLUMNS: &str = "a.id, r.run_id, a.kind, a.severity, a.subject, a.status, \
+    a.first_step, a.last_step, a.resolved_step, a.opened_step, a.title, a.detail, a.fix, \
+    a.evidence";
+
+impl Alert {
+    /// The alert a detector just opened, as stored under `id`.
+    pub(super) fn from_opened(id: i64, run_id: &str, opened: &Opened) -> Alert {
+        let step = opened.step.map(|s| s as i64);
+        Alert {
+            opened_step: step,
+            id,
+            run_id: run_id.to_owned(),
+            kind: opened.kind.as_str().to_owned(),
+            severity: opened.severity.as_str().to_owned(),
+            subject: opened.subject.clone(),
+            status: "open".to_owned(),
+            first_step: opened.first_step.map(|s| s as i64),
+            last_step: step,
+            resolved_step: None,
+            title: opened.title.clone(),
+            detail: opened.detail.clone(),
+            fix: opened.fix.clone(),
+            evidence: opened.evidence.clone(),
+        }
+    }
+}
+
+/// Which alerts to list.
+#[derive(Debug, Clone, Default)]
+pub struct AlertFilter {
+    pub run_id: Option<String>,
+    /// `None`: open and resolved.
+    pub open: Option<bool>,
+    pub kind: Option<AlertKind>,
+    pub severity: Option<Severity>,
+}
+
+/// Open alerts of one run by severity.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct OpenAlertCounts {
+    pub critical: u64,
+    pub warning: u64,
+    pub info: u64,
+}
+
+/// The open episode of a (kind, subject), as the writer tracks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct OpenEpisode {
+    pub id: i64,
+    pub last_step: Option<u64>,
+}
+
+pub(super) type OpenEpisodes = HashMap<(AlertKind, String), OpenEpisode>;
+
+/// Inserts a newly opened alert; returns its id.
+pub(super) async fn insert_opened(
+    conn: &mut SqliteConnection,
+    run: i64,
+    opened: &Opened,
+) -> StoreResult<i64> {
+    let evidence = serde_json::to_string(&opened.evidence).context("encoding evidence")?;
+    let step = opened.step.map(|s| s as i64);
+    Ok(sqlx::query_scalar(
+        "INSERT INTO alerts (run, kind, severity, subject, status, first_step, opened_step, \
+         last_step, title, detail, fix, evidence, opened_at) \
+         VALUES (?, ?, ?, ?, 'open', ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+    )
+    .bind(run)
+    .bind(opened.kind.as_str())
+    .bind(opened.severity.as_str())
+    .bind(&opened.subject)
+    .bind(opened.first_step.map(|s| s as i64))
+    .bind(step)
+    .bind(step)
+    .bind(&opened.title)
+    .bind(&opened.detail)
+    .bind(&opened.fix)
+    .bind(evidence)
+    .bind(now_seconds())
+    .fetch_one(conn)
+    .await?)
+}
+
+/// Marks an episode resolved at `step`, with `last_step` the last step it held on.
+pub(super) async fn resolve(
+    conn: &mut SqliteConnection,
+    episode: OpenEpisode,
+    step: u64,
+) -> StoreResult<()> {
+    sqlx::query(
+        "UPDATE alerts SET status = 'resolved', resolved_step = ?, last_step = ?, resolved_at = ? \
+         WHERE id = ?",
+    )
+    .bind(step as i64)
+    .bind(episode.last_step.map(|s| s as i64))
+    .bind(now_seconds())
+    .bind(episode.id)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Moves an open episode's `last_step` forward.
+pub(super) async fn extend(conn: &mut SqliteConnection, episode: OpenEpisode) -> StoreResult<()> {
+    sqlx::query("UPDATE alerts SET last_step = ? WHERE id = ?")
+        .bind(episode.last_step.map(|s| s as i64))
+        .bind(episode.id)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// The open episodes of a run, for the writer's state after a restart.
+pub(super) async fn load_open(conn: &mut SqliteConnection, run: i64) -> StoreResult<OpenEpisodes> {
+    let rows: Vec<(i64, String, String, Option<i64>)> = sqlx::query_as(
+        "SELECT id, kind, subject, last_step FROM alerts WHERE run = ? AND status = 'open'",
+    )
+    .bind(run)
+    .fetch_all(conn)
+    .await?;
+    let mut open = OpenEpisodes::new();
+    for (id, kind, subject, last_step) in rows {
+        let kind =
+            AlertKind::parse(&kind).with_context(|| format!("unknown alert kind {kind:?}"))?;
+        open.insert(
+            (kind, subject),
+            OpenEpisode {
+                id,
+                last_step: last_step.map(|s| s as u64),
+            },
+        );
+    }
+    Ok(open)
+}
+
+impl Store {
+    /// Alerts matching `filter`, oldest `first_step` first (registration alerts, which
+    /// have none, before all others).
+    pub async fn alerts(&self, filter: &AlertFilter) -> StoreResult<Vec<Alert>> {
+        if let Some(run_id) = &filter.run_id {
+            let exists: Option<i64> = sqlx::query_scalar("SELECT id FROM runs WHERE run_id = ?")
+                .bind(run_id)
+                .fetch_optional(&self.read)
+                .await?;
+            if exists.is_none() {
+                return Err(StoreError::RunNotFound(run_id.clone()));
+            }
+        }
+        let sql = format!(
+            "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run \
+             WHERE (?1 IS NULL OR r.run_id = ?1) AND (?2 IS NULL OR a.status = ?2) \
+             AND (?3 IS NULL OR a.kind = ?3) AND (?4 IS NULL OR a.severity = ?4) \
+             ORDER BY a.first_step IS NOT NULL, a.first_step, a.id"
+        );
+        Ok(sqlx::query_as(&sql)
+            .bind(filter.run_id.as_deref())
+            .bind(
+                filter
+                    .open
+                    .map(|open| if open { "open" } else { "resolved" }),
+            )
+            .bind(filter.kind.map(AlertKind::as_str))
+            .bind(filter.severity.map(Severity::as_str))
+            .fetch_all(&self.read)
+            .await?)
+    }
+
+    /// One alert by id.
+    pub async fn alert(&self, id: i64) -> StoreResult<Option<Alert>> {
+        Ok(sqlx::query_as(&format!(
+            "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run WHERE a.id = ?"
+        ))
+        .bind(id)
+        .fetch_optional(&self.read)
+        .await?)
+    }
+
+    /// Open alerts by severity, for every run that has any.
+    pub async fn open_alert_counts(&self) -> StoreResult<HashMap<String, OpenAlertCounts>> {
+        let rows: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT r.run_id, a.severity, count(*) FROM alerts a JOIN runs r ON r.id = a.run \
+             WHERE a.status = 'open' GROUP BY r.run_id, a.severity",
+        )
+        .fetch_all(&self.read)
+        .await?;
+        let mut counts: HashMap<String, OpenAlertCounts> = HashMap::new();
+        for (run_id, severity, n) in rows {
+            let entry = counts.entry(run_id).or_default();
+            match Severity::parse(&severity) {
+                Some(Severity::Critical) => entry.critical += n as u64,
+                Some(Severity::Warning) => entry.warning += n as u64,
+                Some(Severity::Info) => entry.info += n as u64,
+                None => {}
+            }
+        }
+        Ok(counts)
+    }
+}
