@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::TestApp;
 use serde_json::{Value, json};
 
-/// A hybrid model: qwen (3 modules, 2 norm weights) feeding an agent (2 modules).
+/// A hybrid model: qwen (4 modules, 2 norm weights) feeding an agent (2 modules).
 fn hybrid(precision: Value, optimizer: Value) -> Value {
     json!({
         "name": "qwen-agent",
@@ -42,6 +42,7 @@ fn step(step: u64, qwen: (Value, u32), norm_update: f64) -> Value {
             {"module": "qwen.embed_tokens", "grad_norm": grad, "hook_hits": hooks},
             {"module": "qwen.layers.0.input_layernorm", "grad_norm": grad, "hook_hits": hooks},
             {"module": "qwen.layers.0.self_attn.q_proj", "grad_norm": grad, "hook_hits": hooks},
+            {"module": "qwen.norm", "grad_norm": grad, "hook_hits": hooks},
             {"module": "agent.encoder", "grad_norm": 0.8, "hook_hits": 1},
             {"module": "agent.head", "grad_norm": 1.1, "hook_hits": 1}
         ],
@@ -272,7 +273,7 @@ async fn overflow_streaks_nan_gradients_and_nan_losses() {
 
     app.register("nan", &healthy_registration()).await;
     let mut records: Vec<Value> = (0..6).map(healthy).collect();
-    records[3]["modules"][4]["grad_norm"] = json!("NaN");
+    records[3]["modules"][5]["grad_norm"] = json!("NaN");
     records[4]["loss"] = json!("NaN");
     stream(&app, "nan", records).await;
     let found = alerts(&app, "run_id=nan").await;
@@ -506,4 +507,66 @@ async fn shutdown_is_not_held_up_by_event_listeners() {
     tokio::time::timeout(Duration::from_secs(10), app.stop())
         .await
         .expect("the server stops within 10 s with a listener connected");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gradflows_own_kinds_fire_through_the_api() {
+    let app = TestApp::spawn().await;
+
+    // grad_explosion: a 100× spike in agent after a calm start.
+    app.register("spike", &healthy_registration()).await;
+    let mut records: Vec<Value> = (0..40).map(healthy).collect();
+    records[30]["modules"][4]["grad_norm"] = json!(80.0);
+    stream(&app, "spike", records).await;
+    let found = alerts(&app, "run_id=spike").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(
+        (found[0]["kind"].as_str(), found[0]["subject"].as_str()),
+        (Some("grad_explosion"), Some("agent"))
+    );
+    assert_eq!(
+        (
+            found[0]["opened_step"].clone(),
+            found[0]["resolved_step"].clone()
+        ),
+        (json!(30), json!(31))
+    );
+
+    // unused_parameters: a registered head that no step reports.
+    let mut registration = healthy_registration();
+    registration["params"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "agent.aux_head.weight", "role": "linear"}));
+    app.register("aux", &registration).await;
+    stream(&app, "aux", (0..50).map(healthy).collect()).await;
+    let found = alerts(&app, "run_id=aux").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0]["kind"], "unused_parameters");
+    assert_eq!(found[0]["evidence"]["modules"], json!(["agent.aux_head"]));
+    assert_eq!(found[0]["opened_step"], 49);
+
+    // grad_vanishing: six layers whose norms shrink tenfold per layer towards the input.
+    let params: Vec<Value> = (0..6)
+        .map(|l| json!({"name": format!("deep.layers.{l}.mlp.weight")}))
+        .collect();
+    app.register("deep", &json!({"params": params})).await;
+    let records: Vec<Value> = (0..25)
+        .map(|s| {
+            let modules: Vec<Value> = (0..6)
+                .map(|l| json!({"module": format!("deep.layers.{l}.mlp"), "grad_norm": 0.1f64.powi(5 - l), "hook_hits": 1}))
+                .collect();
+            json!({"step": s, "modules": modules})
+        })
+        .collect();
+    stream(&app, "deep", records).await;
+    let found = alerts(&app, "run_id=deep").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0]["kind"], "grad_vanishing");
+    assert_eq!(found[0]["opened_step"], 19);
+    assert_eq!(
+        alerts(&app, "kind=grad_vanishing").await.len(),
+        1,
+        "the kind filter knows the new kinds"
+    );
 }

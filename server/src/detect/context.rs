@@ -1,10 +1,22 @@
 //! What the detectors know of a run from its registration, indexed once.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+// Looked up once per reported module per step: Fx hashing is several times faster
+// than SipHash on short keys, and these keys come from the run's own registration.
+use rustc_hash::FxHashMap as HashMap;
 
 use gradflow_protocol::{Dtype, Role, RunRegistration};
 
 use super::Thresholds;
+
+/// A module with trainable parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModuleInfo {
+    pub group: String,
+    /// Its layer number, when its name has one (`qwen.layers.3.mlp` → 3).
+    pub layer: Option<usize>,
+}
 
 /// A norm weight the frozen-weight detector watches.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,8 +45,8 @@ pub struct OptimizerInfo {
 pub struct RunContext {
     pub thresholds: Thresholds,
     pub registration: RunRegistration,
-    /// Modules with at least one trainable (`requires_grad`) parameter → their group.
-    pub trainable_modules: HashMap<String, String>,
+    /// Modules with at least one trainable (`requires_grad`) parameter.
+    pub trainable_modules: HashMap<String, ModuleInfo>,
     /// Trainable modules per group, counted.
     pub trainable_modules_per_group: BTreeMap<String, usize>,
     /// Trainable norm weights by name.
@@ -46,15 +58,18 @@ impl RunContext {
     pub fn new(registration: &RunRegistration, server_thresholds: Thresholds) -> RunContext {
         let registration = registration.clone().normalized();
         let run_dtype = registration.precision.as_ref().and_then(|p| p.param_dtype);
-        let mut trainable_modules = HashMap::new();
-        let mut norm_params = HashMap::new();
+        let mut trainable_modules = HashMap::default();
+        let mut norm_params = HashMap::default();
         for param in &registration.params {
             if !param.requires_grad() {
                 continue;
             }
             trainable_modules.insert(
                 param.module_name().to_owned(),
-                param.group_name().to_owned(),
+                ModuleInfo {
+                    group: param.group_name().to_owned(),
+                    layer: super::vanishing::layer_index(param.module_name()),
+                },
             );
             if param.role() == Role::Norm {
                 norm_params.insert(
@@ -69,9 +84,9 @@ impl RunContext {
             }
         }
         let mut trainable_modules_per_group = BTreeMap::new();
-        for group in trainable_modules.values() {
+        for module in trainable_modules.values() {
             *trainable_modules_per_group
-                .entry(group.clone())
+                .entry(module.group.clone())
                 .or_insert(0) += 1;
         }
         let optimizer = registration.optimizer.as_ref();
@@ -107,6 +122,6 @@ impl RunContext {
     /// The group of a trainable module, or `None` for a module without trainable
     /// parameters (its gradient being absent says nothing).
     pub fn trainable_group(&self, module: &str) -> Option<&str> {
-        self.trainable_modules.get(module).map(String::as_str)
+        self.trainable_modules.get(module).map(|m| m.group.as_str())
     }
 }

@@ -12,13 +12,12 @@
 
 use std::collections::BTreeMap;
 
-use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::context::{NormParam, RunContext};
 use super::precision::{describe_magnitude, smallest_change};
-use super::{AlertKind, Opened, Severity, Transition, name_list, sci, step_range};
+use super::{AlertKind, Opened, Severity, StepView, Transition, name_list, sci, step_range};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct FrozenNormWeight {
@@ -43,12 +42,8 @@ struct Frozen<'a> {
 }
 
 impl FrozenNormWeight {
-    pub fn on_step(
-        &mut self,
-        context: &RunContext,
-        record: &StepRecord,
-        out: &mut Vec<Transition>,
-    ) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let (context, record) = (view.context, view.record);
         let step = record.step;
         let threshold = context.thresholds.frozen_norm_steps;
         let lr = record.lr.map(|f| f.get()).or(context.optimizer.lr);
@@ -304,8 +299,10 @@ fn open(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::StepView;
     use crate::detect::Thresholds;
     use gradflow_protocol::RunRegistration;
+    use gradflow_protocol::StepRecord;
     use serde_json::Value;
 
     fn context(dtype: &str, lr: f64, optimizer: &str, in_optimizer: bool) -> RunContext {
@@ -345,7 +342,7 @@ mod tests {
         let mut all = Vec::new();
         for r in records {
             let mut out = Vec::new();
-            detector.on_step(context, r, &mut out);
+            detector.on_step(&StepView::new(context, r), &mut out);
             all.extend(out.into_iter().map(|t| (r.step, t)));
         }
         all

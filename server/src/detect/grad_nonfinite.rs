@@ -12,7 +12,7 @@ use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, Opened, RunContext, Severity, Transition, name_list};
+use super::{AlertKind, GroupMap, Opened, Severity, StepView, Transition, name_list};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct GradNonfinite {
@@ -21,29 +21,22 @@ pub struct GradNonfinite {
 }
 
 impl GradNonfinite {
-    pub fn on_step(
-        &mut self,
-        context: &RunContext,
-        record: &StepRecord,
-        out: &mut Vec<Transition>,
-    ) {
-        if record.scaler.as_ref().and_then(|s| s.found_inf) == Some(true) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let record = view.record;
+        if view.found_inf() {
             return;
         }
         // Per group reported this step: its non-finite modules, in report order.
-        let mut groups: BTreeMap<&str, Vec<(&str, f64)>> = BTreeMap::new();
-        for module in &record.modules {
-            let group = context
-                .trainable_group(&module.module)
-                .unwrap_or_else(|| gradflow_protocol::default_group(&module.module));
-            let bad = groups.entry(group).or_default();
+        let mut groups: GroupMap<Vec<(&str, f64)>> = GroupMap::default();
+        for (module, group) in view.modules_with_groups() {
+            let bad = groups.entry(group);
             if let Some(norm) = module.grad_norm.map(|n| n.get())
                 && !norm.is_finite()
             {
                 bad.push((&module.module, norm));
             }
         }
-        for (group, bad) in groups {
+        for (group, bad) in groups.iter() {
             match (bad.is_empty(), self.open.contains_key(group)) {
                 (true, true) => {
                     self.open.remove(group);
@@ -55,7 +48,7 @@ impl GradNonfinite {
                 }
                 (false, false) => {
                     self.open.insert(group.to_owned(), record.step);
-                    out.push(opened(group, &bad, record));
+                    out.push(opened(group, bad, record));
                 }
                 _ => {}
             }
@@ -110,6 +103,8 @@ fn opened(group: &str, bad: &[(&str, f64)], record: &StepRecord) -> Transition {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::RunContext;
+    use crate::detect::StepView;
     use crate::detect::Thresholds;
     use gradflow_protocol::RunRegistration;
     use serde_json::Value;
@@ -129,7 +124,10 @@ mod tests {
                 record["scaler"] = json!({"found_inf": inf});
             }
             let mut out = Vec::new();
-            detector.on_step(&context, &serde_json::from_value(record).unwrap(), &mut out);
+            detector.on_step(
+                &StepView::new(&context, &serde_json::from_value(record).unwrap()),
+                &mut out,
+            );
             all.extend(out.into_iter().map(|t| (step as u64, t)));
         }
         all

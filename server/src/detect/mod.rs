@@ -15,12 +15,16 @@
 //! - [`scaler_overflow`]: `scaler_overflow_streak`, `found_inf` K steps running.
 //! - [`grad_nonfinite`]: `grad_nonfinite`, NaN/Inf gradients the scaler did not catch.
 //! - [`loss_nonfinite`]: `loss_nonfinite`, a NaN or infinite loss.
+//! - [`explosion`]: `grad_explosion`, a group's norm far above its running median.
+//! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
+//! - [`unused`]: `unused_parameters`, trainable modules no step ever reports.
 //! - [`registration`]: the checks made once, at registration: `scaler_bf16_incompatible`,
 //!   `dtype_mismatch`, `param_not_in_optimizer`.
 //! - [`context`]: what the detectors know of a run from its registration.
 //! - [`precision`]: floating-point spacing arithmetic (the bf16 ulp story).
 
 pub mod context;
+pub mod explosion;
 pub mod frozen_norm;
 pub mod grad_nonfinite;
 pub mod loss_nonfinite;
@@ -28,12 +32,17 @@ pub mod precision;
 pub mod registration;
 pub mod scaler_overflow;
 pub mod stuck_zero;
+pub mod unused;
+pub mod vanishing;
 
 use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use context::RunContext;
+
+use context::ModuleInfo;
+use gradflow_protocol::ModuleStep;
 
 /// The server-wide thresholds, in consecutive reported steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,7 +93,7 @@ impl Default for Detection {
     }
 }
 
-/// The kinds of PROTOCOL.md's alert table.
+/// The kinds of PROTOCOL.md's alert table, then the ones gradflow adds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AlertKind {
@@ -96,10 +105,13 @@ pub enum AlertKind {
     LossNonfinite,
     DtypeMismatch,
     ParamNotInOptimizer,
+    GradExplosion,
+    GradVanishing,
+    UnusedParameters,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 8] = [
+    pub const ALL: [AlertKind; 11] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -108,6 +120,9 @@ impl AlertKind {
         AlertKind::LossNonfinite,
         AlertKind::DtypeMismatch,
         AlertKind::ParamNotInOptimizer,
+        AlertKind::GradExplosion,
+        AlertKind::GradVanishing,
+        AlertKind::UnusedParameters,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -120,6 +135,9 @@ impl AlertKind {
             AlertKind::LossNonfinite => "loss_nonfinite",
             AlertKind::DtypeMismatch => "dtype_mismatch",
             AlertKind::ParamNotInOptimizer => "param_not_in_optimizer",
+            AlertKind::GradExplosion => "grad_explosion",
+            AlertKind::GradVanishing => "grad_vanishing",
+            AlertKind::UnusedParameters => "unused_parameters",
         }
     }
 
@@ -192,20 +210,133 @@ pub struct DetectorSet {
     pub scaler_overflow: scaler_overflow::ScalerOverflowStreak,
     pub grad_nonfinite: grad_nonfinite::GradNonfinite,
     pub loss_nonfinite: loss_nonfinite::LossNonfinite,
+    pub explosion: explosion::GradExplosion,
+    pub vanishing: vanishing::GradVanishing,
+    pub unused: unused::UnusedParameters,
 }
 
 impl DetectorSet {
     /// Runs every streaming detector on one step record, in order.
     pub fn on_step(&mut self, context: &RunContext, record: &StepRecord) -> Vec<Transition> {
+        let step = StepView::new(context, record);
         let mut transitions = Vec::new();
         self.loss_nonfinite.on_step(record, &mut transitions);
-        self.grad_nonfinite
-            .on_step(context, record, &mut transitions);
-        self.stuck_zero.on_step(context, record, &mut transitions);
-        self.frozen_norm.on_step(context, record, &mut transitions);
-        self.scaler_overflow
-            .on_step(context, record, &mut transitions);
+        self.grad_nonfinite.on_step(&step, &mut transitions);
+        self.stuck_zero.on_step(&step, &mut transitions);
+        self.frozen_norm.on_step(&step, &mut transitions);
+        self.scaler_overflow.on_step(&step, &mut transitions);
+        self.explosion.on_step(&step, &mut transitions);
+        self.vanishing.on_step(&step, &mut transitions);
+        self.unused.on_step(&step, &mut transitions);
         transitions
+    }
+}
+
+/// One step record resolved against its run once, for every detector: each
+/// reported module's registration entry (a lookup by name, done once rather than
+/// once per detector) and the groups' norms.
+pub struct StepView<'a> {
+    pub context: &'a RunContext,
+    pub record: &'a StepRecord,
+    /// Per entry of `record.modules`, in order: the module's entry when it has
+    /// trainable parameters.
+    trainable: Vec<Option<&'a ModuleInfo>>,
+    /// Each group's norm, as the server derives it: the L2 norm of the norms its
+    /// modules reported (modules without a gradient add nothing; a non-finite module
+    /// norm makes the group's non-finite). Groups come from the registration, or
+    /// from the module name's first part.
+    pub group_norms: GroupMap<'a, f64>,
+}
+
+/// Values per group for one step. A run has a handful of groups, so a vector
+/// searched linearly beats a tree or a hash on the per-module hot path. Iterates in
+/// order of first appearance.
+#[derive(Debug, Clone)]
+pub struct GroupMap<'a, T>(Vec<(&'a str, T)>);
+
+impl<T> Default for GroupMap<'_, T> {
+    fn default() -> Self {
+        GroupMap(Vec::new())
+    }
+}
+
+impl<'a, T: Default> GroupMap<'a, T> {
+    /// The value of `group`, inserted as `T::default()` if absent.
+    pub fn entry(&mut self, group: &'a str) -> &mut T {
+        let index = match self.0.iter().position(|(g, _)| *g == group) {
+            Some(index) => index,
+            None => {
+                self.0.push((group, T::default()));
+                self.0.len() - 1
+            }
+        };
+        &mut self.0[index].1
+    }
+}
+
+impl<'a, T> GroupMap<'a, T> {
+    pub fn get(&self, group: &str) -> Option<&T> {
+        self.0.iter().find(|(g, _)| *g == group).map(|(_, v)| v)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&'a str, &T)> + '_ {
+        self.0.iter().map(|(g, v)| (*g, v))
+    }
+}
+
+impl<'a> StepView<'a> {
+    pub fn new(context: &'a RunContext, record: &'a StepRecord) -> StepView<'a> {
+        let trainable: Vec<Option<&ModuleInfo>> = record
+            .modules
+            .iter()
+            .map(|m| context.trainable_modules.get(&m.module))
+            .collect();
+        let mut view = StepView {
+            context,
+            record,
+            trainable,
+            group_norms: GroupMap::default(),
+        };
+        let mut sums: GroupMap<f64> = GroupMap::default();
+        for (module, group) in view.modules_with_groups() {
+            if let Some(norm) = module.grad_norm.map(|n| n.get()) {
+                *sums.entry(group) += norm * norm;
+            }
+        }
+        for (_, sum) in &mut sums.0 {
+            *sum = sum.sqrt();
+        }
+        view.group_norms = sums;
+        view
+    }
+
+    /// The reported modules that have trainable parameters, with their entries.
+    pub fn trainable_modules(&self) -> impl Iterator<Item = (&'a ModuleStep, &'a ModuleInfo)> + '_ {
+        self.record
+            .modules
+            .iter()
+            .zip(&self.trainable)
+            .filter_map(|(m, info)| info.map(|i| (m, i)))
+    }
+
+    /// Every reported module with its group (registered, or its name's first part).
+    pub fn modules_with_groups(&self) -> impl Iterator<Item = (&'a ModuleStep, &'a str)> + '_ {
+        self.record
+            .modules
+            .iter()
+            .zip(&self.trainable)
+            .map(|(m, info)| {
+                let group = info.map_or_else(
+                    || gradflow_protocol::default_group(&m.module),
+                    |i| i.group.as_str(),
+                );
+                (m, group)
+            })
+    }
+
+    /// Whether the loss scaler reported an overflow on this step.
+    pub fn found_inf(&self) -> bool {
+        self.record.scaler.as_ref().and_then(|s| s.found_inf) == Some(true)
     }
 }
 

@@ -3,11 +3,10 @@
 //! the scale and skips the step); K in a row means the gradients are non-finite at
 //! any scale, and no optimizer step has happened for K steps.
 
-use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, Opened, RunContext, Severity, Transition, sci, step_range};
+use super::{AlertKind, Opened, Severity, StepView, Transition, sci, step_range};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ScalerOverflowStreak {
@@ -23,12 +22,8 @@ pub struct ScalerOverflowStreak {
 const SUBJECT: &str = "scaler";
 
 impl ScalerOverflowStreak {
-    pub fn on_step(
-        &mut self,
-        context: &RunContext,
-        record: &StepRecord,
-        out: &mut Vec<Transition>,
-    ) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let (context, record) = (view.context, view.record);
         let Some(scaler) = &record.scaler else { return };
         let scale = scaler.scale.map(|s| s.get());
         match scaler.found_inf {
@@ -108,6 +103,8 @@ impl ScalerOverflowStreak {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::RunContext;
+    use crate::detect::StepView;
     use crate::detect::Thresholds;
     use gradflow_protocol::RunRegistration;
 
@@ -132,7 +129,10 @@ mod tests {
                 record["scaler"] = json!({"scale": scale, "found_inf": inf, "step_skipped": inf});
             }
             let mut out = Vec::new();
-            detector.on_step(&context, &serde_json::from_value(record).unwrap(), &mut out);
+            detector.on_step(
+                &StepView::new(&context, &serde_json::from_value(record).unwrap()),
+                &mut out,
+            );
             all.extend(out.into_iter().map(|t| (step as u64, t)));
         }
         all

@@ -14,11 +14,12 @@
 
 use std::collections::BTreeMap;
 
-use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, Opened, RunContext, Severity, Transition, sci, step_range};
+use super::{
+    AlertKind, GroupMap, Opened, RunContext, Severity, StepView, Transition, sci, step_range,
+};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct StuckZeroGrad {
@@ -104,20 +105,14 @@ impl Streak {
 }
 
 impl StuckZeroGrad {
-    pub fn on_step(
-        &mut self,
-        context: &RunContext,
-        record: &StepRecord,
-        out: &mut Vec<Transition>,
-    ) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let (context, record) = (view.context, view.record);
         let step = record.step;
         let threshold = context.thresholds.stuck_zero_steps;
         let mut module_readings: Vec<(&str, &str, Reading)> = Vec::new();
-        let mut group_readings: BTreeMap<&str, Reading> = BTreeMap::new();
-        for module in &record.modules {
-            let Some(group) = context.trainable_group(&module.module) else {
-                continue;
-            };
+        let mut group_readings: GroupMap<Option<Reading>> = GroupMap::default();
+        for (module, info) in view.trainable_modules() {
+            let group = info.group.as_str();
             let norm = module.grad_norm.map(|n| n.get());
             let reading = Reading {
                 zero: norm.is_none_or(|n| n == 0.0),
@@ -127,13 +122,14 @@ impl StuckZeroGrad {
                 norm: norm.filter(|n| n.is_finite()).unwrap_or(0.0),
             };
             module_readings.push((&module.module, group, reading));
-            group_readings
-                .entry(group)
-                .and_modify(|g| g.merge(reading))
-                .or_insert(reading);
+            match group_readings.entry(group) {
+                Some(g) => g.merge(reading),
+                slot => *slot = Some(reading),
+            }
         }
 
-        for (&group, &reading) in &group_readings {
+        for (group, reading) in group_readings.iter() {
+            let reading = reading.expect("set when the group was entered");
             let Some(streak) = streak_for(&mut self.groups, group, reading) else {
                 continue;
             };
@@ -191,11 +187,12 @@ fn streak_for<'a>(
 }
 
 /// Groups with a non-zero gradient this step, for the contrast in the detail.
-fn healthy_others(readings: &BTreeMap<&str, Reading>, stuck: &str) -> Vec<(String, f64)> {
+fn healthy_others(readings: &GroupMap<Option<Reading>>, stuck: &str) -> Vec<(String, f64)> {
     readings
         .iter()
-        .filter(|(g, r)| **g != stuck && !r.zero)
-        .map(|(g, r)| ((*g).to_owned(), r.norm))
+        .filter_map(|(g, r)| r.map(|r| (g, r)))
+        .filter(|(g, r)| *g != stuck && !r.zero)
+        .map(|(g, r)| (g.to_owned(), r.norm))
         .collect()
 }
 
@@ -303,8 +300,10 @@ fn open(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::StepView;
     use crate::detect::Thresholds;
     use gradflow_protocol::RunRegistration;
+    use gradflow_protocol::StepRecord;
     use serde_json::Value;
 
     /// A run with groups qwen (3 trainable modules) and agent (2), threshold 5.
@@ -363,7 +362,7 @@ mod tests {
         let mut all = Vec::new();
         for r in records {
             let mut out = Vec::new();
-            detector.on_step(&context, r, &mut out);
+            detector.on_step(&StepView::new(&context, r), &mut out);
             all.extend(out.into_iter().map(|t| (r.step, t)));
         }
         all
@@ -459,7 +458,7 @@ mod tests {
         let mut detector = StuckZeroGrad::default();
         let mut out = Vec::new();
         for r in &cached {
-            detector.on_step(&context, r, &mut out);
+            detector.on_step(&StepView::new(&context, r), &mut out);
         }
         assert!(out.is_empty(), "{out:?}");
     }
@@ -521,13 +520,13 @@ mod tests {
         let mut detector = StuckZeroGrad::default();
         let mut out = Vec::new();
         for s in 0..3 {
-            detector.on_step(&context, &detached(s), &mut out);
+            detector.on_step(&StepView::new(&context, &detached(s)), &mut out);
         }
         let saved = serde_json::to_string(&detector).unwrap();
         let mut restored: StuckZeroGrad = serde_json::from_str(&saved).unwrap();
-        restored.on_step(&context, &detached(3), &mut out);
+        restored.on_step(&StepView::new(&context, &detached(3)), &mut out);
         assert!(out.is_empty());
-        restored.on_step(&context, &detached(4), &mut out);
+        restored.on_step(&StepView::new(&context, &detached(4)), &mut out);
         assert_eq!(out.len(), 1);
     }
 }

@@ -1,0 +1,202 @@
+//! `grad_vanishing` (gradflow's own kind): gradients that shrink across depth. In a
+//! group whose modules are numbered layers (`….layers.3.…`), the gradient norm of the
+//! first layer is below [`RATIO`] times that of the last on [`STEPS`] consecutive
+//! reported steps: the early layers barely learn.
+//!
+//! Residual networks with pre-norm keep layer norms within a small factor of each
+//! other, so healthy transformers stay far from the threshold. Layers with a zero or
+//! non-finite norm are other detectors' business and make a step not count.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::{AlertKind, GroupMap, Opened, Severity, StepView, Transition, sci, step_range};
+
+/// First-layer norm / last-layer norm below which gradients count as vanishing.
+pub const RATIO: f64 = 1e-3;
+/// Consecutive reported steps it must hold for.
+pub const STEPS: u32 = 20;
+/// Fewer numbered layers than this say nothing about depth.
+pub const MIN_LAYERS: usize = 4;
+/// Layer numbers above this are not layers of a real network (and would make the
+/// per-layer vector huge): ignored.
+const MAX_LAYER: usize = 10_000;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct GradVanishing {
+    groups: BTreeMap<String, Streak>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Streak {
+    len: u32,
+    first_step: u64,
+    open: bool,
+}
+
+/// The layer number in a module name: the integer after a `layers`, `layer`, `h`,
+/// `blocks` or `block` segment (`qwen.layers.3.mlp` → 3, `transformer.h.11.attn` → 11).
+pub fn layer_index(module: &str) -> Option<usize> {
+    let mut parts = module.split('.');
+    while let Some(part) = parts.next() {
+        if matches!(part, "layers" | "layer" | "h" | "blocks" | "block") {
+            if let Some(index) = parts.next().and_then(|p| p.parse().ok()) {
+                return Some(index);
+            }
+        }
+    }
+    None
+}
+
+impl GradVanishing {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let record = view.record;
+        // Sum of squared module norms per (group, layer).
+        // Per group, the sum of squared module norms of each layer, indexed by layer.
+        let mut layers: GroupMap<Vec<Option<f64>>> = GroupMap::default();
+        for (module, info) in view.trainable_modules() {
+            let (Some(layer), Some(norm)) = (info.layer, module.grad_norm.map(|n| n.get())) else {
+                continue;
+            };
+            if layer > MAX_LAYER {
+                continue;
+            }
+            let sums = layers.entry(info.group.as_str());
+            if sums.len() <= layer {
+                sums.resize(layer + 1, None);
+            }
+            *sums[layer].get_or_insert(0.0) += norm * norm;
+        }
+        for (group, by_layer) in layers.iter() {
+            let present: Vec<(usize, f64)> = by_layer
+                .iter()
+                .enumerate()
+                .filter_map(|(layer, sum)| sum.map(|s| (layer, s)))
+                .collect();
+            if present.len() < MIN_LAYERS {
+                continue;
+            }
+            let (first_layer, first) = present[0];
+            let (last_layer, last) = present[present.len() - 1];
+            let (first, last) = (first.sqrt(), last.sqrt());
+            if !(first.is_finite() && last.is_finite() && first > 0.0 && last > 0.0) {
+                continue;
+            }
+            let ratio = first / last;
+            let streak = self.groups.entry(group.to_owned()).or_default();
+            if ratio >= RATIO {
+                if streak.open {
+                    out.push(Transition::Resolve {
+                        kind: AlertKind::GradVanishing,
+                        subject: group.to_owned(),
+                        step: record.step,
+                    });
+                }
+                *streak = Streak::default();
+                continue;
+            }
+            if streak.len == 0 {
+                streak.first_step = record.step;
+            }
+            streak.len += 1;
+            if streak.len >= STEPS && !streak.open {
+                streak.open = true;
+                out.push(Transition::Open(Opened {
+                    kind: AlertKind::GradVanishing,
+                    subject: group.to_owned(),
+                    severity: Severity::Warning,
+                    first_step: Some(streak.first_step),
+                    step: Some(record.step),
+                    title: format!("Gradients vanish across the depth of {group}"),
+                    detail: format!(
+                        "On each of the last {} steps ({}) the gradient norm of layer {first_layer} of \
+                         {group} was below {RATIO:.0e} times that of layer {last_layer} (at step {}: \
+                         {} against {}, a ratio of {}): the early layers barely learn.",
+                        streak.len,
+                        step_range(streak.first_step, record.step),
+                        record.step,
+                        sci(first),
+                        sci(last),
+                        sci(ratio),
+                    ),
+                    fix: "Check the residual connections (a missing skip path), put normalization \
+                          before each block (pre-norm), scale the initialization with depth, and \
+                          avoid saturating activations (sigmoid, tanh) inside deep stacks."
+                        .into(),
+                    evidence: json!({
+                        "cause": "depth_decay",
+                        "first_layer": first_layer,
+                        "last_layer": last_layer,
+                        "first_layer_norm": first,
+                        "last_layer_norm": last,
+                        "ratio": ratio,
+                        "steps": streak.len,
+                    }),
+                }));
+            }
+        }
+        self.groups.retain(|_, s| s.len > 0 || s.open);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::RunContext;
+    use crate::detect::StepView;
+    use crate::detect::Thresholds;
+    use gradflow_protocol::RunRegistration;
+    use gradflow_protocol::StepRecord;
+    use serde_json::Value;
+
+    #[test]
+    fn layer_numbers_come_from_common_naming_schemes() {
+        assert_eq!(layer_index("qwen.layers.3.mlp"), Some(3));
+        assert_eq!(layer_index("transformer.h.11.attn"), Some(11));
+        assert_eq!(layer_index("encoder.layer.0.output"), Some(0));
+        assert_eq!(layer_index("qwen.norm"), None);
+        assert_eq!(layer_index("qwen.layers.norm"), None);
+    }
+
+    fn run(decay: f64, steps: u64) -> Vec<(u64, Transition)> {
+        let params: Vec<Value> = (0..6)
+            .map(|l| json!({"name": format!("qwen.layers.{l}.mlp.weight")}))
+            .collect();
+        let registration: RunRegistration =
+            serde_json::from_value(json!({"params": params})).unwrap();
+        let context = RunContext::new(&registration, Thresholds::default());
+        let mut detector = GradVanishing::default();
+        let mut all = Vec::new();
+        for step in 0..steps {
+            // Layer l has norm decay^(5 - l): layer 5 is 1.0, layer 0 is decay^5.
+            let modules: Vec<Value> = (0..6)
+                .map(|l| json!({"module": format!("qwen.layers.{l}.mlp"), "grad_norm": decay.powi(5 - l)}))
+                .collect();
+            let record: StepRecord =
+                serde_json::from_value(json!({"step": step, "modules": modules})).unwrap();
+            let mut out = Vec::new();
+            detector.on_step(&StepView::new(&context, &record), &mut out);
+            all.extend(out.into_iter().map(|t| (step, t)));
+        }
+        all
+    }
+
+    #[test]
+    fn a_thousandfold_decay_over_depth_opens_after_the_streak() {
+        let t = run(0.1, 25); // ratio 1e-5
+        assert_eq!(t.len(), 1, "{t:?}");
+        let (19, Transition::Open(o)) = &t[0] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(o.evidence["first_layer"], 0);
+        assert_eq!(o.evidence["last_layer"], 5);
+    }
+
+    #[test]
+    fn residual_networks_keep_their_layers_close_and_stay_silent() {
+        assert!(run(0.8, 100).is_empty()); // ratio 0.33
+        assert!(run(0.3, 100).is_empty()); // ratio 2.4e-3
+    }
+}
