@@ -1,0 +1,22 @@
+//! gradflow-trainer: a real training step of a hybrid model (a Qwen2-architecture LLM
+//! encodes a task prompt into an embedding that an agent consumes), instrumented to
+//! stream gradient-flow telemetry to a gradflow server, with the failures gradflow
+//! diagnoses reproducible on demand.
+//!
+//! # Layout
+//!
+//! - [`model`]: Qwen2 and the agent, from differentiable candle ops.
+//! - [`tasks`]: ARC-like tasks and the byte-level tokenizer.
+//! - [`train`]: one training step with precision, loss scaling, faults, and its
+//!   instrumentation into a step record.
+//! - [`scaler`]: `GradScaler`-style dynamic loss scaling.
+
+pub mod cli;
+pub mod model;
+pub mod reporter;
+pub mod run;
+pub mod scaler;
+pub mod scenario;
+pub mod tasks;
+pub mod telemetry;
+pub mod train;

@@ -1,0 +1,182 @@
+//! The Qwen2 decoder: token embedding, RMSNorm, grouped-query attention with RoPE and
+//! a causal mask, q/k/v biases, SwiGLU MLP, final norm, tied embeddings. Parameter
+//! names follow the Hugging Face layout under `qwen.` (`model.` in HF checkpoints).
+
+use candle_core::{DType, Result, Tensor, Var};
+use gradflow_protocol::Role;
+
+use super::config::Qwen2Config;
+use super::layers::{Linear, RmsNorm};
+use super::ops::{causal_mask, linear, repeat_kv, rope, rope_tables, softmax_f32};
+use super::{ParamSource, Trace, cast};
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+pub struct Qwen2 {
+    pub config: Qwen2Config,
+    embed_module: String,
+    embed: Var,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Option<Var>,
+}
+
+impl Qwen2 {
+    /// Builds the decoder, taking every parameter from `source` under `prefix`
+    /// (`qwen`).
+    pub fn new(
+        config: &Qwen2Config,
+        prefix: &str,
+        source: &mut dyn ParamSource,
+    ) -> anyhow::Result<Qwen2> {
+        config.validate()?;
+        let h = config.hidden_size;
+        let head_dim = config.head_dim();
+        let kv = config.num_key_value_heads * head_dim;
+        let embed_module = format!("{prefix}.embed_tokens");
+        let embed = source.param(
+            &format!("{embed_module}.weight"),
+            Role::Embedding,
+            &[config.vocab_size, h],
+        )?;
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let m = |name: &str| format!("{prefix}.layers.{i}.{name}");
+            layers.push(DecoderLayer {
+                input_layernorm: RmsNorm::new(
+                    source,
+                    m("input_layernorm"),
+                    h,
+                    config.rms_norm_eps,
+                )?,
+                q_proj: Linear::new(source, m("self_attn.q_proj"), h, h, true)?,
+                k_proj: Linear::new(source, m("self_attn.k_proj"), kv, h, true)?,
+                v_proj: Linear::new(source, m("self_attn.v_proj"), kv, h, true)?,
+                o_proj: Linear::new(source, m("self_attn.o_proj"), h, h, false)?,
+                post_attention_layernorm: RmsNorm::new(
+                    source,
+                    m("post_attention_layernorm"),
+                    h,
+                    config.rms_norm_eps,
+                )?,
+                gate_proj: Linear::new(
+                    source,
+                    m("mlp.gate_proj"),
+                    config.intermediate_size,
+                    h,
+                    false,
+                )?,
+                up_proj: Linear::new(source, m("mlp.up_proj"), config.intermediate_size, h, false)?,
+                down_proj: Linear::new(
+                    source,
+                    m("mlp.down_proj"),
+                    h,
+                    config.intermediate_size,
+                    false,
+                )?,
+            });
+        }
+        let norm = RmsNorm::new(source, format!("{prefix}.norm"), h, config.rms_norm_eps)?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(source.param(
+                &format!("{prefix}.lm_head.weight"),
+                Role::Linear,
+                &[config.vocab_size, h],
+            )?)
+        };
+        Ok(Qwen2 {
+            config: config.clone(),
+            embed_module,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// The final hidden states `(batch, seq, hidden)` for token ids `(batch, seq)`.
+    pub fn forward(&self, ids: &Tensor, trace: &mut Trace) -> Result<Tensor> {
+        let (batch, seq) = ids.dims2()?;
+        let dtype = trace.compute;
+        let device = ids.device();
+        let embed = cast(&self.embed, dtype)?;
+        let mut x = embed.index_select(&ids.flatten_all()?, 0)?.reshape((
+            batch,
+            seq,
+            self.config.hidden_size,
+        ))?;
+        trace.record(&self.embed_module, &x);
+        let (cos, sin) = rope_tables(seq, self.config.head_dim(), self.config.rope_theta, device)?;
+        let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
+        let mask = causal_mask(seq, dtype, device)?;
+        for layer in &self.layers {
+            x = self.layer_forward(layer, &x, &cos, &sin, &mask, trace)?;
+        }
+        self.norm.forward(&x, trace)
+    }
+
+    /// Next-token logits `(batch, seq, vocab)` from hidden states (through the tied
+    /// embedding, or `lm_head` when untied), in f32.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        linear(
+            &hidden.to_dtype(DType::F32)?,
+            &head.as_tensor().to_dtype(DType::F32)?,
+            None,
+        )
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        trace: &mut Trace,
+    ) -> Result<Tensor> {
+        let (batch, seq, hidden) = x.dims3()?;
+        let heads = self.config.num_attention_heads;
+        let kv_heads = self.config.num_key_value_heads;
+        let head_dim = self.config.head_dim();
+
+        let h = layer.input_layernorm.forward(x, trace)?;
+        let split = |t: Tensor, n: usize| -> Result<Tensor> {
+            t.reshape((batch, seq, n, head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let q = split(layer.q_proj.forward(&h, trace)?, heads)?;
+        let k = split(layer.k_proj.forward(&h, trace)?, kv_heads)?;
+        let v = split(layer.v_proj.forward(&h, trace)?, kv_heads)?;
+        let q = rope(&q, cos, sin)?;
+        let k = rope(&k, cos, sin)?;
+        let k = repeat_kv(&k, heads / kv_heads)?.contiguous()?;
+        let v = repeat_kv(&v, heads / kv_heads)?.contiguous()?;
+        let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (head_dim as f64).sqrt()))?;
+        let probs = softmax_f32(&scores.broadcast_add(mask)?)?;
+        let attended = probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((batch, seq, hidden))?;
+        let x = (x + layer.o_proj.forward(&attended, trace)?)?;
+
+        let h = layer.post_attention_layernorm.forward(&x, trace)?;
+        let gate = layer.gate_proj.forward(&h, trace)?;
+        let up = layer.up_proj.forward(&h, trace)?;
+        let mlp = layer.down_proj.forward(&(gate.silu()? * up)?, trace)?;
+        x + mlp
+    }
+}

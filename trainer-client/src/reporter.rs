@@ -1,0 +1,502 @@
+//! The reporter: delivers step records to the server without ever blocking training.
+//!
+//! The training loop hands records to a bounded queue (`try_send`: a full queue drops
+//! and counts, it never waits). A thread takes them off, registers the run (retrying
+//! until the server answers), batches records by size or age, gzips them and POSTs
+//! with retries, exponential backoff and jitter. When the server is unreachable it
+//! warns once, appends batches to a bounded spool file, and replays the spool in order
+//! when the server is back; new batches queue behind the spool so order is kept. At
+//! exit it flushes within a deadline and says what it could not deliver.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError, bounded};
+use gradflow_protocol::{RunRegistration, StepRecord};
+use rand::Rng;
+
+#[derive(Debug, Clone)]
+pub struct ReporterConfig {
+    /// Base URL, e.g. `http://127.0.0.1:7070`.
+    pub server: String,
+    pub run_id: String,
+    pub token: Option<String>,
+    /// Records per POST.
+    pub batch_size: usize,
+    /// A batch is sent when its oldest record is this old, full or not.
+    pub batch_interval: Duration,
+    /// Records the queue between training and the reporter holds.
+    pub queue_capacity: usize,
+    pub spool_path: PathBuf,
+    pub spool_max_bytes: u64,
+    /// Per-request timeout.
+    pub request_timeout: Duration,
+}
+
+impl ReporterConfig {
+    pub fn new(server: &str, run_id: &str) -> ReporterConfig {
+        ReporterConfig {
+            server: server.trim_end_matches('/').to_owned(),
+            run_id: run_id.to_owned(),
+            token: None,
+            batch_size: 50,
+            batch_interval: Duration::from_secs(1),
+            queue_capacity: 4096,
+            spool_path: std::env::temp_dir().join(format!("gradflow-spool-{run_id}.ndjson")),
+            spool_max_bytes: 256 * 1024 * 1024,
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What the reporter achieved, told at exit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Records the server stored.
+    pub delivered: u64,
+    /// Records the server already had (resends).
+    pub duplicates: u64,
+    /// Records the server rejected as invalid (a bug in the client; logged).
+    pub rejected: u64,
+    /// Records still in the spool when the deadline passed.
+    pub undelivered: u64,
+    /// Records lost because the queue or the spool was full.
+    pub dropped: u64,
+    /// Why the run could not be registered, if it could not.
+    pub registration_error: Option<String>,
+}
+
+impl Summary {
+    pub fn complete(&self) -> bool {
+        self.undelivered == 0
+            && self.dropped == 0
+            && self.rejected == 0
+            && self.registration_error.is_none()
+    }
+}
+
+pub struct Reporter {
+    tx: Option<Sender<StepRecord>>,
+    handle: Option<JoinHandle<Summary>>,
+    queue_dropped: Arc<AtomicU64>,
+    deadline: Arc<std::sync::Mutex<Option<Instant>>>,
+}
+
+impl Reporter {
+    /// Starts the reporter thread; it registers the run before sending any step.
+    pub fn start(
+        config: ReporterConfig,
+        registration: RunRegistration,
+    ) -> anyhow::Result<Reporter> {
+        let (tx, rx) = bounded(config.queue_capacity);
+        let queue_dropped = Arc::new(AtomicU64::new(0));
+        let deadline = Arc::new(std::sync::Mutex::new(None));
+        let client = reqwest::blocking::Client::builder()
+            .timeout(config.request_timeout)
+            .build()?;
+        let worker = Worker {
+            spool: Spool::open(config.spool_path.clone(), config.spool_max_bytes)?,
+            config,
+            client,
+            registration,
+            registered: false,
+            summary: Summary::default(),
+            warned: false,
+            deadline: deadline.clone(),
+        };
+        let handle = std::thread::Builder::new()
+            .name("gradflow-reporter".into())
+            .spawn(move || worker.run(rx))?;
+        Ok(Reporter {
+            tx: Some(tx),
+            handle: Some(handle),
+            queue_dropped,
+            deadline,
+        })
+    }
+
+    /// Hands a record over without waiting; a full queue drops it (counted).
+    pub fn report(&self, record: StepRecord) {
+        if let Some(tx) = &self.tx
+            && let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = tx.try_send(record)
+        {
+            self.queue_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Stops taking records, delivers what it can within `deadline`, and says how it went.
+    pub fn finish(mut self, deadline: Duration) -> Summary {
+        *self.deadline.lock().expect("deadline lock") = Some(Instant::now() + deadline);
+        drop(self.tx.take());
+        let mut summary = self
+            .handle
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default();
+        summary.dropped += self.queue_dropped.load(Ordering::Relaxed);
+        summary
+    }
+}
+
+/// Why a POST did not deliver.
+enum PostError {
+    /// Connection refused, timeout, 5xx: try again later.
+    Unavailable(String),
+    /// The run is unknown to the server (a fresh database): register again.
+    Unregistered,
+    /// 4xx: the server will never take this batch.
+    Rejected(String),
+}
+
+struct Worker {
+    config: ReporterConfig,
+    client: reqwest::blocking::Client,
+    registration: RunRegistration,
+    registered: bool,
+    spool: Spool,
+    summary: Summary,
+    warned: bool,
+    deadline: Arc<std::sync::Mutex<Option<Instant>>>,
+}
+
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+impl Worker {
+    fn run(mut self, rx: Receiver<StepRecord>) -> Summary {
+        // Register before the first step arrives, so the server can check the
+        // registration (and flag what it proves wrong) at once.
+        self.ensure_registered();
+        let mut batch: Vec<StepRecord> = Vec::new();
+        let mut batch_started = Instant::now();
+        let mut next_attempt = Instant::now();
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let wait = if batch.is_empty() {
+                Duration::from_millis(200)
+            } else {
+                self.config
+                    .batch_interval
+                    .saturating_sub(batch_started.elapsed())
+            };
+            match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
+                Ok(record) => {
+                    if batch.is_empty() {
+                        batch_started = Instant::now();
+                    }
+                    batch.push(record);
+                    if batch.len() >= self.config.batch_size {
+                        self.deliver(std::mem::take(&mut batch));
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if !batch.is_empty() && batch_started.elapsed() >= self.config.batch_interval {
+                        self.deliver(std::mem::take(&mut batch));
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            if !self.spool.is_empty() && Instant::now() >= next_attempt {
+                if self.replay() {
+                    backoff = Duration::from_millis(200);
+                } else {
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    next_attempt = Instant::now() + jitter(backoff);
+                }
+            }
+        }
+        // Training is over: flush within the deadline.
+        if !batch.is_empty() {
+            self.deliver(batch);
+        }
+        let deadline = self
+            .deadline
+            .lock()
+            .expect("deadline lock")
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(10));
+        while !self.spool.is_empty() && Instant::now() < deadline {
+            if !self.replay() {
+                std::thread::sleep(
+                    Duration::from_millis(250)
+                        .min(deadline.saturating_duration_since(Instant::now())),
+                );
+            }
+        }
+        self.summary.undelivered = self.spool.records;
+        self.summary.dropped += self.spool.dropped;
+        self.summary
+    }
+
+    /// Sends a batch, or spools it behind what is already spooled.
+    fn deliver(&mut self, batch: Vec<StepRecord>) {
+        if self.summary.registration_error.is_some() {
+            self.summary.dropped += batch.len() as u64;
+            return;
+        }
+        if !self.spool.is_empty() || !self.ensure_registered() {
+            self.spool_batch(&batch);
+            return;
+        }
+        match self.post(&batch) {
+            Ok(()) => {}
+            Err(PostError::Unavailable(why)) => {
+                self.warn_unreachable(&why);
+                self.spool_batch(&batch);
+            }
+            Err(PostError::Unregistered) => {
+                self.registered = false;
+                self.spool_batch(&batch);
+            }
+            Err(PostError::Rejected(why)) => {
+                tracing::error!(records = batch.len(), "the server rejected a batch: {why}");
+                self.summary.rejected += batch.len() as u64;
+            }
+        }
+    }
+
+    fn spool_batch(&mut self, batch: &[StepRecord]) {
+        if let Err(error) = self.spool.append(batch) {
+            tracing::error!(%error, "cannot write the spool file; steps are lost");
+            self.summary.dropped += batch.len() as u64;
+        }
+    }
+
+    /// Sends spooled batches in order; returns whether the spool emptied.
+    fn replay(&mut self) -> bool {
+        if !self.ensure_registered() {
+            return false;
+        }
+        let records = match self.spool.read() {
+            Ok(records) => records,
+            Err(error) => {
+                tracing::error!(%error, "cannot read the spool file");
+                return false;
+            }
+        };
+        let total = records.len();
+        let mut sent = 0;
+        for chunk in records.chunks(self.config.batch_size.max(1)) {
+            match self.post(chunk) {
+                Ok(()) => sent += chunk.len(),
+                Err(PostError::Rejected(why)) => {
+                    tracing::error!(
+                        records = chunk.len(),
+                        "the server rejected spooled steps: {why}"
+                    );
+                    self.summary.rejected += chunk.len() as u64;
+                    sent += chunk.len();
+                }
+                Err(PostError::Unregistered) => {
+                    self.registered = false;
+                    break;
+                }
+                Err(PostError::Unavailable(_)) => break,
+            }
+        }
+        if let Err(error) = self.spool.keep_from(&records[sent..]) {
+            tracing::error!(%error, "cannot rewrite the spool file");
+        }
+        if sent == total && total > 0 && self.warned {
+            tracing::info!(
+                steps = total,
+                "the gradflow server is back: spooled steps delivered"
+            );
+            self.warned = false;
+        }
+        self.spool.is_empty()
+    }
+
+    fn warn_unreachable(&mut self, why: &str) {
+        if !self.warned {
+            tracing::warn!(
+                server = %self.config.server,
+                spool = %self.config.spool_path.display(),
+                "gradflow server unreachable ({why}); training continues and steps are spooled until it is back"
+            );
+            self.warned = true;
+        }
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
+        let url = format!(
+            "{}/api/v1/runs/{}{path}",
+            self.config.server, self.config.run_id
+        );
+        let mut request = self.client.request(method, url);
+        if let Some(token) = &self.config.token {
+            request = request.bearer_auth(token);
+        }
+        request
+    }
+
+    /// Registers once the server answers; a conflicting registration is final.
+    fn ensure_registered(&mut self) -> bool {
+        if self.registered {
+            return true;
+        }
+        if self.summary.registration_error.is_some() {
+            return false;
+        }
+        let response = self
+            .request(reqwest::Method::PUT, "")
+            .json(&self.registration)
+            .send();
+        match response {
+            Ok(r) if r.status().is_success() => {
+                self.registered = true;
+                true
+            }
+            Ok(r) if r.status().is_server_error() => {
+                self.warn_unreachable(&format!("HTTP {}", r.status()));
+                false
+            }
+            Ok(r) => {
+                let status = r.status();
+                let text = r.text().unwrap_or_default();
+                tracing::error!(%status, "the server refused the run's registration: {text}");
+                self.summary.registration_error = Some(format!("HTTP {status}: {text}"));
+                false
+            }
+            Err(error) => {
+                self.warn_unreachable(&error.to_string());
+                false
+            }
+        }
+    }
+
+    /// POSTs records gzipped, retrying transient failures three times.
+    fn post(&mut self, records: &[StepRecord]) -> Result<(), PostError> {
+        let json = serde_json::to_vec(records).map_err(|e| PostError::Rejected(e.to_string()))?;
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        encoder
+            .write_all(&json)
+            .map_err(|e| PostError::Rejected(e.to_string()))?;
+        let body = encoder
+            .finish()
+            .map_err(|e| PostError::Rejected(e.to_string()))?;
+        let mut delay = Duration::from_millis(100);
+        let mut last = String::new();
+        for attempt in 0..3 {
+            if attempt > 0 {
+                std::thread::sleep(jitter(delay));
+                delay *= 2;
+            }
+            let response = self
+                .request(reqwest::Method::POST, "/steps")
+                .header("Content-Type", "application/json")
+                .header("Content-Encoding", "gzip")
+                .body(body.clone())
+                .send();
+            match response {
+                Ok(r) if r.status().is_success() => {
+                    let outcome: serde_json::Value = r.json().unwrap_or_default();
+                    self.summary.delivered += outcome["accepted"].as_u64().unwrap_or(0);
+                    self.summary.duplicates += outcome["duplicates"].as_u64().unwrap_or(0);
+                    return Ok(());
+                }
+                Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
+                    return Err(PostError::Unregistered);
+                }
+                Ok(r) if r.status().is_server_error() => last = format!("HTTP {}", r.status()),
+                Ok(r) => {
+                    let status = r.status();
+                    return Err(PostError::Rejected(format!(
+                        "HTTP {status}: {}",
+                        r.text().unwrap_or_default()
+                    )));
+                }
+                Err(error) => last = error.to_string(),
+            }
+        }
+        Err(PostError::Unavailable(last))
+    }
+}
+
+/// `delay` ± 25 %, so that many trainers that lost the same server do not come back
+/// in lockstep.
+fn jitter(delay: Duration) -> Duration {
+    let factor = rand::thread_rng().gen_range(0.75..1.25);
+    delay.mul_f64(factor)
+}
+
+/// A bounded, append-only NDJSON file of records waiting for the server.
+struct Spool {
+    path: PathBuf,
+    max_bytes: u64,
+    bytes: u64,
+    records: u64,
+    dropped: u64,
+}
+
+impl Spool {
+    fn open(path: PathBuf, max_bytes: u64) -> anyhow::Result<Spool> {
+        // A spool left by an earlier process of the same run id is stale: that
+        // process reported what it could not deliver.
+        if path.exists() {
+            std::fs::remove_file(&path)?;
+        }
+        Ok(Spool {
+            path,
+            max_bytes,
+            bytes: 0,
+            records: 0,
+            dropped: 0,
+        })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.records == 0
+    }
+
+    fn append(&mut self, records: &[StepRecord]) -> std::io::Result<()> {
+        let mut file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)?;
+        for record in records {
+            let mut line = serde_json::to_vec(record)?;
+            line.push(b'\n');
+            if self.bytes + line.len() as u64 > self.max_bytes {
+                self.dropped += 1;
+                continue;
+            }
+            file.write_all(&line)?;
+            self.bytes += line.len() as u64;
+            self.records += 1;
+        }
+        file.flush()
+    }
+
+    fn read(&self) -> std::io::Result<Vec<StepRecord>> {
+        let file = File::open(&self.path)?;
+        let mut records = Vec::with_capacity(self.records as usize);
+        for line in BufReader::new(file).lines() {
+            let line = line?;
+            if !line.is_empty() {
+                records.push(serde_json::from_str(&line)?);
+            }
+        }
+        Ok(records)
+    }
+
+    /// Replaces the spool with `remaining`.
+    fn keep_from(&mut self, remaining: &[StepRecord]) -> std::io::Result<()> {
+        self.bytes = 0;
+        self.records = 0;
+        if remaining.is_empty() {
+            if self.path.exists() {
+                std::fs::remove_file(&self.path)?;
+            }
+            return Ok(());
+        }
+        File::create(&self.path)?;
+        let dropped = self.dropped;
+        self.append(remaining)?;
+        self.dropped = dropped;
+        Ok(())
+    }
+}

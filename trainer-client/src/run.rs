@@ -1,0 +1,239 @@
+//! The trainer's main job: build the model, register the run, train, report.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use candle_core::{DType, Device};
+use gradflow_protocol::{
+    Dtype, Float, LossScaler, Optimizer, ParamSpec, Precision, RunRegistration, Timestamp,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::cli::{self, Args};
+use crate::model::HybridModel;
+use crate::model::config::Preset;
+use crate::reporter::{Reporter, ReporterConfig, Summary};
+use crate::telemetry::Telemetry;
+use crate::train::{BETAS, EPS, TrainOptions, Trainer};
+
+/// How a run ended.
+#[derive(Debug)]
+pub struct RunOutcome {
+    pub run_id: String,
+    pub steps: u64,
+    pub first_loss: Option<f64>,
+    pub last_loss: Option<f64>,
+    pub last_accuracy: Option<f64>,
+    pub summary: Option<Summary>,
+    pub seconds: f64,
+}
+
+pub fn device(name: &str) -> anyhow::Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => {
+            Device::new_cuda(0).context("opening CUDA device 0 (is this a --features cuda build?)")
+        }
+        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Device::new_cuda(n).with_context(|| {
+                format!("opening CUDA device {n} (is this a --features cuda build?)")
+            }),
+            None => anyhow::bail!("unknown device {other:?}: cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+pub fn protocol_dtype(dtype: DType) -> Option<Dtype> {
+    match dtype {
+        DType::F64 => Some(Dtype::F64),
+        DType::F32 => Some(Dtype::F32),
+        DType::F16 => Some(Dtype::F16),
+        DType::BF16 => Some(Dtype::Bf16),
+        _ => None,
+    }
+}
+
+/// The run's registration: every parameter with its dtype, role, shape and whether
+/// the optimizer holds it, the precision and optimizer settings, and the options.
+pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) -> RunRegistration {
+    let options = &trainer.options;
+    let params = trainer
+        .model
+        .store
+        .iter()
+        .map(|p| ParamSpec {
+            name: p.name.clone(),
+            module: Some(p.module.clone()),
+            group: Some(p.group.clone()),
+            role: Some(p.role),
+            dtype: protocol_dtype(p.var.dtype()),
+            shape: Some(p.var.dims().iter().map(|d| *d as u64).collect()),
+            requires_grad: Some(true),
+            in_optimizer: Some(p.in_optimizer),
+        })
+        .collect();
+    RunRegistration {
+        name: Some(name.to_owned()),
+        started_at: Some(Timestamp::now()),
+        host: std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty() && h.len() < 256),
+        rank: Some(0),
+        world_size: Some(1),
+        precision: Some(Precision {
+            param_dtype: protocol_dtype(options.param_dtype),
+            compute_dtype: protocol_dtype(options.compute_dtype),
+            loss_scaler: Some(if options.loss_scaler {
+                LossScaler::Dynamic
+            } else {
+                LossScaler::None
+            }),
+        }),
+        optimizer: Some(Optimizer {
+            name: Some("AdamW".into()),
+            lr: Some(Float(options.lr)),
+            betas: Some([Float(BETAS.0), Float(BETAS.1)]),
+            eps: Some(Float(EPS)),
+            weight_decay: Some(Float(options.weight_decay)),
+            other: Default::default(),
+        }),
+        params,
+        detectors: None,
+        config: Some(config),
+    }
+}
+
+fn generated_run_id(scenario: &str) -> String {
+    let seconds = Timestamp::now().unix_seconds() as u64;
+    let suffix: u16 = rand::random();
+    format!("{scenario}-{seconds}-{suffix:04x}")
+}
+
+pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
+    let started = Instant::now();
+    let settings = cli::settings(args)?;
+    let device = device(&args.device)?;
+    let preset = Preset::named(&args.preset)?;
+    let model = match &args.weights {
+        Some(dir) => {
+            HybridModel::from_checkpoint(dir, &preset, settings.param_dtype, &device, args.seed)
+                .with_context(|| format!("loading the checkpoint in {}", dir.display()))?
+        }
+        None => HybridModel::random(&preset, settings.param_dtype, &device, args.seed)?,
+    };
+    let options = TrainOptions {
+        param_dtype: settings.param_dtype,
+        compute_dtype: settings.compute_dtype,
+        lr: settings.lr,
+        weight_decay: args.weight_decay,
+        loss_scaler: settings.loss_scaler,
+        growth_interval: args.scaler_growth_interval,
+        qwen_every: settings.qwen_every,
+        faults: settings.faults.clone(),
+        seed: args.seed,
+        instrument: !args.no_instrument,
+    };
+    let mut trainer = Trainer::new(model, options, &device)?;
+    let run_id = args
+        .run_id
+        .clone()
+        .unwrap_or_else(|| generated_run_id(&args.scenario));
+    let config = serde_json::json!({
+        "trainer": format!("gradflow-trainer {}", env!("CARGO_PKG_VERSION")),
+        "scenario": args.scenario,
+        "preset": preset.name,
+        "steps": args.steps,
+        "seed": args.seed,
+        "device": args.device,
+        "qwen_every": settings.qwen_every,
+        "faults": format!("{:?}", settings.faults),
+        "weights": args.weights.as_ref().map(|w| w.display().to_string()),
+    });
+    let registration = registration(
+        &trainer,
+        &format!("{} ({})", args.scenario, preset.name),
+        config,
+    );
+    let reporter = if args.no_report || args.no_instrument {
+        None
+    } else {
+        let mut config = ReporterConfig::new(&args.server, &run_id);
+        config.token = args.ingest_token.clone();
+        if let Some(dir) = &args.spool_dir {
+            config.spool_path = dir.join(format!("gradflow-spool-{run_id}.ndjson"));
+        }
+        Some(Reporter::start(config, registration)?)
+    };
+    tracing::info!(run_id = %run_id, scenario = %args.scenario, preset = preset.name, params = trainer.model.store.len(), "training");
+
+    if settings.loss_scaler && settings.param_dtype == DType::BF16 {
+        // Registered first (the server flags it), then fail as PyTorch does.
+        if let Some(reporter) = reporter {
+            reporter.finish(Duration::from_secs(5));
+        }
+        anyhow::bail!(
+            "GradScaler cannot unscale bf16 gradients: \"_amp_foreach_non_finite_check_and_unscale_cuda\" \
+             not implemented for 'BFloat16' (PyTorch stops the same way). bf16 has fp32's exponent range \
+             and needs no loss scaling: drop --loss-scaler, or keep f32 master weights \
+             (--param-dtype f32 --compute-dtype bf16)"
+        );
+    }
+
+    let telemetry = Telemetry::new();
+    let progress = progress_bar(args);
+    let mut first_loss = None;
+    let mut last = None;
+    let report_every = args.report_every.max(1);
+    for step in 0..args.steps {
+        let output = trainer
+            .step(step)
+            .with_context(|| format!("training step {step}"))?;
+        first_loss.get_or_insert(output.loss);
+        if let (Some(reporter), Some(mut record)) = (&reporter, output.record.clone())
+            && step % report_every == 0
+        {
+            record.gpu = telemetry.sample();
+            reporter.report(record);
+        }
+        if let Some(bar) = &progress {
+            bar.set_position(step + 1);
+            bar.set_message(format!(
+                "loss {:.4} qwen_grad {}",
+                output.loss,
+                output
+                    .qwen_grad_norm
+                    .map_or("-".into(), |n| format!("{n:.2e}"))
+            ));
+        } else if (step + 1) % (args.steps / 10).max(1) == 0 {
+            tracing::info!(step, loss = output.loss, qwen_grad = ?output.qwen_grad_norm, "progress");
+        }
+        last = Some(output);
+    }
+    if let Some(bar) = progress {
+        bar.finish();
+    }
+    let summary = reporter.map(|r| r.finish(Duration::from_secs(10)));
+    Ok(RunOutcome {
+        run_id,
+        steps: args.steps,
+        first_loss,
+        last_loss: last.as_ref().map(|o| o.loss),
+        last_accuracy: last.and_then(|o| o.accuracy),
+        summary,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn progress_bar(args: &Args) -> Option<ProgressBar> {
+    if args.quiet || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return None;
+    }
+    let bar = ProgressBar::new(args.steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} step {pos}/{len} {msg} [{elapsed_precise}, {per_sec}]",
+        )
+        .expect("a valid template"),
+    );
+    Some(bar)
+}

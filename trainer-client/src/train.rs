@@ -1,0 +1,421 @@
+//! One training step of the hybrid model, with the precision, loss-scaling and fault
+//! options that reproduce what goes wrong in real runs, and the instrumentation that
+//! turns a step into a protocol step record.
+//!
+//! Instrumentation is computed on the device and brought to the host in one transfer
+//! per step: every gradient's sum of squares, the norm weights' update, drift and
+//! mean, the loss and the accuracy are stacked into one vector. With a loss scaler
+//! there are two: whether to skip the optimizer step depends on `found_inf`, exactly
+//! as PyTorch's `GradScaler.step` synchronises.
+
+use std::collections::HashSet;
+
+use candle_core::{D, DType, Device, Tensor, Var};
+use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
+use gradflow_protocol::{Float, ModuleStep, ParamStep, Role, ScalerState, StepRecord, Timestamp};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::model::{HybridModel, Trace};
+use crate::scaler::LossScaler;
+use crate::tasks::{Batch, Task, Tokenizer};
+
+/// Failures to reproduce on demand.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Faults {
+    /// Detach the prompt embedding (the stray `torch.no_grad()` / `.detach()`).
+    pub detach_prompt: bool,
+    /// Leave every Qwen parameter out of the optimizer.
+    pub qwen_not_in_optimizer: bool,
+    /// Make one gradient NaN at this step.
+    pub nan_grad_at: Option<u64>,
+    /// Scale the prompt embedding past fp16's range in forward (an activation
+    /// overflow: the gradients are non-finite at any loss scale).
+    pub activation_overflow: bool,
+}
+
+/// The gradient made NaN by `Faults::nan_grad_at`.
+pub const NAN_GRAD_PARAM: &str = "qwen.layers.0.mlp.down_proj.weight";
+
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Master weights: what the optimizer updates.
+    pub param_dtype: DType,
+    /// Forward/backward dtype; a compute copy is cast each step when it differs.
+    pub compute_dtype: DType,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub loss_scaler: bool,
+    pub growth_interval: u64,
+    /// Qwen runs forward/backward only every K-th step; other steps reuse the cached,
+    /// detached prompt embedding (prompt caching: healthy).
+    pub qwen_every: u64,
+    pub faults: Faults,
+    pub seed: u64,
+    /// Compute and report telemetry (off: train only, to measure the overhead).
+    pub instrument: bool,
+}
+
+pub const BETAS: (f64, f64) = (0.9, 0.999);
+pub const EPS: f64 = 1e-8;
+
+/// What one step produced.
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    pub loss: f64,
+    pub accuracy: Option<f64>,
+    pub qwen_grad_norm: Option<f64>,
+    pub record: Option<StepRecord>,
+}
+
+/// A module and the indices of its parameters in the store.
+struct ModuleParams {
+    name: String,
+    params: Vec<usize>,
+}
+
+/// A norm weight whose update, drift and mean are reported.
+struct Watched {
+    param: usize,
+    initial: Tensor,
+}
+
+pub struct Trainer {
+    pub model: HybridModel,
+    pub options: TrainOptions,
+    pub scaler: Option<LossScaler>,
+    optimizer: AdamW,
+    vars: Vec<Var>,
+    modules: Vec<ModuleParams>,
+    watched: Vec<Watched>,
+    rng: StdRng,
+    tokenizer: Tokenizer,
+    device: Device,
+    cached_prompt: Option<Tensor>,
+}
+
+impl Trainer {
+    pub fn new(
+        mut model: HybridModel,
+        options: TrainOptions,
+        device: &Device,
+    ) -> anyhow::Result<Trainer> {
+        if options.faults.qwen_not_in_optimizer {
+            model.store.exclude_group_from_optimizer("qwen");
+        }
+        let optimizer = AdamW::new(
+            model.store.optimizer_vars(),
+            ParamsAdamW {
+                lr: options.lr,
+                beta1: BETAS.0,
+                beta2: BETAS.1,
+                eps: EPS,
+                weight_decay: options.weight_decay,
+            },
+        )?;
+        let vars: Vec<Var> = model.store.iter().map(|p| p.var.clone()).collect();
+        let modules = model
+            .store
+            .modules()
+            .into_iter()
+            .map(|name| ModuleParams {
+                name: name.to_owned(),
+                params: model
+                    .store
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.module == name)
+                    .map(|(i, _)| i)
+                    .collect(),
+            })
+            .collect();
+        let mut watched = Vec::new();
+        for (i, param) in model.store.iter().enumerate() {
+            if param.role == Role::Norm {
+                watched.push(Watched {
+                    param: i,
+                    initial: param.var.as_tensor().copy()?.to_dtype(DType::F32)?,
+                });
+            }
+        }
+        let scaler = options
+            .loss_scaler
+            .then(|| LossScaler::new(options.growth_interval));
+        Ok(Trainer {
+            rng: StdRng::seed_from_u64(options.seed ^ 0x7a5c),
+            model,
+            scaler,
+            optimizer,
+            vars,
+            modules,
+            watched,
+            tokenizer: Tokenizer::Bytes,
+            device: device.clone(),
+            cached_prompt: None,
+            options,
+        })
+    }
+
+    /// The next batch of random tasks.
+    fn sample_batch(&mut self) -> candle_core::Result<Batch> {
+        let preset = &self.model.preset;
+        let tasks: Vec<Task> = (0..preset.batch)
+            .map(|_| Task::random(&mut self.rng, preset.agent.grid_side))
+            .collect();
+        Batch::new(&tasks, preset, &self.tokenizer, &self.device)
+    }
+
+    /// Runs step `step`.
+    pub fn step(&mut self, step: u64) -> anyhow::Result<StepOutput> {
+        let Batch {
+            ids,
+            grids,
+            targets,
+        } = self.sample_batch()?;
+        let mut trace = Trace::new(self.options.compute_dtype);
+        let faults = self.options.faults.clone();
+        let every = self.options.qwen_every.max(1);
+        let run_qwen = every == 1 || step % every == 0 || self.cached_prompt.is_none();
+        let prompt = if run_qwen {
+            let prompt = self.model.prompt_embedding(&ids, &mut trace)?;
+            let prompt = if faults.detach_prompt {
+                prompt.detach()
+            } else {
+                prompt
+            };
+            if every > 1 {
+                self.cached_prompt = Some(prompt.detach());
+            }
+            prompt
+        } else {
+            self.cached_prompt
+                .clone()
+                .expect("cached on an earlier step")
+        };
+        let prompt = if faults.activation_overflow {
+            (prompt * 1e6)?
+        } else {
+            prompt
+        };
+        let logits = self.model.agent.forward(&grids, &prompt, &mut trace)?;
+        let flat = logits.to_dtype(DType::F32)?.flatten_to(1)?;
+        let loss = candle_nn::loss::cross_entropy(&flat, &targets)?;
+        let scale = self.scaler.map_or(1.0, |s| s.scale);
+        let mut grads = if self.scaler.is_some() {
+            (&loss * scale)?.backward()?
+        } else {
+            loss.backward()?
+        };
+        if faults.nan_grad_at == Some(step)
+            && let Some(param) = self.model.store.get(NAN_GRAD_PARAM)
+            && let Some(grad) = grads.remove(&param.var)
+        {
+            grads.insert(&param.var, (grad * f64::NAN)?);
+        }
+        if self.scaler.is_some() {
+            for var in &self.vars {
+                if let Some(grad) = grads.remove(var) {
+                    grads.insert(var, (grad * (1.0 / scale))?);
+                }
+            }
+        }
+
+        if !self.options.instrument {
+            let skipped = match &mut self.scaler {
+                Some(scaler) => {
+                    let found_inf = !all_finite(&self.vars, &grads)?;
+                    scaler.update(found_inf)
+                }
+                None => false,
+            };
+            if !skipped {
+                self.optimizer.step(&grads)?;
+            }
+            return Ok(StepOutput {
+                loss: loss.to_scalar::<f32>()? as f64,
+                accuracy: None,
+                qwen_grad_norm: None,
+                record: None,
+            });
+        }
+
+        // Stage A: loss, correct cells, each gradient's sum of squares (NaN/Inf in any
+        // element makes the sum non-finite, which is also how found_inf is decided).
+        let correct = flat
+            .argmax(D::Minus1)?
+            .eq(&targets)?
+            .to_dtype(DType::F32)?
+            .sum_all()?;
+        let mut stage_a = vec![loss.reshape(1)?, correct.reshape(1)?];
+        let mut has_grad = Vec::with_capacity(self.vars.len());
+        for var in &self.vars {
+            match grads.get(var) {
+                Some(g) => {
+                    stage_a.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?.reshape(1)?);
+                    has_grad.push(true);
+                }
+                None => has_grad.push(false),
+            }
+        }
+        let reached: HashSet<&str> = trace
+            .outputs()
+            .iter()
+            .filter(|(_, output)| grads.get(output).is_some())
+            .map(|(module, _)| module.as_str())
+            .collect();
+        let before: Vec<Tensor> = self
+            .watched
+            .iter()
+            .map(|w| self.vars[w.param].as_tensor().copy()?.to_dtype(DType::F32))
+            .collect::<candle_core::Result<_>>()?;
+
+        let stage_a_host = if self.scaler.is_some() {
+            Some(Tensor::cat(&stage_a, 0)?.to_vec1::<f32>()?)
+        } else {
+            None
+        };
+        let (found_inf, skipped) = match (&mut self.scaler, &stage_a_host) {
+            (Some(scaler), Some(host)) => {
+                let found_inf = host[2..].iter().any(|v| !v.is_finite());
+                (Some(found_inf), scaler.update(found_inf))
+            }
+            _ => (None, false),
+        };
+        if !skipped {
+            self.optimizer.step(&grads)?;
+        }
+
+        // Stage B: per watched norm weight, squared update, drift, mean — on the
+        // values in their own dtype (converting bf16 to f32 is exact).
+        let mut stage_b = Vec::with_capacity(self.watched.len() * 3);
+        for (w, before) in self.watched.iter().zip(&before) {
+            let after = self.vars[w.param].as_tensor().to_dtype(DType::F32)?;
+            stage_b.push((&after - before)?.sqr()?.sum_all()?.reshape(1)?);
+            stage_b.push((&after - &w.initial)?.abs()?.max_all()?.reshape(1)?);
+            stage_b.push(after.mean_all()?.reshape(1)?);
+        }
+        let (host_a, host_b) = match stage_a_host {
+            Some(a) => {
+                let b = if stage_b.is_empty() {
+                    Vec::new()
+                } else {
+                    Tensor::cat(&stage_b, 0)?.to_vec1::<f32>()?
+                };
+                (a, b)
+            }
+            None => {
+                let n = stage_a.len();
+                stage_a.extend(stage_b);
+                let all = Tensor::cat(&stage_a, 0)?.to_vec1::<f32>()?;
+                (all[..n].to_vec(), all[n..].to_vec())
+            }
+        };
+        Ok(self.record(
+            step, &host_a, &host_b, &has_grad, &reached, found_inf, skipped,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &self,
+        step: u64,
+        host_a: &[f32],
+        host_b: &[f32],
+        has_grad: &[bool],
+        reached: &HashSet<&str>,
+        found_inf: Option<bool>,
+        skipped: bool,
+    ) -> StepOutput {
+        let loss = host_a[0] as f64;
+        let cells = (self.model.preset.batch * self.model.preset.agent.grid_side.pow(2)) as f64;
+        let accuracy = host_a[1] as f64 / cells;
+        // Each parameter's gradient sum of squares, None where it had no gradient.
+        let mut sums = host_a[2..].iter();
+        let sumsq: Vec<Option<f64>> = has_grad
+            .iter()
+            .map(|&has| {
+                if has {
+                    sums.next().map(|v| *v as f64)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let params: Vec<_> = self.model.store.iter().collect();
+        let mut qwen_sum = None::<f64>;
+        let modules: Vec<ModuleStep> = self
+            .modules
+            .iter()
+            .map(|module| {
+                let sum = module
+                    .params
+                    .iter()
+                    .filter_map(|&i| sumsq[i])
+                    .fold(None, |acc: Option<f64>, s| Some(acc.unwrap_or(0.0) + s));
+                if let Some(s) = sum
+                    && params[module.params[0]].group == "qwen"
+                {
+                    qwen_sum = Some(qwen_sum.unwrap_or(0.0) + s);
+                }
+                ModuleStep {
+                    module: module.name.clone(),
+                    grad_norm: sum.map(|s| Float(s.sqrt())),
+                    hook_hits: Some(u32::from(reached.contains(module.name.as_str()))),
+                }
+            })
+            .collect();
+        let param_steps: Vec<ParamStep> = self
+            .watched
+            .iter()
+            .enumerate()
+            .map(|(k, w)| ParamStep {
+                name: params[w.param].name.clone(),
+                grad_norm: sumsq[w.param].map(|s| Float(s.sqrt())),
+                update_norm: host_b.get(3 * k).map(|v| Float((*v as f64).sqrt())),
+                drift: host_b.get(3 * k + 1).map(|v| Float(*v as f64)),
+                mean: host_b.get(3 * k + 2).map(|v| Float(*v as f64)),
+            })
+            .collect();
+        let scaler = self.scaler.map(|s| ScalerState {
+            scale: Some(Float(s.scale)),
+            growth_tracker: Some(s.growth_tracker),
+            found_inf,
+            step_skipped: Some(skipped),
+        });
+        let record = StepRecord {
+            step,
+            time: Some(Timestamp::now()),
+            loss: Some(Float(loss)),
+            lr: Some(Float(self.options.lr)),
+            modules,
+            params: param_steps,
+            scaler,
+            gpu: Vec::new(),
+            metrics: [("accuracy".to_owned(), Some(Float(accuracy)))]
+                .into_iter()
+                .collect(),
+        };
+        StepOutput {
+            loss,
+            accuracy: Some(accuracy),
+            qwen_grad_norm: qwen_sum.map(f64::sqrt).or(Some(0.0)),
+            record: Some(record),
+        }
+    }
+}
+
+/// Whether every gradient is finite (one reduction per gradient, one transfer).
+fn all_finite(vars: &[Var], grads: &candle_core::backprop::GradStore) -> candle_core::Result<bool> {
+    let sums: Vec<Tensor> = vars
+        .iter()
+        .filter_map(|v| grads.get(v))
+        .map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all()?.reshape(1))
+        .collect::<candle_core::Result<_>>()?;
+    if sums.is_empty() {
+        return Ok(true);
+    }
+    Ok(Tensor::cat(&sums, 0)?
+        .to_vec1::<f32>()?
+        .iter()
+        .all(|v| v.is_finite()))
+}
