@@ -32,9 +32,14 @@ pub struct ServerProcess {
 impl ServerProcess {
     /// Starts the server on `db` with extra flags, and waits until it listens.
     pub fn start(db: &Path, extra_args: &[&str]) -> ServerProcess {
+        Self::start_at(db, "127.0.0.1:0", extra_args)
+    }
+
+    /// Starts the server on `db` listening on `listen`.
+    pub fn start_at(db: &Path, listen: &str, extra_args: &[&str]) -> ServerProcess {
         let mut child = Command::new(binary("gradflow-server"))
             .arg("--listen")
-            .arg("127.0.0.1:0")
+            .arg(listen)
             .arg("--db")
             .arg(db)
             .args(extra_args)

@@ -80,7 +80,8 @@ pub const SCENARIOS: [Scenario; 8] = [
     Scenario {
         name: "fp16-overflow",
         symptom: "fp16 compute whose activations overflow: found_inf on every step, the scale collapses, no step is taken",
-        alerts: &["scaler_overflow_streak"],
+        // The loss itself is non-finite on every step too.
+        alerts: &["scaler_overflow_streak", "loss_nonfinite"],
         min_steps: 10,
     },
     Scenario {

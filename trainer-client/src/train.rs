@@ -172,7 +172,11 @@ impl Trainer {
             grids,
             targets,
         } = self.sample_batch()?;
-        let mut trace = Trace::new(self.options.compute_dtype);
+        let mut trace = if self.options.instrument {
+            Trace::with_probes(self.options.compute_dtype, self.model.probes.clone())
+        } else {
+            Trace::new(self.options.compute_dtype)
+        };
         let faults = self.options.faults.clone();
         let every = self.options.qwen_every.max(1);
         let run_qwen = every == 1 || step % every == 0 || self.cached_prompt.is_none();
@@ -257,12 +261,7 @@ impl Trainer {
                 None => has_grad.push(false),
             }
         }
-        let reached: HashSet<&str> = trace
-            .outputs()
-            .iter()
-            .filter(|(_, output)| grads.get(output).is_some())
-            .map(|(module, _)| module.as_str())
-            .collect();
+        let reached: HashSet<&str> = trace.reached(&grads);
         let before: Vec<Tensor> = self
             .watched
             .iter()

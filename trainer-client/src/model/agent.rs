@@ -98,9 +98,9 @@ impl Agent {
         let cells_embedded = cast(&self.cell_embed, dtype)?
             .index_select(&grids.flatten_all()?, 0)?
             .reshape((batch, cells, d))?;
-        trace.record("agent.cell_embed", &cells_embedded);
+        let cells_embedded = trace.record("agent.cell_embed", cells_embedded)?;
         let x = cells_embedded.broadcast_add(&cast(&self.pos_embed, dtype)?)?;
-        trace.record("agent.pos_embed", &x);
+        let x = trace.record("agent.pos_embed", x)?;
 
         let p = self.prompt_proj.forward(&prompt.to_dtype(dtype)?, trace)?;
         let x = x.broadcast_add(&p.unsqueeze(1)?)?;
@@ -110,7 +110,7 @@ impl Agent {
             .reshape((batch, self.config.mixers, 1, 1))?
             .broadcast_mul(&mixers.unsqueeze(0)?)?
             .sum(1)?;
-        trace.record("agent.mixer", &mixing);
+        let mixing = trace.record("agent.mixer", mixing)?;
         let mut x = (&x + mixing.matmul(&x.contiguous()?)?)?;
         for block in &self.blocks {
             let h = block.norm.forward(&x, trace)?;

@@ -38,8 +38,7 @@ impl Linear {
         let dtype = trace.compute;
         let bias = self.bias.as_ref().map(|b| cast(b, dtype)).transpose()?;
         let y = linear(x, &cast(&self.weight, dtype)?, bias.as_ref())?;
-        trace.record(&self.module, &y);
-        Ok(y)
+        trace.record(&self.module, y)
     }
 }
 
@@ -67,7 +66,6 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor, trace: &mut Trace) -> Result<Tensor> {
         let y = rms_norm(x, &cast(&self.weight, trace.compute)?, self.eps)?;
-        trace.record(&self.module, &y);
-        Ok(y)
+        trace.record(&self.module, y)
     }
 }

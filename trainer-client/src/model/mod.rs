@@ -19,6 +19,7 @@ pub mod params;
 pub mod qwen2;
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use gradflow_protocol::Role;
@@ -30,28 +31,76 @@ use config::Preset;
 use params::ParamStore;
 use qwen2::Qwen2;
 
-/// A forward pass's record: the compute dtype, and each module's output, so that
-/// after backward the gradient store tells which modules backward reached (the
-/// store holds gradients of intermediate tensors too).
+/// A forward pass: its compute dtype and, when instrumenting, a probe on each module's
+/// output that tells after backward whether backward reached it (the module's
+/// "backward hook" fired).
+///
+/// A probe is a one-element variable of value 0 added to the output. candle's
+/// backward keeps gradients of variables only (it drops each intermediate tensor's
+/// gradient once it has passed it on), so looking the output itself up afterwards
+/// finds nothing; the probe's gradient exists exactly when backward reached the
+/// output. It costs one elementwise add in forward and one sum in backward per
+/// module, and nothing when not instrumenting.
 pub struct Trace {
     pub compute: DType,
-    outputs: Vec<(String, Tensor)>,
+    probes: Option<Arc<Probes>>,
+    probed: Vec<(String, Var)>,
 }
 
+/// One probe variable per module, made on first use and kept for the run.
+#[derive(Default)]
+pub struct Probes(Mutex<HashMap<String, Var>>);
+
 impl Trace {
+    /// A trace without probes (training only, gradient checks).
     pub fn new(compute: DType) -> Trace {
         Trace {
             compute,
-            outputs: Vec::new(),
+            probes: None,
+            probed: Vec::new(),
         }
     }
 
-    pub fn record(&mut self, module: &str, output: &Tensor) {
-        self.outputs.push((module.to_owned(), output.clone()));
+    /// A trace that probes every module output.
+    pub fn with_probes(compute: DType, probes: Arc<Probes>) -> Trace {
+        Trace {
+            compute,
+            probes: Some(probes),
+            probed: Vec::new(),
+        }
     }
 
-    pub fn outputs(&self) -> &[(String, Tensor)] {
-        &self.outputs
+    /// Passes a module's output on, probed when probing.
+    pub fn record(&mut self, module: &str, output: Tensor) -> Result<Tensor> {
+        let Some(probes) = &self.probes else {
+            return Ok(output);
+        };
+        let probe = {
+            let mut by_module = probes.0.lock().expect("probe lock");
+            match by_module.get(module) {
+                Some(probe) if probe.dtype() == output.dtype() => probe.clone(),
+                _ => {
+                    let probe = Var::zeros(1, output.dtype(), output.device())?;
+                    by_module.insert(module.to_owned(), probe.clone());
+                    probe
+                }
+            }
+        };
+        let probed = output.broadcast_add(probe.as_tensor())?;
+        self.probed.push((module.to_owned(), probe));
+        Ok(probed)
+    }
+
+    /// The modules whose outputs backward reached, by the gradients in `grads`.
+    pub fn reached<'t>(
+        &'t self,
+        grads: &candle_core::backprop::GradStore,
+    ) -> std::collections::HashSet<&'t str> {
+        self.probed
+            .iter()
+            .filter(|(_, probe)| grads.get(probe.as_tensor()).is_some())
+            .map(|(module, _)| module.as_str())
+            .collect()
     }
 }
 
@@ -152,6 +201,8 @@ impl ParamSource for CheckpointSource<'_> {
 /// Qwen2 and the agent, with every parameter in one store.
 pub struct HybridModel {
     pub store: ParamStore,
+    /// The module-output probes of instrumented traces.
+    pub probes: Arc<Probes>,
     pub qwen: Qwen2,
     pub agent: Agent,
     pub preset: Preset,
@@ -166,15 +217,24 @@ impl HybridModel {
         seed: u64,
     ) -> anyhow::Result<HybridModel> {
         let mut store = ParamStore::default();
-        let mut source = RandomInit::new(&mut store, dtype, device.clone(), seed);
-        let qwen = Qwen2::new(&preset.qwen, "qwen", &mut source)?;
-        let agent = Agent::new(preset.agent, preset.qwen.hidden_size, "agent", &mut source)?;
+        let (qwen, agent) = Self::build(
+            preset,
+            &mut RandomInit::new(&mut store, dtype, device.clone(), seed),
+        )?;
         Ok(HybridModel {
+            probes: Arc::default(),
             store,
             qwen,
             agent,
             preset: preset.clone(),
         })
+    }
+
+    /// Both models, every parameter taken from `source`.
+    fn build(preset: &Preset, source: &mut dyn ParamSource) -> anyhow::Result<(Qwen2, Agent)> {
+        let qwen = Qwen2::new(&preset.qwen, "qwen", source)?;
+        let agent = Agent::new(preset.agent, preset.qwen.hidden_size, "agent", source)?;
+        Ok((qwen, agent))
     }
 
     /// Qwen from a Hugging Face checkpoint folder (its `config.json` decides the
@@ -194,9 +254,9 @@ impl HybridModel {
             tensors: loaded.tensors,
             fresh: RandomInit::new(&mut store, dtype, device.clone(), seed),
         };
-        let qwen = Qwen2::new(&preset.qwen, "qwen", &mut source)?;
-        let agent = Agent::new(preset.agent, preset.qwen.hidden_size, "agent", &mut source)?;
+        let (qwen, agent) = Self::build(&preset, &mut source)?;
         Ok(HybridModel {
+            probes: Arc::default(),
             store,
             qwen,
             agent,

@@ -112,12 +112,12 @@ impl Qwen2 {
         let dtype = trace.compute;
         let device = ids.device();
         let embed = cast(&self.embed, dtype)?;
-        let mut x = embed.index_select(&ids.flatten_all()?, 0)?.reshape((
+        let embedded = embed.index_select(&ids.flatten_all()?, 0)?.reshape((
             batch,
             seq,
             self.config.hidden_size,
         ))?;
-        trace.record(&self.embed_module, &x);
+        let mut x = trace.record(&self.embed_module, embedded)?;
         let (cos, sin) = rope_tables(seq, self.config.head_dim(), self.config.rope_theta, device)?;
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
         let mask = causal_mask(seq, dtype, device)?;

@@ -1,0 +1,174 @@
+//! The real trainer binary against the real server: each scenario raises exactly the
+//! alerts it should (a healthy run none), and a run whose server is down trains to
+//! the end and delivers its spool when the server comes back.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use gradflow_e2e::{ServerProcess, binary};
+use gradflow_trainer::scenario::SCENARIOS;
+use serde_json::Value;
+
+fn trainer(args: &[&str]) -> Command {
+    let mut command = Command::new(binary("gradflow-trainer"));
+    command
+        .args(args)
+        .arg("--quiet")
+        .env("RUST_LOG", "gradflow_trainer=info");
+    command
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+async fn get(client: &reqwest::Client, url: String) -> Value {
+    client.get(url).send().await.unwrap().json().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_scenario_raises_exactly_its_alerts() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("gradflow.db"), &["--sync", "normal"]);
+    let client = reqwest::Client::new();
+    for scenario in &SCENARIOS {
+        let steps = (scenario.min_steps + 10).max(60).to_string();
+        let output = trainer(&[
+            "--server",
+            &server.base,
+            "--scenario",
+            scenario.name,
+            "--run-id",
+            scenario.name,
+            "--steps",
+            &steps,
+        ])
+        .output()
+        .unwrap();
+        if scenario.name == "scaler-on-bf16" {
+            assert!(!output.status.success(), "{}", text(&output));
+            assert!(
+                text(&output).contains("not implemented for 'BFloat16'"),
+                "{}",
+                text(&output)
+            );
+        } else {
+            assert!(
+                output.status.success(),
+                "{}: {}",
+                scenario.name,
+                text(&output)
+            );
+        }
+        let alerts = get(
+            &client,
+            server.url(&format!("/api/v1/runs/{}/alerts", scenario.name)),
+        )
+        .await;
+        let mut kinds: Vec<&str> = alerts["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["kind"].as_str().unwrap())
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        let mut expected = scenario.alerts.to_vec();
+        expected.sort();
+        assert_eq!(kinds, expected, "scenario {}: {alerts}", scenario.name);
+    }
+    // The diagnosis of the detached prompt names the cause.
+    let alerts = get(&client, server.url("/api/v1/runs/detached-prompt/alerts")).await;
+    assert_eq!(
+        alerts["alerts"][0]["evidence"]["cause"],
+        "backward_not_reached"
+    );
+    assert_eq!(alerts["alerts"][0]["subject"], "qwen");
+    let alerts = get(&client, server.url("/api/v1/runs/bf16-frozen-norms/alerts")).await;
+    assert_eq!(
+        alerts["alerts"][0]["evidence"]["cause"],
+        "low_precision_underflow"
+    );
+    // And a healthy run's loss falls.
+    let loss = get(
+        &client,
+        server.url("/api/v1/runs/healthy/series?metric=loss"),
+    )
+    .await;
+    let points = loss["points"].as_array().unwrap();
+    let mean = |p: &[Value]| p.iter().map(|x| x[1].as_f64().unwrap()).sum::<f64>() / p.len() as f64;
+    assert!(
+        mean(&points[points.len() - 10..]) < mean(&points[..10]),
+        "{loss}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_server_is_down_trains_to_the_end_and_delivers_its_spool() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let address = format!("127.0.0.1:{port}");
+    let mut child = trainer(&[
+        "--server",
+        &format!("http://{address}"),
+        "--run-id",
+        "outage",
+        "--steps",
+        "150",
+        "--spool-dir",
+        dir.path().to_str().unwrap(),
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // The server comes up while the trainer is training, or while it flushes.
+    std::thread::sleep(Duration::from_millis(700));
+    let server = ServerProcess::start_at(
+        &dir.path().join("gradflow.db"),
+        &address,
+        &["--sync", "normal"],
+    );
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the trainer did not finish"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stderr = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.contains("unreachable"),
+        "the trainer warns about the outage: {stderr}"
+    );
+    assert!(stderr.contains("delivered 150 steps"), "{stderr}");
+    let client = reqwest::Client::new();
+    let loss = get(
+        &client,
+        server.url("/api/v1/runs/outage/series?metric=loss"),
+    )
+    .await;
+    let steps: Vec<u64> = loss["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[0].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        steps,
+        (0..150).collect::<Vec<_>>(),
+        "every step, in order, once"
+    );
+}

@@ -1,0 +1,276 @@
+//! The model and the training step, on the tiny preset: gradients reach every tensor
+//! when healthy and no Qwen tensor when the prompt is detached; backward agrees with
+//! finite differences in f64; bf16 master weights freeze the norm weights that f32
+//! moves; HF checkpoints load back.
+
+use candle_core::{DType, Device, Tensor};
+use gradflow_trainer::model::config::Preset;
+use gradflow_trainer::model::{HybridModel, Trace, checkpoint};
+use gradflow_trainer::tasks::{Batch, Task, Tokenizer};
+use gradflow_trainer::train::{Faults, TrainOptions, Trainer};
+use rand::SeedableRng;
+
+fn tiny() -> Preset {
+    Preset::named("tiny").unwrap()
+}
+
+fn batch(preset: &Preset, seed: u64) -> Batch {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let tasks: Vec<Task> = (0..preset.batch)
+        .map(|_| Task::random(&mut rng, preset.agent.grid_side))
+        .collect();
+    Batch::new(&tasks, preset, &Tokenizer::Bytes, &Device::Cpu).unwrap()
+}
+
+fn options(param: DType, compute: DType) -> TrainOptions {
+    TrainOptions {
+        param_dtype: param,
+        compute_dtype: compute,
+        lr: 3e-4,
+        weight_decay: 0.01,
+        loss_scaler: false,
+        growth_interval: 2000,
+        qwen_every: 1,
+        faults: Faults::default(),
+        seed: 0,
+        instrument: true,
+    }
+}
+
+#[test]
+fn a_healthy_step_gives_every_trainable_tensor_a_gradient() {
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
+    let b = batch(&preset, 2);
+    let (loss, _) = model
+        .loss(&b.ids, &b.grids, &b.targets, &mut Trace::new(DType::F32))
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let missing: Vec<&str> = model
+        .store
+        .iter()
+        .filter(|p| grads.get(&p.var).is_none())
+        .map(|p| p.name.as_str())
+        .collect();
+    assert!(missing.is_empty(), "no gradient for {missing:?}");
+    assert!(model.store.len() > 30, "{} tensors", model.store.len());
+    // The trainer's record: every module reached by backward, with a gradient norm.
+    let mut trainer = Trainer::new(model, options(DType::F32, DType::F32), &Device::Cpu).unwrap();
+    let record = trainer.step(0).unwrap().record.unwrap();
+    assert_eq!(record.modules.len(), trainer.model.store.modules().len());
+    for module in &record.modules {
+        assert_eq!(module.hook_hits, Some(1), "{}", module.module);
+        assert!(module.grad_norm.unwrap().get() > 0.0, "{}", module.module);
+    }
+}
+
+#[test]
+fn a_detached_prompt_leaves_every_qwen_tensor_without_a_gradient() {
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
+    let b = batch(&preset, 2);
+    let mut trace = Trace::new(DType::F32);
+    let prompt = model.prompt_embedding(&b.ids, &mut trace).unwrap().detach();
+    let logits = model.agent.forward(&b.grids, &prompt, &mut trace).unwrap();
+    let loss = candle_nn::loss::cross_entropy(&logits.flatten_to(1).unwrap(), &b.targets).unwrap();
+    let grads = loss.backward().unwrap();
+    for param in model.store.iter() {
+        let has = grads.get(&param.var).is_some();
+        assert_eq!(has, param.group == "agent", "{}", param.name);
+    }
+    // And the trainer's record says backward never reached Qwen's modules.
+    let mut opts = options(DType::F32, DType::F32);
+    opts.faults.detach_prompt = true;
+    let mut trainer = Trainer::new(model, opts, &Device::Cpu).unwrap();
+    let record = trainer.step(0).unwrap().record.unwrap();
+    for module in &record.modules {
+        let qwen = module.module.starts_with("qwen.");
+        assert_eq!(
+            module.hook_hits,
+            Some(u32::from(!qwen)),
+            "{}",
+            module.module
+        );
+        assert_eq!(module.grad_norm.is_none(), qwen, "{}", module.module);
+    }
+}
+
+/// Sets one element of a parameter.
+fn poke(var: &candle_core::Var, index: usize, value: f64) {
+    let shape = var.shape().clone();
+    let mut values: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+    values[index] = value;
+    var.set(&Tensor::from_vec(values, shape, &Device::Cpu).unwrap())
+        .unwrap();
+}
+
+fn element(tensor: &Tensor, index: usize) -> f64 {
+    tensor.flatten_all().unwrap().to_vec1::<f64>().unwrap()[index]
+}
+
+#[test]
+fn backward_agrees_with_finite_differences_in_f64() {
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::F64, &Device::Cpu, 3).unwrap();
+    let b = batch(&preset, 4);
+    let loss = |model: &HybridModel| -> f64 {
+        let (loss, _) = model
+            .loss(&b.ids, &b.grids, &b.targets, &mut Trace::new(DType::F64))
+            .unwrap();
+        loss.to_scalar::<f64>().unwrap()
+    };
+    let (l, _) = model
+        .loss(&b.ids, &b.grids, &b.targets, &mut Trace::new(DType::F64))
+        .unwrap();
+    let grads = l.backward().unwrap();
+    // One element of a tensor of every kind, on both sides of the prompt embedding.
+    let probes = [
+        ("qwen.embed_tokens.weight", 4 * 32 + 3),
+        ("qwen.layers.0.input_layernorm.weight", 5),
+        ("qwen.layers.0.self_attn.q_proj.bias", 7),
+        ("qwen.layers.1.self_attn.k_proj.weight", 11),
+        ("qwen.layers.1.mlp.down_proj.weight", 13),
+        ("qwen.norm.weight", 2),
+        ("agent.prompt_proj.weight", 17),
+        ("agent.mixer.weight", 30),
+        ("agent.layers.0.norm.weight", 1),
+        ("agent.head.bias", 3),
+    ];
+    let eps = 1e-5;
+    for (name, index) in probes {
+        let var = &model.store.get(name).unwrap().var;
+        let analytic = element(grads.get(var).unwrap(), index);
+        let original = element(var.as_tensor(), index);
+        poke(var, index, original + eps);
+        let up = loss(&model);
+        poke(var, index, original - eps);
+        let down = loss(&model);
+        poke(var, index, original);
+        let numeric = (up - down) / (2.0 * eps);
+        // Relative 1e-4, with an absolute floor for tiny gradients, where the central
+        // difference's round-off (~1e-16 · loss / eps) dominates.
+        let tolerance = 1e-4 * analytic.abs().max(numeric.abs()) + 1e-9;
+        assert!(
+            (analytic - numeric).abs() <= tolerance,
+            "{name}[{index}]: backward {analytic:e}, finite difference {numeric:e}"
+        );
+    }
+}
+
+/// The norm weights' values after `steps` training steps.
+fn norm_weights_after(param: DType, compute: DType, steps: u64) -> Vec<f32> {
+    let preset = tiny();
+    let model = HybridModel::random(&preset, param, &Device::Cpu, 5).unwrap();
+    let mut trainer = Trainer::new(model, options(param, compute), &Device::Cpu).unwrap();
+    for step in 0..steps {
+        trainer.step(step).unwrap();
+    }
+    trainer
+        .model
+        .store
+        .iter()
+        .filter(|p| p.role == gradflow_protocol::Role::Norm)
+        .flat_map(|p| {
+            p.var
+                .as_tensor()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn bf16_master_weights_at_lr_3e_4_leave_norm_weights_at_exactly_one_while_f32_moves_them() {
+    let bf16 = norm_weights_after(DType::BF16, DType::BF16, 5);
+    assert!(
+        bf16.iter().all(|w| *w == 1.0),
+        "bf16 norm weights moved: {:?}",
+        &bf16[..8]
+    );
+    let f32 = norm_weights_after(DType::F32, DType::F32, 5);
+    let moved = f32.iter().filter(|w| **w != 1.0).count();
+    assert!(
+        moved > f32.len() * 9 / 10,
+        "only {moved} of {} f32 norm weights moved",
+        f32.len()
+    );
+    // The trainer's own record says so too: gradient > 0, update exactly 0, mean 1.
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::BF16, &Device::Cpu, 5).unwrap();
+    let mut trainer = Trainer::new(model, options(DType::BF16, DType::BF16), &Device::Cpu).unwrap();
+    let record = trainer.step(0).unwrap().record.unwrap();
+    assert!(!record.params.is_empty());
+    for p in &record.params {
+        assert!(p.grad_norm.unwrap().get() > 0.0, "{}", p.name);
+        assert_eq!(p.update_norm.unwrap().get(), 0.0, "{}", p.name);
+        assert_eq!(p.mean.unwrap().get(), 1.0, "{}", p.name);
+    }
+}
+
+#[test]
+fn a_hugging_face_checkpoint_round_trips_single_and_sharded() {
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 7).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint::save(&model, dir.path()).unwrap();
+    let b = batch(&preset, 8);
+    let logits = |m: &HybridModel| -> Vec<f32> {
+        let hidden = m.qwen.forward(&b.ids, &mut Trace::new(DType::F32)).unwrap();
+        m.qwen
+            .logits(&hidden)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let loaded =
+        HybridModel::from_checkpoint(dir.path(), &preset, DType::F32, &Device::Cpu, 0).unwrap();
+    assert_eq!(logits(&model), logits(&loaded));
+    assert_eq!(loaded.store.len(), model.store.len());
+
+    // The same tensors behind a shard index.
+    std::fs::rename(
+        dir.path().join("model.safetensors"),
+        dir.path().join("model-00001-of-00001.safetensors"),
+    )
+    .unwrap();
+    let names: Vec<String> = model
+        .store
+        .iter()
+        .filter(|p| p.group == "qwen")
+        .map(|p| checkpoint::hf_name(&p.name))
+        .collect();
+    let index = serde_json::json!({
+        "weight_map": names.iter().map(|n| (n.clone(), "model-00001-of-00001.safetensors")).collect::<std::collections::HashMap<_, _>>()
+    });
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let sharded =
+        HybridModel::from_checkpoint(dir.path(), &preset, DType::F32, &Device::Cpu, 0).unwrap();
+    assert_eq!(logits(&model), logits(&sharded));
+
+    // A checkpoint missing a tensor says which.
+    std::fs::remove_file(dir.path().join("model.safetensors.index.json")).unwrap();
+    let error = HybridModel::from_checkpoint(dir.path(), &preset, DType::F32, &Device::Cpu, 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(error.contains("neither model.safetensors"), "{error}");
+}
+
+#[test]
+fn healthy_training_lowers_the_loss() {
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 9).unwrap();
+    let mut trainer = Trainer::new(model, options(DType::F32, DType::F32), &Device::Cpu).unwrap();
+    let losses: Vec<f64> = (0..150).map(|s| trainer.step(s).unwrap().loss).collect();
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+    let (early, late) = (mean(&losses[..20]), mean(&losses[130..]));
+    assert!(late < early * 0.8, "loss {early:.3} → {late:.3}");
+}
