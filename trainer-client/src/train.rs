@@ -8,15 +8,13 @@
 //! there are two: whether to skip the optimizer step depends on `found_inf`, exactly
 //! as PyTorch's `GradScaler.step` synchronises.
 
-use std::collections::HashSet;
-
 use candle_core::{D, DType, Device, Tensor, Var};
 use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use gradflow_protocol::{Float, ModuleStep, ParamStep, Role, ScalerState, StepRecord, Timestamp};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::model::{HybridModel, Trace};
+use crate::model::HybridModel;
 use crate::scaler::LossScaler;
 use crate::tasks::{Batch, Task, Tokenizer};
 
@@ -172,16 +170,12 @@ impl Trainer {
             grids,
             targets,
         } = self.sample_batch()?;
-        let mut trace = if self.options.instrument {
-            Trace::with_probes(self.options.compute_dtype, self.model.probes.clone())
-        } else {
-            Trace::new(self.options.compute_dtype)
-        };
+        let dtype = self.options.compute_dtype;
         let faults = self.options.faults.clone();
         let every = self.options.qwen_every.max(1);
         let run_qwen = every == 1 || step % every == 0 || self.cached_prompt.is_none();
         let prompt = if run_qwen {
-            let prompt = self.model.prompt_embedding(&ids, &mut trace)?;
+            let prompt = self.model.prompt_embedding(&ids, dtype)?;
             let prompt = if faults.detach_prompt {
                 prompt.detach()
             } else {
@@ -201,7 +195,7 @@ impl Trainer {
         } else {
             prompt
         };
-        let logits = self.model.agent.forward(&grids, &prompt, &mut trace)?;
+        let logits = self.model.agent.forward(&grids, &prompt, dtype)?;
         let flat = logits.to_dtype(DType::F32)?.flatten_to(1)?;
         let loss = candle_nn::loss::cross_entropy(&flat, &targets)?;
         let scale = self.scaler.map_or(1.0, |s| s.scale);
@@ -255,13 +249,13 @@ impl Trainer {
         for var in &self.vars {
             match grads.get(var) {
                 Some(g) => {
-                    stage_a.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?.reshape(1)?);
+                    stage_a.push(sum_of_squares(g)?);
                     has_grad.push(true);
                 }
                 None => has_grad.push(false),
             }
         }
-        let reached: HashSet<&str> = trace.reached(&grads);
+
         let before: Vec<Tensor> = self
             .watched
             .iter()
@@ -309,9 +303,7 @@ impl Trainer {
                 (all[..n].to_vec(), all[n..].to_vec())
             }
         };
-        Ok(self.record(
-            step, &host_a, &host_b, &has_grad, &reached, found_inf, skipped,
-        ))
+        Ok(self.record(step, &host_a, &host_b, &has_grad, found_inf, skipped))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -321,7 +313,6 @@ impl Trainer {
         host_a: &[f32],
         host_b: &[f32],
         has_grad: &[bool],
-        reached: &HashSet<&str>,
         found_inf: Option<bool>,
         skipped: bool,
     ) -> StepOutput {
@@ -356,10 +347,13 @@ impl Trainer {
                 {
                     qwen_sum = Some(qwen_sum.unwrap_or(0.0) + s);
                 }
+                // Backward reached the module's output exactly when its parameters
+                // (all trainable here) received a gradient: that is its hook firing.
+                let reached = module.params.iter().any(|&i| has_grad[i]);
                 ModuleStep {
                     module: module.name.clone(),
                     grad_norm: sum.map(|s| Float(s.sqrt())),
-                    hook_hits: Some(u32::from(reached.contains(module.name.as_str()))),
+                    hook_hits: Some(u32::from(reached)),
                 }
             })
             .collect();
@@ -403,12 +397,28 @@ impl Trainer {
     }
 }
 
+/// The sum of squares of a tensor's elements as a one-element f32 tensor, computed
+/// as a dot product: one read of the data and no temporary the size of the tensor
+/// (`sqr().sum_all()` writes a full squared copy first). NaN and infinity propagate.
+fn sum_of_squares(t: &Tensor) -> candle_core::Result<Tensor> {
+    let t = if t.dtype() == DType::F32 {
+        t.clone()
+    } else {
+        t.to_dtype(DType::F32)?
+    };
+    let n = t.elem_count();
+    let flat = t.flatten_all()?.contiguous()?;
+    flat.reshape((1, n))?
+        .matmul(&flat.reshape((n, 1))?)?
+        .reshape(1)
+}
+
 /// Whether every gradient is finite (one reduction per gradient, one transfer).
 fn all_finite(vars: &[Var], grads: &candle_core::backprop::GradStore) -> candle_core::Result<bool> {
     let sums: Vec<Tensor> = vars
         .iter()
         .filter_map(|v| grads.get(v))
-        .map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all()?.reshape(1))
+        .map(sum_of_squares)
         .collect::<candle_core::Result<_>>()?;
     if sums.is_empty() {
         return Ok(true);

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use gradflow_trainer::model::config::Preset;
-use gradflow_trainer::model::{HybridModel, Trace, checkpoint};
+use gradflow_trainer::model::{HybridModel, checkpoint};
 use gradflow_trainer::tasks::{Batch, Task, Tokenizer};
 use gradflow_trainer::train::{Faults, TrainOptions, Trainer};
 use rand::SeedableRng;
@@ -43,7 +43,7 @@ fn a_healthy_step_gives_every_trainable_tensor_a_gradient() {
     let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
     let b = batch(&preset, 2);
     let (loss, _) = model
-        .loss(&b.ids, &b.grids, &b.targets, &mut Trace::new(DType::F32))
+        .loss(&b.ids, &b.grids, &b.targets, DType::F32)
         .unwrap();
     let grads = loss.backward().unwrap();
     let missing: Vec<&str> = model
@@ -69,9 +69,8 @@ fn a_detached_prompt_leaves_every_qwen_tensor_without_a_gradient() {
     let preset = tiny();
     let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
     let b = batch(&preset, 2);
-    let mut trace = Trace::new(DType::F32);
-    let prompt = model.prompt_embedding(&b.ids, &mut trace).unwrap().detach();
-    let logits = model.agent.forward(&b.grids, &prompt, &mut trace).unwrap();
+    let prompt = model.prompt_embedding(&b.ids, DType::F32).unwrap().detach();
+    let logits = model.agent.forward(&b.grids, &prompt, DType::F32).unwrap();
     let loss = candle_nn::loss::cross_entropy(&logits.flatten_to(1).unwrap(), &b.targets).unwrap();
     let grads = loss.backward().unwrap();
     for param in model.store.iter() {
@@ -115,12 +114,12 @@ fn backward_agrees_with_finite_differences_in_f64() {
     let b = batch(&preset, 4);
     let loss = |model: &HybridModel| -> f64 {
         let (loss, _) = model
-            .loss(&b.ids, &b.grids, &b.targets, &mut Trace::new(DType::F64))
+            .loss(&b.ids, &b.grids, &b.targets, DType::F64)
             .unwrap();
         loss.to_scalar::<f64>().unwrap()
     };
     let (l, _) = model
-        .loss(&b.ids, &b.grids, &b.targets, &mut Trace::new(DType::F64))
+        .loss(&b.ids, &b.grids, &b.targets, DType::F64)
         .unwrap();
     let grads = l.backward().unwrap();
     // One element of a tensor of every kind, on both sides of the prompt embedding.
@@ -217,7 +216,7 @@ fn a_hugging_face_checkpoint_round_trips_single_and_sharded() {
     checkpoint::save(&model, dir.path()).unwrap();
     let b = batch(&preset, 8);
     let logits = |m: &HybridModel| -> Vec<f32> {
-        let hidden = m.qwen.forward(&b.ids, &mut Trace::new(DType::F32)).unwrap();
+        let hidden = m.qwen.forward(&b.ids, DType::F32).unwrap();
         m.qwen
             .logits(&hidden)
             .unwrap()

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use candle_core::{D, DType, Device, Tensor};
 use gradflow_trainer::model::config::Preset;
-use gradflow_trainer::model::{HybridModel, Trace, checkpoint};
+use gradflow_trainer::model::{HybridModel, checkpoint};
 use serde_json::Value;
 
 fn reference_dir() -> PathBuf {
@@ -37,10 +37,7 @@ fn qwen2_matches_hugging_face_transformers() {
     let (batch, seq) = (ids.len(), ids[0].len());
     let ids = Tensor::new(ids, &Device::Cpu).unwrap();
 
-    let hidden = model
-        .qwen
-        .forward(&ids, &mut Trace::new(DType::F32))
-        .unwrap();
+    let hidden = model.qwen.forward(&ids, DType::F32).unwrap();
     let logits = model.qwen.logits(&hidden).unwrap();
     let ours: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
     let theirs: Vec<f64> = serde_json::from_value(fixture["logits"].clone()).unwrap();

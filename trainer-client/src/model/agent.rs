@@ -8,13 +8,13 @@
 //! can learn colour statistics but cannot know which transformation to apply, which
 //! is what makes a cut from Qwen matter.
 
-use candle_core::{D, Result, Tensor, Var};
+use candle_core::{D, DType, Result, Tensor, Var};
 use gradflow_protocol::Role;
 
 use super::config::{AgentConfig, COLOURS};
 use super::layers::{Linear, RmsNorm};
 use super::ops::softmax_f32;
-use super::{ParamSource, Trace, cast};
+use super::{ParamSource, cast};
 
 struct Block {
     norm: RmsNorm,
@@ -91,34 +91,32 @@ impl Agent {
 
     /// Cell logits `(batch, cells, 10)` for grids `(batch, cells)` of colour ids and
     /// prompt embeddings `(batch, prompt_width)`.
-    pub fn forward(&self, grids: &Tensor, prompt: &Tensor, trace: &mut Trace) -> Result<Tensor> {
-        let dtype = trace.compute;
+    pub fn forward(&self, grids: &Tensor, prompt: &Tensor, dtype: DType) -> Result<Tensor> {
         let (batch, cells) = grids.dims2()?;
         let d = self.config.hidden;
         let cells_embedded = cast(&self.cell_embed, dtype)?
             .index_select(&grids.flatten_all()?, 0)?
             .reshape((batch, cells, d))?;
-        let cells_embedded = trace.record("agent.cell_embed", cells_embedded)?;
-        let x = cells_embedded.broadcast_add(&cast(&self.pos_embed, dtype)?)?;
-        let x = trace.record("agent.pos_embed", x)?;
 
-        let p = self.prompt_proj.forward(&prompt.to_dtype(dtype)?, trace)?;
+        let x = cells_embedded.broadcast_add(&cast(&self.pos_embed, dtype)?)?;
+
+        let p = self.prompt_proj.forward(&prompt.to_dtype(dtype)?, dtype)?;
         let x = x.broadcast_add(&p.unsqueeze(1)?)?;
-        let choice = softmax_f32(&self.mix_select.forward(&p, trace)?)?;
+        let choice = softmax_f32(&self.mix_select.forward(&p, dtype)?)?;
         let mixers = cast(&self.mixer, dtype)?;
         let mixing = choice
             .reshape((batch, self.config.mixers, 1, 1))?
             .broadcast_mul(&mixers.unsqueeze(0)?)?
             .sum(1)?;
-        let mixing = trace.record("agent.mixer", mixing)?;
+
         let mut x = (&x + mixing.matmul(&x.contiguous()?)?)?;
         for block in &self.blocks {
-            let h = block.norm.forward(&x, trace)?;
-            let h = block.up.forward(&h, trace)?.silu()?;
-            x = (x + block.down.forward(&h, trace)?)?;
+            let h = block.norm.forward(&x, dtype)?;
+            let h = block.up.forward(&h, dtype)?.silu()?;
+            x = (x + block.down.forward(&h, dtype)?)?;
         }
-        let h = self.norm.forward(&x, trace)?;
-        self.head.forward(&h, trace)
+        let h = self.norm.forward(&x, dtype)?;
+        self.head.forward(&h, dtype)
     }
 }
 

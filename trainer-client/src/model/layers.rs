@@ -1,12 +1,12 @@
-//! The layers both models are built from; each records its output in the trace.
+//! The layers both models are built from.
 
-use candle_core::{Result, Tensor, Var};
+use candle_core::{DType, Result, Tensor, Var};
 use gradflow_protocol::Role;
 
 use super::ops::{linear, rms_norm};
-use super::{ParamSource, Trace, cast};
+use super::{ParamSource, cast};
 
-/// A linear layer `x Wᵀ + b` whose output is recorded in the trace.
+/// A linear layer `x Wᵀ + b`, computed in the given dtype.
 pub struct Linear {
     pub module: String,
     pub weight: Var,
@@ -34,15 +34,13 @@ impl Linear {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, trace: &mut Trace) -> Result<Tensor> {
-        let dtype = trace.compute;
+    pub fn forward(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let bias = self.bias.as_ref().map(|b| cast(b, dtype)).transpose()?;
-        let y = linear(x, &cast(&self.weight, dtype)?, bias.as_ref())?;
-        trace.record(&self.module, y)
+        linear(x, &cast(&self.weight, dtype)?, bias.as_ref())
     }
 }
 
-/// Qwen2's RMSNorm, output recorded in the trace.
+/// Qwen2's RMSNorm.
 pub struct RmsNorm {
     pub module: String,
     pub weight: Var,
@@ -64,8 +62,7 @@ impl RmsNorm {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, trace: &mut Trace) -> Result<Tensor> {
-        let y = rms_norm(x, &cast(&self.weight, trace.compute)?, self.eps)?;
-        trace.record(&self.module, y)
+    pub fn forward(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        rms_norm(x, &cast(&self.weight, dtype)?, self.eps)
     }
 }

@@ -19,7 +19,6 @@ pub mod params;
 pub mod qwen2;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use gradflow_protocol::Role;
@@ -30,79 +29,6 @@ use agent::Agent;
 use config::Preset;
 use params::ParamStore;
 use qwen2::Qwen2;
-
-/// A forward pass: its compute dtype and, when instrumenting, a probe on each module's
-/// output that tells after backward whether backward reached it (the module's
-/// "backward hook" fired).
-///
-/// A probe is a one-element variable of value 0 added to the output. candle's
-/// backward keeps gradients of variables only (it drops each intermediate tensor's
-/// gradient once it has passed it on), so looking the output itself up afterwards
-/// finds nothing; the probe's gradient exists exactly when backward reached the
-/// output. It costs one elementwise add in forward and one sum in backward per
-/// module, and nothing when not instrumenting.
-pub struct Trace {
-    pub compute: DType,
-    probes: Option<Arc<Probes>>,
-    probed: Vec<(String, Var)>,
-}
-
-/// One probe variable per module, made on first use and kept for the run.
-#[derive(Default)]
-pub struct Probes(Mutex<HashMap<String, Var>>);
-
-impl Trace {
-    /// A trace without probes (training only, gradient checks).
-    pub fn new(compute: DType) -> Trace {
-        Trace {
-            compute,
-            probes: None,
-            probed: Vec::new(),
-        }
-    }
-
-    /// A trace that probes every module output.
-    pub fn with_probes(compute: DType, probes: Arc<Probes>) -> Trace {
-        Trace {
-            compute,
-            probes: Some(probes),
-            probed: Vec::new(),
-        }
-    }
-
-    /// Passes a module's output on, probed when probing.
-    pub fn record(&mut self, module: &str, output: Tensor) -> Result<Tensor> {
-        let Some(probes) = &self.probes else {
-            return Ok(output);
-        };
-        let probe = {
-            let mut by_module = probes.0.lock().expect("probe lock");
-            match by_module.get(module) {
-                Some(probe) if probe.dtype() == output.dtype() => probe.clone(),
-                _ => {
-                    let probe = Var::zeros(1, output.dtype(), output.device())?;
-                    by_module.insert(module.to_owned(), probe.clone());
-                    probe
-                }
-            }
-        };
-        let probed = output.broadcast_add(probe.as_tensor())?;
-        self.probed.push((module.to_owned(), probe));
-        Ok(probed)
-    }
-
-    /// The modules whose outputs backward reached, by the gradients in `grads`.
-    pub fn reached<'t>(
-        &'t self,
-        grads: &candle_core::backprop::GradStore,
-    ) -> std::collections::HashSet<&'t str> {
-        self.probed
-            .iter()
-            .filter(|(_, probe)| grads.get(probe.as_tensor()).is_some())
-            .map(|(module, _)| module.as_str())
-            .collect()
-    }
-}
 
 /// A variable's value in the compute dtype: the autocast analogue. Differentiable,
 /// so gradients arrive in the master dtype.
@@ -201,8 +127,6 @@ impl ParamSource for CheckpointSource<'_> {
 /// Qwen2 and the agent, with every parameter in one store.
 pub struct HybridModel {
     pub store: ParamStore,
-    /// The module-output probes of instrumented traces.
-    pub probes: Arc<Probes>,
     pub qwen: Qwen2,
     pub agent: Agent,
     pub preset: Preset,
@@ -222,7 +146,6 @@ impl HybridModel {
             &mut RandomInit::new(&mut store, dtype, device.clone(), seed),
         )?;
         Ok(HybridModel {
-            probes: Arc::default(),
             store,
             qwen,
             agent,
@@ -256,7 +179,6 @@ impl HybridModel {
         };
         let (qwen, agent) = Self::build(&preset, &mut source)?;
         Ok(HybridModel {
-            probes: Arc::default(),
             store,
             qwen,
             agent,
@@ -271,10 +193,10 @@ impl HybridModel {
         ids: &Tensor,
         grids: &Tensor,
         targets: &Tensor,
-        trace: &mut Trace,
+        dtype: DType,
     ) -> Result<(Tensor, Tensor)> {
-        let prompt = self.prompt_embedding(ids, trace)?;
-        let logits = self.agent.forward(grids, &prompt, trace)?;
+        let prompt = self.prompt_embedding(ids, dtype)?;
+        let logits = self.agent.forward(grids, &prompt, dtype)?;
         let flat = logits
             .to_dtype(ops::upcast(logits.dtype()))?
             .flatten_to(1)?;
@@ -282,7 +204,7 @@ impl HybridModel {
     }
 
     /// The prompt embedding `(batch, hidden)`: the mean of Qwen's final hidden states.
-    pub fn prompt_embedding(&self, ids: &Tensor, trace: &mut Trace) -> Result<Tensor> {
-        agent::mean_pool(&self.qwen.forward(ids, trace)?)
+    pub fn prompt_embedding(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
+        agent::mean_pool(&self.qwen.forward(ids, dtype)?)
     }
 }

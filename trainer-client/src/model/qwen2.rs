@@ -8,7 +8,7 @@ use gradflow_protocol::Role;
 use super::config::Qwen2Config;
 use super::layers::{Linear, RmsNorm};
 use super::ops::{causal_mask, linear, repeat_kv, rope, rope_tables, softmax_f32};
-use super::{ParamSource, Trace, cast};
+use super::{ParamSource, cast};
 
 struct DecoderLayer {
     input_layernorm: RmsNorm,
@@ -24,7 +24,6 @@ struct DecoderLayer {
 
 pub struct Qwen2 {
     pub config: Qwen2Config,
-    embed_module: String,
     embed: Var,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -98,7 +97,6 @@ impl Qwen2 {
         };
         Ok(Qwen2 {
             config: config.clone(),
-            embed_module,
             embed,
             layers,
             norm,
@@ -107,9 +105,8 @@ impl Qwen2 {
     }
 
     /// The final hidden states `(batch, seq, hidden)` for token ids `(batch, seq)`.
-    pub fn forward(&self, ids: &Tensor, trace: &mut Trace) -> Result<Tensor> {
+    pub fn forward(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
         let (batch, seq) = ids.dims2()?;
-        let dtype = trace.compute;
         let device = ids.device();
         let embed = cast(&self.embed, dtype)?;
         let embedded = embed.index_select(&ids.flatten_all()?, 0)?.reshape((
@@ -117,14 +114,14 @@ impl Qwen2 {
             seq,
             self.config.hidden_size,
         ))?;
-        let mut x = trace.record(&self.embed_module, embedded)?;
+        let mut x = embedded;
         let (cos, sin) = rope_tables(seq, self.config.head_dim(), self.config.rope_theta, device)?;
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
         let mask = causal_mask(seq, dtype, device)?;
         for layer in &self.layers {
-            x = self.layer_forward(layer, &x, &cos, &sin, &mask, trace)?;
+            x = self.layer_forward(layer, &x, &cos, &sin, &mask, dtype)?;
         }
-        self.norm.forward(&x, trace)
+        self.norm.forward(&x, dtype)
     }
 
     /// Next-token logits `(batch, seq, vocab)` from hidden states (through the tied
@@ -145,22 +142,22 @@ impl Qwen2 {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        trace: &mut Trace,
+        dtype: DType,
     ) -> Result<Tensor> {
         let (batch, seq, hidden) = x.dims3()?;
         let heads = self.config.num_attention_heads;
         let kv_heads = self.config.num_key_value_heads;
         let head_dim = self.config.head_dim();
 
-        let h = layer.input_layernorm.forward(x, trace)?;
+        let h = layer.input_layernorm.forward(x, dtype)?;
         let split = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((batch, seq, n, head_dim))?
                 .transpose(1, 2)?
                 .contiguous()
         };
-        let q = split(layer.q_proj.forward(&h, trace)?, heads)?;
-        let k = split(layer.k_proj.forward(&h, trace)?, kv_heads)?;
-        let v = split(layer.v_proj.forward(&h, trace)?, kv_heads)?;
+        let q = split(layer.q_proj.forward(&h, dtype)?, heads)?;
+        let k = split(layer.k_proj.forward(&h, dtype)?, kv_heads)?;
+        let v = split(layer.v_proj.forward(&h, dtype)?, kv_heads)?;
         let q = rope(&q, cos, sin)?;
         let k = rope(&k, cos, sin)?;
         let k = repeat_kv(&k, heads / kv_heads)?.contiguous()?;
@@ -171,12 +168,12 @@ impl Qwen2 {
             .matmul(&v)?
             .transpose(1, 2)?
             .reshape((batch, seq, hidden))?;
-        let x = (x + layer.o_proj.forward(&attended, trace)?)?;
+        let x = (x + layer.o_proj.forward(&attended, dtype)?)?;
 
-        let h = layer.post_attention_layernorm.forward(&x, trace)?;
-        let gate = layer.gate_proj.forward(&h, trace)?;
-        let up = layer.up_proj.forward(&h, trace)?;
-        let mlp = layer.down_proj.forward(&(gate.silu()? * up)?, trace)?;
+        let h = layer.post_attention_layernorm.forward(&x, dtype)?;
+        let gate = layer.gate_proj.forward(&h, dtype)?;
+        let up = layer.up_proj.forward(&h, dtype)?;
+        let mlp = layer.down_proj.forward(&(gate.silu()? * up)?, dtype)?;
         x + mlp
     }
 }
