@@ -11,7 +11,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use gradflow_trainer::model::HybridModel;
 use gradflow_trainer::model::config::Preset;
-use gradflow_trainer::train::{Faults, TrainOptions, Trainer};
+use gradflow_trainer::train::{TrainOptions, Trainer};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -19,16 +19,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn trainer(preset: &Preset, instrument: bool) -> Trainer {
     let model = HybridModel::random(preset, DType::F32, &Device::Cpu, 0).unwrap();
     let options = TrainOptions {
-        param_dtype: DType::F32,
-        compute_dtype: DType::F32,
-        lr: 3e-4,
-        weight_decay: 0.01,
-        loss_scaler: false,
-        growth_interval: 2000,
-        qwen_every: 1,
-        faults: Faults::default(),
-        seed: 0,
         instrument,
+        ..TrainOptions::new(DType::F32, DType::F32)
     };
     Trainer::new(model, options, &Device::Cpu).unwrap()
 }

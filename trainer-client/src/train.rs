@@ -54,6 +54,25 @@ pub struct TrainOptions {
     pub instrument: bool,
 }
 
+impl TrainOptions {
+    /// Healthy defaults in the given dtypes: AdamW at lr 3e-4, weight decay 0.01, no
+    /// loss scaler, Qwen every step, no faults, seed 0, instrumented.
+    pub fn new(param_dtype: DType, compute_dtype: DType) -> TrainOptions {
+        TrainOptions {
+            param_dtype,
+            compute_dtype,
+            lr: 3e-4,
+            weight_decay: 0.01,
+            loss_scaler: false,
+            growth_interval: 2000,
+            qwen_every: 1,
+            faults: Faults::default(),
+            seed: 0,
+            instrument: true,
+        }
+    }
+}
+
 pub const BETAS: (f64, f64) = (0.9, 0.999);
 pub const EPS: f64 = 1e-8;
 

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use gradflow_trainer::model::config::Preset;
 use gradflow_trainer::model::{HybridModel, checkpoint};
 use gradflow_trainer::tasks::{Batch, Task, Tokenizer};
-use gradflow_trainer::train::{Faults, TrainOptions, Trainer};
+use gradflow_trainer::train::{TrainOptions, Trainer};
 use rand::SeedableRng;
 
 fn tiny() -> Preset {
@@ -23,18 +23,7 @@ fn batch(preset: &Preset, seed: u64) -> Batch {
 }
 
 fn options(param: DType, compute: DType) -> TrainOptions {
-    TrainOptions {
-        param_dtype: param,
-        compute_dtype: compute,
-        lr: 3e-4,
-        weight_decay: 0.01,
-        loss_scaler: false,
-        growth_interval: 2000,
-        qwen_every: 1,
-        faults: Faults::default(),
-        seed: 0,
-        instrument: true,
-    }
+    TrainOptions::new(param, compute)
 }
 
 #[test]
