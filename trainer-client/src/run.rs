@@ -133,7 +133,11 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         seed: args.seed,
         instrument: !args.no_instrument,
     };
-    let mut trainer = Trainer::new(model, options, &device)?;
+    let tokenizer = match &args.weights {
+        Some(dir) => crate::tasks::Tokenizer::for_checkpoint(dir, model.qwen.config.vocab_size)?,
+        None => crate::tasks::Tokenizer::Bytes,
+    };
+    let mut trainer = Trainer::with_tokenizer(model, options, tokenizer, &device)?;
     let run_id = args
         .run_id
         .clone()

@@ -148,21 +148,63 @@ impl Batch {
 pub enum Tokenizer {
     /// One id per byte (id = byte + 4; 0 pad, 1 beginning of text): needs no files.
     Bytes,
+    /// A Hugging Face `tokenizer.json`, padded with `pad`.
+    Hf {
+        tokenizer: Box<tokenizers::Tokenizer>,
+        pad: u32,
+    },
 }
 
 pub const PAD: u32 = 0;
 pub const BOS: u32 = 1;
 
 impl Tokenizer {
-    /// `text` as exactly `len` ids: beginning-of-text, the text, then padding
-    /// (truncated when longer).
-    pub fn encode(&self, text: &str, len: usize) -> Vec<u32> {
-        let mut ids = Vec::with_capacity(len);
-        ids.push(BOS);
-        match self {
-            Tokenizer::Bytes => ids.extend(text.bytes().map(|b| b as u32 + 4)),
+    /// The tokenizer of a checkpoint folder: its `tokenizer.json`, or the byte-level
+    /// one when it has none.
+    pub fn for_checkpoint(dir: &std::path::Path, vocab_size: usize) -> anyhow::Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            tracing::info!(dir = %dir.display(), "no tokenizer.json: prompts use the byte-level tokenizer");
+            return Ok(Tokenizer::Bytes);
         }
-        ids.resize(len, PAD);
+        let tokenizer = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
+        let size = tokenizer.get_vocab_size(true);
+        anyhow::ensure!(
+            size <= vocab_size,
+            "{} has {size} tokens, more than the model's vocabulary of {vocab_size}",
+            path.display()
+        );
+        // Qwen pads with <|endoftext|>.
+        let pad = ["<|endoftext|>", "<pad>", "[PAD]"]
+            .iter()
+            .find_map(|t| tokenizer.token_to_id(t))
+            .unwrap_or(0);
+        Ok(Tokenizer::Hf {
+            tokenizer: Box::new(tokenizer),
+            pad,
+        })
+    }
+
+    /// `text` as exactly `len` ids, padded (or truncated). The byte-level tokenizer
+    /// starts with a beginning-of-text id.
+    pub fn encode(&self, text: &str, len: usize) -> Vec<u32> {
+        let (mut ids, pad) = match self {
+            Tokenizer::Bytes => {
+                let mut ids = Vec::with_capacity(len);
+                ids.push(BOS);
+                ids.extend(text.bytes().map(|b| b as u32 + 4));
+                (ids, PAD)
+            }
+            Tokenizer::Hf { tokenizer, pad } => {
+                let ids = tokenizer
+                    .encode(text, false)
+                    .map(|e| e.get_ids().to_vec())
+                    .unwrap_or_default();
+                (ids, *pad)
+            }
+        };
+        ids.resize(len, pad);
         ids
     }
 }

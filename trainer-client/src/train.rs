@@ -113,8 +113,18 @@ pub struct Trainer {
 
 impl Trainer {
     pub fn new(
+        model: HybridModel,
+        options: TrainOptions,
+        device: &Device,
+    ) -> anyhow::Result<Trainer> {
+        Self::with_tokenizer(model, options, Tokenizer::Bytes, device)
+    }
+
+    /// A trainer whose prompts are encoded by `tokenizer`.
+    pub fn with_tokenizer(
         mut model: HybridModel,
         options: TrainOptions,
+        tokenizer: Tokenizer,
         device: &Device,
     ) -> anyhow::Result<Trainer> {
         if options.faults.qwen_not_in_optimizer {
@@ -166,7 +176,7 @@ impl Trainer {
             vars,
             modules,
             watched,
-            tokenizer: Tokenizer::Bytes,
+            tokenizer,
             device: device.clone(),
             cached_prompt: None,
             options,

@@ -262,3 +262,45 @@ fn healthy_training_lowers_the_loss() {
     let (early, late) = (mean(&losses[..20]), mean(&losses[130..]));
     assert!(late < early * 0.8, "loss {early:.3} → {late:.3}");
 }
+
+#[test]
+fn a_checkpoint_folder_s_tokenizer_json_encodes_the_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    // Without a tokenizer.json the byte-level tokenizer is used.
+    assert!(matches!(
+        Tokenizer::for_checkpoint(dir.path(), 320).unwrap(),
+        Tokenizer::Bytes
+    ));
+    std::fs::write(
+        dir.path().join("tokenizer.json"),
+        r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null,
+            "model": {"type": "WordLevel", "unk_token": "[UNK]",
+                      "vocab": {"[UNK]": 0, "<|endoftext|>": 1, "flip": 2, "the": 3, "grid": 4}}}"#,
+    )
+    .unwrap();
+    let tokenizer = Tokenizer::for_checkpoint(dir.path(), 320).unwrap();
+    assert_eq!(tokenizer.encode("flip the grid", 6), [2, 3, 4, 1, 1, 1]);
+    assert_eq!(tokenizer.encode("flip the grid left", 3), [2, 3, 4]);
+    // A tokenizer larger than the model's vocabulary is refused.
+    let error = Tokenizer::for_checkpoint(dir.path(), 4)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        error.contains("more than the model's vocabulary"),
+        "{error}"
+    );
+    // And training runs on its ids.
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
+    let mut trainer = Trainer::with_tokenizer(
+        model,
+        options(DType::F32, DType::F32),
+        tokenizer,
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert!(trainer.step(0).unwrap().loss.is_finite());
+}
