@@ -17,8 +17,10 @@
 //! - [`store`]: everything that touches SQLite.
 //! - [`series`]: pure downsampling and read planning.
 //! - [`detect`]: the streaming detectors, pure: records in, alert transitions out.
+//! - [`charts`]: charts drawn with plotters from the store's rollups.
 
 pub mod body;
+pub mod charts;
 pub mod config;
 pub mod detect;
 pub mod error;

@@ -7,12 +7,14 @@
 //! - [`steps`]: `POST /api/v1/runs/{run_id}/steps`, the ingest path.
 //! - [`series`]: `GET /api/v1/runs/{run_id}/series`.
 //! - [`alerts`]: `GET /api/v1/alerts` and `GET /api/v1/runs/{run_id}/alerts`.
+//! - [`charts`]: `GET /api/v1/runs/{run_id}/charts/{chart}.svg|.png`.
 //! - [`events`]: `GET /api/v1/events`, Server-Sent Events.
 //! - [`extract`]: extractors that reject bad input with the API's JSON errors.
 //! - [`auth`]: the ingest token that guards every write.
 
 pub mod alerts;
 pub mod auth;
+pub mod charts;
 pub mod events;
 pub mod extract;
 pub mod health;
@@ -63,6 +65,7 @@ pub fn app(state: AppState) -> Router {
         .route("/runs/{run_id}/series", get(series::read_series))
         .route("/runs/{run_id}/alerts", get(alerts::list_run_alerts))
         .route("/alerts", get(alerts::list_alerts))
+        .route("/runs/{run_id}/charts/{file}", get(charts::render_chart))
         .route("/events", get(events::stream_events))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

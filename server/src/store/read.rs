@@ -123,6 +123,25 @@ impl Store {
         })
     }
 
+    /// The subjects a run has reported for `kind`, in order of first appearance (for
+    /// modules: the order the trainer reports them in, which is model order).
+    pub async fn subjects(&self, run_id: &RunId, kind: SeriesKind) -> StoreResult<Vec<String>> {
+        let key: Option<i64> = sqlx::query_scalar("SELECT id FROM runs WHERE run_id = ?")
+            .bind(run_id.as_str())
+            .fetch_optional(&self.read)
+            .await?;
+        let Some(key) = key else {
+            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
+        };
+        Ok(sqlx::query_scalar(
+            "SELECT subject FROM columns WHERE run = ? AND kind = ? ORDER BY col",
+        )
+        .bind(key)
+        .bind(kind.as_str())
+        .fetch_all(&self.read)
+        .await?)
+    }
+
     /// Calls `sink` with every present cell of `column` in steps `from..=to`.
     async fn read_raw(
         &self,

@@ -1,0 +1,493 @@
+//! What each chart shows, gathered from the store (its rollups, through series reads)
+//! and the run's alerts. No drawing here.
+
+use gradflow_protocol::{Dtype, RunId};
+
+use crate::detect::precision::{describe_magnitude, smallest_change};
+use crate::detect::{AlertKind, sci};
+use crate::store::alerts::AlertFilter;
+use crate::store::codec::{Cell, widen_for_display};
+use crate::store::columns::SeriesKind;
+use crate::store::{SeriesRequest, Store, StoreResult};
+
+use super::ChartKind;
+
+/// A line of a line chart. Non-finite values are kept apart: they cannot be plotted
+/// but must be seen.
+#[derive(Debug, Clone, Default)]
+pub struct Line {
+    pub label: String,
+    pub points: Vec<(u64, f64)>,
+    /// Steps whose value was NaN or infinite.
+    pub nonfinite: Vec<u64>,
+}
+
+/// A shaded stretch of steps (an alert's episode).
+#[derive(Debug, Clone)]
+pub struct Band {
+    pub from: u64,
+    pub to: u64,
+    pub label: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct Axis {
+    pub label: String,
+    pub log: bool,
+    pub lines: Vec<Line>,
+}
+
+/// Everything a line chart draws.
+#[derive(Debug, Clone)]
+pub struct LineChart {
+    pub title: String,
+    pub from: u64,
+    pub to: u64,
+    pub primary: Axis,
+    pub secondary: Option<Axis>,
+    pub bands: Vec<Band>,
+    /// Steps marked on the x axis, with the legend label of the marks.
+    pub markers: Vec<(String, Vec<u64>)>,
+    /// Horizontal reference values on the primary axis, with their labels.
+    pub references: Vec<(f64, String)>,
+}
+
+/// One cell of the gradient-flow heatmap.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FlowCell {
+    /// Not measured in this stretch.
+    Absent,
+    /// Reported without a gradient: backward never reached the module.
+    NotReached,
+    /// Gradient norm exactly 0.
+    Zero,
+    /// NaN or infinite.
+    NonFinite,
+    /// The largest gradient norm in the stretch.
+    Norm(f64),
+}
+
+#[derive(Debug, Clone)]
+pub struct GradFlow {
+    pub title: String,
+    pub from: u64,
+    pub to: u64,
+    /// (module, group) in model order.
+    pub modules: Vec<(String, String)>,
+    /// `cells[module][column]`.
+    pub cells: Vec<Vec<FlowCell>>,
+}
+
+#[derive(Debug, Clone)]
+pub enum ChartData {
+    Lines(LineChart),
+    GradFlow(GradFlow),
+}
+
+/// Which steps and how many points.
+#[derive(Debug, Clone, Copy)]
+pub struct Window {
+    pub from: u64,
+    pub to: u64,
+    /// Points per line (about one per pixel column).
+    pub points: usize,
+}
+
+async fn read(
+    store: &Store,
+    run: &RunId,
+    kind: SeriesKind,
+    subject: &str,
+    window: Window,
+) -> StoreResult<Line> {
+    read_with(store, run, kind, subject, window, false).await
+}
+
+/// Reads a line; with `null_as_zero`, "reported without a gradient" is drawn as 0
+/// (on a log axis: the floor), so a cut-off group shows as a line along the bottom
+/// instead of vanishing.
+async fn read_with(
+    store: &Store,
+    run: &RunId,
+    kind: SeriesKind,
+    subject: &str,
+    window: Window,
+    null_as_zero: bool,
+) -> StoreResult<Line> {
+    let data = store
+        .series(
+            run,
+            &SeriesRequest {
+                candidates: vec![(kind, subject.to_owned())],
+                from: window.from,
+                to: window.to,
+                max_points: Some(window.points.max(2)),
+            },
+        )
+        .await?;
+    let mut line = Line {
+        label: subject.to_owned(),
+        ..Line::default()
+    };
+    for (step, cell) in data.points {
+        match cell {
+            Cell::Value(v) if v.is_finite() => line.points.push((step, widen_for_display(v))),
+            Cell::Value(_) => line.nonfinite.push(step),
+            Cell::Null if null_as_zero => line.points.push((step, 0.0)),
+            Cell::Null | Cell::Absent => {}
+        }
+    }
+    Ok(line)
+}
+
+async fn bands(
+    store: &Store,
+    run: &RunId,
+    kind: AlertKind,
+    window: Window,
+) -> StoreResult<Vec<Band>> {
+    let alerts = store
+        .alerts(&AlertFilter {
+            run_id: Some(run.as_str().to_owned()),
+            kind: Some(kind),
+            ..AlertFilter::default()
+        })
+        .await?;
+    Ok(alerts
+        .into_iter()
+        .filter_map(|a| {
+            let from = a.first_step.unwrap_or(0).max(0) as u64;
+            let to = a
+                .resolved_step
+                .map(|s| (s - 1).max(0) as u64)
+                .or(a.last_step.map(|s| s as u64))
+                .unwrap_or(window.to);
+            (to >= window.from && from <= window.to).then(|| Band {
+                from: from.max(window.from),
+                to: to.min(window.to),
+                label: format!("{}: {}", a.kind, a.subject),
+            })
+        })
+        .collect())
+}
+
+/// The run's step range, clipped to what was asked.
+pub async fn window(
+    store: &Store,
+    run: &RunId,
+    from: Option<u64>,
+    to: Option<u64>,
+    points: usize,
+) -> StoreResult<Window> {
+    let stored = store.run(run).await?;
+    let first = stored.first_step.unwrap_or(0);
+    let last = stored.last_step.unwrap_or(first);
+    let from = from.unwrap_or(first).max(first).min(last);
+    let to = to.unwrap_or(last).min(last).max(from);
+    Ok(Window { from, to, points })
+}
+
+pub async fn gather(
+    store: &Store,
+    run: &RunId,
+    kind: ChartKind,
+    window: Window,
+) -> StoreResult<ChartData> {
+    let title_run = run.as_str();
+    Ok(match kind {
+        ChartKind::GradFlow => ChartData::GradFlow(grad_flow(store, run, window).await?),
+        ChartKind::GroupGradNorms => {
+            let mut lines = Vec::new();
+            for group in store.subjects(run, SeriesKind::GroupGradNorm).await? {
+                lines.push(
+                    read_with(store, run, SeriesKind::GroupGradNorm, &group, window, true).await?,
+                );
+            }
+            ChartData::Lines(LineChart {
+                title: format!("Gradient norm by group — {title_run}"),
+                from: window.from,
+                to: window.to,
+                primary: Axis {
+                    label: "gradient L2 norm (log; 0 or no gradient at the floor)".into(),
+                    log: true,
+                    lines,
+                },
+                secondary: None,
+                bands: bands(store, run, AlertKind::GradStuckZero, window).await?,
+                markers: Vec::new(),
+                references: Vec::new(),
+            })
+        }
+        ChartKind::NormDrift => norm_drift(store, run, window).await?,
+        ChartKind::Scaler => {
+            let scale = read(store, run, SeriesKind::ScalerScale, "", window).await?;
+            let found_inf = read(store, run, SeriesKind::FoundInf, "", window).await?;
+            let skipped = read(store, run, SeriesKind::StepSkipped, "", window).await?;
+            let on = |line: &Line| {
+                line.points
+                    .iter()
+                    .filter(|(_, v)| *v > 0.5)
+                    .map(|(s, _)| *s)
+                    .collect::<Vec<_>>()
+            };
+            ChartData::Lines(LineChart {
+                title: format!("Loss scale — {title_run}"),
+                from: window.from,
+                to: window.to,
+                primary: Axis {
+                    label: "loss scale (log)".into(),
+                    log: true,
+                    lines: vec![Line {
+                        label: "scale".into(),
+                        ..scale
+                    }],
+                },
+                secondary: None,
+                bands: bands(store, run, AlertKind::ScalerOverflowStreak, window).await?,
+                markers: vec![
+                    ("found_inf".into(), on(&found_inf)),
+                    ("step skipped".into(), on(&skipped)),
+                ],
+                references: Vec::new(),
+            })
+        }
+        ChartKind::Loss => {
+            let loss = read(store, run, SeriesKind::Loss, "", window).await?;
+            let lr = read(store, run, SeriesKind::Lr, "", window).await?;
+            ChartData::Lines(LineChart {
+                title: format!("Loss and learning rate — {title_run}"),
+                from: window.from,
+                to: window.to,
+                primary: Axis {
+                    label: "loss".into(),
+                    log: false,
+                    lines: vec![Line {
+                        label: "loss".into(),
+                        ..loss
+                    }],
+                },
+                secondary: Some(Axis {
+                    label: "learning rate".into(),
+                    log: false,
+                    lines: vec![Line {
+                        label: "lr".into(),
+                        ..lr
+                    }],
+                }),
+                bands: bands(store, run, AlertKind::LossNonfinite, window).await?,
+                markers: Vec::new(),
+                references: Vec::new(),
+            })
+        }
+        ChartKind::Gpu => {
+            let mut memory = Vec::new();
+            let mut utilisation = Vec::new();
+            for device in store.subjects(run, SeriesKind::GpuMemoryUsedBytes).await? {
+                let mut line =
+                    read(store, run, SeriesKind::GpuMemoryUsedBytes, &device, window).await?;
+                for point in &mut line.points {
+                    point.1 /= 1024f64.powi(3);
+                }
+                line.label = format!("GPU {device} memory");
+                memory.push(line);
+            }
+            for device in store.subjects(run, SeriesKind::GpuUtilizationPct).await? {
+                let mut line =
+                    read(store, run, SeriesKind::GpuUtilizationPct, &device, window).await?;
+                line.label = format!("GPU {device} utilisation");
+                utilisation.push(line);
+            }
+            ChartData::Lines(LineChart {
+                title: format!("GPU memory and utilisation — {title_run}"),
+                from: window.from,
+                to: window.to,
+                primary: Axis {
+                    label: "memory used (GiB)".into(),
+                    log: false,
+                    lines: memory,
+                },
+                secondary: Some(Axis {
+                    label: "utilisation (%)".into(),
+                    log: false,
+                    lines: utilisation,
+                }),
+                bands: Vec::new(),
+                markers: Vec::new(),
+                references: Vec::new(),
+            })
+        }
+    })
+}
+
+async fn grad_flow(store: &Store, run: &RunId, window: Window) -> StoreResult<GradFlow> {
+    let stored = store.run(run).await?;
+    let registered_group = |module: &str| {
+        stored
+            .registration
+            .params
+            .iter()
+            .find(|p| p.module_name() == module)
+            .map(|p| p.group_name().to_owned())
+            .unwrap_or_else(|| gradflow_protocol::default_group(module).to_owned())
+    };
+    let modules = store.subjects(run, SeriesKind::ModuleGradNorm).await?;
+    let columns = window
+        .points
+        .clamp(1, (window.to - window.from + 1) as usize);
+    let span = window.to - window.from + 1;
+    let column_of =
+        |step: u64| (((step - window.from) as u128 * columns as u128) / span as u128) as usize;
+    let mut rows = Vec::with_capacity(modules.len());
+    let mut cells = Vec::with_capacity(modules.len());
+    for module in modules {
+        let data = store
+            .series(
+                run,
+                &SeriesRequest {
+                    candidates: vec![(SeriesKind::ModuleGradNorm, module.clone())],
+                    from: window.from,
+                    to: window.to,
+                    max_points: Some((2 * columns).max(2)),
+                },
+            )
+            .await?;
+        let mut row = vec![FlowCell::Absent; columns];
+        for (step, cell) in data.points {
+            let slot = &mut row[column_of(step).min(columns - 1)];
+            let new = match cell {
+                Cell::Absent => continue,
+                Cell::Null => FlowCell::NotReached,
+                Cell::Value(v) if !v.is_finite() => FlowCell::NonFinite,
+                Cell::Value(0.0) => FlowCell::Zero,
+                Cell::Value(v) => FlowCell::Norm(widen_for_display(v)),
+            };
+            // What a person must see wins: non-finite, then the largest norm, then a
+            // zero, then "never reached".
+            *slot = match (*slot, new) {
+                (FlowCell::NonFinite, _) | (_, FlowCell::NonFinite) => FlowCell::NonFinite,
+                (FlowCell::Norm(a), FlowCell::Norm(b)) => FlowCell::Norm(a.max(b)),
+                (FlowCell::Norm(a), _) | (_, FlowCell::Norm(a)) => FlowCell::Norm(a),
+                (FlowCell::Zero, _) | (_, FlowCell::Zero) => FlowCell::Zero,
+                (_, new) => new,
+            };
+        }
+        rows.push((registered_group(&module), module));
+        cells.push(row);
+    }
+    // Model order within each group, groups in order of first appearance.
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    let group_rank = |g: &str| rows.iter().position(|(group, _)| group == g).unwrap_or(0);
+    order.sort_by_key(|&i| (group_rank(&rows[i].0), i));
+    Ok(GradFlow {
+        title: format!("Gradient flow — {}", run.as_str()),
+        from: window.from,
+        to: window.to,
+        modules: order
+            .iter()
+            .map(|&i| (rows[i].1.clone(), rows[i].0.clone()))
+            .collect(),
+        cells: order.iter().map(|&i| cells[i].clone()).collect(),
+    })
+}
+
+async fn norm_drift(store: &Store, run: &RunId, window: Window) -> StoreResult<ChartData> {
+    let stored = store.run(run).await?;
+    let run_dtype = stored
+        .registration
+        .precision
+        .as_ref()
+        .and_then(|p| p.param_dtype);
+    let mut groups: Vec<(String, Line, Line)> = Vec::new();
+    let mut references: Vec<(f64, String)> = Vec::new();
+    let columns = window.points.max(1);
+    let span = window.to - window.from + 1;
+    for param in stored
+        .registration
+        .params
+        .iter()
+        .filter(|p| p.role() == gradflow_protocol::Role::Norm)
+    {
+        let drift = read(store, run, SeriesKind::Drift, &param.name, window).await?;
+        let update = read(store, run, SeriesKind::UpdateNorm, &param.name, window).await?;
+        if drift.points.is_empty() && update.points.is_empty() {
+            continue;
+        }
+        let group = param.group_name().to_owned();
+        let entry = match groups.iter().position(|(g, _, _)| *g == group) {
+            Some(i) => &mut groups[i],
+            None => {
+                groups.push((group.clone(), Line::default(), Line::default()));
+                groups.last_mut().expect("pushed")
+            }
+        };
+        merge_max(&mut entry.1, &drift, window.from, span, columns);
+        merge_max(&mut entry.2, &update, window.from, span, columns);
+        if references.is_empty()
+            && let Some(dtype) = param.dtype.or(run_dtype)
+            && matches!(dtype, Dtype::Bf16 | Dtype::F16)
+        {
+            let mean = read(store, run, SeriesKind::ParamMean, &param.name, window).await?;
+            if let Some(&(_, m)) = mean.points.last()
+                && let Some(smallest) = smallest_change(m, dtype)
+            {
+                references.push((
+                    smallest,
+                    format!(
+                        "smallest change {} can make {} ({})",
+                        dtype.as_str(),
+                        describe_magnitude(m),
+                        sci(smallest)
+                    ),
+                ));
+                // Against it, what one optimizer step moves an element by (≈ lr for
+                // Adam-family optimizers).
+                if let Some(lr) = stored.registration.optimizer.as_ref().and_then(|o| o.lr) {
+                    references.push((lr.get(), format!("optimizer step ≈ lr ({})", sci(lr.get()))));
+                }
+            }
+        }
+    }
+    let mut lines = Vec::new();
+    for (group, mut drift, mut update) in groups {
+        drift.label = format!("{group} drift (max)");
+        update.label = format!("{group} update norm (max)");
+        lines.push(drift);
+        lines.push(update);
+    }
+    Ok(ChartData::Lines(LineChart {
+        title: format!("Norm weights: drift and update — {}", run.as_str()),
+        from: window.from,
+        to: window.to,
+        primary: Axis {
+            label: "per group, largest over its norm weights (log; 0 at the floor)".into(),
+            log: true,
+            lines,
+        },
+        secondary: None,
+        bands: bands(store, run, AlertKind::NormWeightFrozen, window).await?,
+        markers: Vec::new(),
+        references,
+    }))
+}
+
+/// Folds `line` into `into`, keeping per pixel column the largest value (at its step).
+fn merge_max(into: &mut Line, line: &Line, from: u64, span: u64, columns: usize) {
+    let column = |step: u64| ((step - from) as u128 * columns as u128 / span as u128) as u64;
+    let mut by_column: std::collections::BTreeMap<u64, (u64, f64)> = into
+        .points
+        .iter()
+        .map(|&(s, v)| (column(s), (s, v)))
+        .collect();
+    for &(step, value) in &line.points {
+        by_column
+            .entry(column(step))
+            .and_modify(|e| {
+                if value > e.1 {
+                    *e = (step, value);
+                }
+            })
+            .or_insert((step, value));
+    }
+    into.points = by_column.into_values().collect();
+    into.nonfinite.extend(&line.nonfinite);
+}

@@ -1,0 +1,289 @@
+//! Line charts: one or two value axes over steps, alert episodes shaded behind the
+//! lines and labelled, NaN/Inf readings marked at the top (they cannot be plotted,
+//! they must be seen), step markers (overflows) along the bottom, and an optional
+//! reference line.
+//!
+//! Log axes draw log10 of the values on a linear axis with power-of-ten labels, so
+//! one code path serves both; zeros (and negatives) sit on a floor one decade below
+//! the smallest positive value, where a gradient stuck at 0 is plainly visible.
+
+use std::collections::BTreeSet;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use super::data::{Axis, LineChart};
+use super::{
+    BAND, FONT, LABEL_SIZE, NON_FINITE, PALETTE, TITLE_SIZE, plot_error, power_of_ten_label,
+};
+
+/// How an axis maps values to plot coordinates.
+#[derive(Debug, Clone, Copy)]
+struct Scale {
+    log: bool,
+    lo: f64,
+    hi: f64,
+    /// Where values ≤ 0 go on a log axis.
+    floor: f64,
+}
+
+impl Scale {
+    fn of(axis: &Axis, extra: Option<f64>) -> Option<Scale> {
+        let values = axis
+            .lines
+            .iter()
+            .flat_map(|l| l.points.iter().map(|(_, v)| *v))
+            .chain(extra);
+        if axis.log {
+            let positives: Vec<f64> = values.filter(|v| *v > 0.0).map(f64::log10).collect();
+            let any = axis.lines.iter().any(|l| !l.points.is_empty());
+            if !any {
+                return None;
+            }
+            let (lo, hi) = min_max(&positives).unwrap_or((-1.0, 0.0));
+            let floor = lo.floor() - 1.0;
+            Some(Scale {
+                log: true,
+                lo: floor - 0.3,
+                hi: hi + 0.3,
+                floor,
+            })
+        } else {
+            let values: Vec<f64> = values.collect();
+            let (lo, hi) = min_max(&values)?;
+            let pad = ((hi - lo) * 0.06).max(hi.abs() * 0.02).max(1e-12);
+            Some(Scale {
+                log: false,
+                lo: lo - pad,
+                hi: hi + pad,
+                floor: lo,
+            })
+        }
+    }
+
+    fn map(&self, value: f64) -> f64 {
+        if !self.log {
+            value
+        } else if value > 0.0 {
+            value.log10()
+        } else {
+            self.floor
+        }
+    }
+
+    fn label(&self, y: f64) -> String {
+        if self.log && (y - self.floor).abs() < 1e-6 {
+            // The floor stands for 0, not for 10^floor; below it there is nothing.
+            "0".to_owned()
+        } else if self.log && y < self.floor {
+            String::new()
+        } else if self.log {
+            power_of_ten_label(y)
+        } else {
+            let text = format!("{y:.4}");
+            let text = text.trim_end_matches('0').trim_end_matches('.');
+            if y.abs() >= 1e5 || (y != 0.0 && y.abs() < 1e-3) {
+                format!("{y:.2e}")
+            } else {
+                text.to_owned()
+            }
+        }
+    }
+}
+
+fn min_max(values: &[f64]) -> Option<(f64, f64)> {
+    let mut it = values.iter().copied().filter(|v| v.is_finite());
+    let first = it.next()?;
+    Some(it.fold((first, first), |(lo, hi), v| (lo.min(v), hi.max(v))))
+}
+
+pub fn draw<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &LineChart,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let from = chart.from;
+    let to = chart.to.max(chart.from + 1);
+    let highest_reference = chart
+        .references
+        .iter()
+        .map(|r| r.0)
+        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+    let Some(primary) = Scale::of(&chart.primary, highest_reference) else {
+        return draw_empty(root, &chart.title, chart.from, chart.to);
+    };
+    let secondary = chart
+        .secondary
+        .as_ref()
+        .and_then(|axis| Scale::of(axis, None));
+    let mut cc = ChartBuilder::on(root)
+        .caption(&chart.title, (FONT, TITLE_SIZE))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(72)
+        .right_y_label_area_size(if secondary.is_some() { 72 } else { 12 })
+        .build_cartesian_2d(from..to, primary.lo..primary.hi)
+        .map_err(plot_error)?
+        .set_secondary_coord(from..to, secondary.map_or(0.0..1.0, |s| s.lo..s.hi));
+    cc.configure_mesh()
+        .x_desc("step")
+        .y_desc(chart.primary.label.as_str())
+        .y_label_formatter(&|y| primary.label(*y))
+        .label_style((FONT, LABEL_SIZE))
+        .axis_desc_style((FONT, LABEL_SIZE))
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()
+        .map_err(plot_error)?;
+    if let (Some(axis), Some(scale)) = (&chart.secondary, secondary) {
+        cc.configure_secondary_axes()
+            .y_desc(axis.label.as_str())
+            .y_label_formatter(&|y| scale.label(*y))
+            .label_style((FONT, LABEL_SIZE))
+            .axis_desc_style((FONT, LABEL_SIZE))
+            .draw()
+            .map_err(plot_error)?;
+    }
+
+    // Alert episodes behind everything, each labelled; one legend entry per label.
+    let mut legended = BTreeSet::new();
+    for (i, band) in chart.bands.iter().enumerate() {
+        let series = cc
+            .draw_series(std::iter::once(Rectangle::new(
+                [(band.from, primary.lo), (band.to + 1, primary.hi)],
+                BAND.mix(0.13).filled(),
+            )))
+            .map_err(plot_error)?;
+        if legended.insert(band.label.clone()) {
+            series
+                .label(format!("shaded: {}", band.label))
+                .legend(|(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 16, y + 5)], BAND.mix(0.3).filled())
+                });
+        }
+        cc.draw_series(std::iter::once(Text::new(
+            band.label.clone(),
+            // Stacked, so that bands starting at the same step keep readable labels.
+            (
+                band.from,
+                primary.hi - (primary.hi - primary.lo) * (0.04 + 0.06 * i as f64),
+            ),
+            (FONT, LABEL_SIZE).into_font().color(&BAND),
+        )))
+        .map_err(plot_error)?;
+    }
+
+    for (i, (value, label)) in chart.references.iter().enumerate() {
+        let y = primary.map(*value);
+        let colour = [BLACK, RGBColor(120, 120, 120)][i % 2];
+        cc.draw_series(DashedLineSeries::new(
+            vec![(from, y), (to, y)],
+            6,
+            4,
+            colour.stroke_width(1),
+        ))
+        .map_err(plot_error)?
+        .label(label.as_str())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(1)));
+    }
+
+    for (i, line) in chart.primary.lines.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let points: Vec<(u64, f64)> = line
+            .points
+            .iter()
+            .map(|(s, v)| (*s, primary.map(*v)))
+            .collect();
+        cc.draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .map_err(plot_error)?
+            .label(line.label.as_str())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+            });
+    }
+    if let (Some(axis), Some(scale)) = (&chart.secondary, secondary) {
+        for (i, line) in axis.lines.iter().enumerate() {
+            let color = PALETTE[(i + chart.primary.lines.len()) % PALETTE.len()];
+            let points: Vec<(u64, f64)> = line
+                .points
+                .iter()
+                .map(|(s, v)| (*s, scale.map(*v)))
+                .collect();
+            cc.draw_secondary_series(DashedLineSeries::new(points, 5, 3, color.stroke_width(2)))
+                .map_err(plot_error)?
+                .label(format!("{} (right axis)", line.label))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                });
+        }
+    }
+
+    // NaN/Inf along the top, per line.
+    let lines = chart
+        .primary
+        .lines
+        .iter()
+        .chain(chart.secondary.iter().flat_map(|a| a.lines.iter()));
+    for line in lines.filter(|l| !l.nonfinite.is_empty()) {
+        cc.draw_series(
+            line.nonfinite
+                .iter()
+                .map(|s| Cross::new((*s, primary.hi), 5, NON_FINITE.stroke_width(2))),
+        )
+        .map_err(plot_error)?
+        .label(format!("{}: NaN/Inf", line.label))
+        .legend(|(x, y)| Cross::new((x + 8, y), 5, NON_FINITE.stroke_width(2)));
+    }
+    for (i, (label, steps)) in chart
+        .markers
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, s))| !s.is_empty())
+    {
+        let color = [BAND, RGBColor(255, 127, 14)][i % 2];
+        let y = primary.lo + (primary.hi - primary.lo) * (0.03 + 0.04 * i as f64);
+        cc.draw_series(
+            steps
+                .iter()
+                .map(|s| TriangleMarker::new((*s, y), 5, color.filled())),
+        )
+        .map_err(plot_error)?
+        .label(label.as_str())
+        .legend(move |(x, y)| TriangleMarker::new((x + 8, y), 5, color.filled()));
+    }
+
+    cc.configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(160, 160, 160))
+        .label_font((FONT, LABEL_SIZE))
+        .draw()
+        .map_err(plot_error)?;
+    Ok(())
+}
+
+/// A chart with nothing to show says so, with its title and step range.
+pub fn draw_empty<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    title: &str,
+    from: u64,
+    to: u64,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let (width, height) = root.dim_in_pixel();
+    root.draw(&Text::new(title.to_owned(), (12, 12), (FONT, TITLE_SIZE)))
+        .map_err(plot_error)?;
+    let message = format!("Nothing reported for this chart in steps {from}–{to}.");
+    root.draw(&Text::new(
+        message,
+        (width as i32 / 2 - 180, height as i32 / 2),
+        (FONT, LABEL_SIZE + 2)
+            .into_font()
+            .color(&RGBColor(90, 90, 90)),
+    ))
+    .map_err(plot_error)?;
+    Ok(())
+}
