@@ -22,10 +22,6 @@ impl Telemetry {
         Telemetry { nvml }
     }
 
-    pub fn available(&self) -> bool {
-        self.nvml.is_some()
-    }
-
     /// One reading per device; a field NVML cannot read is left out.
     pub fn sample(&self) -> Vec<GpuStat> {
         let Some(nvml) = &self.nvml else {

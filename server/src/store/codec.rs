@@ -185,10 +185,6 @@ impl Packed {
     pub fn cell(&self, column: usize) -> Cell {
         Cell::from_bits(self.bits(column))
     }
-
-    pub fn all_bits(&self) -> Vec<u32> {
-        (0..self.count).map(|c| self.bits(c)).collect()
-    }
 }
 
 fn shuffle(cells: &[u32]) -> Vec<u8> {

@@ -125,14 +125,6 @@ impl ColumnDictionary {
             .insert(subject.into(), position);
         self.len = self.len.max(position + 1);
     }
-
-    /// The subjects of a kind, in no particular order.
-    pub fn subjects(&self, kind: SeriesKind) -> impl Iterator<Item = (&str, u32)> {
-        self.by_kind
-            .get(&kind)
-            .into_iter()
-            .flat_map(|m| m.iter().map(|(s, p)| (&**s, *p)))
-    }
 }
 
 /// Hands out positions for one batch without touching the run's dictionary, so a

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use gradflow_protocol::Role;
 
 /// One parameter tensor, stored in the master dtype the optimizer updates.
@@ -26,35 +26,7 @@ pub struct ParamStore {
     index: HashMap<String, usize>,
 }
 
-/// How a new parameter is initialised.
-#[derive(Debug, Clone, Copy)]
-pub enum Init {
-    /// Normal(0, std), HF's `initializer_range` style.
-    Normal(f64),
-    Zeros,
-    Ones,
-}
-
 impl ParamStore {
-    /// Adds a parameter named `name` of `shape`, initialised in f32 from `rng_seed`
-    /// and stored as `dtype`. The module is the name less its last part.
-    pub fn add(
-        &mut self,
-        name: &str,
-        role: Role,
-        shape: &[usize],
-        init: Init,
-        dtype: DType,
-        device: &Device,
-    ) -> candle_core::Result<Var> {
-        let tensor = match init {
-            Init::Normal(std) => Tensor::randn(0f32, std as f32, shape, device)?,
-            Init::Zeros => Tensor::zeros(shape, DType::F32, device)?,
-            Init::Ones => Tensor::ones(shape, DType::F32, device)?,
-        };
-        self.insert(name, role, tensor.to_dtype(dtype)?)
-    }
-
     /// Adds a parameter with the given value (already in its master dtype).
     pub fn insert(&mut self, name: &str, role: Role, value: Tensor) -> candle_core::Result<Var> {
         let var = Var::from_tensor(&value)?;
