@@ -41,8 +41,7 @@ pub async fn register_run(
     } else {
         StatusCode::OK
     };
-    let counts = state.store.open_alert_counts().await?;
-    let open_alerts = counts.get(run_id.as_str()).copied().unwrap_or_default();
+    let open_alerts = open_alerts_of(&state, run_id.as_str()).await?;
     Ok((status, Json(run_view(&run, open_alerts))))
 }
 
@@ -52,15 +51,14 @@ pub async fn get_run(
     RunIdParam(run_id): RunIdParam,
 ) -> Result<Json<Value>, ApiError> {
     let run = state.store.run(&run_id).await?;
-    let counts = state.store.open_alert_counts().await?;
-    let open_alerts = counts.get(run_id.as_str()).copied().unwrap_or_default();
+    let open_alerts = open_alerts_of(&state, run_id.as_str()).await?;
     Ok(Json(run_view(&run, open_alerts)))
 }
 
 /// `GET /api/v1/runs`: every run, newest first.
 pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let runs = state.store.runs().await?;
-    let counts = state.store.open_alert_counts().await?;
+    let counts = state.store.open_alert_counts(None).await?;
     let runs: Vec<Value> = runs
         .into_iter()
         .map(|run| {
@@ -90,6 +88,12 @@ pub async fn delete_run(
     Ok(Json(
         json!({"run_id": run_id, "deleted": true, "steps_deleted": steps}),
     ))
+}
+
+/// One run's open alerts by severity.
+async fn open_alerts_of(state: &AppState, run_id: &str) -> Result<OpenAlertCounts, ApiError> {
+    let counts = state.store.open_alert_counts(Some(run_id)).await?;
+    Ok(counts.get(run_id).copied().unwrap_or_default())
 }
 
 /// The registration's fields with the run's progress beside them.

@@ -210,12 +210,17 @@ impl Store {
         .await?)
     }
 
-    /// Open alerts by severity, for every run that has any.
-    pub async fn open_alert_counts(&self) -> StoreResult<HashMap<String, OpenAlertCounts>> {
+    /// Open alerts by severity, for every run that has any (or only `run_id`'s).
+    pub async fn open_alert_counts(
+        &self,
+        run_id: Option<&str>,
+    ) -> StoreResult<HashMap<String, OpenAlertCounts>> {
         let rows: Vec<(String, String, i64)> = sqlx::query_as(
             "SELECT r.run_id, a.severity, count(*) FROM alerts a JOIN runs r ON r.id = a.run \
-             WHERE a.status = 'open' GROUP BY r.run_id, a.severity",
+             WHERE a.status = 'open' AND (?1 IS NULL OR r.run_id = ?1) \
+             GROUP BY r.run_id, a.severity",
         )
+        .bind(run_id)
         .fetch_all(&self.read)
         .await?;
         let mut counts: HashMap<String, OpenAlertCounts> = HashMap::new();
