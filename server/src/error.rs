@@ -52,6 +52,10 @@ impl ApiError {
     pub fn code(&self) -> &'static str {
         self.code
     }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
 }
 
 impl From<StoreError> for ApiError {

@@ -18,12 +18,14 @@
 //! - [`series`]: pure downsampling and read planning.
 //! - [`detect`]: the streaming detectors, pure: records in, alert transitions out.
 //! - [`charts`]: charts drawn with plotters from the store's rollups.
+//! - [`pages`]: the dashboard's HTML pages and the embedded files of `web/`.
 
 pub mod body;
 pub mod charts;
 pub mod config;
 pub mod detect;
 pub mod error;
+pub mod pages;
 pub mod routes;
 pub mod series;
 pub mod startup;

@@ -228,7 +228,22 @@ impl Worker {
         }
         self.summary.undelivered = self.spool.records;
         self.summary.dropped += self.spool.dropped;
+        if self.spool.is_empty() && self.registered {
+            self.announce_finished();
+        }
         self.summary
+    }
+
+    /// Tells the server the run is over (the dashboard then shows it finished, not
+    /// stale). Best effort: a server that does not answer just sees a stale run.
+    fn announce_finished(&mut self) {
+        match self.request(reqwest::Method::POST, "/finish").send() {
+            Ok(r) if r.status().is_success() => {}
+            Ok(r) => {
+                tracing::warn!(status = %r.status(), "the server did not mark the run finished")
+            }
+            Err(error) => tracing::warn!(%error, "could not tell the server the run finished"),
+        }
     }
 
     /// Sends a batch, or spools it behind what is already spooled.

@@ -11,8 +11,8 @@ use super::AppState;
 use super::extract::RunIdParam;
 use crate::body::{self, BodyFormat};
 use crate::error::ApiError;
-use crate::store::StoredRun;
 use crate::store::alerts::OpenAlertCounts;
+use crate::store::{StoredRun, now_seconds};
 
 /// `PUT /api/v1/runs/{run_id}`: `201` the first time, `200` for the same body again,
 /// `409` for a different one.
@@ -59,6 +59,7 @@ pub async fn get_run(
 pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let runs = state.store.runs().await?;
     let counts = state.store.open_alert_counts(None).await?;
+    let now = now_seconds();
     let runs: Vec<Value> = runs
         .into_iter()
         .map(|run| {
@@ -70,11 +71,26 @@ pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, Api
                 "last_step": run.last_step,
                 "last_seen": run.last_seen.map(rfc3339),
                 "step_count": run.step_count,
+                "status": run.status(now),
+                "finished_at": run.finished_at.map(rfc3339),
                 "open_alerts": open_alerts,
             })
         })
         .collect();
     Ok(Json(json!({ "runs": runs })))
+}
+
+/// `POST /api/v1/runs/{run_id}/finish`: the trainer says the run is over, so the
+/// dashboard shows it finished rather than stale. Takes no body; answers the run.
+#[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
+pub async fn finish_run(
+    State(state): State<AppState>,
+    run_id: RunIdParam,
+) -> Result<Json<Value>, ApiError> {
+    let RunIdParam(run_id) = run_id;
+    let run = state.store.finish_run(&run_id).await?;
+    let open_alerts = open_alerts_of(&state, run_id.as_str()).await?;
+    Ok(Json(run_view(&run, open_alerts)))
 }
 
 /// `DELETE /api/v1/runs/{run_id}`: removes the run and everything of it.
@@ -106,6 +122,8 @@ fn run_view(run: &StoredRun, open_alerts: OpenAlertCounts) -> Value {
         "last_step": run.last_step,
         "last_seen": run.last_seen.map(rfc3339),
         "step_count": run.step_count,
+        "status": run.status(now_seconds()),
+        "finished_at": run.finished_at.map(rfc3339),
         "open_alerts": open_alerts,
     });
     if let (Some(view), Value::Object(progress)) = (view.as_object_mut(), progress) {
@@ -114,7 +132,7 @@ fn run_view(run: &StoredRun, open_alerts: OpenAlertCounts) -> Value {
     view
 }
 
-fn rfc3339(unix_seconds: f64) -> String {
+pub(crate) fn rfc3339(unix_seconds: f64) -> String {
     Timestamp::from_unix_seconds(unix_seconds)
         .map(Timestamp::to_rfc3339)
         .unwrap_or_default()

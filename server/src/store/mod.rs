@@ -41,8 +41,8 @@ use sqlx::{Connection, SqliteConnection};
 use tokio::sync::{Mutex, broadcast};
 
 pub use ingest::IngestOutcome;
-pub use read::{SeriesData, SeriesRequest};
-pub use runs::{RunSummary, StoredRun};
+pub use read::{LatestValues, SeriesData, SeriesRequest};
+pub use runs::{RunStatus, RunSummary, STALE_AFTER_SECONDS, StoredRun};
 
 use crate::detect::{Detection, DetectorSet, RunContext, Thresholds};
 use alerts::OpenEpisodes;
@@ -280,6 +280,6 @@ async fn load_run_state(
 }
 
 /// Seconds since the Unix epoch, as stored in `created_at` and `last_seen`.
-fn now_seconds() -> f64 {
+pub fn now_seconds() -> f64 {
     gradflow_protocol::Timestamp::now().unix_seconds()
 }

@@ -2,6 +2,8 @@
 //! rows and returned whole; a longer one is covered by rollup buckets (raw rows only
 //! at its ragged ends) and reduced by the min/max downsampler.
 
+use std::collections::HashMap;
+
 use anyhow::Context;
 use futures_util::TryStreamExt;
 use gradflow_protocol::RunId;
@@ -28,6 +30,23 @@ pub struct SeriesData {
     pub kind: Option<SeriesKind>,
     pub points: Vec<(u64, Cell)>,
     pub downsampled: bool,
+}
+
+/// How far back [`Store::latest_values`] looks for a series' latest value.
+pub const LATEST_LOOKBACK: i64 = 256;
+
+/// The latest value of each series, by (kind, subject).
+#[derive(Debug, Clone, Default)]
+pub struct LatestValues {
+    /// The run's last stored step.
+    pub step: u64,
+    pub values: HashMap<(SeriesKind, String), Cell>,
+}
+
+impl LatestValues {
+    pub fn get(&self, kind: SeriesKind, subject: &str) -> Option<Cell> {
+        self.values.get(&(kind, subject.to_owned())).copied()
+    }
 }
 
 impl Store {
@@ -140,6 +159,65 @@ impl Store {
         .bind(kind.as_str())
         .fetch_all(&self.read)
         .await?)
+    }
+
+    /// The latest reported value of each series of `kinds`, looking back at most
+    /// [`LATEST_LOOKBACK`] steps from the last one (a step may omit what an earlier
+    /// one reported); `None` before the first step.
+    pub async fn latest_values(
+        &self,
+        run_id: &RunId,
+        kinds: &[SeriesKind],
+    ) -> StoreResult<Option<LatestValues>> {
+        let run: Option<(i64, Option<i64>)> =
+            sqlx::query_as("SELECT id, last_step FROM runs WHERE run_id = ?")
+                .bind(run_id.as_str())
+                .fetch_optional(&self.read)
+                .await?;
+        let Some((key, last_step)) = run else {
+            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
+        };
+        let Some(last_step) = last_step else {
+            return Ok(None);
+        };
+        let columns: Vec<(i64, String, String)> =
+            sqlx::query_as("SELECT col, kind, subject FROM columns WHERE run = ? ORDER BY col")
+                .bind(key)
+                .fetch_all(&self.read)
+                .await?;
+        let mut wanted: Vec<(usize, SeriesKind, String)> = columns
+            .into_iter()
+            .filter_map(|(column, kind, subject)| {
+                let kind = SeriesKind::parse(&kind).filter(|k| kinds.contains(k))?;
+                Some((column as usize, kind, subject))
+            })
+            .collect();
+        let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+            "SELECT step, vals FROM steps WHERE run = ? ORDER BY step DESC LIMIT ?",
+        )
+        .bind(key)
+        .bind(LATEST_LOOKBACK)
+        .fetch(&self.read);
+        let mut decompressor = decompressor()?;
+        let mut values = HashMap::new();
+        while !wanted.is_empty()
+            && let Some((step, blob)) = rows.try_next().await?
+        {
+            let packed = Packed::decode(&blob, &mut decompressor)
+                .with_context(|| format!("decoding the values of step {step}"))?;
+            wanted.retain(|(column, kind, subject)| {
+                let cell = packed.cell(*column);
+                if cell == Cell::Absent {
+                    return true;
+                }
+                values.insert((*kind, subject.clone()), cell);
+                false
+            });
+        }
+        Ok(Some(LatestValues {
+            step: last_step as u64,
+            values,
+        }))
     }
 
     /// Calls `sink` with every present cell of `column` in steps `from..=to`.

@@ -21,6 +21,14 @@ pub struct StoredRun {
     pub last_step: Option<u64>,
     pub last_seen: Option<f64>,
     pub step_count: u64,
+    /// When the trainer said the run had finished (server clock).
+    pub finished_at: Option<f64>,
+}
+
+impl StoredRun {
+    pub fn status(&self, now: f64) -> RunStatus {
+        RunStatus::of(self.finished_at, self.last_seen, self.created_at, now)
+    }
 }
 
 /// A line of the runs list.
@@ -32,6 +40,49 @@ pub struct RunSummary {
     pub last_step: Option<i64>,
     pub last_seen: Option<f64>,
     pub step_count: i64,
+    pub finished_at: Option<f64>,
+}
+
+impl RunSummary {
+    pub fn status(&self, now: f64) -> RunStatus {
+        RunStatus::of(self.finished_at, self.last_seen, self.created_at, now)
+    }
+}
+
+/// Where a run stands, as the runs list and the dashboard show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    /// Its trainer said it finished, and nothing arrived since.
+    Finished,
+    /// Registered or sent a batch within the last [`STALE_AFTER_SECONDS`].
+    Live,
+    /// Neither: its trainer went quiet without saying it finished.
+    Stale,
+}
+
+/// How long a run may go without a batch before it counts as stale. Trainers that
+/// report every step send a batch every few seconds at most; a minute of silence
+/// longer than any checkpoint pause is worth a look.
+pub const STALE_AFTER_SECONDS: f64 = 120.0;
+
+impl RunStatus {
+    fn of(finished_at: Option<f64>, last_seen: Option<f64>, created_at: f64, now: f64) -> Self {
+        let last_heard = last_seen.unwrap_or(created_at);
+        match finished_at {
+            Some(finished) if finished >= last_heard => RunStatus::Finished,
+            _ if now - last_heard <= STALE_AFTER_SECONDS => RunStatus::Live,
+            _ => RunStatus::Stale,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Finished => "finished",
+            RunStatus::Live => "live",
+            RunStatus::Stale => "stale",
+        }
+    }
 }
 
 type RunRow = (
@@ -42,10 +93,11 @@ type RunRow = (
     Option<i64>,
     Option<f64>,
     i64,
+    Option<f64>,
 );
 
 const SELECT_RUN: &str = "SELECT run_id, registration, created_at, first_step, last_step, \
-                          last_seen, step_count FROM runs WHERE run_id = ?";
+                          last_seen, step_count, finished_at FROM runs WHERE run_id = ?";
 
 impl Store {
     /// Registers `run_id`. Idempotent: the same registration again returns the stored
@@ -136,6 +188,7 @@ impl Store {
                 last_step: None,
                 last_seen: None,
                 step_count: 0,
+                finished_at: None,
             },
             true,
         ))
@@ -155,11 +208,28 @@ impl Store {
     /// Every run, newest first.
     pub async fn runs(&self) -> StoreResult<Vec<RunSummary>> {
         Ok(sqlx::query_as(
-            "SELECT run_id, name, created_at, last_step, last_seen, step_count FROM runs \
-             ORDER BY created_at DESC, id DESC",
+            "SELECT run_id, name, created_at, last_step, last_seen, step_count, finished_at \
+             FROM runs ORDER BY created_at DESC, id DESC",
         )
         .fetch_all(&self.read)
         .await?)
+    }
+
+    /// Marks the run finished now (again, if it was: a resumed run may finish twice).
+    pub async fn finish_run(&self, run_id: &RunId) -> StoreResult<StoredRun> {
+        let mut writer = self.writer.lock().await;
+        let updated = sqlx::query("UPDATE runs SET finished_at = ? WHERE run_id = ?")
+            .bind(now_seconds())
+            .bind(run_id.as_str())
+            .execute(&mut writer.conn)
+            .await?
+            .rows_affected();
+        drop(writer);
+        if updated == 0 {
+            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
+        }
+        tracing::info!(run_id = %run_id, "run finished");
+        self.run(run_id).await
     }
 
     /// Removes the run and everything of it; returns how many steps went with it.
@@ -192,7 +262,16 @@ impl Store {
 }
 
 fn stored_run(row: RunRow) -> StoreResult<StoredRun> {
-    let (run_id, registration, created_at, first_step, last_step, last_seen, step_count) = row;
+    let (
+        run_id,
+        registration,
+        created_at,
+        first_step,
+        last_step,
+        last_seen,
+        step_count,
+        finished_at,
+    ) = row;
     let registration = serde_json::from_str(&registration)
         .with_context(|| format!("reading the stored registration of run {run_id}"))?;
     Ok(StoredRun {
@@ -203,6 +282,7 @@ fn stored_run(row: RunRow) -> StoreResult<StoredRun> {
         last_step: last_step.map(|s| s as u64),
         last_seen,
         step_count: step_count as u64,
+        finished_at,
     })
 }
 

@@ -1,0 +1,221 @@
+//! The dashboard's pages through a real server: what a person reads is there, every
+//! value a client sent is escaped, errors are pages that say what was wrong, and the
+//! static route serves only its embedded files.
+
+mod common;
+
+use common::TestApp;
+use serde_json::{Value, json};
+
+async fn get_page(app: &TestApp, path: &str) -> (u16, reqwest::header::HeaderMap, String) {
+    let response = reqwest::get(app.url(path)).await.unwrap();
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    (status, headers, response.text().await.unwrap())
+}
+
+fn content_type(headers: &reqwest::header::HeaderMap) -> &str {
+    headers["content-type"].to_str().unwrap()
+}
+
+/// A run named with markup, whose qwen group never gets a gradient.
+async fn hostile_cut_run(app: &TestApp) {
+    let status = app
+        .register(
+            "cut",
+            &json!({
+                "name": "<script>alert('name')</script>",
+                "precision": {"param_dtype": "bf16"},
+                "params": [
+                    {"name": "qwen.layers.0.input_layernorm.weight", "role": "norm", "dtype": "bf16", "shape": [8]},
+                    {"name": "agent.head.weight", "role": "linear", "dtype": "f32", "shape": [4, 8]}],
+                "config": {"note": "</pre><img src=x onerror=alert(1)>"}}),
+        )
+        .await
+        .status();
+    assert_eq!(status, 201);
+    let steps: Vec<Value> = (0..60)
+        .map(|s| json!({"step": s, "loss": 2.0, "lr": 3e-4,
+            "modules": [{"module": "qwen.layers.0.input_layernorm", "grad_norm": null, "hook_hits": 0},
+                        {"module": "agent.head", "grad_norm": 0.5, "hook_hits": 1}]}))
+        .collect();
+    assert_eq!(
+        app.post_steps("cut", &Value::Array(steps)).await.status(),
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_page_lists_runs_with_status_and_the_open_alerts() {
+    let app = TestApp::spawn().await;
+    let (status, _, empty) = get_page(&app, "/").await;
+    assert_eq!(status, 200);
+    assert!(empty.contains("No runs yet"), "{empty}");
+
+    hostile_cut_run(&app).await;
+    app.register("quiet", &json!({"params": []})).await;
+    let (status, headers, html) = get_page(&app, "/").await;
+    assert_eq!(status, 200);
+    assert!(content_type(&headers).starts_with("text/html"));
+    assert!(
+        headers["content-security-policy"]
+            .to_str()
+            .unwrap()
+            .contains("script-src 'self'")
+    );
+    // The run with a critical alert comes first, with the alert's title.
+    let cut = html
+        .find(r#"data-run-id="cut""#)
+        .expect("the cut run is listed");
+    let quiet = html
+        .find(r#"data-run-id="quiet""#)
+        .expect("the quiet run is listed");
+    assert!(cut < quiet, "the unhealthy run is listed first");
+    assert!(html.contains("Backward never reaches qwen"), "{html}");
+    assert!(html.contains("1 critical"));
+    assert!(html.contains(r#"class="status status-live""#));
+    // The name is shown, as text.
+    assert!(
+        html.contains("&lt;script&gt;alert(&#39;name&#39;)&lt;/script&gt;")
+            || html.contains("&lt;script&gt;alert('name')&lt;/script&gt;"),
+        "{html}"
+    );
+    assert!(!html.contains("<script>alert"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_page_shows_alerts_charts_modules_and_registration_escaped() {
+    let app = TestApp::spawn().await;
+    hostile_cut_run(&app).await;
+    let (_, alerts) = app
+        .get_json("/api/v1/runs/cut/alerts?status=open&kind=grad_stuck_zero")
+        .await;
+    let alert = &alerts["alerts"][0];
+    assert_eq!(alert["kind"], "grad_stuck_zero");
+
+    let (status, _, html) = get_page(&app, "/runs/cut").await;
+    assert_eq!(status, 200);
+    // The alert, worded as the API words it (escaped for HTML).
+    for field in ["title", "detail", "fix"] {
+        let text = alert[field].as_str().unwrap();
+        let escaped = text
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+            .replace('"', "&quot;");
+        assert!(
+            html.contains(&escaped),
+            "the page lacks the alert's {field}: {text}"
+        );
+    }
+    // Charts over the whole run so far, the module table, the registration.
+    assert!(
+        html.contains(r#"src="/api/v1/runs/cut/charts/grad-flow.svg?width=1200&amp;to_step=59""#),
+        "{html}"
+    );
+    assert!(html.contains("charts/group-grad-norms.svg"));
+    assert!(
+        !html.contains("charts/scaler.svg"),
+        "no scaler chart without a scaler"
+    );
+    assert!(html.contains(r#"data-module="qwen.layers.0.input_layernorm""#));
+    assert!(html.contains("no gradient: backward never reached it"));
+    assert!(html.contains("5.00e-1"));
+    assert!(html.contains("2 tensors, 40 elements"));
+    // What the client sent is text, never markup.
+    assert!(!html.contains("<script>alert"));
+    assert!(!html.contains("<img src=x"));
+    assert!(html.contains("&lt;/pre&gt;&lt;img src=x onerror=alert(1)&gt;"));
+
+    // A step range goes into the charts and stays in the form.
+    let (status, _, ranged) = get_page(&app, "/runs/cut?from_step=10&to_step=20").await;
+    assert_eq!(status, 200);
+    assert!(ranged.contains("grad-flow.svg?width=1200&amp;from_step=10&amp;to_step=20"));
+    assert!(
+        ranged.contains(r#"name="from_step" min="0" step="1" inputmode="numeric" value="10""#),
+        "{ranged}"
+    );
+    // An emptied form field means "no bound".
+    let (status, _, _) = get_page(&app, "/runs/cut?from_step=&to_step=").await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn page_errors_are_pages_that_say_what_was_wrong() {
+    let app = TestApp::spawn().await;
+    hostile_cut_run(&app).await;
+    let (status, headers, html) = get_page(&app, "/runs/nope").await;
+    assert_eq!(status, 404);
+    assert!(content_type(&headers).starts_with("text/html"));
+    assert!(
+        html.contains("run &quot;nope&quot; is not registered"),
+        "{html}"
+    );
+    let (status, _, html) = get_page(&app, "/runs/cut?from_step=ten").await;
+    assert_eq!(status, 400);
+    assert!(html.contains("from_step must be a step number"), "{html}");
+    let (status, _, html) = get_page(&app, "/runs/cut?from_step=30&to_step=20").await;
+    assert_eq!(status, 400);
+    assert!(html.contains("from_step 30 is after to_step 20"), "{html}");
+    let (status, _, _) = get_page(&app, "/runs/bad%20id").await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_files_are_only_the_embedded_ones() {
+    let app = TestApp::spawn().await;
+    let (status, headers, css) = get_page(&app, "/static/gradflow.css").await;
+    assert_eq!(status, 200);
+    assert!(content_type(&headers).starts_with("text/css"));
+    assert!(css.contains(".alert"));
+    let (status, headers, js) = get_page(&app, "/static/dashboard.js").await;
+    assert_eq!(status, 200);
+    assert!(content_type(&headers).starts_with("text/javascript"));
+    assert!(js.contains("EventSource"));
+    for path in [
+        "/static/..%2F..%2FCargo.toml",
+        "/static/%2e%2e%2fserver%2fsrc%2fmain.rs",
+        "/static/../Cargo.toml",
+        "/static/nope.js",
+        "/static/",
+    ] {
+        let (status, _, body) = get_page(&app, path).await;
+        assert_eq!(status, 404, "{path}: {body}");
+        assert!(
+            !body.contains("[package]") && !body.contains("fn main"),
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_run_says_so_until_it_sends_again() {
+    let app = TestApp::spawn().await;
+    hostile_cut_run(&app).await;
+    let (_, run) = app.get_json("/api/v1/runs/cut").await;
+    assert_eq!(run["status"], "live");
+    assert!(run["finished_at"].is_null());
+    let response = reqwest::Client::new()
+        .post(app.url("/api/v1/runs/cut/finish"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let (_, run) = app.get_json("/api/v1/runs/cut").await;
+    assert_eq!(run["status"], "finished");
+    let (_, runs) = app.get_json("/api/v1/runs").await;
+    assert_eq!(runs["runs"][0]["status"], "finished");
+    let (_, html) = (0, get_page(&app, "/").await.2);
+    assert!(html.contains(r#"class="status status-finished""#));
+    // A resumed run is live again.
+    let more = json!([{"step": 60, "loss": 1.0}]);
+    assert_eq!(app.post_steps("cut", &more).await.status(), 200);
+    let (_, run) = app.get_json("/api/v1/runs/cut").await;
+    assert_eq!(run["status"], "live");
+    let missing = reqwest::Client::new()
+        .post(app.url("/api/v1/runs/nope/finish"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+}

@@ -1,0 +1,192 @@
+// Drives Debian's headless Chromium through the dashboard of a running gradflow
+// server, as a person would, and fails on anything a person would notice: a missing
+// alert, a chart that does not load, a console error, a page that does not update.
+//
+// Run by tests/tests/dashboard.rs, which starts the server and the trainer first.
+// Environment:
+//   GRADFLOW_BASE       the server, e.g. http://127.0.0.1:41234
+//   GRADFLOW_RUNS       comma-separated run ids to check; the first gets the live test
+//   GRADFLOW_ARTIFACTS  folder for the screenshots
+//   CHROMIUM            the browser (default /usr/bin/chromium)
+import { mkdirSync } from "node:fs";
+import { join } from "node:path";
+import assert from "node:assert/strict";
+import { chromium } from "playwright-core";
+
+const base = process.env.GRADFLOW_BASE;
+const runs = (process.env.GRADFLOW_RUNS ?? "").split(",").filter(Boolean);
+const artifacts = process.env.GRADFLOW_ARTIFACTS ?? "test-artifacts/dashboard";
+assert.ok(base && runs.length > 0, "set GRADFLOW_BASE and GRADFLOW_RUNS");
+mkdirSync(artifacts, { recursive: true });
+
+// The flags this machine's closed network needs (no background connections).
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
+  args: [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+  ],
+});
+const context = await browser.newContext({ viewport: { width: 1280, height: 800 } });
+const page = await context.newPage();
+const problems = [];
+page.on("console", (message) => {
+  if (message.type() === "error" || message.type() === "warning") {
+    problems.push(`console ${message.type()}: ${message.text()}`);
+  }
+});
+page.on("pageerror", (error) => problems.push(`page error: ${error.message}`));
+page.on("requestfailed", (request) => {
+  // An event stream cut by a navigation is not a failure.
+  if (!request.url().includes("/api/v1/events")) {
+    problems.push(`request failed: ${request.url()} ${request.failure()?.errorText}`);
+  }
+});
+page.on("response", (response) => {
+  if (response.status() >= 400) problems.push(`HTTP ${response.status()}: ${response.url()}`);
+});
+
+const api = async (path, init) => {
+  const response = await fetch(base + path, init);
+  const text = await response.text();
+  assert.ok(response.ok, `${path}: HTTP ${response.status} ${text}`);
+  return JSON.parse(text);
+};
+const shot = async (name) => {
+  const path = join(artifacts, name);
+  await page.screenshot({ path, fullPage: true });
+  console.log(`screenshot ${path}`);
+};
+const step = (name) => console.log(`- ${name}`);
+
+async function chartsLoaded() {
+  // Every chart image has loaded and shows something.
+  await page.waitForFunction(() =>
+    [...document.querySelectorAll("#charts img")].every((img) => img.complete && img.naturalWidth > 0),
+  );
+  const charts = await page.$$eval("#charts img", (imgs) =>
+    imgs.map((img) => ({ id: img.id, width: img.naturalWidth, shown: img.getBoundingClientRect().width })),
+  );
+  assert.ok(charts.length >= 3, `expected the charts, found ${JSON.stringify(charts)}`);
+  for (const chart of charts) assert.ok(chart.width > 0 && chart.shown > 100, `chart not visible: ${JSON.stringify(chart)}`);
+  return charts;
+}
+
+// ---- The runs page ----
+step("the runs page lists every run, with its status and what is wrong");
+await page.goto(`${base}/`);
+for (const runId of runs) {
+  const row = page.locator(`tr[data-run-id="${runId}"]`);
+  await row.waitFor();
+  const open = (await api(`/api/v1/runs/${runId}/alerts?status=open`)).alerts;
+  assert.ok(open.length > 0, `run ${runId} should have open alerts`);
+  const text = await row.innerText();
+  for (const alert of open.slice(0, 3)) assert.ok(text.includes(alert.title), `row of ${runId} lacks "${alert.title}": ${text}`);
+  assert.match(text, /critical/i);
+  assert.match(text, /finished|live/);
+}
+// Critical runs are listed before healthy ones.
+const order = await page.$$eval("tbody tr[data-run-id]", (rows) => rows.map((r) => r.dataset.runId));
+assert.equal(order.length, (await api("/api/v1/runs")).runs.length);
+await page.keyboard.press("Tab");
+assert.equal(await page.evaluate(() => document.activeElement?.className), "skip-link", "the first Tab reaches the skip link");
+await shot("runs.png");
+
+// ---- Each run's page ----
+for (const runId of runs) {
+  step(`the page of ${runId} shows its open alerts word for word, and its charts`);
+  await page.goto(`${base}/runs/${runId}`);
+  const open = (await api(`/api/v1/runs/${runId}/alerts?status=open`)).alerts;
+  for (const alert of open) {
+    const card = page.locator(`#alerts article[data-alert-id="${alert.id}"]`);
+    await card.waitFor();
+    assert.ok(await card.isVisible(), `alert ${alert.id} is not visible`);
+    assert.equal(await card.locator(".alert-title").innerText(), alert.title);
+    assert.equal(await card.locator(".alert-detail").innerText(), alert.detail);
+    assert.equal(await card.locator(".alert-fix").innerText(), `Fix: ${alert.fix}`);
+  }
+  await chartsLoaded();
+  await shot(`run-${runId}.png`);
+}
+
+const runId = runs[0];
+step("the module table sorts and filters");
+await page.goto(`${base}/runs/${runId}`);
+await page.locator("#module-filter").fill("agent");
+const groups = await page.$$eval("#module-rows tr:not([hidden])", (rows) => rows.map((r) => r.dataset.group));
+assert.ok(groups.length > 0 && groups.every((g) => g === "agent"), `filter left ${groups}`);
+await page.locator("#module-filter").fill("");
+await page.locator('th[data-sort="grad"] button').click();
+const grads = await page.$$eval("#module-rows tr", (rows) => rows.map((r) => r.dataset.grad).filter((g) => g !== "").map(Number));
+assert.ok(grads.length > 0, "some modules have a gradient norm");
+for (let i = 1; i < grads.length; i++) assert.ok(grads[i - 1] >= grads[i], `not sorted descending: ${grads}`);
+assert.equal(await page.getAttribute('th[data-sort="grad"]', "aria-sort"), "descending");
+
+step("a step range is kept in the URL and applied to the charts");
+const run = await api(`/api/v1/runs/${runId}`);
+const from = run.first_step + 10;
+const to = run.last_step - 10;
+await page.locator('input[name="from_step"]').fill(String(from));
+await page.locator('input[name="to_step"]').fill(String(to));
+await Promise.all([page.waitForURL(/from_step=/), page.locator("form.range button").click()]);
+const url = new URL(page.url());
+assert.equal(url.searchParams.get("from_step"), String(from));
+assert.equal(url.searchParams.get("to_step"), String(to));
+const srcs = await page.$$eval("#charts img", (imgs) => imgs.map((img) => img.getAttribute("src")));
+for (const src of srcs) assert.ok(src.includes(`from_step=${from}`) && src.includes(`to_step=${to}`), src);
+await chartsLoaded();
+await page.reload();
+assert.equal(await page.inputValue('input[name="from_step"]'), String(from), "a reload keeps the range");
+
+step("new steps and a new alert arrive live, without a reload");
+await page.goto(`${base}/runs/${runId}`);
+await chartsLoaded();
+await page.locator("#live-indicator.connected").waitFor();
+await page.evaluate(() => {
+  window.gradflowNotReloaded = true;
+});
+const before = await page.locator("#last-step").innerText();
+const gradFlowBefore = await page.getAttribute("#chart-grad-flow", "src");
+const first = run.last_step + 1;
+const records = [];
+for (let s = first; s < first + 20; s++) {
+  records.push({ step: s, loss: s === first + 19 ? "NaN" : 1.5, lr: 3e-4 });
+}
+await api(`/api/v1/runs/${runId}/steps`, {
+  method: "POST",
+  headers: { "Content-Type": "application/json" },
+  body: JSON.stringify(records),
+});
+const last = first + 19;
+await page.waitForFunction(
+  (expected) => document.getElementById("last-step")?.textContent.replace(/,/g, "") === expected,
+  String(last),
+  { timeout: 15000 },
+);
+const [lossAlert] = (await api(`/api/v1/runs/${runId}/alerts?kind=loss_nonfinite&status=open`)).alerts;
+assert.ok(lossAlert, "the NaN loss opened a loss_nonfinite alert");
+const card = page.locator(`#alerts > ol article[data-alert-id="${lossAlert.id}"]`);
+await card.waitFor({ timeout: 15000 });
+assert.equal(await card.locator(".alert-title").innerText(), lossAlert.title);
+await page.waitForFunction(
+  (old) => document.getElementById("chart-grad-flow")?.getAttribute("src") !== old,
+  gradFlowBefore,
+  { timeout: 15000 },
+);
+assert.ok(await page.evaluate(() => window.gradflowNotReloaded === true), "the page was reloaded");
+assert.notEqual(before, await page.locator("#last-step").innerText());
+await chartsLoaded();
+await shot(`run-${runId}-live.png`);
+
+step("no console errors, failed requests or error responses");
+await browser.close();
+if (problems.length > 0) {
+  console.error(problems.join("\n"));
+  process.exit(1);
+}
+console.log("dashboard ok");

@@ -1,0 +1,87 @@
+//! The dashboard in a real headless Chromium: the real server, runs streamed by the
+//! real trainer binary (`detached-prompt` and `bf16-frozen-norms`), then
+//! `tests/browser/dashboard.mjs` (playwright-core driving Debian's Chromium) opens
+//! `/` and each run's page, checks the alert text word for word against the API, the
+//! charts, sorting, filtering, the step range in the URL, and a live update, and
+//! fails on any console error. Screenshots land in `test-artifacts/dashboard/`.
+//!
+//! Needs `chromium` and `npm ci --prefix tests/browser` (`.ci/run` does both).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use gradflow_e2e::{ServerProcess, binary};
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives in the workspace root")
+        .to_path_buf()
+}
+
+fn chromium() -> PathBuf {
+    let path = std::env::var_os("CHROMIUM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+    assert!(
+        path.exists(),
+        "{} not found: install Debian's chromium (apt-get install chromium), or set CHROMIUM",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn dashboard_shows_the_diagnosis_and_updates_live() {
+    let root = workspace_root();
+    let browser_tests = root.join("tests/browser");
+    assert!(
+        browser_tests.join("node_modules/playwright-core").exists(),
+        "playwright-core is not installed: run `npm ci --prefix tests/browser`"
+    );
+    let chromium = chromium();
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("gradflow.db"), &["--sync", "normal"]);
+    let runs = ["detached-prompt", "bf16-frozen-norms"];
+    for scenario in runs {
+        let output = Command::new(binary("gradflow-trainer"))
+            .args(["--server", &server.base, "--scenario", scenario])
+            .args(["--run-id", scenario, "--steps", "120", "--quiet"])
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{scenario}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let artifacts = root.join("test-artifacts/dashboard");
+    let output = Command::new("node")
+        .arg("dashboard.mjs")
+        .current_dir(&browser_tests)
+        .env("GRADFLOW_BASE", &server.base)
+        .env("GRADFLOW_RUNS", runs.join(","))
+        .env("GRADFLOW_ARTIFACTS", &artifacts)
+        .env("CHROMIUM", &chromium)
+        .output()
+        .expect("node runs (Node.js 18 or newer)");
+    let log = format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "the browser test failed\n{log}");
+    assert!(log.contains("dashboard ok"), "{log}");
+    for shot in [
+        "runs.png",
+        "run-detached-prompt.png",
+        "run-bf16-frozen-norms.png",
+        "run-detached-prompt-live.png",
+    ] {
+        let bytes = std::fs::read(artifacts.join(shot)).unwrap();
+        assert!(
+            bytes.starts_with(b"\x89PNG"),
+            "{shot} is not a PNG screenshot"
+        );
+    }
+}
