@@ -8,7 +8,7 @@ use crate::detect::{AlertKind, sci};
 use crate::store::alerts::AlertFilter;
 use crate::store::codec::{Cell, widen_for_display};
 use crate::store::columns::SeriesKind;
-use crate::store::{SeriesRequest, Store, StoreResult};
+use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
 
 use super::ChartKind;
 
@@ -172,30 +172,25 @@ async fn bands(
 }
 
 /// The run's step range, clipped to what was asked.
-pub async fn window(
-    store: &Store,
-    run: &RunId,
-    from: Option<u64>,
-    to: Option<u64>,
-    points: usize,
-) -> StoreResult<Window> {
-    let stored = store.run(run).await?;
+pub fn window(stored: &StoredRun, from: Option<u64>, to: Option<u64>, points: usize) -> Window {
     let first = stored.first_step.unwrap_or(0);
     let last = stored.last_step.unwrap_or(first);
     let from = from.unwrap_or(first).max(first).min(last);
     let to = to.unwrap_or(last).min(last).max(from);
-    Ok(Window { from, to, points })
+    Window { from, to, points }
 }
 
+/// What `kind` shows of `stored` (read once by the caller) over `window`.
 pub async fn gather(
     store: &Store,
     run: &RunId,
+    stored: &StoredRun,
     kind: ChartKind,
     window: Window,
 ) -> StoreResult<ChartData> {
     let title_run = run.as_str();
     Ok(match kind {
-        ChartKind::GradFlow => ChartData::GradFlow(grad_flow(store, run, window).await?),
+        ChartKind::GradFlow => ChartData::GradFlow(grad_flow(store, run, stored, window).await?),
         ChartKind::GroupGradNorms => {
             let mut lines = Vec::new();
             for group in store.subjects(run, SeriesKind::GroupGradNorm).await? {
@@ -218,7 +213,7 @@ pub async fn gather(
                 references: Vec::new(),
             })
         }
-        ChartKind::NormDrift => norm_drift(store, run, window).await?,
+        ChartKind::NormDrift => norm_drift(store, run, stored, window).await?,
         ChartKind::Scaler => {
             let scale = read(store, run, SeriesKind::ScalerScale, "", window).await?;
             let found_inf = read(store, run, SeriesKind::FoundInf, "", window).await?;
@@ -319,8 +314,12 @@ pub async fn gather(
     })
 }
 
-async fn grad_flow(store: &Store, run: &RunId, window: Window) -> StoreResult<GradFlow> {
-    let stored = store.run(run).await?;
+async fn grad_flow(
+    store: &Store,
+    run: &RunId,
+    stored: &StoredRun,
+    window: Window,
+) -> StoreResult<GradFlow> {
     let registered_group = |module: &str| {
         stored
             .registration
@@ -330,29 +329,26 @@ async fn grad_flow(store: &Store, run: &RunId, window: Window) -> StoreResult<Gr
             .map(|p| p.group_name().to_owned())
             .unwrap_or_else(|| gradflow_protocol::default_group(module).to_owned())
     };
-    let modules = store.subjects(run, SeriesKind::ModuleGradNorm).await?;
     let columns = window
         .points
         .clamp(1, (window.to - window.from + 1) as usize);
     let span = window.to - window.from + 1;
     let column_of =
         |step: u64| (((step - window.from) as u128 * columns as u128) / span as u128) as usize;
-    let mut rows = Vec::with_capacity(modules.len());
-    let mut cells = Vec::with_capacity(modules.len());
-    for module in modules {
-        let data = store
-            .series(
-                run,
-                &SeriesRequest {
-                    candidates: vec![(SeriesKind::ModuleGradNorm, module.clone())],
-                    from: window.from,
-                    to: window.to,
-                    max_points: Some((2 * columns).max(2)),
-                },
-            )
-            .await?;
+    let series = store
+        .series_of_every_subject(
+            run,
+            SeriesKind::ModuleGradNorm,
+            window.from,
+            window.to,
+            (2 * columns).max(2),
+        )
+        .await?;
+    let mut rows = Vec::with_capacity(series.len());
+    let mut cells = Vec::with_capacity(series.len());
+    for (module, points) in series {
         let mut row = vec![FlowCell::Absent; columns];
-        for (step, cell) in data.points {
+        for (step, cell) in points {
             let slot = &mut row[column_of(step).min(columns - 1)];
             let new = match cell {
                 Cell::Absent => continue,
@@ -390,8 +386,12 @@ async fn grad_flow(store: &Store, run: &RunId, window: Window) -> StoreResult<Gr
     })
 }
 
-async fn norm_drift(store: &Store, run: &RunId, window: Window) -> StoreResult<ChartData> {
-    let stored = store.run(run).await?;
+async fn norm_drift(
+    store: &Store,
+    run: &RunId,
+    stored: &StoredRun,
+    window: Window,
+) -> StoreResult<ChartData> {
     let run_dtype = stored
         .registration
         .precision

@@ -68,15 +68,9 @@ pub async fn render_chart(
         ChartKind::GradFlow => (width as usize * 2 / 3) / 3,
         _ => width as usize,
     };
-    let window = charts::data::window(
-        &state.store,
-        &run_id,
-        params.from_step,
-        params.to_step,
-        points,
-    )
-    .await?;
-    let data = charts::data::gather(&state.store, &run_id, kind, window).await?;
+    let stored = state.store.run(&run_id).await?;
+    let window = charts::data::window(&stored, params.from_step, params.to_step, points);
+    let data = charts::data::gather(&state.store, &run_id, &stored, kind, window).await?;
     let height = params.height.unwrap_or(match &data {
         charts::ChartData::GradFlow(flow) => charts::grad_flow::natural_height(flow.modules.len()),
         _ => charts::DEFAULT_HEIGHT,

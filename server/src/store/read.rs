@@ -87,21 +87,7 @@ impl Store {
         if from > to {
             return Ok(empty);
         }
-        let reduce = match request.max_points {
-            Some(max_points) if to - from + 1 > max_points as u64 => {
-                let rows: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM steps WHERE run = ? AND step BETWEEN ? AND ?",
-                )
-                .bind(key)
-                .bind(from as i64)
-                .bind(to as i64)
-                .fetch_one(&self.read)
-                .await?;
-                (rows as u64 > max_points as u64).then_some(max_points)
-            }
-            _ => None,
-        };
-        let Some(max_points) = reduce else {
+        let Some(max_points) = self.reduction(key, from, to, request.max_points).await? else {
             let mut points = Vec::new();
             self.read_raw(key, column, from, to, |step, cell| {
                 points.push((step, cell))
@@ -128,7 +114,7 @@ impl Store {
                         .await?;
                 }
                 Source::Rollup { width, first, last } => {
-                    self.read_rollups(key, column, width, first, last, |step, cell| {
+                    self.read_rollups(key, column, width, (first, last), |step, cell| {
                         minmax.add(step, cell)
                     })
                     .await?;
@@ -140,6 +126,104 @@ impl Store {
             points: minmax.finish(),
             downsampled: true,
         })
+    }
+
+    /// Every subject of `kind` over `from..=to`, each reduced to at most `max_points`
+    /// like [`Store::series`], in order of first appearance: one pass over the rows and
+    /// rollups for all of them (a chart of 200 modules decompresses each rollup chunk
+    /// once, not once per module).
+    pub async fn series_of_every_subject(
+        &self,
+        run_id: &RunId,
+        kind: SeriesKind,
+        from: u64,
+        to: u64,
+        max_points: usize,
+    ) -> StoreResult<Vec<(String, Vec<(u64, Cell)>)>> {
+        let run: Option<(i64, Option<i64>, Option<i64>)> =
+            sqlx::query_as("SELECT id, first_step, last_step FROM runs WHERE run_id = ?")
+                .bind(run_id.as_str())
+                .fetch_optional(&self.read)
+                .await?;
+        let Some((key, first, last)) = run else {
+            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
+        };
+        let subjects: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT col, subject FROM columns WHERE run = ? AND kind = ? ORDER BY col",
+        )
+        .bind(key)
+        .bind(kind.as_str())
+        .fetch_all(&self.read)
+        .await?;
+        let columns: Vec<usize> = subjects.iter().map(|(c, _)| *c as usize).collect();
+        let mut points: Vec<Vec<(u64, Cell)>> = vec![Vec::new(); columns.len()];
+        let result = |points: Vec<Vec<(u64, Cell)>>| {
+            subjects
+                .iter()
+                .map(|(_, subject)| subject.clone())
+                .zip(points)
+                .collect()
+        };
+        let (Some(first), Some(last)) = (first, last) else {
+            return Ok(result(points));
+        };
+        let from = from.max(first as u64);
+        let to = to.min(last as u64);
+        if from > to || columns.is_empty() {
+            return Ok(result(points));
+        }
+        let Some(max_points) = self.reduction(key, from, to, Some(max_points)).await? else {
+            self.read_raw_columns(key, &columns, from, to, |i, step, cell| {
+                points[i].push((step, cell))
+            })
+            .await?;
+            return Ok(result(points));
+        };
+        let mut reducers: Vec<MinMax> = columns
+            .iter()
+            .map(|_| MinMax::new(from, to, max_points))
+            .collect();
+        let widths: Vec<u64> = ROLLUP_WIDTHS
+            .iter()
+            .rev()
+            .copied()
+            .filter(|w| *w <= reducers[0].bucket_width())
+            .collect();
+        for source in plan(from, to, &widths) {
+            let sink = |i: usize, step: u64, cell: Cell| reducers[i].add(step, cell);
+            match source {
+                Source::Raw { from, to } => {
+                    self.read_raw_columns(key, &columns, from, to, sink).await?
+                }
+                Source::Rollup { width, first, last } => {
+                    self.read_rollup_columns(key, &columns, width, (first, last), sink)
+                        .await?
+                }
+            }
+        }
+        Ok(result(reducers.into_iter().map(MinMax::finish).collect()))
+    }
+
+    /// `Some(max_points)` when `from..=to` holds more stored steps than `max_points`
+    /// and must be reduced; `None` when it is read whole.
+    async fn reduction(
+        &self,
+        key: i64,
+        from: u64,
+        to: u64,
+        max_points: Option<usize>,
+    ) -> StoreResult<Option<usize>> {
+        let Some(max_points) = max_points.filter(|m| to - from + 1 > *m as u64) else {
+            return Ok(None);
+        };
+        let rows: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM steps WHERE run = ? AND step BETWEEN ? AND ?")
+                .bind(key)
+                .bind(from as i64)
+                .bind(to as i64)
+                .fetch_one(&self.read)
+                .await?;
+        Ok((rows as u64 > max_points as u64).then_some(max_points))
     }
 
     /// The subjects a run has reported for `kind`, in order of first appearance (for
@@ -229,6 +313,20 @@ impl Store {
         to: u64,
         mut sink: impl FnMut(u64, Cell),
     ) -> StoreResult<()> {
+        self.read_raw_columns(key, &[column], from, to, |_, step, cell| sink(step, cell))
+            .await
+    }
+
+    /// Calls `sink(i, step, cell)` with every present cell of `columns[i]` in steps
+    /// `from..=to`, decoding each row once for all the columns.
+    async fn read_raw_columns(
+        &self,
+        key: i64,
+        columns: &[usize],
+        from: u64,
+        to: u64,
+        mut sink: impl FnMut(usize, u64, Cell),
+    ) -> StoreResult<()> {
         let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
             "SELECT step, vals FROM steps WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step",
         )
@@ -240,9 +338,11 @@ impl Store {
         while let Some((step, blob)) = rows.try_next().await? {
             let packed = Packed::decode(&blob, &mut decompressor)
                 .with_context(|| format!("decoding the values of step {step}"))?;
-            let cell = packed.cell(column);
-            if cell != Cell::Absent {
-                sink(step as u64, cell);
+            for (i, column) in columns.iter().enumerate() {
+                let cell = packed.cell(*column);
+                if cell != Cell::Absent {
+                    sink(i, step as u64, cell);
+                }
             }
         }
         Ok(())
@@ -254,29 +354,57 @@ impl Store {
         key: i64,
         column: usize,
         width: u64,
-        first: u64,
-        last: u64,
+        buckets: (u64, u64),
         mut sink: impl FnMut(u64, Cell),
     ) -> StoreResult<()> {
-        let chunk = column / CHUNK_COLUMNS;
-        let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
-            "SELECT bucket, summary FROM rollups WHERE run = ? AND width = ? AND chunk = ? \
-             AND bucket BETWEEN ? AND ? ORDER BY bucket",
-        )
-        .bind(key)
-        .bind(width as i64)
-        .bind(chunk as i64)
-        .bind(first as i64)
-        .bind(last as i64)
-        .fetch(&self.read);
+        self.read_rollup_columns(key, &[column], width, buckets, |_, step, cell| {
+            sink(step, cell)
+        })
+        .await
+    }
+
+    /// Calls `sink(i, step, cell)` with the points summarising `columns[i]` in
+    /// buckets `first..=last`; every chunk a column lives in is decompressed once
+    /// per bucket, whatever the number of its columns asked for.
+    async fn read_rollup_columns(
+        &self,
+        key: i64,
+        columns: &[usize],
+        width: u64,
+        (first, last): (u64, u64),
+        mut sink: impl FnMut(usize, u64, Cell),
+    ) -> StoreResult<()> {
+        let mut chunks: Vec<usize> = columns.iter().map(|c| c / CHUNK_COLUMNS).collect();
+        chunks.sort_unstable();
+        chunks.dedup();
         let mut decompressor = decompressor()?;
-        while let Some((bucket, blob)) = rows.try_next().await? {
-            let columns = decode_columns(&blob, &mut decompressor)
-                .with_context(|| format!("decoding rollup bucket {bucket} of width {width}"))?;
-            if let Some(summary) = columns.get(column % CHUNK_COLUMNS) {
+        for chunk in chunks {
+            let wanted: Vec<(usize, usize)> = columns
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| **c / CHUNK_COLUMNS == chunk)
+                .map(|(i, c)| (i, c % CHUNK_COLUMNS))
+                .collect();
+            let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+                "SELECT bucket, summary FROM rollups WHERE run = ? AND width = ? AND chunk = ? \
+                 AND bucket BETWEEN ? AND ? ORDER BY bucket",
+            )
+            .bind(key)
+            .bind(width as i64)
+            .bind(chunk as i64)
+            .bind(first as i64)
+            .bind(last as i64)
+            .fetch(&self.read);
+            while let Some((bucket, blob)) = rows.try_next().await? {
+                let summaries = decode_columns(&blob, &mut decompressor)
+                    .with_context(|| format!("decoding rollup bucket {bucket} of width {width}"))?;
                 let start = bucket as u64 * width;
-                for (offset, cell) in summary.points() {
-                    sink(start + offset as u64, cell);
+                for (i, within) in &wanted {
+                    if let Some(summary) = summaries.get(*within) {
+                        for (offset, cell) in summary.points() {
+                            sink(*i, start + offset as u64, cell);
+                        }
+                    }
                 }
             }
         }
