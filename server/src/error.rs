@@ -91,8 +91,14 @@ impl From<StoreError> for ApiError {
     }
 }
 
+/// The `code` of an error response, left in the response's extensions for the
+/// metrics middleware.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorCode(pub &'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let code = ErrorCode(self.code);
         let mut error = json!({"code": self.code, "message": self.message});
         if let Some(path) = self.path {
             error["path"] = path.into();
@@ -108,6 +114,7 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
+        response.extensions_mut().insert(code);
         response
     }
 }

@@ -18,6 +18,7 @@
 //! - [`series`]: pure downsampling and read planning.
 //! - [`detect`]: the streaming detectors, pure: records in, alert transitions out.
 //! - [`charts`]: charts drawn with plotters from the store's rollups.
+//! - [`metrics`]: `GET /metrics`, the server's own metrics for Prometheus.
 //! - [`pages`]: the dashboard's HTML pages and the embedded files of `web/`.
 
 pub mod body;
@@ -25,6 +26,7 @@ pub mod charts;
 pub mod config;
 pub mod detect;
 pub mod error;
+pub mod metrics;
 pub mod pages;
 pub mod routes;
 pub mod series;

@@ -27,6 +27,7 @@ impl Application {
         let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = AppState {
             shutdown: shutdown_rx,
+            metrics: Arc::new(crate::metrics::Metrics::new()),
             store: Arc::new(store),
             settings: Arc::new(ApiSettings {
                 ingest_token: config.ingest_token.clone(),

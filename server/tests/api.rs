@@ -688,3 +688,118 @@ async fn a_restarted_server_continues_where_it_stopped() {
     assert!(norms.iter().all(|(_, v)| *v == json!(1.5)));
     assert_eq!(app.register("r1", &registration()).await.status(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn series_export_as_csv() {
+    let app = TestApp::spawn().await;
+    app.register("csv", &registration()).await;
+    let batch = json!([
+        {"step": 0, "loss": 2.5, "modules": [{"module": "qwen.layers.0.self_attn", "grad_norm": null, "hook_hits": 0}]},
+        {"step": 1, "loss": "NaN", "modules": [{"module": "qwen.layers.0.self_attn", "grad_norm": 0.0, "hook_hits": 1}]},
+        {"step": 2, "loss": "-Infinity", "modules": [{"module": "qwen.layers.0.self_attn", "grad_norm": 1.5e-5, "hook_hits": 1}]}
+    ]);
+    assert_eq!(app.post_steps("csv", &batch).await.status(), 200);
+    let client = reqwest::Client::new();
+    let get = |query: &str, accept: Option<&str>| {
+        let mut request = client.get(app.url(&format!("/api/v1/runs/csv/series?{query}")));
+        if let Some(accept) = accept {
+            request = request.header("Accept", accept);
+        }
+        request.send()
+    };
+    for (query, accept) in [
+        ("metric=loss&format=csv", None),
+        ("metric=loss", Some("text/csv")),
+    ] {
+        let response = get(query, accept).await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(
+            response.headers()["content-type"],
+            "text/csv; charset=utf-8"
+        );
+        assert_eq!(
+            response.text().await.unwrap(),
+            "step,value\n0,2.5\n1,NaN\n2,-Infinity\n"
+        );
+    }
+    // A measured null is an empty value; a zero stays 0.
+    let response = get(
+        "metric=grad_norm&subject=qwen.layers.0.self_attn&format=csv",
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        response.text().await.unwrap(),
+        "step,value\n0,\n1,0\n2,0.000015\n"
+    );
+    // JSON stays the default, also for browsers' Accept lists.
+    let response = get("metric=loss", Some("text/html,application/json;q=0.9,*/*"))
+        .await
+        .unwrap();
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/json")
+    );
+    let (status, body) = error_of(get("metric=loss&format=xml", None).await.unwrap()).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["path"], "format", "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_what_happened() {
+    let app = TestApp::spawn().await;
+    app.register("m", &registration()).await;
+    assert_eq!(app.post_steps("m", &steps(0..3)).await.status(), 200);
+    // A duplicate batch stores nothing.
+    assert_eq!(app.post_steps("m", &steps(0..3)).await.status(), 200);
+    let bad = app
+        .post_raw(
+            "/api/v1/runs/m/steps",
+            &[("Content-Type", "application/json")],
+            "[{",
+        )
+        .await;
+    assert_eq!(bad.status(), 400);
+    // A loss scaler over bf16 opens a critical alert at registration.
+    app.register(
+        "scaled",
+        &json!({"precision": {"param_dtype": "bf16", "loss_scaler": "dynamic"},
+                "params": [{"name": "qwen.norm.weight", "role": "norm"}]}),
+    )
+    .await;
+
+    let response = reqwest::get(app.url("/metrics")).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text")
+    );
+    let text = response.text().await.unwrap();
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(value("gradflow_ingested_steps_total"), 3.0);
+    // Each step: loss, lr, 2 modules x (grad, hits), 1 param x 4, 2 derived group norms.
+    assert_eq!(value("gradflow_ingested_values_total"), 3.0 * 12.0);
+    assert_eq!(value("gradflow_ingest_batch_duration_seconds_count"), 2.0);
+    assert_eq!(
+        value(r#"gradflow_rejected_requests_total{reason="invalid_body"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(r#"gradflow_open_alerts{kind="scaler_bf16_incompatible",severity="critical"}"#),
+        1.0
+    );
+    assert_eq!(value("gradflow_runs"), 2.0);
+    assert!(value("gradflow_database_size_bytes") > 4096.0);
+    assert!(text.ends_with("# EOF\n"));
+}

@@ -40,6 +40,7 @@ pub struct AppState {
     pub settings: Arc<ApiSettings>,
     /// Turns true when the server begins to shut down (ends event streams).
     pub shutdown: tokio::sync::watch::Receiver<bool>,
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// The request-handling part of the server's configuration.
@@ -74,10 +75,15 @@ pub fn app(state: AppState) -> Router {
         ));
     Router::new()
         .route("/healthz", get(health::healthz))
+        .route("/metrics", get(crate::metrics::serve_metrics))
         .nest("/api/v1", api)
         .merge(crate::pages::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::metrics::count_rejections,
+        ))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
 }

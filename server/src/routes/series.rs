@@ -1,7 +1,10 @@
-//! `GET /api/v1/runs/{run_id}/series?metric=&subject=&from_step=&to_step=&max_points=`.
+//! `GET /api/v1/runs/{run_id}/series?metric=&subject=&from_step=&to_step=&max_points=`,
+//! as JSON, or as CSV (`format=csv` or `Accept: text/csv`) for notebooks.
 
 use axum::Json;
 use axum::extract::State;
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
 use gradflow_protocol::limits::MAX_STEP;
 use gradflow_protocol::non_finite_spelling;
 use serde::Deserialize;
@@ -22,6 +25,44 @@ pub struct SeriesParams {
     from_step: Option<u64>,
     to_step: Option<u64>,
     max_points: Option<usize>,
+    /// `json` (the default) or `csv`.
+    format: Option<String>,
+}
+
+/// What the response is written as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ResponseFormat {
+    Json,
+    Csv,
+}
+
+/// `format=` wins; otherwise `Accept: text/csv` (and no JSON preferred) asks for CSV.
+fn response_format(param: Option<&str>, headers: &HeaderMap) -> Result<ResponseFormat, ApiError> {
+    match param {
+        Some("json") => return Ok(ResponseFormat::Json),
+        Some("csv") => return Ok(ResponseFormat::Csv),
+        Some(other) => {
+            return Err(ApiError::invalid_query(format!(
+                "format must be json or csv, got {other:?}"
+            ))
+            .with_path("format"));
+        }
+        None => {}
+    }
+    let accept = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let wants = |media: &str| {
+        accept
+            .split(',')
+            .any(|part| part.split(';').next().unwrap_or_default().trim() == media)
+    };
+    Ok(if wants("text/csv") && !wants("application/json") {
+        ResponseFormat::Csv
+    } else {
+        ResponseFormat::Json
+    })
 }
 
 /// What a metric name of the API reads, and whether it needs a subject.
@@ -75,8 +116,10 @@ const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_n
 pub async fn read_series(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,
+    headers: HeaderMap,
     ApiQuery(params): ApiQuery<SeriesParams>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
+    let format = response_format(params.format.as_deref(), &headers)?;
     let Some((kinds, subject_rule)) = metric_kinds(&params.metric) else {
         return Err(ApiError::invalid_query(format!(
             "unknown metric {:?}: one of {METRICS}",
@@ -150,6 +193,14 @@ pub async fn read_series(
         )
         .with_path("subject"));
     }
+    if format == ResponseFormat::Csv {
+        return Ok(csv_response(
+            &run_id,
+            &params.metric,
+            subject.as_deref(),
+            &data.points,
+        ));
+    }
     let points: Vec<Value> = data
         .points
         .iter()
@@ -160,7 +211,46 @@ pub async fn read_series(
         "subject": subject,
         "downsampled": data.downsampled,
         "points": points,
-    })))
+    }))
+    .into_response())
+}
+
+/// `step,value` lines: numbers as JSON writes them, `NaN`, `Infinity` and
+/// `-Infinity` as pandas reads them, an empty value for a measured null.
+fn csv_response(
+    run_id: &gradflow_protocol::RunId,
+    metric: &str,
+    subject: Option<&str>,
+    points: &[(u64, Cell)],
+) -> Response {
+    let mut csv = String::with_capacity(16 + points.len() * 16);
+    csv.push_str("step,value\n");
+    for (step, cell) in points {
+        let value = match cell_json(*cell) {
+            Value::Null => String::new(),
+            Value::String(s) => s,
+            number => number.to_string(),
+        };
+        csv.push_str(&format!("{step},{value}\n"));
+    }
+    // The file name carries only characters a run id, metric and device index
+    // can have; a free-form subject is left out of it.
+    let device = subject.filter(|s| s.bytes().all(|b| b.is_ascii_digit()));
+    let name = match device {
+        Some(device) => format!("{run_id}-{metric}-{device}.csv"),
+        None => format!("{run_id}-{metric}.csv"),
+    };
+    (
+        [
+            (header::CONTENT_TYPE, "text/csv; charset=utf-8".to_owned()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("inline; filename=\"{name}\""),
+            ),
+        ],
+        csv,
+    )
+        .into_response()
 }
 
 /// A stored cell as the protocol spells it: numbers (integers without a fraction),

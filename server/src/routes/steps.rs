@@ -20,6 +20,7 @@ pub async fn ingest_steps(
     headers: HeaderMap,
     request_body: Body,
 ) -> Result<Json<IngestOutcome>, ApiError> {
+    let started = std::time::Instant::now();
     let RunIdParam(run_id) = run_id;
     let format = body::body_format(&headers, true)?;
     let encoding = body::body_encoding(&headers)?;
@@ -38,6 +39,11 @@ pub async fn ingest_steps(
     .await
     .map_err(|e| StoreError::Internal(e.into()))??;
     let outcome = state.store.ingest(&run_id, &records).await?;
+    state.metrics.batch_stored(
+        outcome.accepted,
+        outcome.values,
+        started.elapsed().as_secs_f64(),
+    );
     if outcome.duplicates > 0 {
         tracing::info!(
             duplicates = outcome.duplicates,

@@ -235,4 +235,18 @@ impl Store {
         }
         Ok(counts)
     }
+
+    /// Open alerts across all runs by (kind, severity), for the server's metrics.
+    pub async fn open_alerts_by_kind(&self) -> StoreResult<Vec<(String, String, u64)>> {
+        let rows: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT kind, severity, count(*) FROM alerts WHERE status = 'open' \
+             GROUP BY kind, severity ORDER BY kind, severity",
+        )
+        .fetch_all(&self.read)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(kind, severity, n)| (kind, severity, n as u64))
+            .collect())
+    }
 }

@@ -33,6 +33,10 @@ pub struct IngestOutcome {
     pub duplicates: usize,
     /// The run's last stored step after this request.
     pub last_step: Option<u64>,
+    /// Values stored by this request (for the server's own metrics; not in the
+    /// response).
+    #[serde(skip)]
+    pub values: usize,
 }
 
 /// A flattened record, ready to write.
@@ -74,6 +78,7 @@ impl Store {
                 accepted: 0,
                 duplicates: duplicates.len(),
                 last_step: state.last_step,
+                values: 0,
             });
         }
 
@@ -185,6 +190,15 @@ impl Store {
             accepted: rows.len(),
             duplicates: duplicates.len(),
             last_step: Some(last),
+            values: rows
+                .iter()
+                .map(|row| {
+                    row.cells
+                        .iter()
+                        .filter(|c| **c != codec::ABSENT_BITS)
+                        .count()
+                })
+                .sum(),
         };
         drop(guard);
 

@@ -209,6 +209,27 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Bytes of the database file: its pages, free ones included (the write-ahead
+    /// log is not counted; it is folded in at checkpoints).
+    pub async fn database_bytes(&self) -> StoreResult<u64> {
+        let bytes: i64 = sqlx::query_scalar(
+            "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()",
+        )
+        .fetch_one(&self.read)
+        .await?;
+        Ok(bytes.max(0) as u64)
+    }
+
+    /// How many runs are stored.
+    pub async fn run_count(&self) -> StoreResult<u64> {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM runs")
+            .fetch_one(&self.read)
+            .await?;
+        Ok(n as u64)
+    }
+}
+
 /// Events a slow listener may fall behind by before it misses some.
 const EVENT_BUFFER: usize = 4096;
 

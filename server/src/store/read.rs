@@ -51,14 +51,7 @@ impl LatestValues {
 
 impl Store {
     pub async fn series(&self, run_id: &RunId, request: &SeriesRequest) -> StoreResult<SeriesData> {
-        let run: Option<(i64, Option<i64>, Option<i64>)> =
-            sqlx::query_as("SELECT id, first_step, last_step FROM runs WHERE run_id = ?")
-                .bind(run_id.as_str())
-                .fetch_optional(&self.read)
-                .await?;
-        let Some((key, first, last)) = run else {
-            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
-        };
+        let (key, first, last) = self.run_extent(run_id).await?;
         let mut found = None;
         for (kind, subject) in &request.candidates {
             let column: Option<i64> = sqlx::query_scalar(
@@ -140,14 +133,7 @@ impl Store {
         to: u64,
         max_points: usize,
     ) -> StoreResult<Vec<(String, Vec<(u64, Cell)>)>> {
-        let run: Option<(i64, Option<i64>, Option<i64>)> =
-            sqlx::query_as("SELECT id, first_step, last_step FROM runs WHERE run_id = ?")
-                .bind(run_id.as_str())
-                .fetch_optional(&self.read)
-                .await?;
-        let Some((key, first, last)) = run else {
-            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
-        };
+        let (key, first, last) = self.run_extent(run_id).await?;
         let subjects: Vec<(i64, String)> = sqlx::query_as(
             "SELECT col, subject FROM columns WHERE run = ? AND kind = ? ORDER BY col",
         )
@@ -202,6 +188,15 @@ impl Store {
             }
         }
         Ok(result(reducers.into_iter().map(MinMax::finish).collect()))
+    }
+
+    /// The run's key and its first and last stored steps.
+    async fn run_extent(&self, run_id: &RunId) -> StoreResult<(i64, Option<i64>, Option<i64>)> {
+        let run = sqlx::query_as("SELECT id, first_step, last_step FROM runs WHERE run_id = ?")
+            .bind(run_id.as_str())
+            .fetch_optional(&self.read)
+            .await?;
+        run.ok_or_else(|| StoreError::RunNotFound(run_id.as_str().to_owned()))
     }
 
     /// `Some(max_points)` when `from..=to` holds more stored steps than `max_points`
