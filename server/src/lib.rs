@@ -10,6 +10,7 @@
 //! # Layout
 //!
 //! - [`config`]: command-line flags and their environment variables.
+//! - [`demo`]: `gradflow-server demo`, the server with a demo trainer sidecar.
 //! - [`startup`]: builds the [`startup::Application`] and runs it until shutdown.
 //! - [`routes`]: the HTTP API, one file per resource.
 //! - [`body`]: content types, gzip and size limits of request bodies.
@@ -24,6 +25,7 @@
 pub mod body;
 pub mod charts;
 pub mod config;
+pub mod demo;
 pub mod detect;
 pub mod error;
 pub mod metrics;

@@ -3,10 +3,30 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use gradflow_server::config::ServerConfig;
+use gradflow_server::demo::{self, DemoOptions};
 use gradflow_server::startup::{Application, shutdown_signal};
 use tracing_subscriber::EnvFilter;
+
+/// gradflow-server: stores gradient-flow telemetry from instrumented trainers in
+/// SQLite, diagnoses it, and serves it back over HTTP (protocol v1 under /api/v1) and
+/// as a dashboard.
+#[derive(Debug, Parser)]
+#[command(name = "gradflow-server", version, about, long_about = None)]
+struct Cli {
+    #[command(flatten)]
+    server: ServerConfig,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve, and run a demo trainer (CPU) through a healthy run and every fault
+    /// scenario, one after another; prints the dashboard's address.
+    Demo(DemoOptions),
+}
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -18,8 +38,12 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let config = ServerConfig::parse();
-    match run(config).await {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        None => run(cli.server).await,
+        Some(Command::Demo(options)) => demo::run(&cli.server, options).await,
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("gradflow-server: {error:#}");

@@ -91,6 +91,11 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub report_every: u64,
 
+    /// Pause this many milliseconds after each step, so a short demo run can be
+    /// watched live on the dashboard.
+    #[arg(long, env = "GRADFLOW_STEP_DELAY_MS", default_value_t = 0)]
+    pub step_delay_ms: u64,
+
     /// Train without computing or sending telemetry (to measure its overhead).
     #[arg(long)]
     pub no_instrument: bool,

@@ -212,6 +212,9 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
             tracing::info!(step, loss = output.loss, qwen_grad = ?output.qwen_grad_norm, "progress");
         }
         last = Some(output);
+        if args.step_delay_ms > 0 {
+            std::thread::sleep(Duration::from_millis(args.step_delay_ms));
+        }
     }
     if let Some(bar) = progress {
         bar.finish();

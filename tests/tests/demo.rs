@@ -1,0 +1,91 @@
+//! `gradflow-server demo`, as the README's quickstart runs it: it prints the
+//! dashboard's address, trains every scenario with the real trainer beside it, the
+//! runs end up diagnosed, and Ctrl-C stops everything with a clean exit.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use gradflow_e2e::binary;
+use serde_json::Value;
+
+#[test]
+fn demo_trains_every_scenario_and_stops_on_ctrl_c() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(binary("gradflow-server"))
+        .args(["--listen", "127.0.0.1:0", "--db"])
+        .arg(dir.path().join("demo.db"))
+        .args(["demo", "--steps", "60", "--step-delay-ms", "0"])
+        .env("RUST_LOG", "gradflow_server=warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let first = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let base = first
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no dashboard address in {first:?}"))
+        .trim_end_matches('/')
+        .to_owned();
+    let mut lines = vec![first];
+    while !lines.last().unwrap().contains("every scenario ran") {
+        lines.push(
+            rx.recv_timeout(Duration::from_secs(120))
+                .unwrap_or_else(|_| panic!("the demo stalled:\n{}", lines.join("\n"))),
+        );
+    }
+    let get = |path: &str| -> Value {
+        let text = Command::new("curl")
+            .args(["-sf", &format!("{base}{path}")])
+            .output()
+            .unwrap()
+            .stdout;
+        serde_json::from_slice(&text).unwrap()
+    };
+    let runs = get("/api/v1/runs");
+    let runs = runs["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 8, "{runs:?}");
+    for run in runs {
+        let run_id = run["run_id"].as_str().unwrap();
+        assert_eq!(run["status"], "finished", "{run}");
+        let alerts = get(&format!("/api/v1/runs/{run_id}/alerts"));
+        let kinds: Vec<&str> = alerts["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["kind"].as_str().unwrap())
+            .collect();
+        if run_id.starts_with("healthy") || run_id.starts_with("prompt-caching") {
+            assert!(kinds.is_empty(), "{run_id}: {kinds:?}");
+        }
+        if run_id.starts_with("detached-prompt") {
+            assert!(kinds.contains(&"grad_stuck_zero"), "{run_id}: {kinds:?}");
+        }
+    }
+    // Ctrl-C.
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "the demo did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+}
