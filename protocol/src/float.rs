@@ -95,6 +95,28 @@ impl<'de> Deserialize<'de> for Float {
     }
 }
 
+/// In the API document: a JSON number, or one of the three non-finite spellings.
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for Float {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, Type};
+        OneOfBuilder::new()
+            .item(ObjectBuilder::new().schema_type(Type::Number))
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .enum_values(Some(["NaN", "Infinity", "-Infinity"])),
+            )
+            .description(Some(
+                "A number; JSON has no NaN or infinity, so those are the strings \"NaN\", \"Infinity\", \"-Infinity\"",
+            ))
+            .into()
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for Float {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -58,6 +58,7 @@ impl<'de> Deserialize<'de> for RunId {
 
 /// A floating-point format a parameter can be stored or computed in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     F64,
@@ -89,6 +90,7 @@ impl Dtype {
 
 /// What a parameter is, for the detectors that care (norm weights, above all).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     Norm,
@@ -101,6 +103,7 @@ pub enum Role {
 
 /// The loss scaler in use (torch.amp.GradScaler is `dynamic`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum LossScaler {
     None,
@@ -109,6 +112,7 @@ pub enum LossScaler {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Precision {
     /// The dtype the optimizer updates (the master weights).
@@ -124,6 +128,7 @@ pub struct Precision {
 /// The optimizer's hyper-parameters. Fields beyond the named ones (momentum,
 /// nesterov, …) are kept as sent in `other`, since every optimizer has its own.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Optimizer {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
@@ -141,6 +146,7 @@ pub struct Optimizer {
 
 /// One parameter tensor of the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ParamSpec {
     pub name: String,
@@ -212,6 +218,7 @@ pub fn default_module(name: &str) -> &str {
 
 /// Per-run overrides of the server's detector thresholds, in steps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DetectorOverrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -224,6 +231,7 @@ pub struct DetectorOverrides {
 
 /// The body of `PUT /api/v1/runs/{run_id}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RunRegistration {
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -17,6 +17,7 @@ use crate::validate::{check_name, check_norm};
 
 /// One training step's telemetry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct StepRecord {
     #[serde(deserialize_with = "step_number")]
@@ -53,11 +54,14 @@ pub struct StepRecord {
         deserialize_with = "null_as_empty",
         skip_serializing_if = "BTreeMap::is_empty"
     )]
+    /// Free-form named values (numbers, non-finite spellings or null).
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
     pub metrics: BTreeMap<String, Option<Float>>,
 }
 
 /// A module's gradient after this step's backward.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModuleStep {
     pub module: String,
@@ -72,6 +76,7 @@ pub struct ModuleStep {
 
 /// A parameter's state after this step's optimizer step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ParamStep {
     pub name: String,
@@ -90,6 +95,7 @@ pub struct ParamStep {
 
 /// The loss scaler after this step's update (torch.amp.GradScaler semantics).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ScalerState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -104,6 +110,7 @@ pub struct ScalerState {
 
 /// One device's telemetry (NVML).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GpuStat {
     pub index: u32,

@@ -96,6 +96,28 @@ impl<'de> Deserialize<'de> for Timestamp {
     }
 }
 
+/// In the API document: an RFC 3339 string, or Unix seconds.
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for Timestamp {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{
+            KnownFormat, ObjectBuilder, OneOfBuilder, SchemaFormat, Type,
+        };
+        OneOfBuilder::new()
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .format(Some(SchemaFormat::KnownFormat(KnownFormat::DateTime))),
+            )
+            .item(ObjectBuilder::new().schema_type(Type::Number))
+            .description(Some("An RFC 3339 timestamp, or Unix seconds"))
+            .into()
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for Timestamp {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

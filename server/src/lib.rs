@@ -20,6 +20,7 @@
 //! - [`detect`]: the streaming detectors, pure: records in, alert transitions out.
 //! - [`charts`]: charts drawn with plotters from the store's rollups.
 //! - [`metrics`]: `GET /metrics`, the server's own metrics for Prometheus.
+//! - [`openapi`]: `GET /api/v1/openapi.json`, the API document.
 //! - [`pages`]: the dashboard's HTML pages and the embedded files of `web/`.
 
 pub mod body;
@@ -29,6 +30,7 @@ pub mod demo;
 pub mod detect;
 pub mod error;
 pub mod metrics;
+pub mod openapi;
 pub mod pages;
 pub mod routes;
 pub mod series;

@@ -136,6 +136,8 @@ pub async fn count_rejections(
 }
 
 /// `GET /metrics`.
+#[utoipa::path(get, path = "/metrics", tag = "server",
+    responses((status = 200, description = "The server's metrics, OpenMetrics text", content_type = "application/openmetrics-text")))]
 pub async fn serve_metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
     let metrics = &state.metrics;
     let open = state.store.open_alerts_by_kind().await?;

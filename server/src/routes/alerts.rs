@@ -30,6 +30,13 @@ pub struct RunAlertsParams {
 }
 
 /// Alerts of every run (or of `run_id`), oldest `first_step` first.
+#[utoipa::path(get, path = "/api/v1/alerts", tag = "alerts",
+    params(
+        ("run_id" = Option<String>, Query, description = "Only this run's"),
+        ("status" = Option<String>, Query, description = "open, resolved or all (default)"),
+        ("kind" = Option<String>, Query, description = "An alert kind"),
+        ("severity" = Option<String>, Query, description = "critical, warning or info")),
+    responses((status = 200, description = "Alerts, oldest first_step first", body = crate::openapi::AlertList), (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody)))]
 pub async fn list_alerts(
     State(state): State<AppState>,
     ApiQuery(params): ApiQuery<AllAlertsParams>,
@@ -49,6 +56,12 @@ pub async fn list_alerts(
 }
 
 /// One run's alerts.
+#[utoipa::path(get, path = "/api/v1/runs/{run_id}/alerts", tag = "alerts",
+    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}"),
+        ("status" = Option<String>, Query, description = "open, resolved or all (default)"),
+        ("kind" = Option<String>, Query, description = "An alert kind"),
+        ("severity" = Option<String>, Query, description = "critical, warning or info")),
+    responses((status = 200, description = "The run's alerts, oldest first_step first", body = crate::openapi::AlertList), (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody), (status = 404, description = "Unknown run", body = crate::openapi::ErrorBody)))]
 pub async fn list_run_alerts(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,

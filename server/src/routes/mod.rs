@@ -69,6 +69,7 @@ pub fn app(state: AppState) -> Router {
         .route("/alerts", get(alerts::list_alerts))
         .route("/runs/{run_id}/charts/{file}", get(charts::render_chart))
         .route("/events", get(events::stream_events))
+        .route("/openapi.json", get(crate::openapi::openapi_json))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_ingest_token,

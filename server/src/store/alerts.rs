@@ -13,7 +13,7 @@ use crate::detect::{AlertKind, Opened, Severity};
 
 /// An alert as the API shows it (PROTOCOL.md's alert object), decoded straight from
 /// its row.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Alert {
     pub id: i64,
     pub run_id: String,
@@ -30,6 +30,7 @@ pub struct Alert {
     pub detail: String,
     pub fix: String,
     #[sqlx(json)]
+    #[schema(value_type = Object)]
     pub evidence: Value,
 }
 
@@ -71,7 +72,7 @@ pub struct AlertFilter {
 }
 
 /// Open alerts of one run by severity.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct OpenAlertCounts {
     pub critical: u64,
     pub warning: u64,

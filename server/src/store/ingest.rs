@@ -25,7 +25,7 @@ use super::{RunState, Store, StoreError, StoreResult, Writer, now_seconds};
 use crate::detect::Transition;
 
 /// The answer to a batch, as PROTOCOL.md words it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct IngestOutcome {
     /// Records stored by this request.
     pub accepted: usize,

@@ -50,7 +50,7 @@ impl RunSummary {
 }
 
 /// Where a run stands, as the runs list and the dashboard show it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
     /// Its trainer said it finished, and nothing arrived since.
