@@ -49,6 +49,16 @@ pub struct ServerConfig {
     #[arg(long, env = "GRADFLOW_OVERFLOW_STREAK_STEPS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
     pub overflow_streak_steps: u32,
 
+    /// A request not answered within this many seconds (a client sending its body
+    /// too slowly, above all) gets 408 and holds nothing any longer.
+    #[arg(long, env = "GRADFLOW_REQUEST_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub request_timeout_secs: u64,
+
+    /// Requests handled at once; more get 503 with Retry-After instead of queueing
+    /// without bound. (Open event streams do not count once their headers are sent.)
+    #[arg(long, env = "GRADFLOW_MAX_CONCURRENT_REQUESTS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_requests: u32,
+
     /// Store telemetry without running the detectors (no alerts are opened). Meant
     /// for measuring what detection costs, not for production.
     #[arg(long, env = "GRADFLOW_DISABLE_DETECTORS")]

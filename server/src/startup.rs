@@ -24,6 +24,15 @@ impl Application {
         let listener = TcpListener::bind(&config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
+        let address = listener.local_addr().context("reading the bound address")?;
+        if !address.ip().is_loopback() && config.ingest_token.is_none() {
+            tracing::warn!(
+                %address,
+                "LISTENING BEYOND LOOPBACK WITHOUT AN INGEST TOKEN: anyone who can reach \
+                 {address} can create, overwrite and delete runs. Set --ingest-token \
+                 (GRADFLOW_INGEST_TOKEN), or listen on 127.0.0.1"
+            );
+        }
         let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = AppState {
             shutdown: shutdown_rx,
@@ -32,7 +41,12 @@ impl Application {
             settings: Arc::new(ApiSettings {
                 ingest_token: config.ingest_token.clone(),
                 max_body_bytes: config.max_body_bytes,
+                request_timeout: std::time::Duration::from_secs(config.request_timeout_secs),
+                max_concurrent_requests: config.max_concurrent_requests as usize,
             }),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(
+                config.max_concurrent_requests as usize,
+            )),
         };
         Ok(Application {
             listener,

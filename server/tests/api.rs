@@ -803,3 +803,72 @@ async fn metrics_count_what_happened() {
     assert!(value("gradflow_database_size_bytes") > 4096.0);
     assert!(text.ends_with("# EOF\n"));
 }
+
+/// Sends the head of a steps request and part of its body, then stalls.
+async fn stalled_upload(app: &TestApp) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let address = app.url("").trim_start_matches("http://").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    stream
+        .write_all(
+            b"POST /api/v1/runs/slow/steps HTTP/1.1\r\nHost: test\r\n\
+              Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n[{\"step\": 0",
+        )
+        .await
+        .unwrap();
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_trickles_its_body_gets_408_and_stores_nothing() {
+    use tokio::io::AsyncReadExt;
+    let app = TestApp::spawn_with(|c| c.request_timeout_secs = 1).await;
+    app.register("slow", &registration()).await;
+    let started = std::time::Instant::now();
+    let mut stream = stalled_upload(&app).await;
+    let mut answer = vec![0; 4096];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), stream.read(&mut answer))
+        .await
+        .expect("an answer before the client gives up")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request_timeout"), "{answer}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    let (_, run) = app.get_json("/api/v1/runs/slow").await;
+    assert_eq!(run["step_count"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_the_cap_get_503_at_once() {
+    let app = TestApp::spawn_with(|c| {
+        c.max_concurrent_requests = 1;
+        c.request_timeout_secs = 30;
+    })
+    .await;
+    app.register("slow", &registration()).await;
+    let stalled = stalled_upload(&app).await;
+    // Give the server a moment to start handling the stalled request.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let response = reqwest::get(app.url("/api/v1/runs")).await.unwrap();
+    assert_eq!(response.status(), 503);
+    assert!(response.headers().contains_key("retry-after"));
+    let (_, body) = error_of(response).await;
+    assert_eq!(body["code"], "overloaded");
+    assert!(body["message"].as_str().unwrap().contains("1 at once"));
+    // The stalled client goes away: its permit is back.
+    drop(stalled);
+    let mut status = 0;
+    for _ in 0..50 {
+        status = reqwest::get(app.url("/healthz"))
+            .await
+            .unwrap()
+            .status()
+            .as_u16();
+        if status == 200 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, 200);
+}

@@ -3,7 +3,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 /// The path of a workspace binary, built beside the test executable
@@ -27,6 +27,7 @@ pub fn binary(name: &str) -> PathBuf {
 pub struct ServerProcess {
     child: Child,
     pub base: String,
+    logs: Arc<Mutex<Vec<String>>>,
 }
 
 impl ServerProcess {
@@ -50,12 +51,15 @@ impl ServerProcess {
             .expect("gradflow-server starts");
         let stderr = child.stderr.take().expect("piped stderr");
         let (tx, rx) = mpsc::channel();
-        // Reads the log until the listening line, then keeps draining it so the
-        // server never blocks on a full pipe.
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let kept = logs.clone();
+        // Reads the log until the listening line, then keeps draining it (and keeping
+        // it) so the server never blocks on a full pipe.
         std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
+                kept.lock().expect("log lock").push(line.clone());
                 if let Some(address) = line
                     .split_whitespace()
                     .find_map(|word| word.strip_prefix("address="))
@@ -71,7 +75,13 @@ impl ServerProcess {
         ServerProcess {
             child,
             base: format!("http://{address}"),
+            logs,
         }
+    }
+
+    /// What the server has logged so far.
+    pub fn logs(&self) -> Vec<String> {
+        self.logs.lock().expect("log lock").clone()
     }
 
     pub fn url(&self, path: &str) -> String {

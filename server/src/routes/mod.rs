@@ -11,6 +11,7 @@
 //! - [`events`]: `GET /api/v1/events`, Server-Sent Events.
 //! - [`extract`]: extractors that reject bad input with the API's JSON errors.
 //! - [`auth`]: the ingest token that guards every write.
+//! - [`limits`]: the request timeout and the cap on concurrent requests.
 
 pub mod alerts;
 pub mod auth;
@@ -18,6 +19,7 @@ pub mod charts;
 pub mod events;
 pub mod extract;
 pub mod health;
+pub mod limits;
 pub mod runs;
 pub mod series;
 pub mod steps;
@@ -41,6 +43,8 @@ pub struct AppState {
     /// Turns true when the server begins to shut down (ends event streams).
     pub shutdown: tokio::sync::watch::Receiver<bool>,
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// One permit per request being handled (`--max-concurrent-requests`).
+    pub in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 /// The request-handling part of the server's configuration.
@@ -50,6 +54,10 @@ pub struct ApiSettings {
     pub ingest_token: Option<String>,
     /// Largest request body, before and after decompression.
     pub max_body_bytes: usize,
+    /// Longest a request may take to be answered.
+    pub request_timeout: std::time::Duration,
+    /// Requests handled at once.
+    pub max_concurrent_requests: usize,
 }
 
 /// The application: every route of the API with its middleware.
@@ -81,6 +89,7 @@ pub fn app(state: AppState) -> Router {
         .merge(crate::pages::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), limits::limit))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             crate::metrics::count_rejections,

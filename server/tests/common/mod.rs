@@ -33,6 +33,8 @@ pub fn config(db: PathBuf) -> ServerConfig {
         stuck_zero_steps: 50,
         frozen_norm_steps: 20,
         overflow_streak_steps: 10,
+        request_timeout_secs: 60,
+        max_concurrent_requests: 1024,
         disable_detectors: false,
     }
 }
