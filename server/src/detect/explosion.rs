@@ -128,25 +128,20 @@ mod tests {
     use crate::detect::RunContext;
     use crate::detect::StepView;
     use crate::detect::Thresholds;
+    use crate::detect::testing::{record, transitions};
     use gradflow_protocol::RunRegistration;
-    use gradflow_protocol::StepRecord;
 
     fn run(norms: &[f64]) -> Vec<(u64, Transition)> {
         let registration: RunRegistration =
             serde_json::from_value(json!({"params": [{"name": "qwen.a.weight"}]})).unwrap();
         let context = RunContext::new(&registration, Thresholds::default());
         let mut detector = GradExplosion::default();
-        let mut all = Vec::new();
-        for (step, norm) in norms.iter().enumerate() {
-            let record: StepRecord = serde_json::from_value(
-                json!({"step": step, "modules": [{"module": "qwen.a", "grad_norm": norm}]}),
-            )
-            .unwrap();
-            let mut out = Vec::new();
-            detector.on_step(&StepView::new(&context, &record), &mut out);
-            all.extend(out.into_iter().map(|t| (step as u64, t)));
-        }
-        all
+        let records = norms.iter().enumerate().map(|(step, norm)| {
+            record(json!({"step": step, "modules": [{"module": "qwen.a", "grad_norm": norm}]}))
+        });
+        transitions(records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        })
     }
 
     fn noisy(n: usize) -> Vec<f64> {

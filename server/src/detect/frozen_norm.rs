@@ -301,6 +301,7 @@ mod tests {
     use super::*;
     use crate::detect::StepView;
     use crate::detect::Thresholds;
+    use crate::detect::testing::transitions;
     use gradflow_protocol::RunRegistration;
     use gradflow_protocol::StepRecord;
     use serde_json::Value;
@@ -339,13 +340,9 @@ mod tests {
 
     fn run(context: &RunContext, records: &[StepRecord]) -> Vec<(u64, Transition)> {
         let mut detector = FrozenNormWeight::default();
-        let mut all = Vec::new();
-        for r in records {
-            let mut out = Vec::new();
-            detector.on_step(&StepView::new(context, r), &mut out);
-            all.extend(out.into_iter().map(|t| (r.step, t)));
-        }
-        all
+        transitions(records, |r, out| {
+            detector.on_step(&StepView::new(context, r), out)
+        })
     }
 
     fn cause_of(context: &RunContext, mean: f64, lr: Option<f64>) -> (u64, Opened) {

@@ -106,6 +106,7 @@ mod tests {
     use crate::detect::RunContext;
     use crate::detect::StepView;
     use crate::detect::Thresholds;
+    use crate::detect::testing::{record, transitions};
     use gradflow_protocol::RunRegistration;
     use serde_json::Value;
 
@@ -116,21 +117,17 @@ mod tests {
         .unwrap();
         let context = RunContext::new(&registration, Thresholds::default());
         let mut detector = GradNonfinite::default();
-        let mut all = Vec::new();
-        for (step, (norm, found_inf)) in steps.iter().enumerate() {
-            let mut record = json!({"step": step, "modules": [
+        let records = steps.iter().enumerate().map(|(step, (norm, found_inf))| {
+            let mut value = json!({"step": step, "modules": [
                 {"module": "qwen.a", "grad_norm": norm}, {"module": "agent.b", "grad_norm": 1.0}]});
             if let Some(inf) = found_inf {
-                record["scaler"] = json!({"found_inf": inf});
+                value["scaler"] = json!({"found_inf": inf});
             }
-            let mut out = Vec::new();
-            detector.on_step(
-                &StepView::new(&context, &serde_json::from_value(record).unwrap()),
-                &mut out,
-            );
-            all.extend(out.into_iter().map(|t| (step as u64, t)));
-        }
-        all
+            record(value)
+        });
+        transitions(records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        })
     }
 
     #[test]

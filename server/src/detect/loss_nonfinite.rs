@@ -61,18 +61,15 @@ impl LossNonfinite {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::testing::{record, transitions};
 
     fn run(losses: &[serde_json::Value]) -> Vec<(u64, Transition)> {
         let mut detector = LossNonfinite::default();
-        let mut all = Vec::new();
-        for (step, loss) in losses.iter().enumerate() {
-            let record: StepRecord =
-                serde_json::from_value(json!({"step": step, "loss": loss})).unwrap();
-            let mut out = Vec::new();
-            detector.on_step(&record, &mut out);
-            all.extend(out.into_iter().map(|t| (step as u64, t)));
-        }
-        all
+        let records = losses
+            .iter()
+            .enumerate()
+            .map(|(step, loss)| record(json!({"step": step, "loss": loss})));
+        transitions(records, |r, out| detector.on_step(r, out))
     }
 
     #[test]

@@ -366,3 +366,34 @@ pub(crate) fn name_list(names: &[&str], max: usize) -> String {
     }
     text
 }
+
+/// What the detectors' unit tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::borrow::Borrow;
+
+    use gradflow_protocol::StepRecord;
+
+    use super::Transition;
+
+    /// Feeds `records` in order to `on_step` and collects every transition, with the
+    /// step of the record that caused it.
+    pub fn transitions<R: Borrow<StepRecord>>(
+        records: impl IntoIterator<Item = R>,
+        mut on_step: impl FnMut(&StepRecord, &mut Vec<Transition>),
+    ) -> Vec<(u64, Transition)> {
+        let mut all = Vec::new();
+        for record in records {
+            let record = record.borrow();
+            let mut out = Vec::new();
+            on_step(record, &mut out);
+            all.extend(out.into_iter().map(|t| (record.step, t)));
+        }
+        all
+    }
+
+    /// A step record from its JSON.
+    pub fn record(value: serde_json::Value) -> StepRecord {
+        serde_json::from_value(value).expect("a valid step record")
+    }
+}

@@ -106,6 +106,7 @@ mod tests {
     use crate::detect::RunContext;
     use crate::detect::StepView;
     use crate::detect::Thresholds;
+    use crate::detect::testing::{record, transitions};
     use gradflow_protocol::RunRegistration;
 
     fn run(found_inf: &[Option<bool>]) -> Vec<(u64, Transition)> {
@@ -119,23 +120,19 @@ mod tests {
         );
         let mut detector = ScalerOverflowStreak::default();
         let mut scale = 65536.0;
-        let mut all = Vec::new();
-        for (step, inf) in found_inf.iter().enumerate() {
+        let records = found_inf.iter().enumerate().map(|(step, inf)| {
             if *inf == Some(true) {
                 scale /= 2.0;
             }
-            let mut record = json!({"step": step});
+            let mut value = json!({"step": step});
             if let Some(inf) = inf {
-                record["scaler"] = json!({"scale": scale, "found_inf": inf, "step_skipped": inf});
+                value["scaler"] = json!({"scale": scale, "found_inf": inf, "step_skipped": inf});
             }
-            let mut out = Vec::new();
-            detector.on_step(
-                &StepView::new(&context, &serde_json::from_value(record).unwrap()),
-                &mut out,
-            );
-            all.extend(out.into_iter().map(|t| (step as u64, t)));
-        }
-        all
+            record(value)
+        });
+        transitions(records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        })
     }
 
     #[test]

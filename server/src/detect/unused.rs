@@ -142,8 +142,8 @@ mod tests {
     use super::*;
     use crate::detect::StepView;
     use crate::detect::Thresholds;
+    use crate::detect::testing::{record, transitions};
     use gradflow_protocol::RunRegistration;
-    use gradflow_protocol::StepRecord;
     use serde_json::Value;
 
     fn context() -> RunContext {
@@ -164,19 +164,16 @@ mod tests {
     fn run(modules_per_step: &[&[&str]]) -> Vec<(u64, Transition)> {
         let context = context();
         let mut detector = UnusedParameters::default();
-        let mut all = Vec::new();
-        for (step, modules) in modules_per_step.iter().enumerate() {
+        let records = modules_per_step.iter().enumerate().map(|(step, modules)| {
             let modules: Vec<Value> = modules
                 .iter()
                 .map(|m| json!({"module": m, "grad_norm": 1.0}))
                 .collect();
-            let record: StepRecord =
-                serde_json::from_value(json!({"step": step, "modules": modules})).unwrap();
-            let mut out = Vec::new();
-            detector.on_step(&StepView::new(&context, &record), &mut out);
-            all.extend(out.into_iter().map(|t| (step as u64, t)));
-        }
-        all
+            record(json!({"step": step, "modules": modules}))
+        });
+        transitions(records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        })
     }
 
     #[test]

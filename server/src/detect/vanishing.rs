@@ -147,8 +147,8 @@ mod tests {
     use crate::detect::RunContext;
     use crate::detect::StepView;
     use crate::detect::Thresholds;
+    use crate::detect::testing::{record, transitions};
     use gradflow_protocol::RunRegistration;
-    use gradflow_protocol::StepRecord;
     use serde_json::Value;
 
     #[test]
@@ -168,19 +168,16 @@ mod tests {
             serde_json::from_value(json!({"params": params})).unwrap();
         let context = RunContext::new(&registration, Thresholds::default());
         let mut detector = GradVanishing::default();
-        let mut all = Vec::new();
-        for step in 0..steps {
+        let records = (0..steps).map(|step| {
             // Layer l has norm decay^(5 - l): layer 5 is 1.0, layer 0 is decay^5.
             let modules: Vec<Value> = (0..6)
                 .map(|l| json!({"module": format!("qwen.layers.{l}.mlp"), "grad_norm": decay.powi(5 - l)}))
                 .collect();
-            let record: StepRecord =
-                serde_json::from_value(json!({"step": step, "modules": modules})).unwrap();
-            let mut out = Vec::new();
-            detector.on_step(&StepView::new(&context, &record), &mut out);
-            all.extend(out.into_iter().map(|t| (step, t)));
-        }
-        all
+            record(json!({"step": step, "modules": modules}))
+        });
+        transitions(records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        })
     }
 
     #[test]
