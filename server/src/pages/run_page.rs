@@ -16,9 +16,11 @@ use super::layout::{self, ago, number, thousands};
 use super::runs_page::{severity_counts, severity_rank};
 use super::{PageError, page_response};
 use crate::charts::ChartKind;
+use crate::detect::step_range;
 use crate::error::ApiError;
 use crate::routes::AppState;
-use crate::store::alerts::{Alert, AlertFilter};
+use crate::routes::extract::check_step_range;
+use crate::store::alerts::{Alert, AlertFilter, OpenAlertCounts};
 use crate::store::codec::Cell;
 use crate::store::columns::SeriesKind;
 use crate::store::{LatestValues, StoredRun, now_seconds};
@@ -51,15 +53,7 @@ pub async fn show_run(
         RunId::parse(&raw_run_id).map_err(|m| ApiError::invalid_query(m).with_path("run_id"))?;
     let from = parse_step("from_step", range.from_step.as_deref())?;
     let to = parse_step("to_step", range.to_step.as_deref())?;
-    if let (Some(from), Some(to)) = (from, to)
-        && from > to
-    {
-        return Err(
-            ApiError::invalid_query(format!("from_step {from} is after to_step {to}"))
-                .with_path("from_step")
-                .into(),
-        );
-    }
+    check_step_range(from, to)?;
     let run = state.store.run(&run_id).await?;
     let mut alerts = state
         .store
@@ -75,27 +69,16 @@ pub async fn show_run(
         .store
         .latest_values(&run_id, &[SeriesKind::ModuleGradNorm, SeriesKind::HookHits])
         .await?;
-    let has_scaler = !state
-        .store
-        .subjects(&run_id, SeriesKind::ScalerScale)
-        .await?
-        .is_empty()
+    let reported = state.store.series_kinds(&run_id).await?;
+    let has_scaler = reported.contains(&SeriesKind::ScalerScale)
         || run
             .registration
             .precision
             .as_ref()
             .and_then(|p| p.loss_scaler)
             .is_some_and(|s| s != LossScaler::None);
-    let has_gpu = !state
-        .store
-        .subjects(&run_id, SeriesKind::GpuMemoryUsedBytes)
-        .await?
-        .is_empty()
-        || !state
-            .store
-            .subjects(&run_id, SeriesKind::GpuUtilizationPct)
-            .await?
-            .is_empty();
+    let has_gpu = reported.contains(&SeriesKind::GpuMemoryUsedBytes)
+        || reported.contains(&SeriesKind::GpuUtilizationPct);
     let modules = module_rows(&run.registration, latest.as_ref());
     let view = RunView {
         run: &run,
@@ -132,13 +115,9 @@ impl RunView<'_> {
     fn meta(&self, open: &[Alert]) -> Markup {
         let run = self.run;
         let status = run.status(self.now);
-        let mut counts = crate::store::alerts::OpenAlertCounts::default();
+        let mut counts = OpenAlertCounts::default();
         for alert in open {
-            match alert.severity.as_str() {
-                "critical" => counts.critical += 1,
-                "warning" => counts.warning += 1,
-                _ => counts.info += 1,
-            }
+            counts.add(&alert.severity, 1);
         }
         html! {
             dl #run-meta .run-meta {
@@ -272,8 +251,7 @@ fn alerts_section(open: &[Alert], resolved: &[Alert]) -> Markup {
 
 fn alert_card(alert: &Alert) -> Markup {
     let steps = match (alert.first_step, alert.last_step) {
-        (Some(first), Some(last)) if first == last => format!("step {first}"),
-        (Some(first), Some(last)) => format!("steps {first}–{last}"),
+        (Some(first), Some(last)) => step_range(first as u64, last as u64),
         _ => "at registration, before the first step".to_owned(),
     };
     html! {
@@ -350,7 +328,7 @@ fn module_rows(registration: &RunRegistration, latest: Option<&LatestValues>) ->
         for module in reported {
             index.insert(module.clone(), rows.len());
             rows.push(ModuleRow {
-                group: module.split('.').next().unwrap_or_default().to_owned(),
+                group: gradflow_protocol::default_group(module).to_owned(),
                 module: module.clone(),
                 roles: Vec::new(),
                 dtypes: Vec::new(),

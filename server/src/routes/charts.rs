@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use super::AppState;
-use super::extract::{ApiQuery, RunIdParam};
+use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::charts::{self, ChartKind, Format, MAX_SIDE, MIN_SIDE};
 use crate::error::ApiError;
 use crate::store::StoreError;
@@ -65,14 +65,7 @@ pub async fn render_chart(
             .with_path(field));
         }
     }
-    if let (Some(from), Some(to)) = (params.from_step, params.to_step)
-        && from > to
-    {
-        return Err(
-            ApiError::invalid_query(format!("from_step {from} is after to_step {to}"))
-                .with_path("from_step"),
-        );
-    }
+    check_step_range(params.from_step, params.to_step)?;
     let width = params.width.unwrap_or(charts::DEFAULT_WIDTH);
     // About one point per pixel column of the plot; a heatmap cell every 3 pixels.
     let points = match kind {

@@ -43,3 +43,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
             .map_err(|e| ApiError::invalid_query(e.body_text()))
     }
 }
+
+/// A step range of the query: `from_step` may not come after `to_step` (either may be
+/// left open).
+pub fn check_step_range(from: Option<u64>, to: Option<u64>) -> Result<(), ApiError> {
+    match (from, to) {
+        (Some(from), Some(to)) if from > to => Err(ApiError::invalid_query(format!(
+            "from_step {from} is after to_step {to}"
+        ))
+        .with_path("from_step")),
+        _ => Ok(()),
+    }
+}

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::AppState;
-use super::extract::{ApiQuery, RunIdParam};
+use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::error::ApiError;
 use crate::store::SeriesRequest;
 use crate::store::codec::{Cell, widen_for_display};
@@ -168,14 +168,9 @@ pub async fn read_series(
             }
         },
     };
+    check_step_range(params.from_step, params.to_step)?;
     let from = params.from_step.unwrap_or(0);
     let to = params.to_step.unwrap_or(MAX_STEP);
-    if from > to {
-        return Err(
-            ApiError::invalid_query(format!("from_step {from} is after to_step {to}"))
-                .with_path("from_step"),
-        );
-    }
     if let Some(max_points) = params.max_points
         && max_points < 2
     {

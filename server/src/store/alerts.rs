@@ -79,6 +79,18 @@ pub struct OpenAlertCounts {
     pub info: u64,
 }
 
+impl OpenAlertCounts {
+    /// Counts `n` more alerts of `severity` (as stored: `critical`, `warning`, `info`).
+    pub fn add(&mut self, severity: &str, n: u64) {
+        match Severity::parse(severity) {
+            Some(Severity::Critical) => self.critical += n,
+            Some(Severity::Warning) => self.warning += n,
+            Some(Severity::Info) => self.info += n,
+            None => {}
+        }
+    }
+}
+
 /// The open episode of a (kind, subject), as the writer tracks it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct OpenEpisode {
@@ -226,13 +238,7 @@ impl Store {
         .await?;
         let mut counts: HashMap<String, OpenAlertCounts> = HashMap::new();
         for (run_id, severity, n) in rows {
-            let entry = counts.entry(run_id).or_default();
-            match Severity::parse(&severity) {
-                Some(Severity::Critical) => entry.critical += n as u64,
-                Some(Severity::Warning) => entry.warning += n as u64,
-                Some(Severity::Info) => entry.info += n as u64,
-                None => {}
-            }
+            counts.entry(run_id).or_default().add(&severity, n as u64);
         }
         Ok(counts)
     }

@@ -2,7 +2,7 @@
 //! rows and returned whole; a longer one is covered by rollup buckets (raw rows only
 //! at its ragged ends) and reduced by the min/max downsampler.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
 use futures_util::TryStreamExt;
@@ -224,13 +224,7 @@ impl Store {
     /// The subjects a run has reported for `kind`, in order of first appearance (for
     /// modules: the order the trainer reports them in, which is model order).
     pub async fn subjects(&self, run_id: &RunId, kind: SeriesKind) -> StoreResult<Vec<String>> {
-        let key: Option<i64> = sqlx::query_scalar("SELECT id FROM runs WHERE run_id = ?")
-            .bind(run_id.as_str())
-            .fetch_optional(&self.read)
-            .await?;
-        let Some(key) = key else {
-            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
-        };
+        let (key, _, _) = self.run_extent(run_id).await?;
         Ok(sqlx::query_scalar(
             "SELECT subject FROM columns WHERE run = ? AND kind = ? ORDER BY col",
         )
@@ -238,6 +232,17 @@ impl Store {
         .bind(kind.as_str())
         .fetch_all(&self.read)
         .await?)
+    }
+
+    /// The kinds of series a run has reported at least once.
+    pub async fn series_kinds(&self, run_id: &RunId) -> StoreResult<HashSet<SeriesKind>> {
+        let (key, _, _) = self.run_extent(run_id).await?;
+        let kinds: Vec<String> =
+            sqlx::query_scalar("SELECT DISTINCT kind FROM columns WHERE run = ?")
+                .bind(key)
+                .fetch_all(&self.read)
+                .await?;
+        Ok(kinds.iter().filter_map(|k| SeriesKind::parse(k)).collect())
     }
 
     /// The latest reported value of each series of `kinds`, looking back at most
@@ -248,14 +253,7 @@ impl Store {
         run_id: &RunId,
         kinds: &[SeriesKind],
     ) -> StoreResult<Option<LatestValues>> {
-        let run: Option<(i64, Option<i64>)> =
-            sqlx::query_as("SELECT id, last_step FROM runs WHERE run_id = ?")
-                .bind(run_id.as_str())
-                .fetch_optional(&self.read)
-                .await?;
-        let Some((key, last_step)) = run else {
-            return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
-        };
+        let (key, _, last_step) = self.run_extent(run_id).await?;
         let Some(last_step) = last_step else {
             return Ok(None);
         };
