@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
@@ -21,6 +21,21 @@ pub fn binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// Waits for `child` to exit; panics, naming `what`, if it takes longer than `limit`.
+pub fn wait_for_exit(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
+    let started = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("polling a child process") {
+            return status;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{what} did not exit within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A `gradflow-server` process on a free loopback port.

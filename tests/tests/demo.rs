@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use gradflow_e2e::binary;
+use gradflow_e2e::{binary, wait_for_exit};
 use serde_json::Value;
 
 #[test]
@@ -76,16 +76,6 @@ fn demo_trains_every_scenario_and_stops_on_ctrl_c() {
         .args(["-INT", &child.id().to_string()])
         .status()
         .unwrap();
-    let started = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(15),
-            "the demo did not stop"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_for_exit(&mut child, Duration::from_secs(15), "the demo");
     assert!(status.success(), "{status}");
 }

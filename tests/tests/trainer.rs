@@ -3,9 +3,9 @@
 //! the end and delivers its spool when the server comes back.
 
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use gradflow_e2e::{ServerProcess, binary};
+use gradflow_e2e::{ServerProcess, binary, wait_for_exit};
 use gradflow_trainer::scenario::SCENARIOS;
 use serde_json::Value;
 
@@ -136,17 +136,7 @@ async fn a_run_whose_server_is_down_trains_to_the_end_and_delivers_its_spool() {
         &address,
         &["--sync", "normal"],
     );
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the trainer did not finish"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_for_exit(&mut child, Duration::from_secs(30), "the trainer");
     let stderr = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
     assert!(status.success(), "{stderr}");
     assert!(
