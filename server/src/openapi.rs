@@ -9,7 +9,7 @@ use gradflow_protocol::{Float, Precision};
 use serde::Serialize;
 use utoipa::openapi::RefOr;
 use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Schema, Type};
-use utoipa::{OpenApi, PartialSchema, ToSchema};
+use utoipa::{IntoParams, OpenApi, PartialSchema, ToResponse, ToSchema};
 
 use crate::store::alerts::{Alert, OpenAlertCounts};
 use crate::store::{IngestOutcome, RunStatus};
@@ -36,7 +36,9 @@ use crate::store::{IngestOutcome, RunStatus};
         crate::routes::charts::render_chart,
         crate::routes::events::stream_events,
     ),
-    components(schemas(ErrorBody, ErrorDetail, Health, RunView, RunList, RunListItem, RunProgress, Deleted, Series, AlertList, Alert, OpenAlertCounts, IngestOutcome, RunStatus)),
+    components(
+        responses(BadRequest, Unauthorized, RunNotFound, TooLarge, Unsupported, Unavailable),
+        schemas(ErrorBody, ErrorDetail, Health, RunView, RunList, RunListItem, RunProgress, Deleted, Series, AlertList, Alert, OpenAlertCounts, IngestOutcome, RunStatus)),
     tags(
         (name = "runs", description = "Register, read, finish and delete runs"),
         (name = "steps", description = "Stream step records"),
@@ -55,6 +57,39 @@ pub struct ApiDoc;
 pub async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     Json(ApiDoc::openapi())
 }
+
+/// The `{run_id}` of a path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct RunIdPath {
+    /// The run's id: [A-Za-z0-9._-]{1,128}
+    pub run_id: String,
+}
+
+/// The error answers most endpoints share, each with PROTOCOL.md's error body.
+#[derive(ToResponse)]
+#[response(description = "Malformed or invalid: the error says what and where")]
+pub struct BadRequest(pub ErrorBody);
+
+#[derive(ToResponse)]
+#[response(description = "Missing or wrong ingest token")]
+pub struct Unauthorized(pub ErrorBody);
+
+#[derive(ToResponse)]
+#[response(description = "Unknown run")]
+pub struct RunNotFound(pub ErrorBody);
+
+#[derive(ToResponse)]
+#[response(description = "Body too large")]
+pub struct TooLarge(pub ErrorBody);
+
+#[derive(ToResponse)]
+#[response(description = "Unsupported content type or encoding")]
+pub struct Unsupported(pub ErrorBody);
+
+#[derive(ToResponse)]
+#[response(description = "Storage unavailable (disk full, locked): nothing stored, retry")]
+pub struct Unavailable(pub ErrorBody);
 
 /// PROTOCOL.md's error body.
 #[derive(Serialize, ToSchema)]

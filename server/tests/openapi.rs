@@ -40,9 +40,15 @@ impl Document {
 
     /// What is wrong with `body` under the document's schema for it.
     fn errors(&self, method: &str, path: &str, status: u16, body: &Value) -> Vec<String> {
-        let schema = self.0["paths"][path][method]["responses"][status.to_string()]["content"]
-            ["application/json"]["schema"]
-            .clone();
+        let mut response = &self.0["paths"][path][method]["responses"][status.to_string()];
+        // A shared response is a reference to components.responses.
+        if let Some(reference) = response["$ref"].as_str() {
+            let name = reference
+                .strip_prefix("#/components/responses/")
+                .expect("a reference to a shared response");
+            response = &self.0["components"]["responses"][name];
+        }
+        let schema = response["content"]["application/json"]["schema"].clone();
         assert!(
             !schema.is_null(),
             "no JSON schema for {method} {path} {status}"

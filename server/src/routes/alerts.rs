@@ -36,7 +36,7 @@ pub struct RunAlertsParams {
         ("status" = Option<String>, Query, description = "open, resolved or all (default)"),
         ("kind" = Option<String>, Query, description = "An alert kind"),
         ("severity" = Option<String>, Query, description = "critical, warning or info")),
-    responses((status = 200, description = "Alerts, oldest first_step first", body = crate::openapi::AlertList), (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody)))]
+    responses((status = 200, description = "Alerts, oldest first_step first", body = crate::openapi::AlertList), (status = 400, response = crate::openapi::BadRequest)))]
 pub async fn list_alerts(
     State(state): State<AppState>,
     ApiQuery(params): ApiQuery<AllAlertsParams>,
@@ -57,11 +57,11 @@ pub async fn list_alerts(
 
 /// One run's alerts.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/alerts", tag = "alerts",
-    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}"),
+    params(crate::openapi::RunIdPath,
         ("status" = Option<String>, Query, description = "open, resolved or all (default)"),
         ("kind" = Option<String>, Query, description = "An alert kind"),
         ("severity" = Option<String>, Query, description = "critical, warning or info")),
-    responses((status = 200, description = "The run's alerts, oldest first_step first", body = crate::openapi::AlertList), (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody), (status = 404, description = "Unknown run", body = crate::openapi::ErrorBody)))]
+    responses((status = 200, description = "The run's alerts, oldest first_step first", body = crate::openapi::AlertList), (status = 400, response = crate::openapi::BadRequest), (status = 404, response = crate::openapi::RunNotFound)))]
 pub async fn list_run_alerts(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,

@@ -22,7 +22,7 @@ pub struct ChartParams {
 }
 
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/charts/{file}", tag = "charts",
-    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}"),
+    params(crate::openapi::RunIdPath,
         ("file" = String, Path, description = "grad-flow, group-grad-norms, norm-drift, scaler, loss or gpu, with .svg or .png"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
@@ -30,7 +30,7 @@ pub struct ChartParams {
         ("height" = Option<u32>, Query, description = "Pixels, 300 to 4000")),
     responses(
         (status = 200, description = "The chart", content((String = "image/svg+xml"), (Vec<u8> = "image/png"))),
-        (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody),
+        (status = 400, response = crate::openapi::BadRequest),
         (status = 404, description = "Unknown run or chart", body = crate::openapi::ErrorBody)))]
 pub async fn render_chart(
     State(state): State<AppState>,

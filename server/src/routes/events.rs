@@ -25,7 +25,7 @@ pub struct EventsParams {
     params(("run_id" = Option<String>, Query, description = "Only this run's events")),
     responses(
         (status = 200, description = "Server-Sent Events: `step` ({type, run_id, last_step, accepted}), `alert` ({type, action: opened|resolved, alert}), `lagged` (events missed)", content_type = "text/event-stream"),
-        (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody)))]
+        (status = 400, response = crate::openapi::BadRequest)))]
 pub async fn stream_events(
     State(state): State<AppState>,
     ApiQuery(params): ApiQuery<EventsParams>,

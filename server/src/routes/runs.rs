@@ -17,16 +17,16 @@ use crate::store::{StoredRun, now_seconds};
 /// `PUT /api/v1/runs/{run_id}`: `201` the first time, `200` for the same body again,
 /// `409` for a different one.
 #[utoipa::path(put, path = "/api/v1/runs/{run_id}", tag = "runs",
-    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}")),
+    params(crate::openapi::RunIdPath),
     request_body(content = gradflow_protocol::RunRegistration, content_type = "application/json"),
     responses(
         (status = 201, description = "Registered", body = crate::openapi::RunView),
         (status = 200, description = "Already registered with this very body", body = crate::openapi::RunView),
-        (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody), (status = 401, description = "Missing or wrong ingest token", body = crate::openapi::ErrorBody),
+        (status = 400, response = crate::openapi::BadRequest), (status = 401, response = crate::openapi::Unauthorized),
         (status = 409, description = "Registered before with a different body", body = crate::openapi::ErrorBody),
-        (status = 413, description = "Body too large", body = crate::openapi::ErrorBody),
-        (status = 415, description = "Unsupported content type or encoding", body = crate::openapi::ErrorBody),
-        (status = 503, description = "Storage unavailable (disk full, locked): nothing stored, retry", body = crate::openapi::ErrorBody)))]
+        (status = 413, response = crate::openapi::TooLarge),
+        (status = 415, response = crate::openapi::Unsupported),
+        (status = 503, response = crate::openapi::Unavailable)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn register_run(
     State(state): State<AppState>,
@@ -58,8 +58,8 @@ pub async fn register_run(
 
 /// `GET /api/v1/runs/{run_id}`: the registration, plus where the stream stands.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}", tag = "runs",
-    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}")),
-    responses((status = 200, description = "The registration and where the run stands", body = crate::openapi::RunView), (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody), (status = 404, description = "Unknown run", body = crate::openapi::ErrorBody)))]
+    params(crate::openapi::RunIdPath),
+    responses((status = 200, description = "The registration and where the run stands", body = crate::openapi::RunView), (status = 400, response = crate::openapi::BadRequest), (status = 404, response = crate::openapi::RunNotFound)))]
 pub async fn get_run(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,
@@ -99,8 +99,8 @@ pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, Api
 /// `POST /api/v1/runs/{run_id}/finish`: the trainer says the run is over, so the
 /// dashboard shows it finished rather than stale. Takes no body; answers the run.
 #[utoipa::path(post, path = "/api/v1/runs/{run_id}/finish", tag = "runs",
-    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}")),
-    responses((status = 200, description = "Marked finished", body = crate::openapi::RunView), (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody), (status = 401, description = "Missing or wrong ingest token", body = crate::openapi::ErrorBody), (status = 404, description = "Unknown run", body = crate::openapi::ErrorBody)))]
+    params(crate::openapi::RunIdPath),
+    responses((status = 200, description = "Marked finished", body = crate::openapi::RunView), (status = 400, response = crate::openapi::BadRequest), (status = 401, response = crate::openapi::Unauthorized), (status = 404, response = crate::openapi::RunNotFound)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn finish_run(
     State(state): State<AppState>,
@@ -114,8 +114,8 @@ pub async fn finish_run(
 
 /// `DELETE /api/v1/runs/{run_id}`: removes the run and everything of it.
 #[utoipa::path(delete, path = "/api/v1/runs/{run_id}", tag = "runs",
-    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}")),
-    responses((status = 200, description = "Deleted with all its steps and alerts", body = crate::openapi::Deleted), (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody), (status = 401, description = "Missing or wrong ingest token", body = crate::openapi::ErrorBody), (status = 404, description = "Unknown run", body = crate::openapi::ErrorBody)))]
+    params(crate::openapi::RunIdPath),
+    responses((status = 200, description = "Deleted with all its steps and alerts", body = crate::openapi::Deleted), (status = 400, response = crate::openapi::BadRequest), (status = 401, response = crate::openapi::Unauthorized), (status = 404, response = crate::openapi::RunNotFound)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn delete_run(
     State(state): State<AppState>,

@@ -114,7 +114,7 @@ const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_n
 /// Reads one series; with `max_points`, a longer range is reduced to at most that
 /// many points by min/max per bucket, which keeps spikes and non-finite values.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/series", tag = "series",
-    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}"),
+    params(crate::openapi::RunIdPath,
         ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w"),
         ("subject" = Option<String>, Query, description = "A group or module (grad_norm), module (hook_hits), parameter, metrics name, or device index"),
         ("from_step" = Option<u64>, Query, description = "First step"),
@@ -125,7 +125,7 @@ const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_n
         (status = 200, description = "The series", content(
             (crate::openapi::Series = "application/json"),
             (String = "text/csv", example = "step,value\n0,2.5\n1,NaN\n"))),
-        (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody), (status = 404, description = "Unknown run", body = crate::openapi::ErrorBody)))]
+        (status = 400, response = crate::openapi::BadRequest), (status = 404, response = crate::openapi::RunNotFound)))]
 pub async fn read_series(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,

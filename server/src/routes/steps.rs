@@ -14,15 +14,15 @@ use crate::store::{IngestOutcome, StoreError};
 
 /// Stores a batch of step records (a JSON array, or NDJSON), all or nothing.
 #[utoipa::path(post, path = "/api/v1/runs/{run_id}/steps", tag = "steps",
-    params(("run_id" = String, Path, description = "The run's id: [A-Za-z0-9._-]{1,128}")),
+    params(crate::openapi::RunIdPath),
     request_body(description = "Step records, steps strictly increasing: a JSON array, or NDJSON (application/x-ndjson, one record a line); may be gzip-compressed",
         content((Vec<gradflow_protocol::StepRecord> = "application/json"), (gradflow_protocol::StepRecord = "application/x-ndjson"))),
     responses(
         (status = 200, description = "Stored and committed (all or nothing)", body = crate::store::IngestOutcome),
-        (status = 400, description = "Malformed or invalid: the error says what and where", body = crate::openapi::ErrorBody), (status = 401, description = "Missing or wrong ingest token", body = crate::openapi::ErrorBody), (status = 404, description = "Unknown run", body = crate::openapi::ErrorBody),
-        (status = 413, description = "Body too large", body = crate::openapi::ErrorBody),
-        (status = 415, description = "Unsupported content type or encoding", body = crate::openapi::ErrorBody),
-        (status = 503, description = "Storage unavailable (disk full, locked): nothing stored, retry", body = crate::openapi::ErrorBody)))]
+        (status = 400, response = crate::openapi::BadRequest), (status = 401, response = crate::openapi::Unauthorized), (status = 404, response = crate::openapi::RunNotFound),
+        (status = 413, response = crate::openapi::TooLarge),
+        (status = 415, response = crate::openapi::Unsupported),
+        (status = 503, response = crate::openapi::Unavailable)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn ingest_steps(
     State(state): State<AppState>,
