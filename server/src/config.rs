@@ -25,6 +25,17 @@ pub struct ServerConfig {
     #[arg(long, env = "GRADFLOW_INGEST_TOKEN", hide_env_values = true)]
     pub ingest_token: Option<String>,
 
+    /// Token every read (the API's GETs, /metrics, the dashboard) must present, as
+    /// `Authorization: Bearer <token>` or through the dashboard's login page; the
+    /// ingest token is accepted too. Without it, reads are open.
+    #[arg(long, env = "GRADFLOW_READ_TOKEN", hide_env_values = true)]
+    pub read_token: Option<String>,
+
+    /// An origin (scheme://host[:port], or `*`) whose pages may call the API from a
+    /// browser; repeat, or separate with commas. Without it no CORS headers are sent.
+    #[arg(long = "cors-origin", env = "GRADFLOW_CORS_ORIGINS", value_delimiter = ',', value_parser = crate::routes::cors::parse_origin)]
+    pub cors_origins: Vec<String>,
+
     /// Largest request body in bytes, checked before and after gzip decompression;
     /// larger bodies get 413.
     #[arg(long, env = "GRADFLOW_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]

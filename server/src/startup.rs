@@ -25,13 +25,8 @@ impl Application {
             .await
             .with_context(|| format!("binding {}", config.listen))?;
         let address = listener.local_addr().context("reading the bound address")?;
-        if !address.ip().is_loopback() && config.ingest_token.is_none() {
-            tracing::warn!(
-                %address,
-                "LISTENING BEYOND LOOPBACK WITHOUT AN INGEST TOKEN: anyone who can reach \
-                 {address} can create, overwrite and delete runs. Set --ingest-token \
-                 (GRADFLOW_INGEST_TOKEN), or listen on 127.0.0.1"
-            );
+        if !address.ip().is_loopback() {
+            warn_if_open(address, config);
         }
         let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = AppState {
@@ -40,6 +35,8 @@ impl Application {
             store: Arc::new(store),
             settings: Arc::new(ApiSettings {
                 ingest_token: config.ingest_token.clone(),
+                read_token: config.read_token.clone(),
+                cors_origins: config.cors_origins.clone(),
                 max_body_bytes: config.max_body_bytes,
                 request_timeout: std::time::Duration::from_secs(config.request_timeout_secs),
                 max_concurrent_requests: config.max_concurrent_requests as usize,
@@ -82,6 +79,26 @@ impl Application {
             .await
             .context("serving HTTP")?;
         store.close().await
+    }
+}
+
+/// Says loudly what anyone who can reach `address` may do without a token.
+fn warn_if_open(address: SocketAddr, config: &ServerConfig) {
+    if config.ingest_token.is_none() {
+        tracing::warn!(
+            %address,
+            "LISTENING BEYOND LOOPBACK WITHOUT AN INGEST TOKEN: anyone who can reach \
+             {address} can create, overwrite and delete runs. Set --ingest-token \
+             (GRADFLOW_INGEST_TOKEN), or listen on 127.0.0.1"
+        );
+    }
+    if config.read_token.is_none() {
+        tracing::warn!(
+            %address,
+            "LISTENING BEYOND LOOPBACK WITHOUT A READ TOKEN: anyone who can reach \
+             {address} can read every run and its registration. Set --read-token \
+             (GRADFLOW_READ_TOKEN), or listen on 127.0.0.1"
+        );
     }
 }
 

@@ -7,6 +7,7 @@
 //! - [`run_page`]: `GET /runs/{run_id}`, one run: alerts, charts, modules, registration.
 //! - [`layout`]: the frame every page shares, and small formatting helpers.
 //! - [`assets`]: `GET /static/{file}`, the embedded CSS and JS.
+//! - [`login`]: `GET`/`POST /login` and `POST /logout`, for servers with a read token.
 //!
 //! Pages are [maud] templates: every value spliced into them is HTML-escaped, so
 //! nothing a client sent (run names, alert details, config) can become markup. The
@@ -16,6 +17,7 @@
 
 pub mod assets;
 mod layout;
+mod login;
 mod run_page;
 mod runs_page;
 
@@ -35,6 +37,7 @@ pub fn routes() -> Router<AppState> {
         .route("/", get(runs_page::show_runs))
         .route("/runs/{run_id}", get(run_page::show_run))
         .route("/static/{file}", get(assets::serve_asset))
+        .merge(login::routes())
 }
 
 /// Pages load only what the server itself serves: no inline script or style, no

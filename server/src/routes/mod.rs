@@ -10,12 +10,15 @@
 //! - [`charts`]: `GET /api/v1/runs/{run_id}/charts/{chart}.svg|.png`.
 //! - [`events`]: `GET /api/v1/events`, Server-Sent Events.
 //! - [`extract`]: extractors that reject bad input with the API's JSON errors.
-//! - [`auth`]: the ingest token that guards every write.
+//! - [`auth`]: the ingest token that guards every write, the read token that guards
+//!   every read.
+//! - [`cors`]: cross-origin access, only for the origins configured.
 //! - [`limits`]: the request timeout and the cap on concurrent requests.
 
 pub mod alerts;
 pub mod auth;
 pub mod charts;
+pub mod cors;
 pub mod events;
 pub mod extract;
 pub mod health;
@@ -52,12 +55,17 @@ pub struct AppState {
 pub struct ApiSettings {
     /// When set, every write needs `Authorization: Bearer <token>`.
     pub ingest_token: Option<String>,
+    /// When set, every read needs this token (or the ingest token), as a bearer
+    /// token or the login cookie.
+    pub read_token: Option<String>,
     /// Largest request body, before and after decompression.
     pub max_body_bytes: usize,
     /// Longest a request may take to be answered.
     pub request_timeout: std::time::Duration,
     /// Requests handled at once.
     pub max_concurrent_requests: usize,
+    /// Origins whose pages may call the API from a browser; empty: no CORS headers.
+    pub cors_origins: Vec<String>,
 }
 
 /// The application: every route of the API with its middleware.
@@ -82,20 +90,28 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             auth::require_ingest_token,
         ));
-    Router::new()
+    let app = Router::new()
         .route("/healthz", get(health::healthz))
         .route("/metrics", get(crate::metrics::serve_metrics))
         .nest("/api/v1", api)
         .merge(crate::pages::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_read_token,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), limits::limit))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             crate::metrics::count_rejections,
-        ))
-        .layer(TraceLayer::new_for_http())
-        .with_state(state)
+        ));
+    // Outside the token checks: a browser's preflight carries no credentials.
+    let app = match cors::layer(&state.settings.cors_origins) {
+        Some(cors) => app.layer(cors),
+        None => app,
+    };
+    app.layer(TraceLayer::new_for_http()).with_state(state)
 }
 
 async fn no_route(method: Method, uri: Uri) -> ApiError {

@@ -28,6 +28,8 @@ pub fn config(db: PathBuf) -> ServerConfig {
         listen: "127.0.0.1:0".into(),
         db,
         ingest_token: None,
+        read_token: None,
+        cors_origins: Vec::new(),
         max_body_bytes: 32 * 1024 * 1024,
         sync: SyncMode::Normal,
         stuck_zero_steps: 50,
