@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use gradflow_server::config::ServerConfig;
 use gradflow_server::demo::{self, DemoOptions};
-use gradflow_server::startup::{Application, shutdown_signal};
+use gradflow_server::startup::{Application, shutdown_signal, survive_file_size_limit};
 use tracing_subscriber::EnvFilter;
 
 /// gradflow-server: stores gradient-flow telemetry from instrumented trainers in
@@ -39,6 +39,7 @@ async fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
+    survive_file_size_limit();
     let result = match &cli.command {
         None => run(cli.server).await,
         Some(Command::Demo(options)) => demo::run(&cli.server, options).await,
@@ -58,6 +59,7 @@ async fn run(config: ServerConfig) -> anyhow::Result<()> {
         address = %app.address(),
         db = %config.db.display(),
         ingest_token = config.ingest_token.is_some(),
+        read_token = config.read_token.is_some(),
         "gradflow-server listening"
     );
     app.run_until(shutdown_signal()).await

@@ -102,6 +102,20 @@ fn warn_if_open(address: SocketAddr, config: &ServerConfig) {
     }
 }
 
+/// Makes a write past the file-size limit (`ulimit -f`, RLIMIT_FSIZE) an error
+/// instead of a kill. By default the kernel ends the process with SIGXFSZ; ignored,
+/// the write fails with EFBIG, SQLite reports an I/O error, and the request gets
+/// `503 storage_unavailable` like a full disk, leaving what was committed intact.
+/// (PostgreSQL ignores SIGXFSZ for the same reason.)
+pub fn survive_file_size_limit() {
+    #[cfg(unix)]
+    // SAFETY: installs the predefined SIG_IGN disposition for one signal at startup;
+    // no handler code runs, so there is nothing to be async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
+}
+
 /// Resolves on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {
     let ctrl_c = async {

@@ -23,6 +23,30 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// The steps of `run` that hold a loss, in order, as `server` serves them.
+pub async fn stored_loss_steps(
+    client: &reqwest::Client,
+    server: &ServerProcess,
+    run: &str,
+) -> Vec<u64> {
+    let url = server.url(&format!("/api/v1/runs/{run}/series?metric=loss"));
+    let body: serde_json::Value = client
+        .get(&url)
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .json()
+        .await
+        .expect("a series is JSON");
+    body["points"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no points in {body}"))
+        .iter()
+        .map(|p| p[0].as_u64().expect("a step number"))
+        .collect()
+}
+
 /// Waits for `child` to exit; panics, naming `what`, if it takes longer than `limit`.
 pub fn wait_for_exit(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
     let started = std::time::Instant::now();
@@ -75,9 +99,12 @@ impl ServerProcess {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 kept.lock().expect("log lock").push(line.clone());
-                if let Some(address) = line
-                    .split_whitespace()
-                    .find_map(|word| word.strip_prefix("address="))
+                // Only the line that says it listens: warnings before it name the
+                // address too.
+                if line.contains("gradflow-server listening")
+                    && let Some(address) = line
+                        .split_whitespace()
+                        .find_map(|word| word.strip_prefix("address="))
                     && let Some(tx) = tx.take()
                 {
                     let _ = tx.send(address.to_owned());
@@ -101,6 +128,11 @@ impl ServerProcess {
 
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// SIGKILL: no shutdown, no flush, no checkpoint.

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use gradflow_e2e::ServerProcess;
+use gradflow_e2e::{ServerProcess, stored_loss_steps};
 use reqwest::Client;
 use serde_json::{Value, json};
 
@@ -50,23 +50,6 @@ async fn stream_until_refused(
     }
 }
 
-async fn stored_steps(client: &Client, server: &ServerProcess, run: &str) -> Vec<u64> {
-    let body: Value = client
-        .get(server.url(&format!("/api/v1/runs/{run}/series?metric=loss")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    body["points"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p[0].as_u64().unwrap())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_loses_no_acknowledged_step() {
     let dir = tempfile::tempdir().unwrap();
@@ -107,7 +90,7 @@ async fn sigkill_loses_no_acknowledged_step() {
 
         let server = ServerProcess::start(&db, &[]);
         for (run, acked) in runs.iter().zip(&acknowledged) {
-            let stored = stored_steps(&client, &server, run).await;
+            let stored = stored_loss_steps(&client, &server, run).await;
             let unique: BTreeSet<u64> = stored.iter().copied().collect();
             assert_eq!(
                 unique.len(),
@@ -159,5 +142,5 @@ async fn sigterm_finishes_and_exits_cleanly() {
         "WAL left behind"
     );
     let server = ServerProcess::start(&db, &[]);
-    assert_eq!(stored_steps(&client, &server, "r").await.len(), 100);
+    assert_eq!(stored_loss_steps(&client, &server, "r").await.len(), 100);
 }

@@ -54,7 +54,7 @@ impl Store {
         run_id: &RunId,
         records: &[StepRecord],
     ) -> StoreResult<IngestOutcome> {
-        let mut guard = self.writer.lock().await;
+        let mut guard = self.lock_writer().await?;
         guard
             .run_state(run_id.as_str(), self.detection.thresholds)
             .await?;

@@ -100,6 +100,8 @@ pub type StoreResult<T> = Result<T, StoreError>;
 pub struct Store {
     read: SqlitePool,
     writer: Mutex<Writer>,
+    /// How the writer connection is opened, again when it must be replaced.
+    write_options: SqliteConnectOptions,
     events: broadcast::Sender<Event>,
     detection: Detection,
 }
@@ -173,17 +175,28 @@ impl Store {
         let mut conn = SqliteConnection::connect_with(&options)
             .await
             .with_context(|| format!("opening database {}", path.display()))?;
+        let write_options = options.clone();
         sqlx::migrate!("../migrations")
             .run(&mut conn)
             .await
             .with_context(|| format!("applying migrations to {}", path.display()))?;
+        // Readers set nothing that writes: setting journal_mode or auto_vacuum on a
+        // new connection needs the write lock, so a reader opened while the database
+        // is locked, read-only or on a full disk would fail, and reads must go on
+        // while writes cannot.
+        let read_options = SqliteConnectOptions::from_str(&url)
+            .with_context(|| format!("parsing database path {}", path.display()))?
+            .read_only(true)
+            .busy_timeout(Duration::from_secs(5))
+            .pragma("cache_size", "-65536");
         let read = SqlitePoolOptions::new()
             .max_connections(4)
-            .connect_with(options)
+            .connect_with(read_options)
             .await
             .with_context(|| format!("opening read connections to {}", path.display()))?;
         Ok(Store {
             read,
+            write_options,
             events: broadcast::channel(EVENT_BUFFER).0,
             detection,
             writer: Mutex::new(Writer {
@@ -199,13 +212,40 @@ impl Store {
     /// closes the readers. Takes `&self`: when the server stops, the last connection
     /// task may still hold a handle on the store for a moment.
     pub async fn close(&self) -> anyhow::Result<()> {
-        let mut writer = self.writer.lock().await;
+        let mut writer = self.lock_writer().await?;
         self.read.close().await;
         sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
             .execute(&mut writer.conn)
             .await
             .context("checkpointing the WAL")?;
         Ok(())
+    }
+}
+
+impl Store {
+    /// The writer, on a connection whose state is known. A transaction that failed
+    /// on an I/O error (full disk, read-only file) can leave sqlx's transaction
+    /// bookkeeping out of step with SQLite: SQLite has rolled back, or still holds a
+    /// transaction its failed `ROLLBACK` could not end, while sqlx counts one open.
+    /// Its next `begin` would then be a `SAVEPOINT` inside it and its "commit" a
+    /// `RELEASE` that commits nothing: batches acknowledged and lost. So a writer
+    /// that still counts a transaction when no one holds one is replaced by a fresh
+    /// connection (closing the old one rolls back whatever it held), and the cached
+    /// per-run state is reloaded from what is committed.
+    async fn lock_writer(&self) -> StoreResult<tokio::sync::MutexGuard<'_, Writer>> {
+        let mut writer = self.writer.lock().await;
+        if writer.conn.is_in_transaction() {
+            let fresh = SqliteConnection::connect_with(&self.write_options)
+                .await
+                .map_err(|e| StoreError::Unavailable(format!("cannot reopen the database: {e}")))?;
+            tracing::warn!("replaced the database writer connection after a failed transaction");
+            let old = std::mem::replace(&mut writer.conn, fresh);
+            if let Err(error) = old.close().await {
+                tracing::debug!(%error, "closing the failed writer connection");
+            }
+            writer.runs.clear();
+        }
+        Ok(writer)
     }
 }
 

@@ -111,7 +111,7 @@ impl Store {
         let registration = registration.normalized();
         let canonical =
             serde_json::to_string(&registration).context("serializing a registration")?;
-        let mut writer = self.writer.lock().await;
+        let mut writer = self.lock_writer().await?;
         let existing: Option<RunRow> = sqlx::query_as(SELECT_RUN)
             .bind(run_id.as_str())
             .fetch_optional(&mut writer.conn)
@@ -217,7 +217,7 @@ impl Store {
 
     /// Marks the run finished now (again, if it was: a resumed run may finish twice).
     pub async fn finish_run(&self, run_id: &RunId) -> StoreResult<StoredRun> {
-        let mut writer = self.writer.lock().await;
+        let mut writer = self.lock_writer().await?;
         let updated = sqlx::query("UPDATE runs SET finished_at = ? WHERE run_id = ?")
             .bind(now_seconds())
             .bind(run_id.as_str())
@@ -234,7 +234,7 @@ impl Store {
 
     /// Removes the run and everything of it; returns how many steps went with it.
     pub async fn delete_run(&self, run_id: &RunId) -> StoreResult<u64> {
-        let mut writer = self.writer.lock().await;
+        let mut writer = self.lock_writer().await?;
         let row: Option<(i64, i64)> =
             sqlx::query_as("SELECT id, step_count FROM runs WHERE run_id = ?")
                 .bind(run_id.as_str())
