@@ -57,6 +57,11 @@ pub struct StepRecord {
     /// Free-form named values (numbers, non-finite spellings or null).
     #[cfg_attr(feature = "openapi", schema(value_type = Object))]
     pub metrics: BTreeMap<String, Option<Float>>,
+    /// Extension: how many of this run's step records the client has dropped so far
+    /// (cumulative), because its local spool was full while the server was out of
+    /// reach. Absent: none dropped, or a client that does not count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropped_steps: Option<u64>,
 }
 
 /// A module's gradient after this step's backward.

@@ -207,6 +207,12 @@ fn cases() -> Vec<Case> {
             "steps[0].modules[0].hook_hits",
         ),
         steps_case(
+            "negative dropped-steps count",
+            json!([{"step": 0, "dropped_steps": -3}]).to_string(),
+            "invalid_body",
+            "steps[0].dropped_steps",
+        ),
+        steps_case(
             "fractional hook count",
             module(json!({"module": "a", "hook_hits": 1.5})),
             "invalid_body",

@@ -23,6 +23,14 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// A loopback address with a port free right now, for a server that must come back
+/// on the same address after a restart.
+pub fn free_loopback_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    let port = listener.local_addr().expect("a bound address").port();
+    format!("127.0.0.1:{port}")
+}
+
 /// The steps of `run` that hold a loss, in order, as `server` serves them.
 pub async fn stored_loss_steps(
     client: &reqwest::Client,

@@ -5,7 +5,7 @@
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use gradflow_e2e::{ServerProcess, binary, wait_for_exit};
+use gradflow_e2e::{ServerProcess, binary, free_loopback_address, wait_for_exit};
 use gradflow_trainer::scenario::SCENARIOS;
 use serde_json::Value;
 
@@ -110,12 +110,7 @@ async fn every_scenario_raises_exactly_its_alerts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_server_is_down_trains_to_the_end_and_delivers_its_spool() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let address = format!("127.0.0.1:{port}");
+    let address = free_loopback_address();
     let mut child = trainer(&[
         "--server",
         &format!("http://{address}"),

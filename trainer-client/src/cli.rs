@@ -108,6 +108,11 @@ pub struct Args {
     #[arg(long, env = "GRADFLOW_SPOOL_DIR")]
     pub spool_dir: Option<PathBuf>,
 
+    /// Largest spool file in bytes; once full, new step records are dropped (and
+    /// counted: the count goes to the server when it is back, and is shown at exit).
+    #[arg(long, env = "GRADFLOW_SPOOL_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub spool_max_bytes: u64,
+
     /// Logs only, no progress bar.
     #[arg(long, short)]
     pub quiet: bool,

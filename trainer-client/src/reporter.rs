@@ -107,6 +107,8 @@ impl Reporter {
             registered: false,
             summary: Summary::default(),
             warned: false,
+            warned_spool_full: false,
+            queue_dropped: queue_dropped.clone(),
             deadline: deadline.clone(),
         };
         let handle = std::thread::Builder::new()
@@ -161,6 +163,9 @@ struct Worker {
     spool: Spool,
     summary: Summary,
     warned: bool,
+    warned_spool_full: bool,
+    /// Records the training side could not hand over (a full queue).
+    queue_dropped: Arc<AtomicU64>,
     deadline: Arc<std::sync::Mutex<Option<Instant>>>,
 }
 
@@ -278,6 +283,20 @@ impl Worker {
             tracing::error!(%error, "cannot write the spool file; steps are lost");
             self.summary.dropped += batch.len() as u64;
         }
+        if self.spool.dropped > 0 && !self.warned_spool_full {
+            tracing::warn!(
+                spool = %self.config.spool_path.display(),
+                max_bytes = self.config.spool_max_bytes,
+                "the spool is full (--spool-max-bytes): new step records are dropped \
+                 until the server is back; how many is told to the server and at exit"
+            );
+            self.warned_spool_full = true;
+        }
+    }
+
+    /// Records of this run lost so far: queue full, spool full, or unwritable.
+    fn dropped_so_far(&self) -> u64 {
+        self.queue_dropped.load(Ordering::Relaxed) + self.spool.dropped + self.summary.dropped
     }
 
     /// Sends spooled batches in order; returns whether the spool emptied.
@@ -383,8 +402,24 @@ impl Worker {
         }
     }
 
-    /// POSTs records gzipped, retrying transient failures three times.
+    /// POSTs records gzipped, retrying transient failures three times. Once records
+    /// have been dropped, each one sent carries the count (`dropped_steps`).
     fn post(&mut self, records: &[StepRecord]) -> Result<(), PostError> {
+        let dropped = self.dropped_so_far();
+        let stamped: Vec<StepRecord>;
+        let records = if dropped > 0 {
+            stamped = records
+                .iter()
+                .cloned()
+                .map(|mut r| {
+                    r.dropped_steps = Some(dropped);
+                    r
+                })
+                .collect();
+            &stamped
+        } else {
+            records
+        };
         let json = serde_json::to_vec(records).map_err(|e| PostError::Rejected(e.to_string()))?;
         let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
         encoder

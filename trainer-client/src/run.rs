@@ -163,6 +163,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
     } else {
         let mut config = ReporterConfig::new(&args.server, &run_id);
         config.token = args.ingest_token.clone();
+        config.spool_max_bytes = args.spool_max_bytes;
         if let Some(dir) = &args.spool_dir {
             config.spool_path = dir.join(format!("gradflow-spool-{run_id}.ndjson"));
         }

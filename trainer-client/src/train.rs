@@ -416,6 +416,8 @@ impl Trainer {
             metrics: [("accuracy".to_owned(), Some(Float(accuracy)))]
                 .into_iter()
                 .collect(),
+            // The reporter fills it in when its spool has dropped records.
+            dropped_steps: None,
         };
         StepOutput {
             loss,

@@ -67,8 +67,21 @@ pub async fn show_run(
         alerts.into_iter().partition(|a| a.status == "open");
     let latest = state
         .store
-        .latest_values(&run_id, &[SeriesKind::ModuleGradNorm, SeriesKind::HookHits])
+        .latest_values(
+            &run_id,
+            &[
+                SeriesKind::ModuleGradNorm,
+                SeriesKind::HookHits,
+                SeriesKind::DroppedSteps,
+            ],
+        )
         .await?;
+    let dropped = latest
+        .as_ref()
+        .and_then(|l| match l.get(SeriesKind::DroppedSteps, "") {
+            Some(Cell::Value(n)) if n > 0.0 => Some(n as u64),
+            _ => None,
+        });
     let reported = state.store.series_kinds(&run_id).await?;
     let has_scaler = reported.contains(&SeriesKind::ScalerScale)
         || run
@@ -85,6 +98,7 @@ pub async fn show_run(
         from,
         to,
         now: now_seconds(),
+        dropped,
     };
     let title = run.registration.name.as_deref().unwrap_or(&run.run_id);
     let body = html! {
@@ -108,6 +122,8 @@ struct RunView<'a> {
     from: Option<u64>,
     to: Option<u64>,
     now: f64,
+    /// Step records the trainer dropped (its spool was full), as it last reported.
+    dropped: Option<u64>,
 }
 
 impl RunView<'_> {
@@ -133,6 +149,12 @@ impl RunView<'_> {
                     }
                 }
                 div { dt { "Steps stored" } dd { (thousands(run.step_count)) } }
+                @if let Some(dropped) = self.dropped {
+                    div #dropped-steps {
+                        dt { "Steps dropped by the trainer" }
+                        dd.sev-warning title="Its spool filled up while the server was out of reach; those steps were never sent." { (thousands(dropped)) }
+                    }
+                }
                 @if let Some(seen) = run.last_seen {
                     div { dt { "Last batch" } dd { (ago(self.now - seen)) } }
                 }

@@ -101,6 +101,7 @@ fn metric_kinds(metric: &str) -> Option<(Vec<SeriesKind>, Subject)> {
         "gpu_utilization_pct" => (vec![GpuUtilizationPct], Subject::Device),
         "gpu_temperature_c" => (vec![GpuTemperatureC], Subject::Device),
         "gpu_power_w" => (vec![GpuPowerW], Subject::Device),
+        "dropped_steps" => (vec![DroppedSteps], Subject::None),
         _ => return None,
     };
     Some((kinds, subject))
@@ -109,13 +110,13 @@ fn metric_kinds(metric: &str) -> Option<(Vec<SeriesKind>, Subject)> {
 const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, \
     param_mean, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, \
     gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, \
-    gpu_power_w";
+    gpu_power_w, dropped_steps";
 
 /// Reads one series; with `max_points`, a longer range is reduced to at most that
 /// many points by min/max per bucket, which keeps spikes and non-finite values.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/series", tag = "series",
     params(crate::openapi::RunIdPath,
-        ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w"),
+        ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w, dropped_steps"),
         ("subject" = Option<String>, Query, description = "A group or module (grad_norm), module (hook_hits), parameter, metrics name, or device index"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),

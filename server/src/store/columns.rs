@@ -31,10 +31,11 @@ pub enum SeriesKind {
     GpuUtilizationPct,
     GpuTemperatureC,
     GpuPowerW,
+    DroppedSteps,
 }
 
 impl SeriesKind {
-    pub const ALL: [SeriesKind; 19] = [
+    pub const ALL: [SeriesKind; 20] = [
         SeriesKind::Loss,
         SeriesKind::Lr,
         SeriesKind::ScalerScale,
@@ -54,6 +55,7 @@ impl SeriesKind {
         SeriesKind::GpuUtilizationPct,
         SeriesKind::GpuTemperatureC,
         SeriesKind::GpuPowerW,
+        SeriesKind::DroppedSteps,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -77,6 +79,7 @@ impl SeriesKind {
             SeriesKind::GpuUtilizationPct => "gpu_utilization_pct",
             SeriesKind::GpuTemperatureC => "gpu_temperature_c",
             SeriesKind::GpuPowerW => "gpu_power_w",
+            SeriesKind::DroppedSteps => "dropped_steps",
         }
     }
 

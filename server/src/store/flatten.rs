@@ -34,6 +34,14 @@ pub fn flatten(
     if let Some(lr) = record.lr {
         put(columns, SeriesKind::Lr, "", Cell::from_wire(Some(lr.get())));
     }
+    if let Some(dropped) = record.dropped_steps {
+        put(
+            columns,
+            SeriesKind::DroppedSteps,
+            "",
+            Cell::from_wire(Some(dropped as f64)),
+        );
+    }
     if let Some(scaler) = &record.scaler {
         if let Some(scale) = scaler.scale {
             put(
