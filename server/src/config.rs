@@ -70,6 +70,12 @@ pub struct ServerConfig {
     #[arg(long, env = "GRADFLOW_MAX_CONCURRENT_REQUESTS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_concurrent_requests: u32,
 
+    /// Delete runs that have received nothing for this many days (checked at startup
+    /// and every hour), and give their space back to the file system. Without it,
+    /// runs are kept until deleted.
+    #[arg(long, env = "GRADFLOW_RETAIN_DAYS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub retain_days: Option<u32>,
+
     /// Store telemetry without running the detectors (no alerts are opened). Meant
     /// for measuring what detection costs, not for production.
     #[arg(long, env = "GRADFLOW_DISABLE_DETECTORS")]

@@ -22,6 +22,7 @@
 //! - [`metrics`]: `GET /metrics`, the server's own metrics for Prometheus.
 //! - [`openapi`]: `GET /api/v1/openapi.json`, the API document.
 //! - [`pages`]: the dashboard's HTML pages and the embedded files of `web/`.
+//! - [`retention`]: `--retain-days`, expiring idle runs and freeing their space.
 
 pub mod body;
 pub mod charts;
@@ -32,6 +33,7 @@ pub mod error;
 pub mod metrics;
 pub mod openapi;
 pub mod pages;
+pub mod retention;
 pub mod routes;
 pub mod series;
 pub mod startup;

@@ -15,6 +15,7 @@ use crate::store::Store;
 pub struct Application {
     listener: TcpListener,
     state: AppState,
+    retain_days: Option<u32>,
     shutdown: tokio::sync::watch::Sender<bool>,
 }
 
@@ -48,6 +49,7 @@ impl Application {
         Ok(Application {
             listener,
             state,
+            retain_days: config.retain_days,
             shutdown,
         })
     }
@@ -67,9 +69,13 @@ impl Application {
         let Application {
             listener,
             state,
+            retain_days,
             shutdown: stop_streams,
         } = self;
         let store = state.store.clone();
+        if let Some(days) = retain_days {
+            tokio::spawn(crate::retention::run(store.clone(), days));
+        }
         let shutdown = async move {
             shutdown.await;
             let _ = stop_streams.send(true);

@@ -7,7 +7,7 @@ use sqlx::Connection;
 
 use super::alerts::{self, Alert, OpenEpisode};
 use super::events::{AlertAction, Event};
-use super::{RunState, Store, StoreError, StoreResult, now_seconds};
+use super::{RunState, Store, StoreError, StoreResult, Writer, now_seconds};
 use crate::detect::registration;
 
 /// A run as stored: its registration (with the protocol's defaults written out) and
@@ -232,7 +232,8 @@ impl Store {
         self.run(run_id).await
     }
 
-    /// Removes the run and everything of it; returns how many steps went with it.
+    /// Removes the run and everything of it, and gives the space back to the file
+    /// system; returns how many steps went with it.
     pub async fn delete_run(&self, run_id: &RunId) -> StoreResult<u64> {
         let mut writer = self.lock_writer().await?;
         let row: Option<(i64, i64)> =
@@ -243,7 +244,41 @@ impl Store {
         let Some((key, step_count)) = row else {
             return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
         };
-        let mut tx = writer.conn.begin().await?;
+        writer.delete_run(key, run_id.as_str()).await?;
+        writer.free_space().await;
+        tracing::info!(run_id = %run_id, steps = step_count, "run deleted");
+        Ok(step_count as u64)
+    }
+
+    /// Retention: deletes every run with nothing received since `cutoff` (Unix
+    /// seconds; the registration counts for a run without steps), then frees the
+    /// space. Returns the runs deleted with their step counts.
+    pub async fn expire_runs(&self, cutoff: f64) -> StoreResult<Vec<(String, u64)>> {
+        let mut writer = self.lock_writer().await?;
+        let expired: Vec<(i64, String, i64)> = sqlx::query_as(
+            "SELECT id, run_id, step_count FROM runs \
+             WHERE coalesce(last_seen, created_at) < ? ORDER BY id",
+        )
+        .bind(cutoff)
+        .fetch_all(&mut writer.conn)
+        .await?;
+        let mut deleted = Vec::with_capacity(expired.len());
+        for (key, run_id, step_count) in expired {
+            writer.delete_run(key, &run_id).await?;
+            tracing::info!(run_id = %run_id, steps = step_count, "run expired (--retain-days)");
+            deleted.push((run_id, step_count as u64));
+        }
+        if !deleted.is_empty() {
+            writer.free_space().await;
+        }
+        Ok(deleted)
+    }
+}
+
+impl Writer {
+    /// Deletes run `key` and all of its rows in one transaction.
+    async fn delete_run(&mut self, key: i64, run_id: &str) -> StoreResult<()> {
+        let mut tx = self.conn.begin().await?;
         for table in ["alerts", "detector_state", "rollups", "steps", "columns"] {
             sqlx::query(&format!("DELETE FROM {table} WHERE run = ?"))
                 .bind(key)
@@ -255,9 +290,23 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
-        writer.runs.remove(run_id.as_str());
-        tracing::info!(run_id = %run_id, steps = step_count, "run deleted");
-        Ok(step_count as u64)
+        self.runs.remove(run_id);
+        Ok(())
+    }
+
+    /// Returns free pages to the file system: the database is created with
+    /// `auto_vacuum = INCREMENTAL`, so `incremental_vacuum` moves pages down and
+    /// truncates, and a checkpoint carries the smaller file out of the WAL. Best
+    /// effort: the pages stay reusable if it cannot run now (a reader holds the WAL).
+    async fn free_space(&mut self) {
+        for pragma in [
+            "PRAGMA incremental_vacuum",
+            "PRAGMA wal_checkpoint(TRUNCATE)",
+        ] {
+            if let Err(error) = sqlx::query(pragma).execute(&mut self.conn).await {
+                tracing::warn!(%error, pragma, "could not free the space of deleted runs yet");
+            }
+        }
     }
 }
 

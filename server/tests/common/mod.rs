@@ -38,6 +38,7 @@ pub fn config(db: PathBuf) -> ServerConfig {
         request_timeout_secs: 60,
         max_concurrent_requests: 1024,
         disable_detectors: false,
+        retain_days: None,
     }
 }
 
@@ -74,9 +75,15 @@ impl TestApp {
     }
 
     /// Stops the server gracefully and starts a new one on the same database file.
-    pub async fn restart(mut self) -> TestApp {
+    pub async fn restart(self) -> TestApp {
+        self.restart_with(|_| {}).await
+    }
+
+    /// Like [`TestApp::restart`], with `adjust` applied to the new configuration.
+    pub async fn restart_with(mut self, adjust: impl FnOnce(&mut ServerConfig)) -> TestApp {
         self.stop().await;
-        let config = config(self.db.clone());
+        let mut config = config(self.db.clone());
+        adjust(&mut config);
         let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
         Self::start(config, dir).await
     }

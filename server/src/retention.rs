@@ -1,0 +1,33 @@
+//! `--retain-days`: runs that have received nothing for that long are deleted, at
+//! startup and then every hour, and their space is given back to the file system
+//! (`Store::expire_runs`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::store::{Store, now_seconds};
+
+/// How often expired runs are looked for.
+const EVERY: Duration = Duration::from_secs(3600);
+
+/// Expires runs older than `days`, now and every hour, for as long as the server runs.
+pub async fn run(store: Arc<Store>, days: u32) {
+    let max_age = f64::from(days) * 86_400.0;
+    let mut ticks = tokio::time::interval(EVERY);
+    loop {
+        ticks.tick().await; // the first tick is immediate
+        match store.expire_runs(now_seconds() - max_age).await {
+            Ok(deleted) if !deleted.is_empty() => {
+                let steps: u64 = deleted.iter().map(|(_, steps)| steps).sum();
+                tracing::info!(
+                    runs = deleted.len(),
+                    steps,
+                    days,
+                    "retention: deleted runs idle longer than --retain-days"
+                );
+            }
+            Ok(_) => {}
+            Err(error) => tracing::warn!(%error, "retention: could not expire runs; will retry"),
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! Deleting runs gives their space back, and `--retain-days` deletes idle runs: on a
+//! real file, through the real server.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{TestApp, registration};
+use serde_json::{Value, json};
+use sqlx::Connection;
+
+/// `count` steps of 200 modules with noisy norms (so they compress as real
+/// telemetry does, not to nothing), sent in batches of 250.
+async fn fill(app: &TestApp, run: &str, count: u64) {
+    app.register(run, &registration()).await;
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15 ^ run.len() as u64;
+    let mut noise = move || {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (seed >> 11) as f64 / (1u64 << 53) as f64
+    };
+    for first in (0..count).step_by(250) {
+        let batch: Vec<Value> = (first..(first + 250).min(count))
+            .map(|s| {
+                let modules: Vec<Value> = (0..200)
+                    .map(|m| json!({"module": format!("qwen.layers.{m}.mlp"), "grad_norm": noise(), "hook_hits": 1}))
+                    .collect();
+                json!({"step": s, "loss": noise(), "modules": modules})
+            })
+            .collect();
+        let response = app.post_steps(run, &Value::Array(batch)).await;
+        assert_eq!(response.status(), 200);
+    }
+}
+
+/// Bytes of the database and its write-ahead log.
+fn bytes_on_disk(app: &TestApp) -> u64 {
+    let wal = app.db.with_extension("db-wal");
+    std::fs::metadata(&app.db).unwrap().len() + std::fs::metadata(wal).map(|m| m.len()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_run_gives_its_space_back() {
+    let app = TestApp::spawn().await;
+    fill(&app, "kept", 2_000).await;
+    fill(&app, "deleted", 2_000).await;
+    // A clean restart folds the log into the file: what the two runs take.
+    let app = app.restart().await;
+    let before = bytes_on_disk(&app);
+
+    let response = app
+        .client
+        .delete(app.url("/api/v1/runs/deleted"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let after = bytes_on_disk(&app);
+    eprintln!(
+        "two runs of 2,000 steps × 200 modules: {before} bytes; after deleting one: {after} bytes"
+    );
+    assert!(
+        (after as f64) < 0.6 * before as f64,
+        "deleting half the data left {after} of {before} bytes"
+    );
+    assert_eq!(app.get_json("/api/v1/runs/kept").await.0, 200);
+    assert_eq!(
+        app.points("kept", "metric=loss").await.len(),
+        2_000,
+        "the other run is whole"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retain_days_deletes_idle_runs_and_frees_their_space() {
+    let app = TestApp::spawn().await;
+    fill(&app, "old", 2_000).await;
+    fill(&app, "recent", 200).await;
+    app.register("old-and-empty", &registration()).await;
+    let mut app = app.restart().await;
+    app.stop().await;
+    // Ten days pass for two of the runs.
+    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}", app.db.display()))
+        .await
+        .unwrap();
+    let ten_days_ago = gradflow_server::store::now_seconds() - 10.0 * 86_400.0;
+    sqlx::query(
+        "UPDATE runs SET created_at = ?, last_seen = CASE WHEN last_seen IS NULL THEN NULL ELSE ? END \
+         WHERE run_id IN ('old', 'old-and-empty')",
+    )
+    .bind(ten_days_ago)
+    .bind(ten_days_ago)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    conn.close().await.unwrap();
+    let before = bytes_on_disk(&app);
+
+    let app = app.restart_with(|c| c.retain_days = Some(7)).await;
+    let started = Instant::now();
+    while app.get_json("/api/v1/runs/old").await.0 != 404 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the expired run is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(app.get_json("/api/v1/runs/old-and-empty").await.0, 404);
+    assert_eq!(app.get_json("/api/v1/runs/recent").await.0, 200);
+    assert_eq!(app.points("recent", "metric=loss").await.len(), 200);
+    let after = bytes_on_disk(&app);
+    eprintln!("retention: {before} bytes before, {after} after");
+    assert!(
+        (after as f64) < 0.3 * before as f64,
+        "expiring the big run left {after} of {before} bytes"
+    );
+}
