@@ -363,6 +363,20 @@ fn cases() -> Vec<Case> {
             "params[0].name",
         ),
         register_case(
+            "100,001 parameters in one registration",
+            "new",
+            json!({"params": (0..100_001).map(|i| json!({"name": format!("p{i}")})).collect::<Vec<_>>()}),
+            "invalid_body",
+            "100000",
+        ),
+        register_case(
+            "a parameter name of 513 bytes",
+            "new",
+            json!({"params": [{"name": "n".repeat(513)}]}),
+            "invalid_body",
+            "params[0].name",
+        ),
+        register_case(
             "params not a list",
             "new",
             json!({"params": {"name": "a"}}),
