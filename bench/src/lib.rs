@@ -1,5 +1,6 @@
-//! Shared parts of the load and benchmark programs: the real `gradflow-server`
-//! started as a child process, its memory read from `/proc`, and percentiles.
+//! Shared parts of the load and benchmark programs: what they read of the real
+//! `gradflow-server` they start (through `gradflow_e2e::ServerProcess`, as the
+//! end-to-end tests do), and percentiles.
 
 pub mod server;
 pub mod stats;

@@ -1,4 +1,5 @@
-//! Helpers for the end-to-end tests: the real binaries, started as a user would.
+//! Helpers for the end-to-end tests and the load generator: the real binaries,
+//! started as a user would.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -6,21 +7,22 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
-/// The path of a workspace binary, built beside the test executable
-/// (`target/<profile>/`). `cargo nextest run --workspace` builds them.
+/// The path of a workspace binary in `target/<profile>/`: beside the running
+/// program (a binary such as `gradflow-load`), or one folder up when the program
+/// is a test executable in `target/<profile>/deps`. `cargo nextest run --workspace`
+/// builds them.
 pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test executables live in target/<profile>/deps");
-    let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is not built: run `cargo build --workspace --bins` first",
-        path.display()
-    );
-    path
+    let exe = std::env::current_exe().expect("the running program's path");
+    let dir = exe.parent().expect("the running program has a folder");
+    [dir.join(name), dir.join("..").join(name)]
+        .into_iter()
+        .find(|path| path.exists())
+        .unwrap_or_else(|| {
+            panic!(
+                "{name} is not built beside {}: run `cargo build --workspace --bins` first",
+                exe.display()
+            )
+        })
 }
 
 /// A loopback address with a port free right now, for a server that must come back

@@ -7,15 +7,16 @@
 //! of `--batch-steps` step records with `--modules` modules each: the heaviest load a
 //! trainer can put on the server, not a paced one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use gradflow_bench::server::Server;
+use gradflow_bench::server::{bytes_on_disk, memory};
 use gradflow_bench::stats::quantile;
+use gradflow_e2e::ServerProcess;
 use serde_json::{Value, json};
 
 #[derive(Debug, Parser)]
@@ -55,7 +56,8 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let dir = tempfile::tempdir().context("a temporary directory for the database")?;
     let server_args: Vec<&str> = args.server_args.iter().map(String::as_str).collect();
-    let server = Arc::new(Server::start(&dir.path().join("load.db"), &server_args)?);
+    let db = dir.path().join("load.db");
+    let server = Arc::new(ServerProcess::start(&db, &server_args));
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(args.trainers)
         .build()?;
@@ -91,7 +93,7 @@ async fn main() -> anyhow::Result<()> {
     let elapsed = started.elapsed();
     stop.store(true, Ordering::Relaxed);
     let rss_samples = sampler.await.context("the memory sampler")?;
-    let report = report(&args, total, elapsed, &server, &rss_samples);
+    let report = report(&args, total, elapsed, &server, &db, &rss_samples);
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_vec_pretty(&report)?)
@@ -192,10 +194,10 @@ async fn simulate_trainer(
 }
 
 /// The server's resident memory every 250 ms until `stop`.
-async fn sample_memory(server: Arc<Server>, stop: Arc<AtomicBool>) -> Vec<u64> {
+async fn sample_memory(server: Arc<ServerProcess>, stop: Arc<AtomicBool>) -> Vec<u64> {
     let mut samples = Vec::new();
     while !stop.load(Ordering::Relaxed) {
-        if let Some(memory) = server.memory() {
+        if let Some(memory) = memory(server.pid()) {
             samples.push(memory.resident);
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -207,14 +209,15 @@ fn report(
     args: &Args,
     mut total: TrainerResult,
     elapsed: Duration,
-    server: &Server,
+    server: &ServerProcess,
+    db: &Path,
     rss: &[u64],
 ) -> Value {
     total.latencies.sort();
     let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
     let mib = |b: u64| (b as f64 / (1 << 20) as f64 * 10.0).round() / 10.0;
     let values = total.steps * args.modules as u64;
-    let memory = server.memory();
+    let memory = memory(server.pid());
     // Memory in the last quarter against the second quarter: flat when bounded.
     let quarter = |i: usize| -> Option<u64> {
         let n = rss.len() / 4;
@@ -241,6 +244,6 @@ fn report(
             "max_second_quarter": quarter(1).map(mib),
             "max_last_quarter": quarter(3).map(mib),
         },
-        "database_mib": mib(server.bytes_on_disk()),
+        "database_mib": mib(bytes_on_disk(db)),
     })
 }
