@@ -14,6 +14,8 @@ use gradflow_server::charts::{self, ChartKind, Format};
 use gradflow_server::detect::{Detection, Thresholds};
 use gradflow_server::store::columns::SeriesKind;
 use gradflow_server::store::{SeriesRequest, Store, SyncMode};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 const MODULES: usize = 200;
 const BATCH: u64 = 500;
@@ -66,13 +68,9 @@ async fn main() {
     let registration: RunRegistration =
         serde_json::from_value(serde_json::json!({"params": []})).unwrap();
     store.register_run(&run, registration).await.unwrap();
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut noise = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 11) as f64 / (1u64 << 53) as f64
-    };
+    // Uniform on [0, 1), from a fixed seed so every run sees the same data.
+    let mut rng = StdRng::seed_from_u64(0x2545_f491_4f6c_dd1du64);
+    let mut noise = move || rng.gen_range(0.0..1.0);
     let started = Instant::now();
     let mut first = 0;
     while first < steps {

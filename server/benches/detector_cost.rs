@@ -10,6 +10,8 @@ use std::time::Instant;
 use gradflow_protocol::{RunId, RunRegistration, StepRecord};
 use gradflow_server::detect::{Detection, DetectorSet, RunContext, Thresholds};
 use gradflow_server::store::{Store, SyncMode};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 const MODULES: usize = 230;
@@ -37,13 +39,9 @@ fn registration() -> RunRegistration {
 }
 
 fn records() -> Vec<Vec<StepRecord>> {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut noise = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 11) as f64 / (1u64 << 53) as f64
-    };
+    // Uniform on [0, 1), from a fixed seed so every run sees the same data.
+    let mut rng = StdRng::seed_from_u64(0x2545_f491_4f6c_dd1du64);
+    let mut noise = move || rng.gen_range(0.0..1.0);
     let steps: Vec<StepRecord> = (0..STEPS)
         .map(|s| {
             let modules: Vec<Value> = (0..MODULES)

@@ -6,6 +6,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{TestApp, registration};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use sqlx::Connection;
 
@@ -13,11 +15,8 @@ use sqlx::Connection;
 /// telemetry does, not to nothing), sent in batches of 250.
 async fn fill(app: &TestApp, run: &str, count: u64) {
     app.register(run, &registration()).await;
-    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15 ^ run.len() as u64;
-    let mut noise = move || {
-        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-        (seed >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut rng = StdRng::seed_from_u64(0x9e37_79b9_7f4a_7c15 ^ run.len() as u64);
+    let mut noise = move || rng.gen_range(0.0..1.0);
     for first in (0..count).step_by(250) {
         let batch: Vec<Value> = (first..(first + 250).min(count))
             .map(|s| {

@@ -5,6 +5,8 @@ use gradflow_protocol::{RunId, RunRegistration, StepRecord};
 use gradflow_server::detect::{Detection, Thresholds};
 use gradflow_server::store::columns::SeriesKind;
 use gradflow_server::store::{SeriesRequest, Store, SyncMode};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 /// More modules than one rollup chunk holds (64), so the read spans two chunks.
@@ -24,13 +26,9 @@ async fn one_pass_matches_one_series_at_a_time() {
     let run = RunId::parse("r").unwrap();
     let registration: RunRegistration = serde_json::from_value(json!({"params": []})).unwrap();
     store.register_run(&run, registration).await.unwrap();
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut noise = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 11) as f64 / (1u64 << 53) as f64
-    };
+    // Uniform on [0, 1), from a fixed seed so every run sees the same data.
+    let mut rng = StdRng::seed_from_u64(0x9e37_79b9_7f4a_7c15u64);
+    let mut noise = move || rng.gen_range(0.0..1.0);
     let records: Vec<StepRecord> = (0..STEPS)
         // Gaps in the steps, so some ranges hold fewer rows than steps.
         .filter(|s| s % 97 != 5)

@@ -15,6 +15,8 @@ use std::time::Duration;
 use gradflow_e2e::{
     ServerProcess, binary, free_loopback_address, stored_loss_steps, wait_for_exit,
 };
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
 const SCENARIOS: [&str; 4] = [
@@ -81,17 +83,12 @@ async fn alert_steps(
         .collect()
 }
 
-/// Pauses between kills, 150–1,350 ms, from a fixed sequence (a linear congruential
-/// generator) so a failure can be replayed.
+/// Pauses between kills, 150–1,350 ms, from a fixed seed so a failure can be
+/// replayed.
 fn pauses(count: usize) -> Vec<Duration> {
-    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut rng = StdRng::seed_from_u64(0x2545_f491_4f6c_dd1d);
     (0..count)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            Duration::from_millis(150 + (state >> 33) % 1_200)
-        })
+        .map(|_| Duration::from_millis(rng.gen_range(150..1_350)))
         .collect()
 }
 
