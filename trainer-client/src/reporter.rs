@@ -135,13 +135,15 @@ impl Reporter {
     pub fn finish(mut self, deadline: Duration) -> Summary {
         *self.deadline.lock().expect("deadline lock") = Some(Instant::now() + deadline);
         drop(self.tx.take());
-        let mut summary = self
-            .handle
+        // The worker counts every drop, the queue's included; if it died, the
+        // queue's count is all that is known.
+        self.handle
             .take()
             .and_then(|h| h.join().ok())
-            .unwrap_or_default();
-        summary.dropped += self.queue_dropped.load(Ordering::Relaxed);
-        summary
+            .unwrap_or_else(|| Summary {
+                dropped: self.queue_dropped.load(Ordering::Relaxed),
+                ..Summary::default()
+            })
     }
 }
 
@@ -232,7 +234,7 @@ impl Worker {
             }
         }
         self.summary.undelivered = self.spool.records;
-        self.summary.dropped += self.spool.dropped;
+        self.summary.dropped = self.dropped_so_far();
         if self.spool.is_empty() && self.registered {
             self.announce_finished();
         }
