@@ -7,7 +7,10 @@
 //! absent). The dictionary of each run is persisted in the `columns` table, in the
 //! same transaction as the first row that uses a new column.
 
-use std::collections::HashMap;
+// Fx rather than SipHash: every value of every step looks its column up here, and
+// the keys are the client's own module names, not attacker-chosen at scale (a run's
+// columns are capped by its registration and the batch limits).
+use rustc_hash::FxHashMap as HashMap;
 
 /// What a column holds. The string form is stored in the `columns` table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -142,7 +145,7 @@ pub struct ColumnAssigner<'a> {
 impl<'a> ColumnAssigner<'a> {
     pub fn new(base: &'a ColumnDictionary) -> Self {
         let added = ColumnDictionary {
-            by_kind: HashMap::new(),
+            by_kind: HashMap::default(),
             len: base.column_count(),
         };
         ColumnAssigner {

@@ -2,7 +2,7 @@
 //! the server derives group norms (PROTOCOL.md: "the L2 norm of the group's module
 //! norms").
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use gradflow_protocol::{Float, StepRecord, default_group};
 
@@ -243,7 +243,7 @@ mod tests {
                 {"module": "qwen.a", "grad_norm": 3.0, "hook_hits": 1},
                 {"module": "qwen.b", "grad_norm": 4.0, "hook_hits": 1},
                 {"module": "agent.x", "grad_norm": null, "hook_hits": 0}]}"#,
-            &HashMap::new(),
+            &HashMap::default(),
         );
         assert_eq!(
             cell(&row, &dict, SeriesKind::GroupGradNorm, "qwen"),
@@ -265,7 +265,7 @@ mod tests {
 
     #[test]
     fn registered_groups_override_the_name_rule() {
-        let groups = HashMap::from([("backbone.mlp".to_owned(), "qwen".to_owned())]);
+        let groups = HashMap::from_iter([("backbone.mlp".to_owned(), "qwen".to_owned())]);
         let (row, dict) = run(
             r#"{"step": 1, "modules": [{"module": "backbone.mlp", "grad_norm": 2.0}]}"#,
             &groups,
@@ -281,7 +281,7 @@ mod tests {
     fn non_finite_module_norms_poison_their_group() {
         let (row, dict) = run(
             r#"{"step": 1, "modules": [{"module": "q.a", "grad_norm": "NaN"}, {"module": "q.b", "grad_norm": 1}]}"#,
-            &HashMap::new(),
+            &HashMap::default(),
         );
         assert!(
             matches!(cell(&row, &dict, SeriesKind::GroupGradNorm, "q"), Cell::Value(v) if v.is_nan())
@@ -296,7 +296,7 @@ mod tests {
                 "params": [{"name": "w", "grad_norm": 0.1, "update_norm": 0, "drift": 0, "mean": 1}],
                 "gpu": [{"index": 1, "memory_used_bytes": 1024, "utilization_pct": 50}],
                 "metrics": {"reward": null, "acc": 0.5}}"#,
-            &HashMap::new(),
+            &HashMap::default(),
         );
         assert_eq!(cell(&row, &dict, SeriesKind::Loss, ""), Cell::Value(2.5));
         assert_eq!(

@@ -25,7 +25,9 @@ mod read;
 pub mod rollup;
 mod runs;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -123,9 +125,9 @@ struct RunState {
     last_step: Option<u64>,
     columns: ColumnDictionary,
     /// Parameter names of the registration: a step may only report these.
-    params: HashSet<String>,
+    params: FxHashSet<String>,
     /// Module → group, from the registration's parameters.
-    module_groups: HashMap<String, String>,
+    module_groups: FxHashMap<String, String>,
     /// What the detectors know of the run, and their streaks.
     context: Arc<RunContext>,
     detectors: DetectorSet,
