@@ -10,9 +10,11 @@
 //! - [`train`]: one training step with precision, loss scaling, faults, and its
 //!   instrumentation into a step record.
 //! - [`scaler`]: `GradScaler`-style dynamic loss scaling.
+//! - [`overhead`]: what instrumentation costs a step, measured side by side.
 
 pub mod cli;
 pub mod model;
+pub mod overhead;
 pub mod reporter;
 pub mod run;
 pub mod scaler;

@@ -1,0 +1,185 @@
+//! Ingest through the real HTTP API: `clients` concurrent clients, each streaming
+//! its own run to a fresh `gradflow-server` in batches, bodies built before the clock
+//! starts. Throughput counts module gradient norms persisted (answered 200, hence
+//! durable) per second; the file is measured after the server stops.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use gradflow_e2e::ServerProcess;
+use serde::Serialize;
+
+use super::queries::{QueryTiming, post, register, time_get};
+use crate::server::bytes_on_disk;
+use crate::stats::quantile;
+use crate::workload::{BatchWriter, Generator, Shape};
+
+#[derive(Debug, Clone)]
+pub struct IngestSpec {
+    pub clients: usize,
+    pub steps_per_client: u64,
+    pub batch_steps: u64,
+    pub shape: Shape,
+    /// Flags for the server (e.g. `--disable-detectors`).
+    pub server_args: Vec<String>,
+    /// While ingesting, read a 1,000-point series of the first run every 50 ms and
+    /// report those latencies too.
+    pub probe_queries: bool,
+    /// Reads timed after the ingest, before the server stops: (name, path).
+    pub queries_after: Vec<(String, String)>,
+    /// Timed requests per read in `queries_after`.
+    pub query_repeats: usize,
+}
+
+impl IngestSpec {
+    pub fn target(steps_per_client: u64) -> IngestSpec {
+        IngestSpec {
+            clients: 4,
+            steps_per_client,
+            batch_steps: 50,
+            shape: Shape::QWEN_1_5B,
+            server_args: Vec::new(),
+            probe_queries: false,
+            queries_after: Vec::new(),
+            query_repeats: 9,
+        }
+    }
+
+    pub fn module_values(&self) -> u64 {
+        self.clients as u64 * self.steps_per_client * self.shape.modules as u64
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct IngestResult {
+    pub module_values: u64,
+    pub values: u64,
+    pub seconds: f64,
+    pub module_values_per_second: f64,
+    pub batch_latency_p50_ms: f64,
+    pub batch_latency_p99_ms: f64,
+    /// The database and its WAL after the server stopped.
+    pub bytes_on_disk: u64,
+    pub bytes_per_module_value: f64,
+    pub bytes_per_value: f64,
+    /// Series reads made while ingesting (`probe_queries`), median.
+    pub probe_query_p50_ms: Option<f64>,
+    /// `queries_after`, in order.
+    pub queries: Vec<QueryTiming>,
+}
+
+/// Runs one measurement on a fresh server and database.
+pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
+    let dir = tempfile::tempdir().context("a temporary directory")?;
+    let db: PathBuf = dir.path().join("ingest.db");
+    let args: Vec<&str> = spec.server_args.iter().map(String::as_str).collect();
+    let server = ServerProcess::start(&db, &args);
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(spec.clients + 1)
+        .build()?;
+
+    let writer = BatchWriter::new(spec.shape);
+    let mut bodies = Vec::with_capacity(spec.clients);
+    for c in 0..spec.clients {
+        let run = format!("bench-{c}");
+        register(&client, &server, &run, &spec.shape.registration(&run)).await?;
+        let mut generator = Generator::new(spec.shape, c as u64);
+        let batches: Vec<Vec<u8>> = (0..spec.steps_per_client)
+            .step_by(spec.batch_steps as usize)
+            .map(|first| {
+                let count = spec.batch_steps.min(spec.steps_per_client - first);
+                writer.batch(&generator.steps(first, count))
+            })
+            .collect();
+        bodies.push((run, batches));
+    }
+
+    let stop_probe = Arc::new(AtomicBool::new(false));
+    let probe = spec.probe_queries.then(|| {
+        let url = server.url("/api/v1/runs/bench-0/series?metric=loss&max_points=1000");
+        tokio::spawn(probe(client.clone(), url, stop_probe.clone()))
+    });
+    let started = Instant::now();
+    let tasks: Vec<_> = bodies
+        .into_iter()
+        .map(|(run, batches)| {
+            let client = client.clone();
+            let url = server.url(&format!("/api/v1/runs/{run}/steps"));
+            tokio::spawn(async move {
+                let mut latencies = Vec::with_capacity(batches.len());
+                for body in batches {
+                    let sent = Instant::now();
+                    post(&client, &url, body).await?;
+                    latencies.push(sent.elapsed());
+                }
+                anyhow::Ok(latencies)
+            })
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    for task in tasks {
+        latencies.extend(task.await??);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    stop_probe.store(true, Ordering::Relaxed);
+    let probe_latencies = match probe {
+        Some(task) => Some(task.await??),
+        None => None,
+    };
+    let mut queries = Vec::new();
+    for (name, path) in &spec.queries_after {
+        queries.push(time_get(&client, &server, name, path, spec.query_repeats).await?);
+    }
+    let status = server.terminate();
+    anyhow::ensure!(status.success(), "the server stopped with {status}");
+    latencies.sort();
+
+    let module_values = spec.module_values();
+    let values = spec.clients as u64 * spec.steps_per_client * spec.shape.values_per_step() as u64;
+    let bytes = bytes_on_disk(&db);
+    Ok(IngestResult {
+        module_values,
+        values,
+        seconds,
+        module_values_per_second: module_values as f64 / seconds,
+        batch_latency_p50_ms: ms(quantile(&latencies, 0.5)),
+        batch_latency_p99_ms: ms(quantile(&latencies, 0.99)),
+        bytes_on_disk: bytes,
+        bytes_per_module_value: bytes as f64 / module_values as f64,
+        bytes_per_value: bytes as f64 / values as f64,
+        probe_query_p50_ms: probe_latencies.map(|mut l| {
+            l.sort();
+            ms(quantile(&l, 0.5))
+        }),
+        queries,
+    })
+}
+
+async fn probe(
+    client: reqwest::Client,
+    url: String,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut latencies = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let sent = Instant::now();
+        let response = client.get(&url).send().await?;
+        // Before the first batch lands the run has no steps yet: still an answer.
+        anyhow::ensure!(
+            response.status().is_success(),
+            "{url}: HTTP {}",
+            response.status()
+        );
+        response.bytes().await?;
+        latencies.push(sent.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(latencies)
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

@@ -1,0 +1,53 @@
+//! The benchmark harness behind `gradflow-bench`: each measurement of BENCHMARKS.md
+//! as a function that starts what it needs (a release `gradflow-server` on a fresh
+//! temporary database, the trainer binary, bare SQLite) and returns its figures,
+//! and the report that sets them against the targets.
+
+pub mod baseline;
+pub mod ingest;
+pub mod latency;
+pub mod plot;
+pub mod queries;
+pub mod report;
+pub mod scaling;
+
+use serde::Serialize;
+
+/// What ran the benchmarks, from Linux `/proc`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub cpu: String,
+    pub cores: usize,
+    pub memory_gib: f64,
+}
+
+impl Machine {
+    pub fn this() -> Machine {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("model name")
+                    .and_then(|r| r.split(':').nth(1))
+            })
+            .map_or_else(|| "unknown".to_owned(), |s| s.trim().to_owned());
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib: f64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|r| r.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0.0);
+        Machine {
+            cpu,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            memory_gib: (kib / (1 << 20) as f64 * 10.0).round() / 10.0,
+        }
+    }
+}
+
+/// The median of `xs` (the upper one of an even count).
+pub fn median(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let mut xs: Vec<f64> = xs.into_iter().collect();
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
+}

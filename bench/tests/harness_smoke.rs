@@ -1,0 +1,85 @@
+//! The benchmark harness at smoke sizes: every part runs against the real server,
+//! trainer and SQLite, and the report holds every figure, each plausible. (The sizes
+//! are too small for the figures to mean anything; BENCHMARKS.md has the full run.)
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn number(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("{v} is not a number"))
+}
+
+#[test]
+fn every_part_runs_and_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_gradflow-bench"))
+        .args(["all", "--quick", "--out"])
+        .arg(dir.path())
+        // MLflow is a reference, measured when installed; the smoke run skips it.
+        .env("GRADFLOW_MLFLOW_PYTHON", "/nonexistent/python")
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{log}");
+    let r: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("results.json")).unwrap()).unwrap();
+
+    let round = &r["ingest"]["rounds"][0];
+    for side in ["detectors_on", "detectors_off"] {
+        assert_eq!(round[side]["module_values"], 4 * 100 * 230, "{round}");
+        assert!(number(&round[side]["module_values_per_second"]) > 0.0);
+        // Something is on disk, and less than bare SQLite's ~60 B a value.
+        let bytes = number(&round[side]["bytes_per_module_value"]);
+        assert!(bytes > 1.0 && bytes < 40.0, "{bytes}");
+    }
+    assert_eq!(round["baseline"]["rows"], 4 * 100 * 690, "{round}");
+
+    let timings = r["queries"]["timings"].as_array().unwrap();
+    assert_eq!(timings.len(), 7);
+    for t in timings {
+        assert!(number(&t["median_ms"]) > 0.0, "{t}");
+        assert!(number(&t["response_bytes"]) > 0.0, "{t}");
+    }
+    // 19 short runs with a stuck module each, plus the long run.
+    assert_eq!(r["queries"]["runs"], 20);
+    assert_eq!(
+        r["queries"]["alert_kinds"]["grad_stuck_zero on agent.head"], 19,
+        "{}",
+        r["queries"]
+    );
+
+    assert!(number(&r["overhead"]["instrumented_ms"]) > 0.0);
+
+    // Every failure scenario's alerts, each opened no earlier than allowed.
+    let detections = r["latency"].as_array().unwrap();
+    assert_eq!(detections.len(), 9, "{detections:?}");
+    for d in detections {
+        if let Some(late) = d["steps_late"].as_i64() {
+            assert!(late >= 0, "opened before its threshold allows: {d}");
+        } else {
+            assert!(d["opened_step"].is_null(), "{d}");
+        }
+    }
+
+    let sweeps = r["scaling"].as_array().unwrap();
+    assert_eq!(sweeps.len(), 3);
+    for (sweep, plot) in sweeps.iter().zip([
+        "scaling-modules.svg",
+        "scaling-runs.svg",
+        "scaling-length.svg",
+    ]) {
+        assert_eq!(sweep["points"].as_array().unwrap().len(), 2, "{sweep}");
+        let svg = std::fs::read_to_string(dir.path().join(plot)).unwrap();
+        assert!(
+            svg.starts_with("<svg") && svg.contains("#1F77B4"),
+            "{plot} has no ingest line"
+        );
+    }
+    assert!(r["mlflow"].is_null());
+    let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(
+        report.contains("| ingest over HTTP, detectors on |"),
+        "{report}"
+    );
+}

@@ -1,0 +1,92 @@
+//! What instrumentation costs a training step: two trainers of the same preset and
+//! seed, one instrumented (telemetry computed, transferred and turned into a step
+//! record, as when reporting) and one not, stepped alternately in one process so that
+//! both see the same machine load; medians of the per-step times.
+//!
+//! Used by the benchmark harness (`gradflow-bench overhead`) and by
+//! `cargo bench -p gradflow-trainer --bench overhead`.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use serde::Serialize;
+
+use crate::model::HybridModel;
+use crate::model::config::Preset;
+use crate::train::{TrainOptions, Trainer};
+
+/// Median step times of the instrumented and the uninstrumented trainer.
+#[derive(Debug, Clone, Serialize)]
+pub struct Overhead {
+    pub preset: String,
+    pub device: String,
+    pub params: usize,
+    /// Measured steps of each trainer (after three warm-up steps).
+    pub steps: u64,
+    pub instrumented_ms: f64,
+    pub uninstrumented_ms: f64,
+}
+
+impl Overhead {
+    /// The instrumented step's extra time, in percent of the uninstrumented one.
+    pub fn percent(&self) -> f64 {
+        (self.instrumented_ms / self.uninstrumented_ms - 1.0) * 100.0
+    }
+}
+
+const WARM_UP_STEPS: u64 = 3;
+
+/// Steps both trainers `steps` times, interleaved, and returns the medians.
+pub fn measure(preset: &Preset, steps: u64, device: &Device) -> anyhow::Result<Overhead> {
+    anyhow::ensure!(steps > 0, "measure at least one step");
+    let trainer = |instrument: bool| -> anyhow::Result<Trainer> {
+        let model = HybridModel::random(preset, DType::F32, device, 0)?;
+        let options = TrainOptions {
+            instrument,
+            ..TrainOptions::new(DType::F32, DType::F32)
+        };
+        Trainer::new(model, options, device)
+    };
+    let mut on = trainer(true)?;
+    let mut off = trainer(false)?;
+    for step in 0..WARM_UP_STEPS {
+        on.step(step)?;
+        off.step(step)?;
+    }
+    let (mut t_on, mut t_off) = (Vec::new(), Vec::new());
+    for step in WARM_UP_STEPS..WARM_UP_STEPS + steps {
+        // Alternate which goes first, so neither always runs on a warmer cache.
+        let order = if step % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for instrumented in order {
+            let start = Instant::now();
+            if instrumented {
+                let output = on.step(step)?;
+                // Building the record is part of the cost; serialising it is the reporter's.
+                anyhow::ensure!(output.record.is_some(), "an instrumented step has a record");
+                device.synchronize()?;
+                t_on.push(start.elapsed().as_secs_f64());
+            } else {
+                off.step(step)?;
+                device.synchronize()?;
+                t_off.push(start.elapsed().as_secs_f64());
+            }
+        }
+    }
+    Ok(Overhead {
+        preset: preset.name.to_owned(),
+        device: format!("{device:?}"),
+        params: on.model.store.len(),
+        steps,
+        instrumented_ms: median(t_on) * 1e3,
+        uninstrumented_ms: median(t_off) * 1e3,
+    })
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
