@@ -171,6 +171,7 @@ impl Store {
             // Takes effect only when the file is created; retention frees pages with
             // incremental vacuum instead of rewriting the whole file.
             .auto_vacuum(SqliteAutoVacuum::Incremental)
+            .page_size(16384)
             .foreign_keys(true)
             .busy_timeout(Duration::from_secs(5))
             .pragma("cache_size", "-65536"); // 64 MiB per connection
