@@ -64,7 +64,7 @@ async fn main() -> anyhow::Result<()> {
     };
 
     if wants(Part::Ingest) {
-        let steps = if quick { 100 } else { 2_500 };
+        let steps = if quick { 100 } else { 5_000 };
         let rounds = args.rounds.unwrap_or(if quick { 1 } else { 5 });
         report.ingest = Some(ingest_rounds(steps, rounds).await?);
     }
