@@ -77,6 +77,26 @@ fn every_part_runs_and_reports() {
         );
     }
     assert!(r["mlflow"].is_null());
+
+    // The plots redraw from results.json alone.
+    for plot in [
+        "scaling-modules.svg",
+        "scaling-runs.svg",
+        "scaling-length.svg",
+    ] {
+        std::fs::remove_file(dir.path().join(plot)).unwrap();
+    }
+    let redraw = Command::new(env!("CARGO_BIN_EXE_gradflow-bench"))
+        .args(["plots", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        redraw.status.success(),
+        "{}",
+        String::from_utf8_lossy(&redraw.stderr)
+    );
+    assert!(dir.path().join("scaling-runs.svg").exists());
     let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(
         report.contains("| ingest over HTTP, detectors on |"),

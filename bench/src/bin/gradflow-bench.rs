@@ -7,7 +7,7 @@
 //! `cargo build --release --bins && ./target/release/gradflow-bench` (all of it,
 //! ~10 minutes on 2 cores); `--quick` runs every part at smoke sizes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::Context;
@@ -31,6 +31,8 @@ enum Part {
     Latency,
     Scaling,
     Mlflow,
+    /// Redraw the scaling plots from `--out`/results.json, measuring nothing.
+    Plots,
 }
 
 #[derive(Debug, Parser)]
@@ -57,6 +59,9 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", args.out.display()))?;
     let wants = |part: Part| args.part == part || args.part == Part::All;
     let quick = args.quick;
+    if args.part == Part::Plots {
+        return redraw_plots(&args.out);
+    }
     let mut report = Report {
         machine: Some(Machine::this()),
         quick,
@@ -104,12 +109,9 @@ async fn main() -> anyhow::Result<()> {
         report.latency = Some(latency::run().await?);
     }
     if wants(Part::Scaling) {
-        report.scaling = Some(scaling_sweeps(quick).await?);
-        for sweep in report.scaling.iter().flatten() {
-            let file = args.out.join(format!("scaling-{}.svg", sweep.slug));
-            std::fs::write(&file, plot::sweep_svg(sweep)?)
-                .with_context(|| format!("writing {}", file.display()))?;
-        }
+        let sweeps = scaling_sweeps(quick).await?;
+        write_plots(&sweeps, &args.out)?;
+        report.scaling = Some(sweeps);
     }
     if wants(Part::Mlflow) {
         report.mlflow = mlflow_reference(quick)?;
@@ -122,6 +124,31 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(args.out.join("report.md"), &markdown)?;
     println!("{markdown}");
     eprintln!("gradflow-bench: wrote {} and report.md", json.display());
+    Ok(())
+}
+
+fn write_plots(sweeps: &[scaling::Sweep], out: &Path) -> anyhow::Result<()> {
+    for sweep in sweeps {
+        let file = out.join(format!("scaling-{}.svg", sweep.slug));
+        std::fs::write(&file, plot::sweep_svg(sweep)?)
+            .with_context(|| format!("writing {}", file.display()))?;
+    }
+    Ok(())
+}
+
+fn redraw_plots(out: &Path) -> anyhow::Result<()> {
+    let path = out.join("results.json");
+    let text = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let results: serde_json::Value =
+        serde_json::from_slice(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let sweeps: Vec<scaling::Sweep> = serde_json::from_value(results["scaling"].clone())
+        .with_context(|| format!("{} has no scaling results", path.display()))?;
+    write_plots(&sweeps, out)?;
+    eprintln!(
+        "gradflow-bench: redrew {} plots in {}",
+        sweeps.len(),
+        out.display()
+    );
     Ok(())
 }
 

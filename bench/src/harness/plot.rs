@@ -56,6 +56,9 @@ pub fn sweep_svg(sweep: &Sweep) -> anyhow::Result<String> {
             .configure_mesh()
             .x_desc(sweep.axis.as_str())
             .y_desc("M module values / s")
+            .light_line_style(TRANSPARENT)
+            .x_labels(8)
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .label_style((FONT, 12))
             .draw()?;
         chart.draw_series(LineSeries::new(rates.clone(), COLORS[0].stroke_width(2)))?;
@@ -87,6 +90,9 @@ pub fn sweep_svg(sweep: &Sweep) -> anyhow::Result<String> {
             .configure_mesh()
             .x_desc(sweep.axis.as_str())
             .y_desc("median ms")
+            .light_line_style(TRANSPARENT)
+            .x_labels(8)
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .label_style((FONT, 12))
             .draw()?;
         for (i, (name, points)) in names.iter().zip(&series).enumerate() {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use gradflow_e2e::ServerProcess;
-use serde::Serialize;
+use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Value, json};
 
 use super::ingest::ms;
@@ -26,11 +26,14 @@ pub struct QuerySpec {
     pub repeats: usize,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct QueryTiming {
     pub name: String,
     pub path: String,
+    #[serde(deserialize_with = "nan_if_null")]
     pub median_ms: f64,
+    /// NaN (JSON null) where only a median was kept.
+    #[serde(deserialize_with = "nan_if_null")]
     pub max_ms: f64,
     pub response_bytes: usize,
 }
@@ -48,6 +51,11 @@ pub struct QueryResult {
 }
 
 const LONG_RUN: &str = "long";
+
+/// serde_json writes NaN as null; read it back as NaN.
+fn nan_if_null<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(deserializer)?.unwrap_or(f64::NAN))
+}
 
 /// Builds the data set on a fresh server, then times the reads.
 pub async fn run(spec: &QuerySpec) -> anyhow::Result<QueryResult> {

@@ -5,13 +5,13 @@ use std::time::Instant;
 
 use anyhow::Context;
 use gradflow_e2e::ServerProcess;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::ingest::{self, IngestSpec};
 use super::queries::{self, QueryTiming, time_get};
 use crate::workload::Shape;
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Point {
     pub x: u64,
     pub module_values_per_second: f64,
@@ -20,7 +20,7 @@ pub struct Point {
     pub queries: Vec<QueryTiming>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Sweep {
     /// A short name, for the plot's file (`scaling-{slug}.svg`).
     pub slug: String,
