@@ -36,7 +36,7 @@ async fn every_scenario_raises_exactly_its_alerts() {
     let server = ServerProcess::start(&dir.path().join("gradflow.db"), &["--sync", "normal"]);
     let client = reqwest::Client::new();
     for scenario in &SCENARIOS {
-        let steps = (scenario.min_steps + 10).max(60).to_string();
+        let steps = scenario.steps_to_show_alerts().to_string();
         let output = trainer(&[
             "--server",
             &server.base,
@@ -49,7 +49,7 @@ async fn every_scenario_raises_exactly_its_alerts() {
         ])
         .output()
         .unwrap();
-        if scenario.name == "scaler-on-bf16" {
+        if scenario.stops_at_once {
             assert!(!output.status.success(), "{}", text(&output));
             assert!(
                 text(&output).contains("not implemented for 'BFloat16'"),

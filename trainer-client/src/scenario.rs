@@ -38,6 +38,17 @@ pub struct Scenario {
     pub alerts: &'static [&'static str],
     /// Steps after which they have all opened (with the default thresholds).
     pub min_steps: u64,
+    /// The trainer stops with an error before its first step, as PyTorch does for
+    /// this misconfiguration.
+    pub stops_at_once: bool,
+}
+
+impl Scenario {
+    /// Steps a run of this scenario should train for its alerts to have opened,
+    /// with a margin (and at least 60, so a healthy run shows a trend).
+    pub fn steps_to_show_alerts(&self) -> u64 {
+        (self.min_steps + 10).max(60)
+    }
 }
 
 pub const SCENARIOS: [Scenario; 8] = [
@@ -46,36 +57,42 @@ pub const SCENARIOS: [Scenario; 8] = [
         symptom: "loss falls, every module gets a gradient, norm weights move",
         alerts: &[],
         min_steps: 0,
+        stops_at_once: false,
     },
     Scenario {
         name: "prompt-caching",
         symptom: "Qwen runs forward/backward every 10th step only (a cached prompt otherwise): healthy",
         alerts: &[],
         min_steps: 0,
+        stops_at_once: false,
     },
     Scenario {
         name: "detached-prompt",
         symptom: "the prompt embedding is detached (a stray torch.no_grad()): Qwen_grad 0.00e+00 every step, loss still falls a little",
         alerts: &["grad_stuck_zero"],
         min_steps: 50,
+        stops_at_once: false,
     },
     Scenario {
         name: "bf16-frozen-norms",
         symptom: "bf16 master weights with AdamW at lr 3e-4: RMSNorm weights stay exactly 1.0 while gradients flow",
         alerts: &["norm_weight_frozen"],
         min_steps: 20,
+        stops_at_once: false,
     },
     Scenario {
         name: "scaler-on-bf16",
         symptom: "a dynamic loss scaler over bf16 parameters: the trainer stops at once, as GradScaler does in PyTorch",
         alerts: &["scaler_bf16_incompatible"],
         min_steps: 0,
+        stops_at_once: true,
     },
     Scenario {
         name: "qwen-not-in-optimizer",
         symptom: "Qwen's parameters get gradients but are not in the optimizer: they never change",
         alerts: &["param_not_in_optimizer", "norm_weight_frozen"],
         min_steps: 20,
+        stops_at_once: false,
     },
     Scenario {
         name: "fp16-overflow",
@@ -83,12 +100,14 @@ pub const SCENARIOS: [Scenario; 8] = [
         // The loss itself is non-finite on every step too.
         alerts: &["scaler_overflow_streak", "loss_nonfinite"],
         min_steps: 10,
+        stops_at_once: false,
     },
     Scenario {
         name: "nan-gradient",
         symptom: "one gradient turns NaN at step 30; with no scaler the weights and then the loss go NaN",
         alerts: &["grad_nonfinite", "loss_nonfinite"],
         min_steps: 32,
+        stops_at_once: false,
     },
 ];
 
