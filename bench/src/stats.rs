@@ -1,6 +1,18 @@
-//! Order statistics of measured durations.
+//! Order statistics of measurements.
 
 use std::time::Duration;
+
+/// `d` in milliseconds.
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The median of `xs` (the upper one of an even count); NaN when there are none.
+pub fn median(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let mut xs: Vec<f64> = xs.into_iter().collect();
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
+}
 
 /// The `q` quantile (0 ≤ q ≤ 1) of `sorted`, by the nearest-rank method.
 pub fn quantile(sorted: &[Duration], q: f64) -> Duration {

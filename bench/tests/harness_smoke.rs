@@ -6,6 +6,12 @@ use std::process::Command;
 
 use serde_json::Value;
 
+const PLOTS: [&str; 3] = [
+    "scaling-modules.svg",
+    "scaling-runs.svg",
+    "scaling-length.svg",
+];
+
 fn number(v: &Value) -> f64 {
     v.as_f64().unwrap_or_else(|| panic!("{v} is not a number"))
 }
@@ -64,11 +70,7 @@ fn every_part_runs_and_reports() {
 
     let sweeps = r["scaling"].as_array().unwrap();
     assert_eq!(sweeps.len(), 3);
-    for (sweep, plot) in sweeps.iter().zip([
-        "scaling-modules.svg",
-        "scaling-runs.svg",
-        "scaling-length.svg",
-    ]) {
+    for (sweep, plot) in sweeps.iter().zip(PLOTS) {
         assert_eq!(sweep["points"].as_array().unwrap().len(), 2, "{sweep}");
         let svg = std::fs::read_to_string(dir.path().join(plot)).unwrap();
         assert!(
@@ -79,11 +81,7 @@ fn every_part_runs_and_reports() {
     assert!(r["mlflow"].is_null());
 
     // The plots redraw from results.json alone.
-    for plot in [
-        "scaling-modules.svg",
-        "scaling-runs.svg",
-        "scaling-length.svg",
-    ] {
+    for plot in PLOTS {
         std::fs::remove_file(dir.path().join(plot)).unwrap();
     }
     let redraw = Command::new(env!("CARGO_BIN_EXE_gradflow-bench"))

@@ -12,9 +12,9 @@ use anyhow::Context;
 use gradflow_e2e::ServerProcess;
 use serde::Serialize;
 
-use super::queries::{QueryTiming, post, register, time_get};
+use super::queries::{QueryTiming, post, register, time_get, timed_get};
 use crate::server::bytes_on_disk;
-use crate::stats::quantile;
+use crate::stats::{ms, quantile};
 use crate::workload::{BatchWriter, Generator, Shape};
 
 #[derive(Debug, Clone)]
@@ -65,8 +65,8 @@ pub struct IngestResult {
     pub bytes_on_disk: u64,
     pub bytes_per_module_value: f64,
     pub bytes_per_value: f64,
-    /// Series reads made while ingesting (`probe_queries`), median.
-    pub probe_query_p50_ms: Option<f64>,
+    /// The series reads made while ingesting (`probe_queries`).
+    pub probe: Option<QueryTiming>,
     /// `queries_after`, in order.
     pub queries: Vec<QueryTiming>,
 }
@@ -99,8 +99,11 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
 
     let stop_probe = Arc::new(AtomicBool::new(false));
     let probe = spec.probe_queries.then(|| {
-        let url = server.url("/api/v1/runs/bench-0/series?metric=loss&max_points=1000");
-        tokio::spawn(probe(client.clone(), url, stop_probe.clone()))
+        tokio::spawn(probe(
+            client.clone(),
+            server.base.clone(),
+            stop_probe.clone(),
+        ))
     });
     let started = Instant::now();
     let tasks: Vec<_> = bodies
@@ -125,7 +128,7 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
     }
     let seconds = started.elapsed().as_secs_f64();
     stop_probe.store(true, Ordering::Relaxed);
-    let probe_latencies = match probe {
+    let probe = match probe {
         Some(task) => Some(task.await??),
         None => None,
     };
@@ -150,36 +153,32 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
         bytes_on_disk: bytes,
         bytes_per_module_value: bytes as f64 / module_values as f64,
         bytes_per_value: bytes as f64 / values as f64,
-        probe_query_p50_ms: probe_latencies.map(|mut l| {
-            l.sort();
-            ms(quantile(&l, 0.5))
-        }),
+        probe,
         queries,
     })
 }
 
+/// Reads a 1,000-point series of the first run every 50 ms until `stop`.
 async fn probe(
     client: reqwest::Client,
-    url: String,
+    base: String,
     stop: Arc<AtomicBool>,
-) -> anyhow::Result<Vec<Duration>> {
-    let mut latencies = Vec::new();
+) -> anyhow::Result<QueryTiming> {
+    let path = "/api/v1/runs/bench-0/series?metric=loss&max_points=1000";
+    let url = format!("{base}{path}");
+    let mut times = Vec::new();
+    let mut response_bytes = 0;
     while !stop.load(Ordering::Relaxed) {
-        let sent = Instant::now();
-        let response = client.get(&url).send().await?;
         // Before the first batch lands the run has no steps yet: still an answer.
-        anyhow::ensure!(
-            response.status().is_success(),
-            "{url}: HTTP {}",
-            response.status()
-        );
-        response.bytes().await?;
-        latencies.push(sent.elapsed());
+        let (time, bytes) = timed_get(&client, &url).await?;
+        times.push(time);
+        response_bytes = bytes;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    Ok(latencies)
-}
-
-pub fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
+    Ok(QueryTiming::of(
+        "1,000-point series during ingest",
+        path,
+        times,
+        response_bytes,
+    ))
 }

@@ -44,10 +44,3 @@ impl Machine {
         }
     }
 }
-
-/// The median of `xs` (the upper one of an even count).
-pub fn median(xs: impl IntoIterator<Item = f64>) -> f64 {
-    let mut xs: Vec<f64> = xs.into_iter().collect();
-    xs.sort_by(f64::total_cmp);
-    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
-}

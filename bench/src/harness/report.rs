@@ -6,12 +6,14 @@ use std::fmt::Write;
 use gradflow_trainer::overhead::Overhead;
 use serde::Serialize;
 
+use super::Machine;
 use super::baseline::BaselineResult;
 use super::ingest::IngestResult;
 use super::latency::Detection;
 use super::queries::QueryResult;
 use super::scaling::Sweep;
-use super::{Machine, median};
+use crate::stats::median;
+use crate::workload::Shape;
 
 /// One round of the ingest comparison: the three, run back to back.
 #[derive(Debug, Clone, Serialize)]
@@ -281,7 +283,11 @@ impl Report {
         let _ = writeln!(
             md,
             "| bytes on disk per stored value ({} a step) | {:.2} B | |",
-            2 + 2 * ingest.modules + 4 * ingest.norm_params,
+            Shape {
+                modules: ingest.modules,
+                norm_params: ingest.norm_params
+            }
+            .values_per_step(),
             bytes_all
         );
         let latency = ingest.median_rate(|r| r.detectors_on.batch_latency_p50_ms);

@@ -95,13 +95,7 @@ pub async fn runs(counts: &[usize], total_steps: u64) -> anyhow::Result<Sweep> {
             module_values_per_second: r.module_values_per_second,
             bytes_per_module_value: Some(r.bytes_per_module_value),
             batch_latency_p50_ms: Some(r.batch_latency_p50_ms),
-            queries: vec![QueryTiming {
-                name: "1,000-point series during ingest".to_owned(),
-                path: "/api/v1/runs/bench-0/series?metric=loss&max_points=1000".to_owned(),
-                median_ms: r.probe_query_p50_ms.unwrap_or(f64::NAN),
-                max_ms: f64::NAN,
-                response_bytes: 0,
-            }],
+            queries: r.probe.into_iter().collect(),
         });
     }
     Ok(Sweep {
@@ -118,7 +112,8 @@ pub async fn runs(counts: &[usize], total_steps: u64) -> anyhow::Result<Sweep> {
 /// ingest rate of the stretch just streamed and the reads of the run so far.
 pub async fn length(lengths: &[u64], modules: usize) -> anyhow::Result<Sweep> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
-    let server = ServerProcess::start(&dir.path().join("length.db"), &[]);
+    let db = dir.path().join("length.db");
+    let server = ServerProcess::start(&db, &[]);
     let client = reqwest::Client::new();
     let shape = Shape::with_modules(modules);
     let module = shape.module_names()[modules / 2].clone();
@@ -139,8 +134,7 @@ pub async fn length(lengths: &[u64], modules: usize) -> anyhow::Result<Sweep> {
             x: steps,
             module_values_per_second: stretch as f64 / seconds,
             bytes_per_module_value: Some(
-                crate::server::bytes_on_disk(&dir.path().join("length.db")) as f64
-                    / (steps * modules as u64) as f64,
+                crate::server::bytes_on_disk(&db) as f64 / (steps * modules as u64) as f64,
             ),
             batch_latency_p50_ms: None,
             queries: timings,
