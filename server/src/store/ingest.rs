@@ -112,7 +112,7 @@ impl Store {
         }
         // Many rows per statement: each statement is a round trip to sqlx's worker
         // thread (two context switches), which one row per step paid 50 times a
-        // batch. Full chunks share one cached statement text.
+        // batch. Full chunks share one statement text, which sqlx caches prepared.
         for chunk in rows.chunks(STEP_ROWS_PER_INSERT) {
             let mut insert =
                 QueryBuilder::<Sqlite>::new("INSERT INTO steps (run, step, time, vals) ");
@@ -123,7 +123,7 @@ impl Store {
                     .push_bind(row.time)
                     .push_bind(row.blob.as_slice());
             });
-            insert.build().persistent(true).execute(&mut *tx).await?;
+            insert.build().execute(&mut *tx).await?;
         }
         for width in ROLLUP_WIDTHS {
             update_rollups(&mut tx, state, width, &rows, compressor, decompressor).await?;
