@@ -8,12 +8,14 @@
 //!
 //! - [`run`]: the registration body of `PUT /api/v1/runs/{run_id}` and [`RunId`].
 //! - [`step`]: the step records of `POST /api/v1/runs/{run_id}/steps`.
+//! - [`amend`]: v1.1 registration amendments, carried by a step record.
 //! - [`parse`]: JSON and NDJSON batch parsing with field paths in errors.
 //! - [`float`]: [`Float`], a number that may be `"NaN"`, `"Infinity"`, `"-Infinity"`.
 //! - [`timestamp`]: RFC 3339 or Unix-seconds timestamps.
 //! - [`limits`]: the bounds on one request.
 //! - [`error`]: [`InvalidBody`], what was wrong and where.
 
+pub mod amend;
 pub mod error;
 pub mod float;
 pub mod limits;
@@ -23,11 +25,12 @@ pub mod step;
 pub mod timestamp;
 mod validate;
 
+pub use amend::Amendment;
 pub use error::InvalidBody;
 pub use float::{Float, non_finite_spelling};
 pub use parse::{parse_steps_json, parse_steps_ndjson};
 pub use run::{
-    DetectorOverrides, Dtype, LossScaler, Optimizer, ParamSpec, Precision, Role, RunId,
+    DetectorOverrides, Dtype, LossScaler, Optimizer, ParamGroup, ParamSpec, Precision, Role, RunId,
     RunRegistration, default_group, default_module,
 };
 pub use step::{GpuStat, ModuleStep, ParamStep, ScalerState, StepRecord, validate_batch};

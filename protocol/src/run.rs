@@ -140,8 +140,31 @@ pub struct Optimizer {
     pub eps: Option<Float>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_decay: Option<Float>,
+    /// v1.1: the optimizer's parameter groups (torch's `optimizer.param_groups`), each
+    /// with its own hyper-parameters; a parameter names its group in `param_group`.
+    /// A field a group leaves out falls back to the optimizer's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub param_groups: Vec<ParamGroup>,
     #[serde(flatten)]
     pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+/// v1.1: one parameter group of the optimizer (no weight decay on norms and biases, a
+/// lower lr for a backbone, …). `name` is the client's: torch's group index as text
+/// (`"0"`, `"1"`) unless the client has better names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ParamGroup {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<Float>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<Float>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub betas: Option<[Float; 2]>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<Float>,
 }
 
 /// One parameter tensor of the model.
@@ -166,6 +189,10 @@ pub struct ParamSpec {
     pub requires_grad: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_optimizer: Option<bool>,
+    /// v1.1: the name of the optimizer parameter group (`optimizer.param_groups[].name`)
+    /// that holds this parameter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param_group: Option<String>,
 }
 
 impl ParamSpec {
@@ -253,6 +280,11 @@ pub struct RunRegistration {
     pub detectors: Option<DetectorOverrides>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<serde_json::Value>,
+    /// v1.1: the groups meant to train. A listed group with no trainable parameter,
+    /// or whose parameters never change, is an alert; unlisted groups may be frozen
+    /// on purpose. Absent: the client does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train: Option<Vec<String>>,
 }
 
 impl RunRegistration {
@@ -301,35 +333,11 @@ impl RunRegistration {
                 }
             }
         }
-        let params_path = root.field("params");
-        if self.params.len() > MAX_PARAMS_PER_RUN {
-            return Err(params_path.error(format!(
-                "{} parameters is more than the limit of {MAX_PARAMS_PER_RUN}",
-                self.params.len()
-            )));
-        }
-        let mut seen = HashSet::with_capacity(self.params.len());
-        for (i, param) in self.params.iter().enumerate() {
-            let path = params_path.index(i);
-            check_name(&path.field("name"), &param.name)?;
-            if let Some(module) = &param.module {
-                check_name(&path.field("module"), module)?;
-            }
-            if let Some(group) = &param.group {
-                check_name(&path.field("group"), group)?;
-            }
-            if let Some(shape) = &param.shape
-                && shape.len() > MAX_SHAPE_DIMS
-            {
-                return Err(path.field("shape").error(format!(
-                    "{} dimensions is more than the limit of {MAX_SHAPE_DIMS}",
-                    shape.len()
-                )));
-            }
-            if !seen.insert(param.name.as_str()) {
-                return Err(path
-                    .field("name")
-                    .error(format!("parameter {:?} is listed twice", param.name)));
+        validate_params(&root.field("params"), &self.params)?;
+        if let Some(train) = &self.train {
+            let path = root.field("train");
+            for (i, group) in train.iter().enumerate() {
+                check_name(&path.index(i), group)?;
             }
         }
         Ok(())
@@ -354,27 +362,97 @@ fn validate_optimizer(path: &Path<'_>, optimizer: &Optimizer) -> Result<(), Inva
     if let Some(name) = &optimizer.name {
         check_text(&path.field("name"), name, MAX_NAME_BYTES)?;
     }
-    for (field, value) in [
-        ("lr", optimizer.lr),
-        ("eps", optimizer.eps),
-        ("weight_decay", optimizer.weight_decay),
-    ] {
+    check_hyper_parameters(
+        path,
+        optimizer.lr,
+        optimizer.eps,
+        optimizer.weight_decay,
+        optimizer.betas,
+    )?;
+    validate_param_groups(&path.field("param_groups"), &optimizer.param_groups)
+}
+
+/// Checks a list of parameter specs: names, shapes, uniqueness within the list.
+pub(crate) fn validate_params(path: &Path<'_>, params: &[ParamSpec]) -> Result<(), InvalidBody> {
+    if params.len() > MAX_PARAMS_PER_RUN {
+        return Err(path.error(format!(
+            "{} parameters is more than the limit of {MAX_PARAMS_PER_RUN}",
+            params.len()
+        )));
+    }
+    let mut seen = HashSet::with_capacity(params.len());
+    for (i, param) in params.iter().enumerate() {
+        let path = path.index(i);
+        check_name(&path.field("name"), &param.name)?;
+        for (field, value) in [
+            ("module", &param.module),
+            ("group", &param.group),
+            ("param_group", &param.param_group),
+        ] {
+            if let Some(value) = value {
+                check_name(&path.field(field), value)?;
+            }
+        }
+        if let Some(shape) = &param.shape
+            && shape.len() > MAX_SHAPE_DIMS
+        {
+            return Err(path.field("shape").error(format!(
+                "{} dimensions is more than the limit of {MAX_SHAPE_DIMS}",
+                shape.len()
+            )));
+        }
+        if !seen.insert(param.name.as_str()) {
+            return Err(path
+                .field("name")
+                .error(format!("parameter {:?} is listed twice", param.name)));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a list of parameter groups: names, uniqueness, hyper-parameter ranges.
+pub(crate) fn validate_param_groups(
+    path: &Path<'_>,
+    groups: &[ParamGroup],
+) -> Result<(), InvalidBody> {
+    let mut names = HashSet::with_capacity(groups.len());
+    for (i, group) in groups.iter().enumerate() {
+        let path = path.index(i);
+        check_name(&path.field("name"), &group.name)?;
+        if !names.insert(group.name.as_str()) {
+            return Err(path
+                .field("name")
+                .error(format!("parameter group {:?} is listed twice", group.name)));
+        }
+        check_hyper_parameters(&path, group.lr, group.eps, group.weight_decay, group.betas)?;
+    }
+    Ok(())
+}
+
+fn check_hyper_parameters(
+    path: &Path<'_>,
+    lr: Option<Float>,
+    eps: Option<Float>,
+    weight_decay: Option<Float>,
+    betas: Option<[Float; 2]>,
+) -> Result<(), InvalidBody> {
+    for (field, value) in [("lr", lr), ("eps", eps), ("weight_decay", weight_decay)] {
         if let Some(value) = value
             && !(value.is_finite() && value.get() >= 0.0)
         {
             return Err(path.field(field).error(format!(
                 "{field} must be a finite number ≥ 0, got {}",
-                value.get()
+                crate::format_float(value.get())
             )));
         }
     }
-    if let Some(betas) = optimizer.betas {
+    if let Some(betas) = betas {
         for (i, beta) in betas.iter().enumerate() {
             if !(beta.is_finite() && (0.0..1.0).contains(&beta.get())) {
-                return Err(path
-                    .field("betas")
-                    .index(i)
-                    .error(format!("betas must lie in [0, 1), got {}", beta.get())));
+                return Err(path.field("betas").index(i).error(format!(
+                    "betas must lie in [0, 1), got {}",
+                    crate::format_float(beta.get())
+                )));
             }
         }
     }
@@ -415,6 +493,7 @@ mod tests {
             shape: None,
             requires_grad: None,
             in_optimizer: None,
+            param_group: None,
         };
         assert_eq!(param.module_name(), "qwen.layers.0.input_layernorm");
         assert_eq!(param.group_name(), "qwen");

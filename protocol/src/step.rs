@@ -6,6 +6,7 @@ use std::fmt;
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::amend::Amendment;
 use crate::error::{InvalidBody, Path};
 use crate::float::Float;
 use crate::limits::{
@@ -62,6 +63,18 @@ pub struct StepRecord {
     /// reach. Absent: none dropped, or a client that does not count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dropped_steps: Option<u64>,
+    /// v1.1: the lr of each optimizer parameter group at this step, by group name
+    /// (`optimizer.param_groups[].name`). `lr` stays the run-wide value for v1 readers.
+    #[serde(
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub lrs: BTreeMap<String, Float>,
+    /// v1.1: changes to the registration, in force from this step on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub amend: Option<Amendment>,
 }
 
 /// A module's gradient after this step's backward.
@@ -80,7 +93,7 @@ pub struct ModuleStep {
 }
 
 /// A parameter's state after this step's optimizer step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ParamStep {
@@ -96,6 +109,22 @@ pub struct ParamStep {
     /// Mean value.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mean: Option<Float>,
+    /// v1.1: L2 norm of the update the optimizer computed this step, in f32 (or
+    /// wider) before it was written in the parameter's dtype.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intended_update_norm: Option<Float>,
+    /// v1.1: the largest per-element ratio |intended update| / ulp(weight), the ulp
+    /// taken in the parameter's stored dtype at the element's value before the step.
+    /// Below 0.5, every element's update rounds away.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intended_update_max_ulp: Option<Float>,
+    /// v1.1: how many elements had a non-zero intended update this step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intended_nonzero: Option<u64>,
+    /// v1.1: how many elements had a non-zero intended update and still hold the same
+    /// stored value after the step (the update was rounded away).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounded_away: Option<u64>,
 }
 
 /// The loss scaler after this step's update (torch.amp.GradScaler semantics).
@@ -173,6 +202,18 @@ impl StepRecord {
             check_norm(&path.field("grad_norm"), param.grad_norm)?;
             check_norm(&path.field("update_norm"), param.update_norm)?;
             check_norm(&path.field("drift"), param.drift)?;
+            check_norm(&path.field("intended_update_norm"), param.intended_update_norm)?;
+            check_norm(
+                &path.field("intended_update_max_ulp"),
+                param.intended_update_max_ulp,
+            )?;
+            if let (Some(rounded), Some(nonzero)) = (param.rounded_away, param.intended_nonzero)
+                && rounded > nonzero
+            {
+                return Err(path.field("rounded_away").error(format!(
+                    "rounded_away ({rounded}) cannot exceed intended_nonzero ({nonzero})"
+                )));
+            }
             if !seen.insert(param.name.as_str()) {
                 return Err(path.field("name").error(format!(
                     "parameter {:?} appears twice in this step",
@@ -222,6 +263,19 @@ impl StepRecord {
         }
         for name in self.metrics.keys() {
             check_name(&metrics.field(name), name)?;
+        }
+        let lrs = path.field("lrs");
+        for (name, lr) in &self.lrs {
+            check_name(&lrs.field(name), name)?;
+            if !(lr.is_finite() && lr.get() >= 0.0) {
+                return Err(lrs.field(name).error(format!(
+                    "an lr must be a finite number ≥ 0, got {}",
+                    crate::format_float(lr.get())
+                )));
+            }
+        }
+        if let Some(amend) = &self.amend {
+            amend.validate(&path.field("amend"))?;
         }
         Ok(())
     }

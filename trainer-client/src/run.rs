@@ -70,6 +70,7 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
             shape: Some(p.var.dims().iter().map(|d| *d as u64).collect()),
             requires_grad: Some(true),
             in_optimizer: Some(p.in_optimizer),
+            param_group: None,
         })
         .collect();
     RunRegistration {
@@ -95,11 +96,13 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
             betas: Some([Float(BETAS.0), Float(BETAS.1)]),
             eps: Some(Float(EPS)),
             weight_decay: Some(Float(options.weight_decay)),
+            param_groups: Vec::new(),
             other: Default::default(),
         }),
         params,
         detectors: None,
         config: Some(config),
+        train: None,
     }
 }
 

@@ -396,6 +396,7 @@ impl Trainer {
                 update_norm: host_b.get(3 * k).map(|v| Float((*v as f64).sqrt())),
                 drift: host_b.get(3 * k + 1).map(|v| Float(*v as f64)),
                 mean: host_b.get(3 * k + 2).map(|v| Float(*v as f64)),
+                ..Default::default()
             })
             .collect();
         let scaler = self.scaler.map(|s| ScalerState {
