@@ -230,6 +230,19 @@ impl DetectorSet {
         self.unused.on_step(&step, &mut transitions);
         transitions
     }
+
+    /// Called when a v1.1 amendment changes the registration at `step`, before that
+    /// step's record is seen with `after`. Detectors whose verdicts depend on the
+    /// registration (optimizer membership, parameter groups, dtypes) react here.
+    pub fn on_amendment(
+        &mut self,
+        before: &RunContext,
+        after: &RunContext,
+        step: u64,
+    ) -> Vec<Transition> {
+        let _ = (before, after, step);
+        Vec::new()
+    }
 }
 
 /// One step record resolved against its run once, for every detector: each
