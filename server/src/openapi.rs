@@ -38,7 +38,7 @@ use crate::store::{IngestOutcome, RunStatus};
     ),
     components(
         responses(BadRequest, Unauthorized, RunNotFound, TooLarge, Unsupported, Unavailable),
-        schemas(ErrorBody, ErrorDetail, Health, RunView, RunList, RunListItem, RunProgress, Deleted, Series, AlertList, Alert, OpenAlertCounts, IngestOutcome, RunStatus)),
+        schemas(ErrorBody, ErrorDetail, Health, RunView, AmendmentView, RunList, RunListItem, RunProgress, Deleted, Series, AlertList, Alert, OpenAlertCounts, IngestOutcome, RunStatus)),
     tags(
         (name = "runs", description = "Register, read, finish and delete runs"),
         (name = "steps", description = "Stream step records"),
@@ -139,9 +139,21 @@ pub struct RunView {
     /// Free-form, as registered.
     #[schema(required = false, value_type = Option<Object>)]
     pub config: Option<serde_json::Value>,
+    /// The groups meant to train (v1.1).
+    #[schema(required = false)]
+    pub train: Option<Vec<String>>,
+    /// The amendments that made the registration shown (v1.1), oldest first.
+    pub amendments: Vec<AmendmentView>,
     pub first_step: Option<u64>,
     #[serde(flatten)]
     pub progress: RunProgress,
+}
+
+/// One amendment of a run's registration and the step it took effect at.
+#[derive(Serialize, ToSchema)]
+pub struct AmendmentView {
+    pub step: u64,
+    pub amend: gradflow_protocol::Amendment,
 }
 
 /// Where a run's stream stands: in a run, and in each line of the runs list.

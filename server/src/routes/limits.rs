@@ -34,8 +34,9 @@ pub async fn limit(State(state): State<AppState>, request: Request, next: Next) 
             StatusCode::REQUEST_TIMEOUT,
             "request_timeout",
             format!(
-                "the request was not complete within {} s (--request-timeout-secs); \
-                 nothing was stored",
+                "the request was not complete within {} s (--request-timeout-secs); a \
+                 batch whose body had arrived may still have been stored: resend it, and \
+                 its stored records count as duplicates",
                 timeout.as_secs()
             ),
         )

@@ -56,7 +56,8 @@ pub async fn register_run(
     Ok((status, Json(run_view(&run, open_alerts))))
 }
 
-/// `GET /api/v1/runs/{run_id}`: the registration, plus where the stream stands.
+/// `GET /api/v1/runs/{run_id}`: the registration in force (amendments applied), the
+/// amendments, and where the stream stands.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}", tag = "runs",
     params(crate::openapi::RunIdPath),
     responses((status = 200, description = "The registration and where the run stands", body = crate::openapi::RunView), (status = 400, response = crate::openapi::BadRequest), (status = 404, response = crate::openapi::RunNotFound)))]
@@ -147,6 +148,11 @@ fn run_view(run: &StoredRun, open_alerts: OpenAlertCounts) -> Value {
         "status": run.status(now_seconds()),
         "finished_at": run.finished_at.map(rfc3339),
         "open_alerts": open_alerts,
+        "amendments": run
+            .amendments
+            .iter()
+            .map(|(step, amend)| json!({"step": step, "amend": amend}))
+            .collect::<Vec<_>>(),
     });
     if let (Some(view), Value::Object(progress)) = (view.as_object_mut(), progress) {
         view.extend(progress);

@@ -73,13 +73,16 @@ enum Subject {
     Required(&'static str),
     /// A device index, `0` when not given.
     Device,
+    /// Run-wide without one; with one, a named part (an optimizer parameter group's
+    /// own lr).
+    Optional,
 }
 
 fn metric_kinds(metric: &str) -> Option<(Vec<SeriesKind>, Subject)> {
     use SeriesKind::*;
     let (kinds, subject) = match metric {
         "loss" => (vec![Loss], Subject::None),
-        "lr" => (vec![Lr], Subject::None),
+        "lr" => (vec![Lr], Subject::Optional),
         "scaler_scale" => (vec![ScalerScale], Subject::None),
         "scaler_growth_tracker" => (vec![ScalerGrowthTracker], Subject::None),
         "found_inf" => (vec![FoundInf], Subject::None),
@@ -95,6 +98,10 @@ fn metric_kinds(metric: &str) -> Option<(Vec<SeriesKind>, Subject)> {
         "update_norm" => (vec![UpdateNorm], Subject::Required("a parameter")),
         "drift" => (vec![Drift], Subject::Required("a parameter")),
         "param_mean" => (vec![ParamMean], Subject::Required("a parameter")),
+        "intended_update_norm" => (vec![IntendedUpdateNorm], Subject::Required("a parameter")),
+        "intended_update_max_ulp" => (vec![IntendedUpdateMaxUlp], Subject::Required("a parameter")),
+        "intended_nonzero" => (vec![IntendedNonzero], Subject::Required("a parameter")),
+        "rounded_away" => (vec![RoundedAway], Subject::Required("a parameter")),
         "metric" => (vec![Metric], Subject::Required("a metrics name")),
         "gpu_memory_used_bytes" => (vec![GpuMemoryUsedBytes], Subject::Device),
         "gpu_memory_total_bytes" => (vec![GpuMemoryTotalBytes], Subject::Device),
@@ -108,7 +115,8 @@ fn metric_kinds(metric: &str) -> Option<(Vec<SeriesKind>, Subject)> {
 }
 
 const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, \
-    param_mean, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, \
+    param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, \
+    scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, \
     gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, \
     gpu_power_w, dropped_steps";
 
@@ -116,8 +124,8 @@ const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_n
 /// many points by min/max per bucket, which keeps spikes and non-finite values.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/series", tag = "series",
     params(crate::openapi::RunIdPath,
-        ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w, dropped_steps"),
-        ("subject" = Option<String>, Query, description = "A group or module (grad_norm), module (hook_hits), parameter, metrics name, or device index"),
+        ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w, dropped_steps"),
+        ("subject" = Option<String>, Query, description = "A group or module (grad_norm), module (hook_hits), parameter, metrics name, device index, or an optimizer parameter group (lr)"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
         ("max_points" = Option<usize>, Query, description = "Reduce to at most this many points (min/max per bucket), at least 2"),
@@ -158,6 +166,8 @@ pub async fn read_series(
             .with_path("subject"));
         }
         (Subject::Required(_), Some(s)) => Some(s.to_owned()),
+        (Subject::Optional, None | Some("")) => None,
+        (Subject::Optional, Some(s)) => Some(s.to_owned()),
         (Subject::Device, None) => Some("0".to_owned()),
         (Subject::Device, Some(s)) => match s.parse::<u32>() {
             Ok(index) => Some(index.to_string()),
@@ -190,8 +200,13 @@ pub async fn read_series(
         max_points: params.max_points,
     };
     let data = state.store.series(&run_id, &request).await?;
+    let what = match subject_rule {
+        Subject::Required(what) => Some(what),
+        Subject::Optional => Some("a parameter group"),
+        Subject::None | Subject::Device => None,
+    };
     if data.kind.is_none()
-        && let (Subject::Required(what), Some(subject)) = (&subject_rule, &subject)
+        && let (Some(what), Some(subject)) = (what, &subject)
     {
         return Err(ApiError::not_found(
             "unknown_subject",

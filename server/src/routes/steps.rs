@@ -48,7 +48,15 @@ pub async fn ingest_steps(
     })
     .await
     .map_err(|e| StoreError::Internal(e.into()))??;
-    let outcome = state.store.ingest(&run_id, &records).await?;
+    // The batch transaction runs in a task of its own, which a dropped request (the
+    // client gone, the request timeout) does not cancel: a COMMIT in flight either
+    // completes with the run's cached state updated after it, or fails and leaves
+    // both as they were. Cancelled half-way, the database could hold a batch the
+    // cache does not know of.
+    let store = state.store.clone();
+    let outcome = tokio::spawn(async move { store.ingest(&run_id, &records).await })
+        .await
+        .map_err(|e| StoreError::Internal(e.into()))??;
     state.metrics.batch_stored(
         outcome.accepted,
         outcome.values,

@@ -37,10 +37,14 @@ pub enum SeriesKind {
     GpuTemperatureC,
     GpuPowerW,
     DroppedSteps,
+    IntendedUpdateNorm,
+    IntendedUpdateMaxUlp,
+    IntendedNonzero,
+    RoundedAway,
 }
 
 impl SeriesKind {
-    pub const ALL: [SeriesKind; 20] = [
+    pub const ALL: [SeriesKind; 24] = [
         SeriesKind::Loss,
         SeriesKind::Lr,
         SeriesKind::ScalerScale,
@@ -61,6 +65,10 @@ impl SeriesKind {
         SeriesKind::GpuTemperatureC,
         SeriesKind::GpuPowerW,
         SeriesKind::DroppedSteps,
+        SeriesKind::IntendedUpdateNorm,
+        SeriesKind::IntendedUpdateMaxUlp,
+        SeriesKind::IntendedNonzero,
+        SeriesKind::RoundedAway,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -85,6 +93,10 @@ impl SeriesKind {
             SeriesKind::GpuTemperatureC => "gpu_temperature_c",
             SeriesKind::GpuPowerW => "gpu_power_w",
             SeriesKind::DroppedSteps => "dropped_steps",
+            SeriesKind::IntendedUpdateNorm => "intended_update_norm",
+            SeriesKind::IntendedUpdateMaxUlp => "intended_update_max_ulp",
+            SeriesKind::IntendedNonzero => "intended_nonzero",
+            SeriesKind::RoundedAway => "rounded_away",
         }
     }
 

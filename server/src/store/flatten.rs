@@ -34,6 +34,15 @@ pub fn flatten(
     if let Some(lr) = record.lr {
         put(columns, SeriesKind::Lr, "", Cell::from_wire(Some(lr.get())));
     }
+    // v1.1: each optimizer parameter group's lr, under the group's name.
+    for (group, lr) in &record.lrs {
+        put(
+            columns,
+            SeriesKind::Lr,
+            group,
+            Cell::from_wire(Some(lr.get())),
+        );
+    }
     if let Some(dropped) = record.dropped_steps {
         put(
             columns,
@@ -111,12 +120,23 @@ pub fn flatten(
     }
 
     type ParamField = fn(&gradflow_protocol::ParamStep) -> Option<Float>;
-    let fields: [(SeriesKind, ParamField); 4] = [
+    let fields: [(SeriesKind, ParamField); 8] = [
         (SeriesKind::ParamGradNorm, |p| p.grad_norm),
         (SeriesKind::UpdateNorm, |p| p.update_norm),
         (SeriesKind::Drift, |p| p.drift),
         (SeriesKind::ParamMean, |p| p.mean),
+        (SeriesKind::IntendedUpdateNorm, |p| p.intended_update_norm),
+        (SeriesKind::IntendedUpdateMaxUlp, |p| {
+            p.intended_update_max_ulp
+        }),
+        (SeriesKind::IntendedNonzero, |p| {
+            p.intended_nonzero.map(|n| Float(n as f64))
+        }),
+        (SeriesKind::RoundedAway, |p| {
+            p.rounded_away.map(|n| Float(n as f64))
+        }),
     ];
+
     for (kind, field) in fields {
         for param in &record.params {
             if let Some(value) = field(param) {

@@ -11,7 +11,9 @@
 //! streaks and steps can never disagree, not even after a crash.
 
 use anyhow::Context;
-use gradflow_protocol::{InvalidBody, RunId, StepRecord};
+use std::sync::Arc;
+
+use gradflow_protocol::{Amendment, InvalidBody, RunId, StepRecord};
 use serde::Serialize;
 use sqlx::{Connection, QueryBuilder, Sqlite, SqliteConnection};
 
@@ -21,8 +23,8 @@ use super::columns::ColumnAssigner;
 use super::events::{AlertAction, Event};
 use super::flatten::flatten;
 use super::rollup::{BucketSummary, ROLLUP_WIDTHS};
-use super::{RunState, Store, StoreError, StoreResult, Writer, now_seconds};
-use crate::detect::Transition;
+use super::{Registry, RunState, Store, StoreError, StoreResult, Writer, now_seconds};
+use crate::detect::{Thresholds, Transition};
 
 /// The answer to a batch, as PROTOCOL.md words it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
@@ -69,7 +71,6 @@ impl Store {
             decompressor,
         } = &mut *guard;
         let state = runs.get_mut(run_id.as_str()).expect("loaded above");
-        check_params_are_registered(state, records)?;
 
         // Steps strictly increase within a batch, so the duplicates are a prefix.
         let first_new = records
@@ -85,11 +86,15 @@ impl Store {
                 values: 0,
             });
         }
+        // The registration in force at each new record: v1.1 amendments take effect
+        // at the record that carries them. A duplicate's amendment was applied when
+        // it was first stored.
+        let registries = registries_in_force(state, new, first_new, self.detection.thresholds)?;
 
         let mut assigner = ColumnAssigner::new(&state.columns);
         let mut rows = Vec::with_capacity(new.len());
         for record in new {
-            let cells = flatten(record, &state.module_groups, &mut assigner);
+            let cells = flatten(record, &registries[rows.len()].module_groups, &mut assigner);
             let blob = codec::encode(&cells, compressor)?;
             rows.push(NewRow {
                 step: record.step,
@@ -101,6 +106,17 @@ impl Store {
         let added = assigner.added();
 
         let mut tx = conn.begin().await?;
+        for record in new {
+            if let Some(amendment) = &record.amend {
+                let body = serde_json::to_string(amendment).context("encoding an amendment")?;
+                sqlx::query("INSERT INTO amendments (run, step, body) VALUES (?, ?, ?)")
+                    .bind(state.key)
+                    .bind(record.step as i64)
+                    .bind(body)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
         for (kind, subject, position) in &added {
             sqlx::query("INSERT INTO columns (run, col, kind, subject) VALUES (?, ?, ?, ?)")
                 .bind(state.key)
@@ -133,8 +149,20 @@ impl Store {
         let mut open = state.open.clone();
         let mut opened = Vec::new();
         let mut resolved = Vec::new();
-        for record in new.iter().filter(|_| self.detection.enabled) {
-            for transition in detectors.on_step(&state.context, record) {
+        let mut in_force = &state.registry;
+        for (record, registry) in new
+            .iter()
+            .zip(&registries)
+            .filter(|_| self.detection.enabled)
+        {
+            let mut transitions = Vec::new();
+            if !Arc::ptr_eq(in_force, registry) {
+                transitions =
+                    detectors.on_amendment(&in_force.context, &registry.context, record.step);
+                in_force = registry;
+            }
+            transitions.extend(detectors.on_step(&registry.context, record));
+            for transition in transitions {
                 match transition {
                     Transition::Open(alert) => {
                         let id = alerts::insert_opened(&mut tx, state.key, &alert).await?;
@@ -188,12 +216,15 @@ impl Store {
         .bind(state.key)
         .execute(&mut *tx)
         .await?;
+        state.commit_in_doubt = true;
         tx.commit().await?;
 
         for (kind, subject, position) in added {
             state.columns.restore(kind, &subject, position);
         }
+        state.commit_in_doubt = false;
         state.last_step = Some(last);
+        state.registry = registries.last().expect("at least one new record").clone();
         state.detectors = detectors;
         state.open = open;
         let outcome = IngestOutcome {
@@ -237,20 +268,63 @@ impl Store {
     }
 }
 
-/// PROTOCOL.md: `params[]` of a step are parameters of the registration.
-fn check_params_are_registered(state: &RunState, records: &[StepRecord]) -> StoreResult<()> {
-    for (i, record) in records.iter().enumerate() {
+/// The registration in force at each of `new` (which starts at batch index
+/// `offset`), checking that the parameters each record reports are registered by
+/// then and that what an amendment says holds together. Shares the registry between
+/// records until an amendment changes it.
+fn registries_in_force(
+    state: &RunState,
+    new: &[StepRecord],
+    offset: usize,
+    thresholds: Thresholds,
+) -> StoreResult<Vec<Arc<Registry>>> {
+    let mut current = state.registry.clone();
+    let mut registries = Vec::with_capacity(new.len());
+    for (k, record) in new.iter().enumerate() {
+        let i = offset + k;
+        if let Some(amendment) = &record.amend {
+            let amended = current.amended(amendment, thresholds);
+            check_param_groups(&amended, amendment, i)?;
+            current = Arc::new(amended);
+        }
         for (j, param) in record.params.iter().enumerate() {
-            if !state.params.contains(&param.name) {
+            if !current.params.contains(&param.name) {
                 return Err(StoreError::Invalid(InvalidBody::new(
                     format!("steps[{i}].params[{j}].name"),
                     format!(
-                        "parameter {:?} is not in the run's registration: register every \
-                         parameter the model has in PUT /api/v1/runs/{{run_id}}",
-                        param.name
+                        "parameter {:?} is not in the run's registration at step {}: register \
+                         every parameter the model has in PUT /api/v1/runs/{{run_id}}, or add \
+                         it with an amendment (`amend`) in this or an earlier record",
+                        param.name, record.step
                     ),
                 )));
             }
+        }
+        registries.push(current.clone());
+    }
+    Ok(registries)
+}
+
+/// An amended parameter that names an optimizer parameter group must name one the
+/// registration (as amended) has, when it lists any.
+fn check_param_groups(amended: &Registry, amendment: &Amendment, i: usize) -> StoreResult<()> {
+    let groups = amended
+        .registration
+        .optimizer
+        .as_ref()
+        .map(|o| o.param_groups.as_slice())
+        .unwrap_or_default();
+    for (j, param) in amendment.params.iter().enumerate() {
+        if let Some(group) = &param.param_group
+            && !groups.iter().any(|g| &g.name == group)
+        {
+            return Err(StoreError::Invalid(InvalidBody::new(
+                format!("steps[{i}].amend.params[{j}].param_group"),
+                format!(
+                    "parameter group {group:?} is neither in the registration nor in this \
+                     amendment's param_groups"
+                ),
+            )));
         }
     }
     Ok(())

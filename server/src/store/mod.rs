@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use gradflow_protocol::{InvalidBody, RunRegistration};
+use gradflow_protocol::{Amendment, InvalidBody, RunRegistration};
 use sqlx::sqlite::{
     SqliteAutoVacuum, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
@@ -124,15 +124,54 @@ struct RunState {
     key: i64,
     last_step: Option<u64>,
     columns: ColumnDictionary,
-    /// Parameter names of the registration: a step may only report these.
-    params: FxHashSet<String>,
-    /// Module → group, from the registration's parameters.
-    module_groups: FxHashMap<String, String>,
-    /// What the detectors know of the run, and their streaks.
-    context: Arc<RunContext>,
+    /// The registration in force and what is derived from it. Shared, since a batch
+    /// that amends it keeps the one in force before the amendment for the records
+    /// before it.
+    registry: Arc<Registry>,
     detectors: DetectorSet,
     /// The run's open alert episodes.
     open: OpenEpisodes,
+    /// Set while a batch's COMMIT is in flight and until the state above follows it.
+    /// A batch whose future is dropped there (its request cancelled) may or may not
+    /// have committed; the next batch of the run then reloads the state from what
+    /// the database holds instead of trusting this copy.
+    commit_in_doubt: bool,
+}
+
+/// A registration in force (as first sent, with every amendment up to some step
+/// applied) and the lookups ingest derives from it.
+#[derive(Debug)]
+struct Registry {
+    registration: RunRegistration,
+    /// Parameter names: a step may only report these.
+    params: FxHashSet<String>,
+    /// Module → group, from the parameters.
+    module_groups: FxHashMap<String, String>,
+    /// What the detectors know of the run.
+    context: Arc<RunContext>,
+}
+
+impl Registry {
+    fn new(registration: RunRegistration, thresholds: Thresholds) -> Registry {
+        Registry {
+            params: registration.params.iter().map(|p| p.name.clone()).collect(),
+            module_groups: registration
+                .params
+                .iter()
+                .map(|p| (p.module_name().to_owned(), p.group_name().to_owned()))
+                .collect(),
+            context: Arc::new(RunContext::new(&registration, thresholds)),
+            registration,
+        }
+    }
+
+    /// This registration with `amendment` applied (the protocol's defaults written
+    /// out, as for a registration).
+    fn amended(&self, amendment: &Amendment, thresholds: Thresholds) -> Registry {
+        let mut registration = self.registration.clone();
+        registration.amend(amendment);
+        Registry::new(registration.normalized(), thresholds)
+    }
 }
 
 impl RunState {
@@ -141,15 +180,10 @@ impl RunState {
             key,
             last_step: None,
             columns: ColumnDictionary::default(),
-            context: Arc::new(RunContext::new(registration, thresholds)),
+            registry: Arc::new(Registry::new(registration.clone(), thresholds)),
             detectors: DetectorSet::default(),
             open: OpenEpisodes::new(),
-            params: registration.params.iter().map(|p| p.name.clone()).collect(),
-            module_groups: registration
-                .params
-                .iter()
-                .map(|p| (p.module_name().to_owned(), p.group_name().to_owned()))
-                .collect(),
+            commit_in_doubt: false,
         }
     }
 }
@@ -295,7 +329,11 @@ impl Writer {
         run_id: &str,
         thresholds: Thresholds,
     ) -> StoreResult<&mut RunState> {
-        if !self.runs.contains_key(run_id) {
+        if self
+            .runs
+            .get(run_id)
+            .is_none_or(|state| state.commit_in_doubt)
+        {
             let state = load_run_state(&mut self.conn, run_id, thresholds).await?;
             self.runs.insert(run_id.to_owned(), state);
         }
@@ -316,9 +354,12 @@ async fn load_run_state(
     let Some((key, registration, last_step)) = row else {
         return Err(StoreError::RunNotFound(run_id.to_owned()));
     };
-    let registration: RunRegistration = serde_json::from_str(&registration)
+    let mut registration: RunRegistration = serde_json::from_str(&registration)
         .with_context(|| format!("reading the stored registration of run {run_id}"))?;
-    let mut state = RunState::new(key, &registration, thresholds);
+    for (_, amendment) in runs::load_amendments(&mut *conn, key).await? {
+        registration.amend(&amendment);
+    }
+    let mut state = RunState::new(key, &registration.normalized(), thresholds);
     state.last_step = last_step.map(|s| s as u64);
     let detectors: Option<String> =
         sqlx::query_scalar("SELECT state FROM detector_state WHERE run = ?")

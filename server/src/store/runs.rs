@@ -1,7 +1,7 @@
 //! Registering, listing, reading and deleting runs.
 
 use anyhow::Context;
-use gradflow_protocol::{RunId, RunRegistration};
+use gradflow_protocol::{Amendment, RunId, RunRegistration};
 use serde_json::Value;
 use sqlx::Connection;
 
@@ -15,7 +15,10 @@ use crate::detect::registration;
 #[derive(Debug, Clone)]
 pub struct StoredRun {
     pub run_id: String,
+    /// The registration in force: as first sent, with `amendments` applied.
     pub registration: RunRegistration,
+    /// v1.1 amendments with the step each took effect at, oldest first.
+    pub amendments: Vec<(u64, Amendment)>,
     pub created_at: f64,
     pub first_step: Option<u64>,
     pub last_step: Option<u64>,
@@ -118,15 +121,19 @@ impl Store {
             .await?;
         if let Some(row) = existing {
             let stored = stored_run(row)?;
+            // Compared with the registration as first sent: a client that restarts
+            // and registers again with its original body is welcome.
             if stored_canonical(&stored)? == canonical {
-                return Ok((stored, false));
+                return Ok((self.run(run_id).await?, false));
             }
             let old = serde_json::to_value(&stored.registration).context("re-encoding")?;
             let new = serde_json::to_value(&registration).context("re-encoding")?;
             let path = first_difference(&old, &new, String::new()).unwrap_or_default();
             return Err(StoreError::Conflict {
                 message: format!(
-                    "run {run_id} is already registered with a different body{}; \
+                    "run {run_id} is already registered with a different body{}; to change \
+                     the registration while the run trains, send the change as an amendment \
+                     (`amend` in a step record, in force from that record's step); otherwise \
                      register under a new run id, or DELETE the run first",
                     if path.is_empty() {
                         String::new()
@@ -153,7 +160,7 @@ impl Store {
         let mut state = RunState::new(key, &registration, self.detection.thresholds);
         let mut opened = Vec::new();
         let checks = if self.detection.enabled {
-            registration::check(&state.context)
+            registration::check(&state.registry.context)
         } else {
             Vec::new()
         };
@@ -183,6 +190,7 @@ impl Store {
             StoredRun {
                 run_id: run_id.as_str().to_owned(),
                 registration,
+                amendments: Vec::new(),
                 created_at,
                 first_step: None,
                 last_step: None,
@@ -199,10 +207,25 @@ impl Store {
             .bind(run_id.as_str())
             .fetch_optional(&self.read)
             .await?;
-        match row {
-            Some(row) => stored_run(row),
-            None => Err(StoreError::RunNotFound(run_id.as_str().to_owned())),
+        let mut run = match row {
+            Some(row) => stored_run(row)?,
+            None => return Err(StoreError::RunNotFound(run_id.as_str().to_owned())),
+        };
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT a.step, a.body FROM amendments a JOIN runs r ON r.id = a.run \
+             WHERE r.run_id = ? ORDER BY a.step",
+        )
+        .bind(run_id.as_str())
+        .fetch_all(&self.read)
+        .await?;
+        if !rows.is_empty() {
+            run.amendments = decode_amendments(rows, run_id.as_str())?;
+            for (_, amendment) in &run.amendments {
+                run.registration.amend(amendment);
+            }
+            run.registration = run.registration.normalized();
         }
+        Ok(run)
     }
 
     /// Every run, newest first.
@@ -279,7 +302,14 @@ impl Writer {
     /// Deletes run `key` and all of its rows in one transaction.
     async fn delete_run(&mut self, key: i64, run_id: &str) -> StoreResult<()> {
         let mut tx = self.conn.begin().await?;
-        for table in ["alerts", "detector_state", "rollups", "steps", "columns"] {
+        for table in [
+            "alerts",
+            "detector_state",
+            "rollups",
+            "steps",
+            "columns",
+            "amendments",
+        ] {
             sqlx::query(&format!("DELETE FROM {table} WHERE run = ?"))
                 .bind(key)
                 .execute(&mut *tx)
@@ -326,6 +356,7 @@ fn stored_run(row: RunRow) -> StoreResult<StoredRun> {
     Ok(StoredRun {
         run_id,
         registration,
+        amendments: Vec::new(),
         created_at,
         first_step: first_step.map(|s| s as u64),
         last_step: last_step.map(|s| s as u64),
@@ -333,6 +364,29 @@ fn stored_run(row: RunRow) -> StoreResult<StoredRun> {
         step_count: step_count as u64,
         finished_at,
     })
+}
+
+/// The amendments of run `key`, oldest first.
+pub(super) async fn load_amendments(
+    conn: &mut sqlx::SqliteConnection,
+    key: i64,
+) -> StoreResult<Vec<(u64, Amendment)>> {
+    let rows: Vec<(i64, String)> =
+        sqlx::query_as("SELECT step, body FROM amendments WHERE run = ? ORDER BY step")
+            .bind(key)
+            .fetch_all(conn)
+            .await?;
+    decode_amendments(rows, &format!("#{key}"))
+}
+
+fn decode_amendments(rows: Vec<(i64, String)>, run: &str) -> StoreResult<Vec<(u64, Amendment)>> {
+    rows.into_iter()
+        .map(|(step, body)| {
+            let amendment = serde_json::from_str(&body)
+                .with_context(|| format!("reading the amendment of run {run} at step {step}"))?;
+            Ok((step as u64, amendment))
+        })
+        .collect()
 }
 
 fn stored_canonical(run: &StoredRun) -> StoreResult<String> {
