@@ -254,6 +254,18 @@ pub struct DetectorOverrides {
     pub frozen_norm_steps: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overflow_streak_steps: Option<u32>,
+    /// `grad_explosion`: how many times its usual level a group's norm must stay
+    /// over a few readings (default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explosion_factor: Option<u32>,
+    /// `grad_explosion`: how many times its usual level one reading must be to open
+    /// at once (default 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explosion_spike_factor: Option<u32>,
+    /// `loss_divergence`: how many times its starting level the loss must stay over
+    /// a few steps (default 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub divergence_factor: Option<u32>,
 }
 
 /// The body of `PUT /api/v1/runs/{run_id}`.
@@ -325,6 +337,9 @@ impl RunRegistration {
                 ("stuck_zero_steps", detectors.stuck_zero_steps),
                 ("frozen_norm_steps", detectors.frozen_norm_steps),
                 ("overflow_streak_steps", detectors.overflow_streak_steps),
+                ("explosion_factor", detectors.explosion_factor),
+                ("explosion_spike_factor", detectors.explosion_spike_factor),
+                ("divergence_factor", detectors.divergence_factor),
             ] {
                 if value == Some(0) {
                     return Err(path

@@ -171,3 +171,27 @@ async fn intended_updates_read_back_as_parameter_series() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_unfreeze_outside_the_optimizer_is_flagged_on_its_step() {
+    let app = TestApp::spawn().await;
+    assert_eq!(app.register("r", &registration()).await.status(), 201);
+    let mut records: Vec<Value> = (0..30).map(step).collect();
+    let mut unfrozen = step(30);
+    unfrozen["amend"] = json!({"params": [{"name": "qwen.layers.0.mlp.up_proj.weight",
+        "requires_grad": true, "in_optimizer": false}]});
+    records.push(unfrozen);
+    records.extend((31..40).map(step));
+    assert_eq!(
+        app.post_steps("r", &Value::Array(records)).await.status(),
+        200
+    );
+    let (_, body) = app
+        .get_json("/api/v1/runs/r/alerts?kind=param_not_in_optimizer")
+        .await;
+    let alerts = body["alerts"].as_array().unwrap();
+    assert_eq!(alerts.len(), 1, "{body}");
+    assert_eq!(alerts[0]["subject"], "qwen");
+    assert_eq!(alerts[0]["opened_step"], 30);
+    assert_eq!(alerts[0]["evidence"]["amended_at"], 30);
+}

@@ -26,8 +26,25 @@ pub struct NormParam {
     /// `precision.param_dtype`; `None` when neither says.
     pub dtype: Option<Dtype>,
     pub in_optimizer: bool,
+    /// Registered as trainable. A weight registered as frozen is watched too: if its
+    /// records carry gradients, something unfroze it after registration.
+    pub requires_grad: bool,
+    /// Its optimizer parameter group (v1.1), for the group's own lr.
+    pub param_group: Option<String>,
     /// Elements, when the shape is known.
     pub numel: Option<u64>,
+}
+
+/// How an optimizer sizes its steps, as far as the server can model it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerFamily {
+    /// Adam, AdamW, LAMB, Lion, Adafactor, Sophia: the gradient is normalised, so an
+    /// element moves by lr·|m̂/√v̂|, at most about lr and often far less.
+    Adam,
+    /// Plain SGD (with or without momentum): lr times the gradient.
+    Sgd,
+    /// Anything else (Adagrad, RMSprop, Muon, Shampoo, …): no step model.
+    Other,
 }
 
 /// The optimizer's step size model, from the registration.
@@ -35,10 +52,39 @@ pub struct NormParam {
 pub struct OptimizerInfo {
     /// As registered, for texts ("AdamW").
     pub display_name: String,
-    /// Adam-family optimizers normalise the gradient: an element moves by about `lr`.
-    pub normalises_gradient: bool,
+    pub family: OptimizerFamily,
     pub lr: Option<f64>,
     pub weight_decay: f64,
+    /// v1.1 parameter groups by name: (lr, weight decay), each falling back to the
+    /// optimizer's.
+    pub param_groups: BTreeMap<String, (Option<f64>, f64)>,
+}
+
+impl OptimizerInfo {
+    /// The lr a parameter of `param_group` had at a step: the step's own figure for
+    /// the group, else the group's registered lr, else the step's run-wide lr, else
+    /// the optimizer's.
+    pub fn lr_of(
+        &self,
+        param_group: Option<&str>,
+        record: &gradflow_protocol::StepRecord,
+    ) -> Option<f64> {
+        if let Some(group) = param_group {
+            if let Some(lr) = record.lrs.get(group) {
+                return Some(lr.get());
+            }
+            if let Some((Some(lr), _)) = self.param_groups.get(group) {
+                return Some(*lr);
+            }
+        }
+        record.lr.map(|f| f.get()).or(self.lr)
+    }
+
+    pub fn weight_decay_of(&self, param_group: Option<&str>) -> f64 {
+        param_group
+            .and_then(|g| self.param_groups.get(g))
+            .map_or(self.weight_decay, |(_, wd)| *wd)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -61,6 +107,19 @@ impl RunContext {
         let mut trainable_modules = HashMap::default();
         let mut norm_params = HashMap::default();
         for param in &registration.params {
+            if param.role() == Role::Norm {
+                norm_params.insert(
+                    param.name.clone(),
+                    NormParam {
+                        group: param.group_name().to_owned(),
+                        dtype: param.dtype.or(run_dtype),
+                        in_optimizer: param.in_optimizer(),
+                        requires_grad: param.requires_grad(),
+                        param_group: param.param_group.clone(),
+                        numel: param.shape.as_ref().map(|s| s.iter().product()),
+                    },
+                );
+            }
             if !param.requires_grad() {
                 continue;
             }
@@ -71,17 +130,6 @@ impl RunContext {
                     layer: super::vanishing::layer_index(param.module_name()),
                 },
             );
-            if param.role() == Role::Norm {
-                norm_params.insert(
-                    param.name.clone(),
-                    NormParam {
-                        group: param.group_name().to_owned(),
-                        dtype: param.dtype.or(run_dtype),
-                        in_optimizer: param.in_optimizer(),
-                        numel: param.shape.as_ref().map(|s| s.iter().product()),
-                    },
-                );
-            }
         }
         let mut trainable_modules_per_group = BTreeMap::new();
         for module in trainable_modules.values() {
@@ -99,15 +147,33 @@ impl RunContext {
                 name.clone()
             },
             // Unnamed optimizers are taken as Adam-like: by far the common case.
-            normalises_gradient: name.is_empty()
+            family: if name.is_empty()
                 || ["adam", "lamb", "lion", "adafactor", "sophia"]
                     .iter()
-                    .any(|n| lower.contains(n)),
+                    .any(|n| lower.contains(n))
+            {
+                OptimizerFamily::Adam
+            } else if lower.contains("sgd") {
+                OptimizerFamily::Sgd
+            } else {
+                OptimizerFamily::Other
+            },
             lr: optimizer.and_then(|o| o.lr).map(|f| f.get()),
             weight_decay: optimizer
                 .and_then(|o| o.weight_decay)
                 .map_or(0.0, |f| f.get()),
+            param_groups: BTreeMap::new(),
         };
+        let mut optimizer = optimizer;
+        if let Some(groups) = registration.optimizer.as_ref().map(|o| &o.param_groups) {
+            for group in groups {
+                let lr = group.lr.map(|f| f.get()).or(optimizer.lr);
+                let wd = group
+                    .weight_decay
+                    .map_or(optimizer.weight_decay, |f| f.get());
+                optimizer.param_groups.insert(group.name.clone(), (lr, wd));
+            }
+        }
         let thresholds = server_thresholds.with_overrides(registration.detectors.as_ref());
         RunContext {
             thresholds,

@@ -1,21 +1,37 @@
-//! `norm_weight_frozen`: norm weights that receive a gradient, under a learning rate,
-//! yet do not move: `update_norm` exactly 0 on M consecutive reported steps.
+//! `norm_weight_frozen`: norm weights that receive a gradient yet do not move:
+//! `update_norm` exactly 0 on every reported step over M step numbers.
 //!
 //! The case behind it: RMSNorm weights that stayed at exactly 1.0 for a whole run
-//! because the parameters were bf16, and every AdamW update (~lr) was below half a
-//! bf16 ulp at 1.0. The verdict `low_precision_underflow` is arithmetic on the run's
-//! own numbers — the weight's dtype, its magnitude (`mean`), the learning rate and
-//! the optimizer's step model — never the dtype alone: bf16 at 1.0 with lr 0.05, or
-//! bf16 near 0.1 with lr 3e-4, updates fine and gets another cause.
+//! because the parameters were bf16 and every AdamW update was below half a bf16 ulp.
+//! The cause is decided from the run's own numbers, best first:
+//!
+//! 1. the registration: not in the optimizer, or registered as frozen
+//!    (`requires_grad: false`) although gradients arrive → `not_in_optimizer`; the
+//!    parameter group's lr is 0 → `zero_lr`;
+//! 2. the intended update (protocol v1.1), exact: every element whose intended update
+//!    was non-zero kept its stored value (`rounded_away == intended_nonzero`), or the
+//!    largest intended update is under a quarter of the weight's spacing → certainly
+//!    `low_precision_underflow`; an intended update of a full spacing or more → not
+//!    rounding;
+//! 3. without it, a bound: for the Adam family an element moves by `lr·|m̂/√v̂|`, at
+//!    most about `lr·(1 + wd·|w|)` and often far less with noisy gradients; if even
+//!    that bound is below half the spacing, rounding is certain, otherwise the server
+//!    cannot know and says so (cause `unknown`, naming what would decide it). For SGD
+//!    the step is estimated as `lr × the RMS gradient element`. Other optimizers
+//!    (Adagrad, RMSprop, Muon, …) have no step model here: only intended updates
+//!    decide for them.
 //!
 //! One alert per group: the weights of a group freeze together (one dtype, one lr).
+//! The threshold counts step numbers: a weight frozen on every report from step 10
+//! to step 29 has been frozen for 20 steps whether the client reported every step or
+//! every fifth.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::context::{NormParam, RunContext};
+use super::context::{NormParam, OptimizerFamily, RunContext};
 use super::precision::{describe_magnitude, smallest_change};
 use super::{AlertKind, Opened, Severity, StepView, Transition, name_list, sci, step_range};
 
@@ -28,8 +44,16 @@ pub struct FrozenNormWeight {
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 struct Streak {
+    /// Reports in the streak (for texts).
     len: u32,
     first_step: u64,
+}
+
+impl Streak {
+    /// Steps the streak spans, by step number.
+    fn span(&self, step: u64) -> u64 {
+        step - self.first_step + 1
+    }
 }
 
 /// What one frozen weight looked like on the step its streak reached the threshold.
@@ -38,6 +62,11 @@ struct Frozen<'a> {
     info: &'a NormParam,
     grad_norm: f64,
     mean: Option<f64>,
+    lr: Option<f64>,
+    intended_norm: Option<f64>,
+    intended_max_ulp: Option<f64>,
+    intended_nonzero: Option<u64>,
+    rounded_away: Option<u64>,
     streak: Streak,
 }
 
@@ -45,8 +74,7 @@ impl FrozenNormWeight {
     pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
         let (context, record) = (view.context, view.record);
         let step = record.step;
-        let threshold = context.thresholds.frozen_norm_steps;
-        let lr = record.lr.map(|f| f.get()).or(context.optimizer.lr);
+        let threshold = u64::from(context.thresholds.frozen_norm_steps);
         let mut reached: BTreeMap<&str, Vec<Frozen<'_>>> = BTreeMap::new();
         let mut thawed_groups: Vec<&str> = Vec::new();
         for param in &record.params {
@@ -61,7 +89,7 @@ impl FrozenNormWeight {
                 if self
                     .params
                     .remove(&param.name)
-                    .is_some_and(|s| s.len >= threshold)
+                    .is_some_and(|s| s.span(step.saturating_sub(1)) >= threshold)
                 {
                     thawed_groups.push(&info.group);
                 }
@@ -72,12 +100,17 @@ impl FrozenNormWeight {
                 streak.first_step = step;
             }
             streak.len += 1;
-            if streak.len >= threshold {
+            if streak.span(step) >= threshold {
                 reached.entry(&info.group).or_default().push(Frozen {
                     name: &param.name,
                     info,
                     grad_norm: grad.get(),
                     mean: param.mean.map(|m| m.get()),
+                    lr: context.optimizer.lr_of(info.param_group.as_deref(), record),
+                    intended_norm: param.intended_update_norm.map(|f| f.get()),
+                    intended_max_ulp: param.intended_update_max_ulp.map(|f| f.get()),
+                    intended_nonzero: param.intended_nonzero,
+                    rounded_away: param.rounded_away,
                     streak: streak.clone(),
                 });
             }
@@ -85,7 +118,7 @@ impl FrozenNormWeight {
         // An episode ends when none of its group's weights is frozen any longer.
         for group in thawed_groups {
             let still_frozen = self.params.iter().any(|(name, s)| {
-                s.len >= threshold
+                s.span(step) >= threshold
                     && context
                         .norm_params
                         .get(name)
@@ -104,44 +137,104 @@ impl FrozenNormWeight {
                 continue;
             }
             self.open_groups.insert(group.to_owned(), step);
-            out.push(open(context, group, &frozen, lr, step));
+            out.push(open(context, group, &frozen, step));
         }
     }
 }
 
 /// Why the updates are exactly zero, with the numbers that say so.
 enum Verdict {
+    /// Registered as frozen, yet gradients arrive: unfrozen without the optimizer.
+    UnfrozenOutsideOptimizer,
     NotInOptimizer,
     ZeroLr,
-    Underflow {
+    Underflow(Basis),
+    Unknown(String),
+}
+
+/// What proves rounding.
+enum Basis {
+    /// The client counted it: every element with a non-zero intended update kept
+    /// its stored value.
+    Counted {
+        rounded: u64,
+        max_ulp: Option<f64>,
+        intended_norm: Option<f64>,
+    },
+    /// The client's largest intended update is under a quarter of the spacing.
+    Ratio { max_ulp: f64 },
+    /// Even the optimizer's largest plausible step is under half the spacing.
+    Bound {
         step_size: f64,
         smallest: f64,
         magnitude: f64,
     },
-    Unknown(String),
 }
 
 impl Verdict {
     fn cause(&self) -> &'static str {
         match self {
-            Verdict::NotInOptimizer => "not_in_optimizer",
+            Verdict::NotInOptimizer | Verdict::UnfrozenOutsideOptimizer => "not_in_optimizer",
             Verdict::ZeroLr => "zero_lr",
-            Verdict::Underflow { .. } => "low_precision_underflow",
+            Verdict::Underflow(_) => "low_precision_underflow",
             Verdict::Unknown(_) => "unknown",
         }
     }
 }
 
-fn verdict(context: &RunContext, example: &Frozen<'_>, lr: Option<f64>) -> Verdict {
+/// Below this many ulps (the spacing above the weight) an update rounds away in
+/// either direction: at a power of two the spacing below is half the one above.
+const CERTAIN_ULP: f64 = 0.25;
+/// At this many ulps or more an update always changes the stored value.
+const MOVES_ULP: f64 = 1.0;
+
+fn verdict(context: &RunContext, example: &Frozen<'_>) -> Verdict {
+    if !example.info.requires_grad {
+        return Verdict::UnfrozenOutsideOptimizer;
+    }
     if !example.info.in_optimizer {
         return Verdict::NotInOptimizer;
     }
-    let Some(lr) = lr else {
-        return Verdict::Unknown("the run reports no learning rate".into());
-    };
-    if lr == 0.0 {
+    if example.lr == Some(0.0) {
         return Verdict::ZeroLr;
     }
+    if let (Some(nonzero), Some(rounded)) = (example.intended_nonzero, example.rounded_away) {
+        if nonzero == 0 {
+            return Verdict::Unknown(
+                "the optimizer computed an update of exactly 0 for every element \
+                 (intended_nonzero 0), so nothing was rounded away: its state or this \
+                 parameter group's settings make it step by nothing"
+                    .into(),
+            );
+        }
+        if rounded == nonzero {
+            return Verdict::Underflow(Basis::Counted {
+                rounded,
+                max_ulp: example.intended_max_ulp,
+                intended_norm: example.intended_norm,
+            });
+        }
+        return Verdict::Unknown(format!(
+            "{rounded} of the {nonzero} elements with a non-zero intended update were rounded \
+             away, yet update_norm is 0: the computed update is not reaching these tensors"
+        ));
+    }
+    if let Some(max_ulp) = example.intended_max_ulp {
+        if max_ulp < CERTAIN_ULP {
+            return Verdict::Underflow(Basis::Ratio { max_ulp });
+        }
+        if max_ulp >= MOVES_ULP {
+            return Verdict::Unknown(format!(
+                "the optimizer meant to move some elements by {} ulp, which no rounding \
+                 undoes, so rounding is excluded: the computed update is not reaching these \
+                 tensors",
+                sci(max_ulp)
+            ));
+        }
+    }
+    let Some(lr) = example.lr else {
+        return Verdict::Unknown("the run reports no learning rate".into());
+    };
     let Some(dtype) = example.info.dtype else {
         return Verdict::Unknown("the registration gives no dtype for these weights".into());
     };
@@ -152,41 +245,67 @@ fn verdict(context: &RunContext, example: &Frozen<'_>, lr: Option<f64>) -> Verdi
         return Verdict::Unknown(format!("their mean is {}", sci(mean)));
     };
     let optimizer = &context.optimizer;
-    // Adam-family: an element moves by about lr·|m̂/√v̂| ≤ lr, plus decoupled weight
-    // decay lr·wd·|w|. Otherwise (SGD): lr times the gradient's RMS element.
-    let step_size = if optimizer.normalises_gradient {
-        lr * (1.0 + optimizer.weight_decay * mean.abs())
-    } else {
-        let numel = example.info.numel.unwrap_or(1).max(1) as f64;
-        lr * example.grad_norm / numel.sqrt()
-    };
-    if step_size <= smallest {
-        Verdict::Underflow {
-            step_size,
-            smallest,
-            magnitude: mean,
+    let wd = optimizer.weight_decay_of(example.info.param_group.as_deref());
+    let ask = "send the intended update (protocol v1.1: intended_update_max_ulp, \
+               rounded_away) to decide";
+    match optimizer.family {
+        OptimizerFamily::Adam => {
+            // An element moves by lr·|m̂/√v̂| (about lr at most) plus decoupled weight
+            // decay lr·wd·|w|.
+            let bound = lr * (1.0 + wd * mean.abs());
+            if bound <= smallest {
+                Verdict::Underflow(Basis::Bound {
+                    step_size: bound,
+                    smallest,
+                    magnitude: mean,
+                })
+            } else {
+                Verdict::Unknown(format!(
+                    "rounding may explain it but the numbers sent cannot tell: {}'s step is at \
+                     most about lr·(1 + wd·|w|) ≈ {}, above {}, the smallest change {} can make \
+                     {}, but its real step lr·m̂/(√v̂+ε) is often far smaller with noisy \
+                     gradients; {ask}",
+                    optimizer.display_name,
+                    sci(bound),
+                    sci(smallest),
+                    dtype.as_str(),
+                    describe_magnitude(mean)
+                ))
+            }
         }
-    } else {
-        Verdict::Unknown(format!(
-            "{} step ≈ {} is above {}, the smallest change {} can make {}, so rounding does not explain it",
-            optimizer.display_name,
-            sci(step_size),
-            sci(smallest),
-            dtype.as_str(),
-            describe_magnitude(mean)
-        ))
+        OptimizerFamily::Sgd => {
+            let numel = example.info.numel.unwrap_or(1).max(1) as f64;
+            let estimate = lr * example.grad_norm / numel.sqrt();
+            if estimate <= smallest {
+                Verdict::Underflow(Basis::Bound {
+                    step_size: estimate,
+                    smallest,
+                    magnitude: mean,
+                })
+            } else {
+                Verdict::Unknown(format!(
+                    "{}'s step ≈ lr × the RMS gradient element ≈ {} is above {}, the smallest \
+                     change {} can make {}, so rounding does not explain a plain SGD step; \
+                     momentum or clipping would change that, so {ask}",
+                    optimizer.display_name,
+                    sci(estimate),
+                    sci(smallest),
+                    dtype.as_str(),
+                    describe_magnitude(mean)
+                ))
+            }
+        }
+        OptimizerFamily::Other => Verdict::Unknown(format!(
+            "gradflow has no model of {}'s step size; {ask}",
+            optimizer.display_name
+        )),
     }
 }
 
-fn open(
-    context: &RunContext,
-    group: &str,
-    frozen: &[Frozen<'_>],
-    lr: Option<f64>,
-    step: u64,
-) -> Transition {
+fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> Transition {
     let example = &frozen[0];
-    let verdict = verdict(context, example, lr);
+    let lr = example.lr;
+    let verdict = verdict(context, example);
     let total = context
         .norm_params
         .values()
@@ -209,19 +328,41 @@ fn open(
         step_range(example.streak.first_step, step),
     );
     let (title, fix) = match &verdict {
-        Verdict::Underflow {
-            step_size,
-            smallest,
-            magnitude,
-        } => {
-            detail.push_str(&format!(
-                "{} step ≈ {} < {}, the smallest change {dtype} can make {}: every update rounds \
-                 away, so the weights never move although gradients flow.",
-                context.optimizer.display_name,
-                sci(*step_size),
-                sci(*smallest),
-                describe_magnitude(*magnitude),
-            ));
+        Verdict::Underflow(basis) => {
+            detail.push_str(&match basis {
+                Basis::Counted {
+                    rounded,
+                    max_ulp,
+                    intended_norm,
+                } => format!(
+                    "{} meant to change {rounded} elements (intended update norm {}, the largest \
+                     {} of an ulp), and every one of them kept its stored value: each update is \
+                     below half the spacing of {dtype} at the weight, so it rounds away and the \
+                     weights never move although gradients flow.",
+                    context.optimizer.display_name,
+                    intended_norm.map_or("not reported".to_owned(), sci),
+                    max_ulp.map_or("not reported".to_owned(), sci),
+                ),
+                Basis::Ratio { max_ulp } => format!(
+                    "{}'s largest intended update is {} of an ulp of {dtype} at the weight, under \
+                     the quarter ulp below which every update rounds away, so the weights never \
+                     move although gradients flow.",
+                    context.optimizer.display_name,
+                    sci(*max_ulp),
+                ),
+                Basis::Bound {
+                    step_size,
+                    smallest,
+                    magnitude,
+                } => format!(
+                    "{} step ≈ {} < {}, the smallest change {dtype} can make {}: every update \
+                     rounds away, so the weights never move although gradients flow.",
+                    context.optimizer.display_name,
+                    sci(*step_size),
+                    sci(*smallest),
+                    describe_magnitude(*magnitude),
+                ),
+            });
             (
                 format!("Norm weights of {group} are frozen: {dtype} rounds every update away"),
                 format!(
@@ -231,6 +372,21 @@ fn open(
                      optimizer with Kahan summation or stochastic rounding. Raising the learning \
                      rate until updates exceed half an ulp is not a fix."
                 ),
+            )
+        }
+        Verdict::UnfrozenOutsideOptimizer => {
+            detail.push_str(
+                "They were registered as frozen (requires_grad false), yet their records carry \
+                 gradients: something unfroze them after registration without adding them to \
+                 the optimizer, so nothing updates them.",
+            );
+            (
+                format!("Norm weights of {group} are frozen: unfrozen outside the optimizer"),
+                "After setting requires_grad=True on parameters the optimizer was built without, \
+                 add them to it (optimizer.add_param_group({'params': [...]})), or rebuild the \
+                 optimizer. A client that can send registration amendments (protocol v1.1) \
+                 lets gradflow say this on the step it happens."
+                    .to_owned(),
             )
         }
         Verdict::NotInOptimizer => {
@@ -245,7 +401,8 @@ fn open(
             )
         }
         Verdict::ZeroLr => {
-            detail.push_str("The learning rate is 0, so every update is 0.");
+            detail
+                .push_str("The learning rate of their parameter group is 0, so every update is 0.");
             (
                 format!("Norm weights of {group} are frozen: learning rate is 0"),
                 "Check the scheduler (a warm-up that starts at 0 and never rises, a decay that \
@@ -274,14 +431,29 @@ fn open(
         "mean": example.mean,
         "grad_norm": example.grad_norm,
     });
-    if let Verdict::Underflow {
-        step_size,
-        smallest,
-        ..
-    } = verdict
-    {
-        evidence["update_estimate"] = json!(step_size);
-        evidence["smallest_change"] = json!(smallest);
+    match verdict {
+        Verdict::Underflow(Basis::Bound {
+            step_size,
+            smallest,
+            ..
+        }) => {
+            evidence["update_estimate"] = json!(step_size);
+            evidence["smallest_change"] = json!(smallest);
+            evidence["basis"] = json!("lr_bound");
+        }
+        Verdict::Underflow(Basis::Counted { rounded, .. }) => {
+            evidence["basis"] = json!("rounded_away");
+            evidence["rounded_away"] = json!(rounded);
+        }
+        Verdict::Underflow(Basis::Ratio { .. }) => {
+            evidence["basis"] = json!("intended_update_max_ulp");
+        }
+        _ => {}
+    }
+    if example.intended_max_ulp.is_some() {
+        evidence["intended_update_max_ulp"] = json!(example.intended_max_ulp);
+        evidence["intended_update_norm"] = json!(example.intended_norm);
+        evidence["intended_nonzero"] = json!(example.intended_nonzero);
     }
     Transition::Open(Opened {
         kind: AlertKind::NormWeightFrozen,
@@ -375,14 +547,17 @@ mod tests {
 
     #[test]
     fn the_same_dtype_with_other_numbers_gets_another_cause() {
-        // bf16 at 1.0 with lr 0.05: updates would survive.
+        // bf16 at 1.0 with lr 0.05: Adam's step could be large enough, or far smaller;
+        // without intended updates the server says it cannot tell, and what would.
         let (_, o) = cause_of(&context("bf16", 0.05, "adamw", true), 1.0, None);
         assert_eq!(o.evidence["cause"], "unknown");
-        assert!(
-            o.detail.contains("rounding does not explain it"),
-            "{}",
-            o.detail
-        );
+        assert!(o.detail.contains("cannot tell"), "{}", o.detail);
+        assert!(o.detail.contains("rounded_away"), "{}", o.detail);
+        assert!(!o.detail.contains("does not explain"), "{}", o.detail);
+        // An optimizer gradflow has no step model for is not taken for SGD.
+        let (_, o) = cause_of(&context("bf16", 1e-9, "Adagrad", true), 1.0, None);
+        assert_eq!(o.evidence["cause"], "unknown");
+        assert!(o.detail.contains("no model of Adagrad"), "{}", o.detail);
         // bf16 near 0.1 with lr 3e-4: the spacing there is 2^-11.
         let (_, o) = cause_of(&context("bf16", 3e-4, "adamw", true), 0.1, None);
         assert_eq!(o.evidence["cause"], "unknown");
@@ -424,6 +599,129 @@ mod tests {
             .map(|s| step(s, if s % 3 == 0 { 1e-4 } else { 0.0 }, 1.0, None))
             .collect();
         assert!(run(&ctx, &flicker).is_empty());
+    }
+
+    /// Six frozen steps of both norm weights with the given intended-update fields.
+    fn intended_cause(ctx: &RunContext, fields: Value) -> Opened {
+        let records: Vec<StepRecord> = (0..6)
+            .map(|s| {
+                let mut r = serde_json::to_value(step(s, 0.0, 1.0, None)).unwrap();
+                for p in r["params"].as_array_mut().unwrap() {
+                    for (k, v) in fields.as_object().unwrap() {
+                        p[k] = v.clone();
+                    }
+                }
+                serde_json::from_value(r).unwrap()
+            })
+            .collect();
+        let t = run(ctx, &records);
+        match &t[..] {
+            [(_, Transition::Open(o))] => o.clone(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn intended_updates_decide_where_lr_cannot() {
+        // bf16 at lr 2e-2: the lr bound (2e-2) is far above half an ulp at 1.0, yet
+        // Adam's real steps with noisy gradients were tiny: the client's count proves
+        // rounding.
+        let ctx = context("bf16", 2e-2, "adamw", true);
+        let o = intended_cause(
+            &ctx,
+            json!({"intended_update_norm": 4.4e-3, "intended_update_max_ulp": 0.31,
+                   "intended_nonzero": 896, "rounded_away": 896}),
+        );
+        assert_eq!(o.evidence["cause"], "low_precision_underflow");
+        assert_eq!(o.evidence["basis"], "rounded_away");
+        assert!(
+            o.detail.contains("meant to change 896 elements"),
+            "{}",
+            o.detail
+        );
+        // Only the ratio: under a quarter ulp is certain.
+        let o = intended_cause(&ctx, json!({"intended_update_max_ulp": 0.1}));
+        assert_eq!(o.evidence["cause"], "low_precision_underflow");
+        assert_eq!(o.evidence["basis"], "intended_update_max_ulp");
+        // A full ulp or more: rounding is excluded, whatever the lr says.
+        let ctx_small_lr = context("bf16", 3e-4, "adamw", true);
+        let o = intended_cause(&ctx_small_lr, json!({"intended_update_max_ulp": 3.0}));
+        assert_eq!(o.evidence["cause"], "unknown");
+        assert!(o.detail.contains("rounding is excluded"), "{}", o.detail);
+        // Some elements were not rounded away and still nothing moved: not rounding.
+        let o = intended_cause(
+            &ctx,
+            json!({"intended_update_max_ulp": 0.4, "intended_nonzero": 896, "rounded_away": 100}),
+        );
+        assert_eq!(o.evidence["cause"], "unknown");
+        // f32 and f16 weights with the client's count.
+        for dtype in ["f32", "f16"] {
+            let o = intended_cause(
+                &context(dtype, 1e-9, "sgd", true),
+                json!({"intended_update_max_ulp": 0.2, "intended_nonzero": 4, "rounded_away": 4}),
+            );
+            assert_eq!(o.evidence["cause"], "low_precision_underflow", "{dtype}");
+        }
+    }
+
+    #[test]
+    fn the_parameter_groups_own_lr_decides_zero_lr() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "precision": {"param_dtype": "f32"},
+            "optimizer": {"name": "adamw", "lr": 1e-3, "param_groups": [
+                {"name": "decay", "lr": 1e-3}, {"name": "no_decay", "lr": 0.0}]},
+            "params": [
+                {"name": "qwen.layers.0.input_layernorm.weight", "role": "norm", "shape": [896], "param_group": "no_decay"},
+                {"name": "qwen.norm.weight", "role": "norm", "shape": [896], "param_group": "no_decay"}
+            ]
+        }))
+        .unwrap();
+        let ctx = RunContext::new(
+            &registration,
+            Thresholds {
+                frozen_norm_steps: 4,
+                ..Thresholds::default()
+            },
+        );
+        let (_, o) = cause_of(&ctx, 1.0, Some(1e-3));
+        assert_eq!(o.evidence["cause"], "zero_lr", "{}", o.detail);
+    }
+
+    #[test]
+    fn a_weight_registered_frozen_that_gets_gradients_was_unfrozen_outside_the_optimizer() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "precision": {"param_dtype": "f32"},
+            "optimizer": {"name": "adamw", "lr": 1e-3},
+            "params": [
+                {"name": "qwen.norm.weight", "role": "norm", "requires_grad": false, "in_optimizer": false}
+            ]
+        }))
+        .unwrap();
+        let ctx = RunContext::new(
+            &registration,
+            Thresholds {
+                frozen_norm_steps: 4,
+                ..Thresholds::default()
+            },
+        );
+        let (_, o) = cause_of(&ctx, 1.0, None);
+        assert_eq!(o.evidence["cause"], "not_in_optimizer");
+        assert!(
+            o.title.contains("unfrozen outside the optimizer"),
+            "{}",
+            o.title
+        );
+    }
+
+    #[test]
+    fn the_threshold_counts_step_numbers_not_reports() {
+        let ctx = context("bf16", 3e-4, "adamw", true);
+        // Reported every 2nd step: the 4-step threshold is reached at step 3 whether
+        // or not steps 1 and 3 were reported.
+        let sparse: Vec<_> = (0..8).step_by(2).map(|s| step(s, 0.0, 1.0, None)).collect();
+        let t = run(&ctx, &sparse);
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert_eq!(t[0].0, 4, "step 4 is the first report at or past step 3");
     }
 
     #[test]

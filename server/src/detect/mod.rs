@@ -15,7 +15,8 @@
 //! - [`scaler_overflow`]: `scaler_overflow_streak`, `found_inf` K steps running.
 //! - [`grad_nonfinite`]: `grad_nonfinite`, NaN/Inf gradients the scaler did not catch.
 //! - [`loss_nonfinite`]: `loss_nonfinite`, a NaN or infinite loss.
-//! - [`explosion`]: `grad_explosion`, a group's norm far above its running median.
+//! - [`loss_divergence`]: `loss_divergence`, the loss running away from its start.
+//! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
 //! - [`unused`]: `unused_parameters`, trainable modules no step ever reports.
 //! - [`registration`]: the checks made once, at registration: `scaler_bf16_incompatible`,
@@ -27,6 +28,7 @@ pub mod context;
 pub mod explosion;
 pub mod frozen_norm;
 pub mod grad_nonfinite;
+pub mod loss_divergence;
 pub mod loss_nonfinite;
 pub mod precision;
 pub mod registration;
@@ -40,6 +42,66 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use context::RunContext;
+
+#[cfg(test)]
+mod amendment_tests {
+    use super::*;
+    use gradflow_protocol::RunRegistration;
+
+    fn context(value: serde_json::Value) -> RunContext {
+        let registration: RunRegistration = serde_json::from_value(value).unwrap();
+        RunContext::new(&registration, Thresholds::default())
+    }
+
+    #[test]
+    fn a_late_unfreeze_outside_the_optimizer_opens_on_the_amendment_step() {
+        let before = context(serde_json::json!({"params": [
+            {"name": "agent.head.weight"},
+            {"name": "qwen.layers.0.mlp.up_proj.weight", "requires_grad": false, "in_optimizer": false}
+        ]}));
+        let after = context(serde_json::json!({"params": [
+            {"name": "agent.head.weight"},
+            {"name": "qwen.layers.0.mlp.up_proj.weight", "requires_grad": true, "in_optimizer": false}
+        ]}));
+        let mut detectors = DetectorSet::default();
+        let t = detectors.on_amendment(&before, &after, 30);
+        let [Transition::Open(o)] = &t[..] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(
+            (o.kind, o.subject.as_str()),
+            (AlertKind::ParamNotInOptimizer, "qwen")
+        );
+        assert_eq!((o.first_step, o.step), (Some(30), Some(30)));
+        assert!(o.detail.starts_with("From step 30"), "{}", o.detail);
+        // Unfrozen into the optimizer: nothing to say.
+        let fine = context(serde_json::json!({"params": [
+            {"name": "agent.head.weight"},
+            {"name": "qwen.layers.0.mlp.up_proj.weight"}
+        ]}));
+        assert!(detectors.on_amendment(&before, &fine, 30).is_empty());
+        // Adapters cast to bf16 under a loss scaler: the GradScaler failure's
+        // precondition, on the step it appears.
+        let scaled = |dtype: &str| {
+            context(serde_json::json!({
+                "precision": {"param_dtype": "f32", "loss_scaler": "dynamic"},
+                "params": [{"name": "agent.lora_a.weight", "dtype": dtype}]
+            }))
+        };
+        let t = detectors.on_amendment(&scaled("f32"), &scaled("bf16"), 10);
+        let kinds: Vec<AlertKind> = t
+            .iter()
+            .filter_map(|t| match t {
+                Transition::Open(o) => Some(o.kind),
+                Transition::Resolve { .. } => None,
+            })
+            .collect();
+        assert!(
+            kinds.contains(&AlertKind::ScalerBf16Incompatible),
+            "{kinds:?}"
+        );
+    }
+}
 
 use context::ModuleInfo;
 use gradflow_protocol::ModuleStep;
@@ -108,10 +170,11 @@ pub enum AlertKind {
     GradExplosion,
     GradVanishing,
     UnusedParameters,
+    LossDivergence,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 11] = [
+    pub const ALL: [AlertKind; 12] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -123,6 +186,7 @@ impl AlertKind {
         AlertKind::GradExplosion,
         AlertKind::GradVanishing,
         AlertKind::UnusedParameters,
+        AlertKind::LossDivergence,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -138,6 +202,7 @@ impl AlertKind {
             AlertKind::GradExplosion => "grad_explosion",
             AlertKind::GradVanishing => "grad_vanishing",
             AlertKind::UnusedParameters => "unused_parameters",
+            AlertKind::LossDivergence => "loss_divergence",
         }
     }
 
@@ -213,6 +278,7 @@ pub struct DetectorSet {
     pub explosion: explosion::GradExplosion,
     pub vanishing: vanishing::GradVanishing,
     pub unused: unused::UnusedParameters,
+    pub loss_divergence: loss_divergence::LossDivergence,
 }
 
 impl DetectorSet {
@@ -221,6 +287,8 @@ impl DetectorSet {
         let step = StepView::new(context, record);
         let mut transitions = Vec::new();
         self.loss_nonfinite.on_step(record, &mut transitions);
+        self.loss_divergence
+            .on_step(context, record, &mut transitions);
         self.grad_nonfinite.on_step(&step, &mut transitions);
         self.stuck_zero.on_step(&step, &mut transitions);
         self.frozen_norm.on_step(&step, &mut transitions);
@@ -232,16 +300,33 @@ impl DetectorSet {
     }
 
     /// Called when a v1.1 amendment changes the registration at `step`, before that
-    /// step's record is seen with `after`. Detectors whose verdicts depend on the
-    /// registration (optimizer membership, parameter groups, dtypes) react here.
+    /// step's record is seen with `after`. What the amended registration proves
+    /// wrong and the one before it did not (a parameter unfrozen outside the
+    /// optimizer, adapters cast to bf16 under a loss scaler) opens on that step.
     pub fn on_amendment(
         &mut self,
         before: &RunContext,
         after: &RunContext,
         step: u64,
     ) -> Vec<Transition> {
-        let _ = (before, after, step);
-        Vec::new()
+        let known: Vec<(AlertKind, String)> = registration::check(before)
+            .into_iter()
+            .map(|a| (a.kind, a.subject))
+            .collect();
+        registration::check(after)
+            .into_iter()
+            .filter(|a| !known.contains(&(a.kind, a.subject.clone())))
+            .map(|mut alert| {
+                alert.first_step = Some(step);
+                alert.step = Some(step);
+                alert.detail = format!(
+                    "From step {step}, where the client amended the registration: {}",
+                    alert.detail
+                );
+                alert.evidence["amended_at"] = serde_json::json!(step);
+                Transition::Open(alert)
+            })
+            .collect()
     }
 }
 
