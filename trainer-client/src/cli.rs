@@ -12,7 +12,7 @@ use crate::train::Faults;
 /// gradflow-trainer: trains a Qwen2 + agent hybrid model on ARC-like tasks and
 /// streams gradient-flow telemetry to a gradflow server. `--scenario` reproduces a
 /// failure: healthy, prompt-caching, detached-prompt, bf16-frozen-norms,
-/// scaler-on-bf16, qwen-not-in-optimizer, fp16-overflow, nan-gradient.
+/// scaler-on-bf16, qwen-not-in-optimizer, fp16-overflow, nan-gradient, lr-too-high.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "gradflow-trainer", version, about, long_about = None)]
 pub struct Args {
@@ -70,6 +70,15 @@ pub struct Args {
     #[arg(long)]
     pub lr: Option<f64>,
 
+    /// How the learning rate moves: constant, or warmup-cosine (linear warm-up over
+    /// --warmup-steps, then cosine decay to a tenth of --lr at the last step).
+    #[arg(long, value_enum, default_value_t = ScheduleArg::Constant)]
+    pub lr_schedule: ScheduleArg,
+
+    /// Warm-up steps of --lr-schedule warmup-cosine.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+
     /// AdamW decoupled weight decay.
     #[arg(long, default_value_t = 0.01)]
     pub weight_decay: f64,
@@ -116,6 +125,12 @@ pub struct Args {
     /// Logs only, no progress bar.
     #[arg(long, short)]
     pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScheduleArg {
+    Constant,
+    WarmupCosine,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

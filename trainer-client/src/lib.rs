@@ -9,11 +9,13 @@
 //! - [`tasks`]: ARC-like tasks and the byte-level tokenizer.
 //! - [`train`]: one training step with precision, loss scaling, faults, and its
 //!   instrumentation into a step record.
+//! - [`optim`]: AdamW that also says what update it meant to apply.
 //! - [`scaler`]: `GradScaler`-style dynamic loss scaling.
 //! - [`overhead`]: what instrumentation costs a step, measured side by side.
 
 pub mod cli;
 pub mod model;
+pub mod optim;
 pub mod overhead;
 pub mod reporter;
 pub mod run;

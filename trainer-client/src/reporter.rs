@@ -273,11 +273,45 @@ impl Worker {
                 self.registered = false;
                 self.spool_batch(&batch);
             }
-            Err(PostError::Rejected(why)) => {
-                tracing::error!(records = batch.len(), "the server rejected a batch: {why}");
-                self.summary.rejected += batch.len() as u64;
+            Err(PostError::Rejected(why)) => match self.salvage(&batch, why) {
+                Ok(()) => {}
+                Err((PostError::Unregistered, unsent)) => {
+                    self.registered = false;
+                    self.spool_batch(&batch[unsent..]);
+                }
+                Err((PostError::Unavailable(why) | PostError::Rejected(why), unsent)) => {
+                    self.warn_unreachable(&why);
+                    self.spool_batch(&batch[unsent..]);
+                }
+            },
+        }
+    }
+
+    /// Delivers `records` after the server refused them as one batch (`why`): a
+    /// batch is all or nothing, so one bad value would cost every good record with
+    /// it. The halves are resent, recursively, until only the invalid records are
+    /// left out; they alone are counted as rejected. On a server that stops
+    /// answering meanwhile, says from which record on nothing was sent.
+    fn salvage(&mut self, records: &[StepRecord], why: String) -> Result<(), (PostError, usize)> {
+        if let [record] = records {
+            tracing::error!(
+                step = record.step,
+                "the server rejected a step record: {why}"
+            );
+            self.summary.rejected += 1;
+            return Ok(());
+        }
+        let (left, right) = records.split_at(records.len() / 2);
+        for (offset, half) in [(0, left), (left.len(), right)] {
+            match self.post(half) {
+                Ok(()) => {}
+                Err(PostError::Rejected(why)) => {
+                    self.salvage(half, why).map_err(|(e, i)| (e, offset + i))?;
+                }
+                Err(other) => return Err((other, offset)),
             }
         }
+        Ok(())
     }
 
     fn spool_batch(&mut self, batch: &[StepRecord]) {
@@ -318,14 +352,16 @@ impl Worker {
         for chunk in records.chunks(self.config.batch_size.max(1)) {
             match self.post(chunk) {
                 Ok(()) => sent += chunk.len(),
-                Err(PostError::Rejected(why)) => {
-                    tracing::error!(
-                        records = chunk.len(),
-                        "the server rejected spooled steps: {why}"
-                    );
-                    self.summary.rejected += chunk.len() as u64;
-                    sent += chunk.len();
-                }
+                Err(PostError::Rejected(why)) => match self.salvage(chunk, why) {
+                    Ok(()) => sent += chunk.len(),
+                    Err((error, unsent)) => {
+                        sent += unsent;
+                        if matches!(error, PostError::Unregistered) {
+                            self.registered = false;
+                        }
+                        break;
+                    }
+                },
                 Err(PostError::Unregistered) => {
                     self.registered = false;
                     break;

@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use candle_core::{DType, Device};
 use gradflow_protocol::{
-    Dtype, Float, LossScaler, Optimizer, ParamSpec, Precision, RunRegistration, Timestamp,
+    Dtype, Float, LossScaler, Optimizer, ParamGroup, ParamSpec, Precision, RunRegistration,
+    Timestamp,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -14,7 +15,7 @@ use crate::model::HybridModel;
 use crate::model::config::Preset;
 use crate::reporter::{Reporter, ReporterConfig, Summary};
 use crate::telemetry::Telemetry;
-use crate::train::{BETAS, EPS, TrainOptions, Trainer};
+use crate::train::{BETAS, EPS, LrSchedule, PARAM_GROUP, TrainOptions, Trainer};
 
 /// How a run ended.
 #[derive(Debug)]
@@ -70,7 +71,7 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
             shape: Some(p.var.dims().iter().map(|d| *d as u64).collect()),
             requires_grad: Some(true),
             in_optimizer: Some(p.in_optimizer),
-            param_group: None,
+            param_group: p.in_optimizer.then(|| PARAM_GROUP.to_owned()),
         })
         .collect();
     RunRegistration {
@@ -96,7 +97,13 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
             betas: Some([Float(BETAS.0), Float(BETAS.1)]),
             eps: Some(Float(EPS)),
             weight_decay: Some(Float(options.weight_decay)),
-            param_groups: Vec::new(),
+            param_groups: vec![ParamGroup {
+                name: PARAM_GROUP.to_owned(),
+                lr: Some(Float(options.lr)),
+                weight_decay: Some(Float(options.weight_decay)),
+                betas: Some([Float(BETAS.0), Float(BETAS.1)]),
+                eps: Some(Float(EPS)),
+            }],
             other: Default::default(),
         }),
         params,
@@ -128,6 +135,13 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         param_dtype: settings.param_dtype,
         compute_dtype: settings.compute_dtype,
         lr: settings.lr,
+        schedule: match args.lr_schedule {
+            cli::ScheduleArg::Constant => LrSchedule::Constant,
+            cli::ScheduleArg::WarmupCosine => LrSchedule::WarmupCosine {
+                warmup: args.warmup_steps,
+                total: args.steps,
+            },
+        },
         weight_decay: args.weight_decay,
         loss_scaler: settings.loss_scaler,
         growth_interval: args.scaler_growth_interval,

@@ -51,7 +51,7 @@ impl Scenario {
     }
 }
 
-pub const SCENARIOS: [Scenario; 8] = [
+pub const SCENARIOS: [Scenario; 9] = [
     Scenario {
         name: "healthy",
         symptom: "loss falls, every module gets a gradient, norm weights move",
@@ -109,6 +109,13 @@ pub const SCENARIOS: [Scenario; 8] = [
         min_steps: 32,
         stops_at_once: false,
     },
+    Scenario {
+        name: "lr-too-high",
+        symptom: "AdamW at lr 1.0: the loss jumps to ten times its starting value on step 1, and the blow-up leaves a module of the agent with a gradient of exactly 0 from then on",
+        alerts: &["loss_divergence", "grad_stuck_zero"],
+        min_steps: 5,
+        stops_at_once: false,
+    },
 ];
 
 pub fn names() -> Vec<&'static str> {
@@ -145,6 +152,7 @@ pub fn settings(name: &str) -> anyhow::Result<ScenarioSettings> {
             s.faults.activation_overflow = true;
         }
         "nan-gradient" => s.faults.nan_grad_at = Some(30),
+        "lr-too-high" => s.lr = 1.0,
         _ => {}
     }
     Ok(s)

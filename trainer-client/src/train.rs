@@ -9,12 +9,12 @@
 //! as PyTorch's `GradScaler.step` synchronises.
 
 use candle_core::{D, DType, Device, Tensor, Var};
-use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use gradflow_protocol::{Float, ModuleStep, ParamStep, Role, ScalerState, StepRecord, Timestamp};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use crate::model::HybridModel;
+use crate::optim::{AdamW, ParamsAdamW, intended_summary};
 use crate::scaler::LossScaler;
 use crate::tasks::{Batch, Task, Tokenizer};
 
@@ -41,7 +41,9 @@ pub struct TrainOptions {
     pub param_dtype: DType,
     /// Forward/backward dtype; a compute copy is cast each step when it differs.
     pub compute_dtype: DType,
+    /// The peak learning rate; `schedule` shapes it over the run.
     pub lr: f64,
+    pub schedule: LrSchedule,
     pub weight_decay: f64,
     pub loss_scaler: bool,
     pub growth_interval: u64,
@@ -62,6 +64,7 @@ impl TrainOptions {
             param_dtype,
             compute_dtype,
             lr: 3e-4,
+            schedule: LrSchedule::Constant,
             weight_decay: 0.01,
             loss_scaler: false,
             growth_interval: 2000,
@@ -72,6 +75,39 @@ impl TrainOptions {
         }
     }
 }
+
+/// How the learning rate moves over a run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LrSchedule {
+    Constant,
+    /// Linear warm-up from `lr / warmup` to `lr` over the first `warmup` steps, then
+    /// cosine decay to a tenth of `lr` at step `total − 1`: the common LLM schedule.
+    WarmupCosine {
+        warmup: u64,
+        total: u64,
+    },
+}
+
+impl LrSchedule {
+    /// The learning rate at `step` for a peak of `lr`.
+    pub fn lr_at(self, lr: f64, step: u64) -> f64 {
+        match self {
+            LrSchedule::Constant => lr,
+            LrSchedule::WarmupCosine { warmup, total } => {
+                if step < warmup {
+                    return lr * (step + 1) as f64 / warmup as f64;
+                }
+                let span = total.saturating_sub(warmup).saturating_sub(1).max(1);
+                let progress = ((step - warmup) as f64 / span as f64).min(1.0);
+                let floor = 0.1 * lr;
+                floor + (lr - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+        }
+    }
+}
+
+/// The name of the optimizer's one parameter group (PyTorch's index as text).
+pub const PARAM_GROUP: &str = "0";
 
 pub const BETAS: (f64, f64) = (0.9, 0.999);
 pub const EPS: f64 = 1e-8;
@@ -203,6 +239,8 @@ impl Trainer {
         let faults = self.options.faults.clone();
         let every = self.options.qwen_every.max(1);
         let run_qwen = every == 1 || step % every == 0 || self.cached_prompt.is_none();
+        let lr = self.options.schedule.lr_at(self.options.lr, step);
+        self.optimizer.set_learning_rate(lr);
         let prompt = if run_qwen {
             let prompt = self.model.prompt_embedding(&ids, dtype)?;
             let prompt = if faults.detach_prompt {
@@ -256,7 +294,7 @@ impl Trainer {
                 None => false,
             };
             if !skipped {
-                self.optimizer.step(&grads)?;
+                self.optimizer.step(&grads, &[])?;
             }
             return Ok(StepOutput {
                 loss: loss.to_scalar::<f32>()? as f64,
@@ -303,19 +341,32 @@ impl Trainer {
             }
             _ => (None, false),
         };
-        if !skipped {
-            self.optimizer.step(&grads)?;
-        }
+        let intended = if skipped {
+            vec![None; self.watched.len()]
+        } else {
+            let watch: Vec<&Var> = self.watched.iter().map(|w| &self.vars[w.param]).collect();
+            self.optimizer.step(&grads, &watch)?
+        };
 
         // Stage B: per watched norm weight, squared update, drift, mean — on the
-        // values in their own dtype (converting bf16 to f32 is exact).
-        let mut stage_b = Vec::with_capacity(self.watched.len() * 3);
-        for (w, before) in self.watched.iter().zip(&before) {
-            let after = self.vars[w.param].as_tensor().to_dtype(DType::F32)?;
+        // values in their own dtype (converting bf16 to f32 is exact) — then, where
+        // the optimizer updated it, the summary of its intended update.
+        let mut stage_b = Vec::with_capacity(self.watched.len() * 7);
+        for ((w, before), intended) in self.watched.iter().zip(&before).zip(&intended) {
+            let var = &self.vars[w.param];
+            let after = var.as_tensor().to_dtype(DType::F32)?;
+            let moved = (&after - &w.initial)?;
             stage_b.push((&after - before)?.sqr()?.sum_all()?.reshape(1)?);
-            stage_b.push((&after - &w.initial)?.abs()?.max_all()?.reshape(1)?);
+            // max_all skips NaN on CUDA (a NaN weight gave a drift of −Infinity):
+            // adding 0 × the sum brings any NaN or infinity back.
+            let poison = (moved.sum_all()? * 0.0)?;
+            stage_b.push((moved.abs()?.max_all()? + poison)?.reshape(1)?);
             stage_b.push(after.mean_all()?.reshape(1)?);
+            if let Some(intended) = intended {
+                stage_b.extend(intended_summary(intended, before, &after, var.dtype())?);
+            }
         }
+        let has_intended: Vec<bool> = intended.iter().map(Option::is_some).collect();
         let (host_a, host_b) = match stage_a_host {
             Some(a) => {
                 let b = if stage_b.is_empty() {
@@ -332,19 +383,30 @@ impl Trainer {
                 (all[..n].to_vec(), all[n..].to_vec())
             }
         };
-        Ok(self.record(step, &host_a, &host_b, &has_grad, found_inf, skipped))
+        let measured = Measured {
+            lr,
+            host_a: &host_a,
+            host_b: &host_b,
+            has_grad: &has_grad,
+            has_intended: &has_intended,
+        };
+        Ok(self.record(step, &measured, found_inf, skipped))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn record(
         &self,
         step: u64,
-        host_a: &[f32],
-        host_b: &[f32],
-        has_grad: &[bool],
+        measured: &Measured<'_>,
         found_inf: Option<bool>,
         skipped: bool,
     ) -> StepOutput {
+        let Measured {
+            lr,
+            host_a,
+            host_b,
+            has_grad,
+            has_intended,
+        } = *measured;
         let loss = host_a[0] as f64;
         let cells = (self.model.preset.batch * self.model.preset.agent.grid_side.pow(2)) as f64;
         let accuracy = host_a[1] as f64 / cells;
@@ -386,17 +448,28 @@ impl Trainer {
                 }
             })
             .collect();
+        let mut values = host_b.iter().map(|v| *v as f64);
         let param_steps: Vec<ParamStep> = self
             .watched
             .iter()
-            .enumerate()
-            .map(|(k, w)| ParamStep {
-                name: params[w.param].name.clone(),
-                grad_norm: sumsq[w.param].map(|s| Float(s.sqrt())),
-                update_norm: host_b.get(3 * k).map(|v| Float((*v as f64).sqrt())),
-                drift: host_b.get(3 * k + 1).map(|v| Float(*v as f64)),
-                mean: host_b.get(3 * k + 2).map(|v| Float(*v as f64)),
-                ..Default::default()
+            .zip(has_intended)
+            .map(|(w, &has_intended)| {
+                let mut next = || values.next();
+                let mut param = ParamStep {
+                    name: params[w.param].name.clone(),
+                    grad_norm: sumsq[w.param].map(|s| Float(s.sqrt())),
+                    update_norm: next().map(|v| norm(v.sqrt())),
+                    drift: next().map(norm),
+                    mean: next().map(Float),
+                    ..Default::default()
+                };
+                if has_intended {
+                    param.intended_update_norm = next().map(|v| norm(v.sqrt()));
+                    param.intended_update_max_ulp = next().map(norm);
+                    param.intended_nonzero = next().map(|v| v as u64);
+                    param.rounded_away = next().map(|v| v as u64);
+                }
+                param
             })
             .collect();
         let scaler = self.scaler.map(|s| ScalerState {
@@ -409,7 +482,8 @@ impl Trainer {
             step,
             time: Some(Timestamp::now()),
             loss: Some(Float(loss)),
-            lr: Some(Float(self.options.lr)),
+            lr: Some(Float(lr)),
+            lrs: [(PARAM_GROUP.to_owned(), Float(lr))].into_iter().collect(),
             modules,
             params: param_steps,
             scaler,
@@ -419,6 +493,7 @@ impl Trainer {
                 .collect(),
             // The reporter fills it in when its spool has dropped records.
             dropped_steps: None,
+            ..Default::default()
         };
         StepOutput {
             loss,
@@ -443,6 +518,26 @@ fn sum_of_squares(t: &Tensor) -> candle_core::Result<Tensor> {
     flat.reshape((1, n))?
         .matmul(&flat.reshape((n, 1))?)?
         .reshape(1)
+}
+
+/// What one step's transfers brought to the host.
+struct Measured<'a> {
+    lr: f64,
+    host_a: &'a [f32],
+    host_b: &'a [f32],
+    has_grad: &'a [bool],
+    /// Per watched parameter: whether `host_b` holds its intended-update summary.
+    has_intended: &'a [bool],
+}
+
+/// A norm-like reading as the protocol takes it: never negative. A reduction that
+/// went wrong on a non-finite input is sent as NaN, which is what it is.
+fn norm(value: f64) -> Float {
+    if value.is_nan() || value < 0.0 {
+        Float(f64::NAN)
+    } else {
+        Float(value)
+    }
 }
 
 /// Whether every gradient is finite (one reduction per gradient, one transfer).

@@ -1,0 +1,255 @@
+//! AdamW, as candle's `candle_nn::optim::AdamW` computes it (the same operations in
+//! the same order, in each parameter's own dtype, so training is unchanged), plus
+//! what candle's keeps private: the update it *meant* to apply.
+//!
+//! The intended update of a parameter is `−lr·λ·θ − lr·m̂/(√v̂ + ε)` evaluated in f32
+//! from the step's moments, before the result is written in the parameter's dtype.
+//! Comparing it with the parameter's spacing (its ulp) is what decides whether a
+//! weight that did not move was frozen by rounding (protocol v1.1's intended
+//! updates): Adam's step is often far below `lr`, so `lr` alone cannot decide.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Result, Tensor, Var};
+pub use candle_nn::optim::ParamsAdamW;
+
+struct VarAdamW {
+    var: Var,
+    first_moment: Var,
+    second_moment: Var,
+}
+
+pub struct AdamW {
+    vars: Vec<VarAdamW>,
+    step_t: usize,
+    params: ParamsAdamW,
+}
+
+impl AdamW {
+    pub fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<AdamW> {
+        let vars = vars
+            .into_iter()
+            .filter(|var| var.dtype().is_float())
+            .map(|var| {
+                let first_moment = Var::zeros(var.shape(), var.dtype(), var.device())?;
+                let second_moment = Var::zeros(var.shape(), var.dtype(), var.device())?;
+                Ok(VarAdamW {
+                    var,
+                    first_moment,
+                    second_moment,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(AdamW {
+            vars,
+            step_t: 0,
+            params,
+        })
+    }
+
+    pub fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr;
+    }
+
+    /// One optimizer step. For each var of `watch`, the update it meant to apply, in
+    /// f32 (`None`: the optimizer does not hold it, or it had no gradient).
+    pub fn step(&mut self, grads: &GradStore, watch: &[&Var]) -> Result<Vec<Option<Tensor>>> {
+        self.step_t += 1;
+        let ParamsAdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = self.params;
+        let lr_lambda = lr * weight_decay;
+        let scale_m = 1f64 / (1f64 - beta1.powi(self.step_t as i32));
+        let scale_v = 1f64 / (1f64 - beta2.powi(self.step_t as i32));
+        let mut intended = vec![None; watch.len()];
+        for state in &self.vars {
+            let theta = &state.var;
+            let Some(g) = grads.get(theta) else { continue };
+            let next_m = ((state.first_moment.as_tensor() * beta1)? + (g * (1.0 - beta1))?)?;
+            let next_v =
+                ((state.second_moment.as_tensor() * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let m_hat = (&next_m * scale_m)?;
+            let v_hat = (&next_v * scale_v)?;
+            if let Some(k) = watch.iter().position(|w| w.id() == theta.id()) {
+                let m_hat = m_hat.to_dtype(DType::F32)?;
+                let v_hat = v_hat.to_dtype(DType::F32)?;
+                let decay = (theta.as_tensor().to_dtype(DType::F32)? * (-lr_lambda))?;
+                let adam = ((m_hat / (v_hat.sqrt()? + eps)?)? * (-lr))?;
+                intended[k] = Some((decay + adam)?);
+            }
+            let next_theta = (theta.as_tensor() * (1f64 - lr_lambda))?;
+            let adjusted_grad = (m_hat / (v_hat.sqrt()? + eps)?)?;
+            let next_theta = (next_theta - (adjusted_grad * lr)?)?;
+            state.first_moment.set(&next_m)?;
+            state.second_moment.set(&next_v)?;
+            theta.set(&next_theta)?;
+        }
+        Ok(intended)
+    }
+}
+
+/// Explicit significand bits of a floating-point dtype.
+fn mantissa_bits(dtype: DType) -> i32 {
+    match dtype {
+        DType::BF16 => 7,
+        DType::F16 => 10,
+        DType::F64 => 52,
+        _ => 23,
+    }
+}
+
+/// The smallest normal magnitude of a dtype: below it the spacing stays constant.
+fn min_normal(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 6.103_515_625e-5,
+        DType::F64 => f64::MIN_POSITIVE,
+        _ => f32::MIN_POSITIVE as f64,
+    }
+}
+
+/// The summary of one intended update against the weights it was meant for, as four
+/// scalars on the device (each shape `[1]`): the update's squared norm, the largest
+/// |update| / ulp(weight) with the ulp in `dtype` at each weight's value before the
+/// step, how many elements had a non-zero intended update, and how many of those
+/// kept their stored value. `before` and `after` are the weights in f32 (exact for
+/// every narrower dtype). A non-finite update makes the ratio NaN, never a number
+/// that hides it.
+pub fn intended_summary(
+    intended: &Tensor,
+    before: &Tensor,
+    after: &Tensor,
+    dtype: DType,
+) -> Result<[Tensor; 4]> {
+    let squared = intended.sqr()?.sum_all()?.reshape(1)?;
+    // ulp(x) = 2^(floor(log2 |x|) − mantissa bits), for |x| at least the smallest
+    // normal value (the spacing of subnormals is that of the smallest normal).
+    let magnitude = before.abs()?.maximum(min_normal(dtype))?;
+    let exponent = (magnitude.log()? / std::f64::consts::LN_2)?.floor()?;
+    let ulp = ((exponent - mantissa_bits(dtype) as f64)? * std::f64::consts::LN_2)?.exp()?;
+    let ratio = (intended.abs()? / ulp)?;
+    // max_all skips NaN on some devices; adding 0 × the sum brings any NaN or
+    // infinity of the update back.
+    let poison = (intended.sum_all()? * 0.0)?;
+    let max_ratio = (ratio.max_all()? + poison)?.reshape(1)?;
+    let nonzero = intended.ne(0.0)?.to_dtype(DType::F32)?;
+    let unchanged = after.eq(before)?.to_dtype(DType::F32)?;
+    let count_nonzero = nonzero.sum_all()?.reshape(1)?;
+    let rounded_away = (nonzero * unchanged)?.sum_all()?.reshape(1)?;
+    Ok([squared, max_ratio, count_nonzero, rounded_away])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Applies `update` to `weights` stored in `dtype` and summarises it.
+    fn summary(weights: &[f32], update: &[f32], dtype: DType) -> [f32; 4] {
+        let device = Device::Cpu;
+        let stored = Tensor::new(weights, &device)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let before = stored.to_dtype(DType::F32).unwrap();
+        let update = Tensor::new(update, &device).unwrap();
+        let after = (&before + &update)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let parts = intended_summary(&update, &before, &after, dtype).unwrap();
+        let values: Vec<f32> = Tensor::cat(&parts, 0).unwrap().to_vec1().unwrap();
+        [values[0], values[1], values[2], values[3]]
+    }
+
+    #[test]
+    fn bf16_at_one_rounds_away_updates_below_half_an_ulp() {
+        // bf16 spacing just above 1.0 is 2^-7 = 7.8e-3; just below, 3.9e-3.
+        let [_, ratio, nonzero, rounded] = summary(&[1.0, 1.0], &[1e-3, -1e-3], DType::BF16);
+        assert!((ratio - 1e-3 / 7.8125e-3).abs() < 1e-4, "{ratio}");
+        assert_eq!((nonzero, rounded), (2.0, 2.0));
+        let [_, ratio, _, rounded] = summary(&[1.0], &[5e-3], DType::BF16);
+        assert!(ratio > 0.5, "{ratio}");
+        assert_eq!(rounded, 0.0, "5e-3 moves a bf16 1.0");
+    }
+
+    #[test]
+    fn smaller_weights_have_finer_spacing() {
+        // At 0.1 bf16's spacing is 2^-11 = 4.9e-4: 1e-3 moves it.
+        let [_, ratio, _, rounded] = summary(&[0.1], &[1e-3], DType::BF16);
+        assert!(ratio > 2.0, "{ratio}");
+        assert_eq!(rounded, 0.0);
+        // f16 at 1.0: spacing 2^-10 = 9.8e-4; 1e-4 rounds away, 1e-3 does not.
+        assert_eq!(summary(&[1.0], &[1e-4], DType::F16)[3], 1.0);
+        assert_eq!(summary(&[1.0], &[1e-3], DType::F16)[3], 0.0);
+        // f32 at 1.0: 1e-4 is far above its spacing of 1.2e-7.
+        let [_, ratio, _, rounded] = summary(&[1.0], &[1e-4], DType::F32);
+        assert!(ratio > 500.0, "{ratio}");
+        assert_eq!(rounded, 0.0);
+    }
+
+    #[test]
+    fn the_norm_counts_every_element_and_zero_updates_are_not_counted() {
+        let [squared, _, nonzero, rounded] =
+            summary(&[1.0, 1.0, 1.0], &[3e-4, 4e-4, 0.0], DType::BF16);
+        assert!((squared - 25e-8).abs() < 1e-10, "{squared}");
+        assert_eq!((nonzero, rounded), (2.0, 2.0));
+    }
+
+    #[test]
+    fn a_nan_update_makes_the_ratio_nan() {
+        let [_, ratio, _, _] = summary(&[1.0, 1.0], &[1e-3, f32::NAN], DType::BF16);
+        assert!(ratio.is_nan(), "{ratio}");
+    }
+
+    #[test]
+    fn the_step_matches_candles_adamw() {
+        let device = Device::Cpu;
+        let init = Tensor::new(&[1.0f32, -0.5, 0.25], &device).unwrap();
+        let ours = Var::from_tensor(&init).unwrap();
+        let theirs = Var::from_tensor(&init).unwrap();
+        let params = ParamsAdamW {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        let mut a = AdamW::new(vec![ours.clone()], params.clone()).unwrap();
+        let mut b = <candle_nn::optim::AdamW as candle_nn::optim::Optimizer>::new(
+            vec![theirs.clone()],
+            params,
+        )
+        .unwrap();
+        for _ in 0..3 {
+            let ga = ours
+                .as_tensor()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let intended = a.step(&ga, &[&ours]).unwrap();
+            assert!(intended[0].is_some());
+            let gb = theirs
+                .as_tensor()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            candle_nn::optim::Optimizer::step(&mut b, &gb).unwrap();
+        }
+        let x: Vec<f32> = ours.as_tensor().to_vec1().unwrap();
+        let y: Vec<f32> = theirs.as_tensor().to_vec1().unwrap();
+        assert_eq!(x, y, "training is unchanged");
+    }
+}
