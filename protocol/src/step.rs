@@ -202,7 +202,10 @@ impl StepRecord {
             check_norm(&path.field("grad_norm"), param.grad_norm)?;
             check_norm(&path.field("update_norm"), param.update_norm)?;
             check_norm(&path.field("drift"), param.drift)?;
-            check_norm(&path.field("intended_update_norm"), param.intended_update_norm)?;
+            check_norm(
+                &path.field("intended_update_norm"),
+                param.intended_update_norm,
+            )?;
             check_norm(
                 &path.field("intended_update_max_ulp"),
                 param.intended_update_max_ulp,

@@ -52,7 +52,11 @@ struct Streak {
 impl Streak {
     /// Steps the streak spans, by step number.
     fn span(&self, step: u64) -> u64 {
-        step - self.first_step + 1
+        if self.len == 0 {
+            0
+        } else {
+            step.saturating_sub(self.first_step) + 1
+        }
     }
 }
 

@@ -7,10 +7,17 @@
 //! streak of one, and a model that back-propagates into Qwen every 10th step (prompt
 //! caching) never gets past nine.
 //!
-//! A whole group stuck is one alert on the group. Modules are named individually
-//! only when their group as a whole is not stuck (a few dead modules inside a
-//! healthy group). Steps where an entity is not reported neither extend nor break
-//! its streak: "not measured" is not "zero".
+//! One root cause, one alert. A whole group stuck is one alert on the group. When
+//! more than [`MAX_MODULE_ALERTS`] modules of a group that is not stuck as a whole
+//! reach the threshold on the same step for the same cause (a cut below a shared
+//! embedding, a frozen tower inside a larger group), they are one alert on their
+//! common name prefix, listing them. Modules are named individually only when a few
+//! dead modules sit inside a healthy group.
+//!
+//! The threshold counts step numbers: a streak from step 0 reaches 50 steps on step
+//! 49 whether the client reported every step or every tenth. Steps where an entity
+//! is not reported neither extend nor break its streak: "not measured" is not
+//! "zero".
 
 use std::collections::BTreeMap;
 
@@ -21,10 +28,16 @@ use super::{
     AlertKind, GroupMap, Opened, RunContext, Severity, StepView, Transition, sci, step_range,
 };
 
+/// More modules of one group than this, stuck together, are one alert.
+pub const MAX_MODULE_ALERTS: usize = 3;
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct StuckZeroGrad {
     groups: BTreeMap<String, Streak>,
     modules: BTreeMap<String, Streak>,
+    /// Open alerts that stand for several modules: subject → the modules still stuck.
+    batches: BTreeMap<String, Vec<String>>,
 }
 
 /// A run of consecutive zero-gradient steps of one group or module.
@@ -37,6 +50,10 @@ struct Streak {
     /// Steps of the streak on which no gradient tensor existed (`null`).
     missing: u32,
     open: bool,
+    /// The subject of the alert this module's episode belongs to, when it is one
+    /// of several modules under a common alert.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    batch: Option<String>,
 }
 
 /// One step's reading of a group or module.
@@ -87,6 +104,15 @@ impl Cause {
 }
 
 impl Streak {
+    /// Steps the streak spans at `step`, by step number.
+    fn span(&self, step: u64) -> u64 {
+        if self.len == 0 {
+            0
+        } else {
+            step.saturating_sub(self.first_step) + 1
+        }
+    }
+
     /// Folds in one step; returns whether an open episode just ended.
     fn update(&mut self, step: u64, reading: Reading) -> bool {
         if !reading.zero {
@@ -108,7 +134,7 @@ impl StuckZeroGrad {
     pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
         let (context, record) = (view.context, view.record);
         let step = record.step;
-        let threshold = context.thresholds.stuck_zero_steps;
+        let threshold = u64::from(context.thresholds.stuck_zero_steps);
         let mut module_readings: Vec<(&str, &str, Reading)> = Vec::new();
         let mut group_readings: GroupMap<Option<Reading>> = GroupMap::default();
         for (module, info) in view.trainable_modules() {
@@ -136,7 +162,7 @@ impl StuckZeroGrad {
             if streak.update(step, reading) {
                 out.push(resolve(group, step));
             }
-            if streak.len >= threshold && !streak.open {
+            if streak.span(step) >= threshold && !streak.open {
                 streak.open = true;
                 let others = healthy_others(&group_readings, group);
                 out.push(open(
@@ -150,23 +176,125 @@ impl StuckZeroGrad {
                 ));
             }
         }
+        // Modules reaching the threshold this step, by group and cause.
+        let mut reached: BTreeMap<(&str, &'static str), Vec<&str>> = BTreeMap::new();
         for (module, group, reading) in module_readings {
             let Some(streak) = streak_for(&mut self.modules, module, reading) else {
                 continue;
             };
+            let batch = streak.batch.clone();
             if streak.update(step, reading) {
-                out.push(resolve(module, step));
+                match batch {
+                    Some(subject) => leave_batch(&mut self.batches, &subject, module, step, out),
+                    None => out.push(resolve(module, step)),
+                }
             }
             let group_stuck = self.groups.get(group).is_some_and(|g| g.open);
-            if streak.len >= threshold && !streak.open && !group_stuck {
-                streak.open = true;
-                out.push(open(context, module, Some(group), 1, streak, step, &[]));
+            if streak.span(step) >= threshold && !streak.open && !group_stuck {
+                reached
+                    .entry((group, Cause::of(streak).as_str()))
+                    .or_default()
+                    .push(module);
             }
+        }
+        for ((group, _), modules) in reached {
+            if modules.len() <= MAX_MODULE_ALERTS {
+                for module in modules {
+                    let streak = self.modules.get_mut(module).expect("streak just updated");
+                    streak.open = true;
+                    out.push(open(context, module, Some(group), 1, streak, step, &[]));
+                }
+                continue;
+            }
+            let subject = batch_subject(group, &modules);
+            let example = self.modules.get(modules[0]).expect("streak").clone();
+            for module in &modules {
+                let streak = self.modules.get_mut(*module).expect("streak just updated");
+                streak.open = true;
+                streak.batch = Some(subject.clone());
+            }
+            out.push(open_batch(
+                context, &subject, group, &modules, &example, step,
+            ));
+            self.batches
+                .insert(subject, modules.iter().map(|m| (*m).to_owned()).collect());
         }
         // Keep only what carries information: streaks in progress and open episodes.
         self.groups.retain(|_, s| s.len > 0 || s.open);
         self.modules.retain(|_, s| s.len > 0 || s.open);
     }
+}
+
+/// A module of a common alert has a gradient again; the alert resolves when none
+/// of its modules is stuck any more.
+fn leave_batch(
+    batches: &mut BTreeMap<String, Vec<String>>,
+    subject: &str,
+    module: &str,
+    step: u64,
+    out: &mut Vec<Transition>,
+) {
+    if let Some(members) = batches.get_mut(subject) {
+        members.retain(|m| m != module);
+        if members.is_empty() {
+            batches.remove(subject);
+            out.push(resolve(subject, step));
+        }
+    }
+}
+
+/// The subject of a common alert: the modules' longest common dotted prefix when
+/// it says more than the group (`model.layers`), else `{group}.*`.
+fn batch_subject(group: &str, modules: &[&str]) -> String {
+    let mut prefix: Vec<&str> = modules[0].split('.').collect();
+    for module in &modules[1..] {
+        let parts: Vec<&str> = module.split('.').collect();
+        let common = prefix
+            .iter()
+            .zip(&parts)
+            .take_while(|(a, b)| a == b)
+            .count();
+        prefix.truncate(common);
+    }
+    let prefix = prefix.join(".");
+    if prefix.is_empty() || prefix == group || !prefix.starts_with(group) {
+        format!("{group}.*")
+    } else {
+        prefix
+    }
+}
+
+/// One alert for many modules stuck together.
+fn open_batch(
+    context: &RunContext,
+    subject: &str,
+    group: &str,
+    modules: &[&str],
+    example: &Streak,
+    step: u64,
+) -> Transition {
+    let Transition::Open(mut alert) =
+        open(context, subject, None, modules.len(), example, step, &[])
+    else {
+        unreachable!("open() opens")
+    };
+    let total = context
+        .trainable_modules_per_group
+        .get(group)
+        .copied()
+        .unwrap_or(modules.len());
+    let first = alert.detail.find(" had gradient norm").unwrap_or(0);
+    alert.detail = format!(
+        "{} of the {total} trainable modules of {group} ({}){}",
+        modules.len(),
+        super::name_list(modules, 5),
+        &alert.detail[first..],
+    ) + " One cause is behind them all: they went to zero on the same step; the rest of the \
+       group still trains.";
+    alert.evidence["modules"] = json!(modules.len());
+    alert.evidence["module_names"] = json!(modules.iter().take(50).collect::<Vec<_>>());
+    alert.evidence["group"] = json!(group);
+    Transition::Open(alert)
 }
 
 /// The streak to update for a reading: the existing one, or a new one for a zero
@@ -229,7 +357,7 @@ fn open(
         Cause::BackwardNotReached => format!("Backward never reaches {subject}"),
         Cause::ZeroGradient => format!("Gradient of {subject} is exactly zero"),
         Cause::GradMissing => format!("{subject} gets no gradient"),
-    } + &format!(": gradient norm 0 for {} steps", streak.len);
+    } + &format!(": gradient norm 0 for {} steps", streak.span(step));
     let why = match cause {
         Cause::BackwardNotReached => {
             "Their backward hooks never fired (hook_hits 0): backward never reached them, \
@@ -244,9 +372,10 @@ fn open(
         }
     };
     let mut detail = format!(
-        "{what} had gradient norm 0.00e+00 or no gradient on each of the last {} reported steps \
-         ({}). {why}",
+        "{what} had gradient norm 0.00e+00 or no gradient on each of its {} reports over the \
+         last {} steps ({}). {why}",
         streak.len,
+        streak.span(step),
         step_range(streak.first_step, step),
     );
     if !others.is_empty() {
@@ -288,7 +417,8 @@ fn open(
         fix,
         evidence: json!({
             "cause": cause.as_str(),
-            "steps": streak.len,
+            "steps": streak.span(step),
+            "reports": streak.len,
             "first_step": streak.first_step,
             "modules": modules,
             "hooks_silent_steps": streak.hooks_silent,
@@ -496,6 +626,79 @@ mod tests {
             "{}",
             o.detail
         );
+    }
+
+    #[test]
+    fn many_modules_stuck_together_are_one_alert_with_real_hugging_face_names() {
+        // A Hugging Face model is one group (`model`); a cut below the shared
+        // embedding leaves every decoder layer at zero while lm_head still trains.
+        let mut params = vec![json!({"name": "lm_head.weight", "group": "model"})];
+        for layer in 0..8 {
+            for part in ["self_attn.q_proj", "mlp.up_proj"] {
+                params.push(json!({
+                    "name": format!("model.layers.{layer}.{part}.weight"),
+                    "group": "model"
+                }));
+            }
+        }
+        let registration: RunRegistration =
+            serde_json::from_value(json!({ "params": params })).unwrap();
+        let context = RunContext::new(
+            &registration,
+            Thresholds {
+                stuck_zero_steps: 5,
+                ..Thresholds::default()
+            },
+        );
+        let step = |s: u64, stuck: bool| -> StepRecord {
+            let mut modules = vec![json!({"module": "lm_head", "grad_norm": 0.7, "hook_hits": 1})];
+            for layer in 0..8 {
+                for part in ["self_attn.q_proj", "mlp.up_proj"] {
+                    let (norm, hits) = if stuck { (0.0, 0) } else { (0.1, 1) };
+                    modules.push(json!({"module": format!("model.layers.{layer}.{part}"),
+                                        "grad_norm": norm, "hook_hits": hits}));
+                }
+            }
+            serde_json::from_value(json!({"step": s, "modules": modules})).unwrap()
+        };
+        let mut records: Vec<StepRecord> = (0..8).map(|s| step(s, true)).collect();
+        records.push(step(8, false));
+        let mut detector = StuckZeroGrad::default();
+        let t = transitions(&records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        });
+        assert_eq!(t.len(), 2, "one alert and its resolution, not 16: {t:?}");
+        let o = opened(&t[0].1);
+        assert_eq!(o.subject, "model.layers");
+        assert_eq!(o.evidence["cause"], "backward_not_reached");
+        assert_eq!(o.evidence["modules"], 16);
+        assert!(
+            o.detail
+                .starts_with("16 of the 17 trainable modules of model"),
+            "{}",
+            o.detail
+        );
+        assert!(
+            matches!(&t[1], (8, Transition::Resolve { subject, .. }) if subject == "model.layers")
+        );
+    }
+
+    #[test]
+    fn thresholds_count_step_numbers_when_a_client_reports_every_tenth_step() {
+        let every: Vec<_> = (0..60).map(detached).collect();
+        let sparse: Vec<_> = (0..60).step_by(10).map(detached).collect();
+        let context = context();
+        let opened_at = |records: &[StepRecord]| {
+            let mut detector = StuckZeroGrad::default();
+            let t = transitions(records, |r, out| {
+                detector.on_step(&StepView::new(&context, r), out)
+            });
+            t.first().map(|(s, _)| *s)
+        };
+        // Threshold 5: every step opens on step 4; every tenth, on the first report
+        // at or after it.
+        assert_eq!(opened_at(&every), Some(4));
+        assert_eq!(opened_at(&sparse), Some(10));
     }
 
     #[test]
