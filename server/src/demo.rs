@@ -17,13 +17,14 @@ use crate::config::ServerConfig;
 use crate::startup::{Application, shutdown_signal};
 
 /// The scenarios the demo runs, in order: healthy first, then each failure.
-pub const SCENARIOS: [&str; 8] = [
+pub const SCENARIOS: [&str; 9] = [
     "healthy",
     "detached-prompt",
     "bf16-frozen-norms",
     "qwen-not-in-optimizer",
     "fp16-overflow",
     "nan-gradient",
+    "lr-too-high",
     "scaler-on-bf16",
     "prompt-caching",
 ];
