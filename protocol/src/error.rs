@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-/// An invalid body: `path` names the first bad field the way PROTOCOL.md writes it
+/// An invalid body: `path` names the first bad field the way docs/PROTOCOL.md writes it
 /// (`steps[3].modules[0].grad_norm`, `params[2].dtype`); it is empty when the body as a
 /// whole is wrong (not JSON at all, say).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -114,8 +114,8 @@ pub struct ParamStep {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intended_update_norm: Option<Float>,
     /// v1.1: the largest per-element ratio |intended update| / ulp(weight), the ulp
-    /// taken in the parameter's stored dtype at the element's value before the step.
-    /// Below 0.5, every element's update rounds away.
+    /// taken in the parameter's stored dtype at the element's value before the step
+    /// (the spacing above it). Below 0.25, every element's update rounds away.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intended_update_max_ulp: Option<Float>,
     /// v1.1: how many elements had a non-zero intended update this step.

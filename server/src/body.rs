@@ -1,4 +1,4 @@
-//! Reading request bodies as PROTOCOL.md's Transport section says: JSON or NDJSON,
+//! Reading request bodies as docs/PROTOCOL.md's Transport section says: JSON or NDJSON,
 //! optionally gzip-compressed, within a size limit that applies to the bytes received
 //! and again to the bytes decompressed (so a gzip bomb is a `413`, not an outage).
 //!

@@ -1,4 +1,4 @@
-//! The one error every handler returns, answered as PROTOCOL.md's JSON error body:
+//! The one error every handler returns, answered as docs/PROTOCOL.md's JSON error body:
 //! `{"error": {"code": "...", "message": "...", "path": "..."}}`. Client errors say
 //! what was wrong and where; internal ones are logged in full and answered generically.
 

@@ -1,7 +1,7 @@
 //! gradflow-server: receives gradient-flow telemetry from instrumented trainers,
 //! stores it in SQLite and serves it back.
 //!
-//! The data path: a trainer sends step records (PROTOCOL.md, parsed and validated by
+//! The data path: a trainer sends step records (docs/PROTOCOL.md, parsed and validated by
 //! `gradflow-protocol`) → [`routes`] reads the body ([`body`]) → [`store`] flattens each
 //! record into a row of its run's columns and commits the batch with its rollups in
 //! one transaction → reads come back through [`store`] and the downsampler in

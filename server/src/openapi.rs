@@ -18,7 +18,7 @@ use crate::store::{IngestOutcome, RunStatus};
 #[openapi(
     info(
         title = "gradflow",
-        description = "Gradient-flow diagnostics for deep-learning training: protocol v1 (PROTOCOL.md) and the server's extensions (README, \"Protocol notes\")."
+        description = "Gradient-flow diagnostics for deep-learning training: protocol v1 (docs/PROTOCOL.md) and the server's extensions (README, \"Protocol notes\")."
     ),
     paths(
         crate::routes::health::healthz,
@@ -66,7 +66,7 @@ pub struct RunIdPath {
     pub run_id: String,
 }
 
-/// The error answers most endpoints share, each with PROTOCOL.md's error body.
+/// The error answers most endpoints share, each with docs/PROTOCOL.md's error body.
 #[derive(ToResponse)]
 #[response(description = "Malformed or invalid: the error says what and where")]
 pub struct BadRequest(pub ErrorBody);
@@ -91,7 +91,7 @@ pub struct Unsupported(pub ErrorBody);
 #[response(description = "Storage unavailable (disk full, locked): nothing stored, retry")]
 pub struct Unavailable(pub ErrorBody);
 
-/// PROTOCOL.md's error body.
+/// docs/PROTOCOL.md's error body.
 #[derive(Serialize, ToSchema)]
 pub struct ErrorBody {
     pub error: ErrorDetail,

@@ -1,4 +1,4 @@
-//! The HTTP API of PROTOCOL.md, through a real server on `127.0.0.1:0` with its own
+//! The HTTP API of docs/PROTOCOL.md, through a real server on `127.0.0.1:0` with its own
 //! SQLite file: registration, ingestion in every accepted form, duplicates, atomic
 //! batches, every error status, non-finite values, series reads and deletion.
 

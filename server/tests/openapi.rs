@@ -1,4 +1,4 @@
-//! The API document covers every endpoint of PROTOCOL.md (and the extensions), and
+//! The API document covers every endpoint of docs/PROTOCOL.md (and the extensions), and
 //! real responses of a real server validate against the schemas it gives for them.
 
 mod common;
@@ -6,7 +6,7 @@ mod common;
 use common::{TestApp, registration, steps};
 use serde_json::{Value, json};
 
-/// Every request of PROTOCOL.md, plus what this server adds.
+/// Every request of docs/PROTOCOL.md, plus what this server adds.
 const ENDPOINTS: &[(&str, &str)] = &[
     ("put", "/api/v1/runs/{run_id}"),
     ("post", "/api/v1/runs/{run_id}/steps"),

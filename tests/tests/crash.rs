@@ -1,4 +1,4 @@
-//! The durability promise of PROTOCOL.md: "once 200 is returned the batch is durable:
+//! The durability promise of docs/PROTOCOL.md: "once 200 is returned the batch is durable:
 //! a server killed right after it loses none of it". Clients stream into the real
 //! binary, it is killed with SIGKILL mid-stream, restarted on the same file, and
 //! every acknowledged step must be there exactly once.

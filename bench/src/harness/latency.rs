@@ -1,6 +1,6 @@
 //! Detection latency: each failure scenario of the real trainer binary against a
 //! real server, and for each alert it raises, the step on which the alert opened
-//! against the earliest step PROTOCOL.md's threshold allows (the fault's first step
+//! against the earliest step docs/PROTOCOL.md's threshold allows (the fault's first step
 //! plus the threshold, less one). Registration checks have no step: they open
 //! before the first step arrives.
 
@@ -27,7 +27,7 @@ pub struct Detection {
     pub steps_late: Option<i64>,
 }
 
-/// PROTOCOL.md's default thresholds, given to the server explicitly so that the
+/// docs/PROTOCOL.md's default thresholds, given to the server explicitly so that the
 /// earliest steps below are computed from the thresholds it really uses.
 const STREAK_THRESHOLDS: [(&str, &str, u64); 3] = [
     ("grad_stuck_zero", "--stuck-zero-steps", 50),

@@ -115,7 +115,7 @@ pub struct Thresholds {
 }
 
 impl Default for Thresholds {
-    /// PROTOCOL.md's defaults.
+    /// docs/PROTOCOL.md's defaults.
     fn default() -> Self {
         Thresholds {
             stuck_zero_steps: 50,
@@ -155,7 +155,7 @@ impl Default for Detection {
     }
 }
 
-/// The kinds of PROTOCOL.md's alert table, then the ones gradflow adds.
+/// The kinds of docs/PROTOCOL.md's alert table, then the ones gradflow adds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AlertKind {

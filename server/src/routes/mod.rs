@@ -1,4 +1,4 @@
-//! The HTTP API of PROTOCOL.md: one file per resource, handlers named for what they do.
+//! The HTTP API of docs/PROTOCOL.md: one file per resource, handlers named for what they do.
 //!
 //! # Layout
 //!

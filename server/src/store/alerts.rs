@@ -11,7 +11,7 @@ use sqlx::SqliteConnection;
 use super::{Store, StoreError, StoreResult, now_seconds};
 use crate::detect::{AlertKind, Opened, Severity};
 
-/// An alert as the API shows it (PROTOCOL.md's alert object), decoded straight from
+/// An alert as the API shows it (docs/PROTOCOL.md's alert object), decoded straight from
 /// its row.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Alert {

@@ -1,5 +1,5 @@
 //! One step record → one row of cells, in the run's column order. This is also where
-//! the server derives group norms (PROTOCOL.md: "the L2 norm of the group's module
+//! the server derives group norms (docs/PROTOCOL.md: "the L2 norm of the group's module
 //! norms").
 
 use rustc_hash::FxHashMap as HashMap;

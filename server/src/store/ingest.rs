@@ -26,7 +26,7 @@ use super::rollup::{BucketSummary, ROLLUP_WIDTHS};
 use super::{Registry, RunState, Store, StoreError, StoreResult, Writer, now_seconds};
 use crate::detect::{Thresholds, Transition};
 
-/// The answer to a batch, as PROTOCOL.md words it.
+/// The answer to a batch, as docs/PROTOCOL.md words it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct IngestOutcome {
     /// Records stored by this request.
