@@ -54,12 +54,21 @@ fn every_part_runs_and_reports() {
         "{}",
         r["queries"]
     );
+    // Those are the only alerts: the long run's stationary norms and the short runs'
+    // live modules are healthy, and nothing may be raised on them.
+    assert_eq!(r["queries"]["expected_alerts"], 19);
+    assert_eq!(
+        r["queries"]["false_alarms"],
+        serde_json::json!({}),
+        "{}",
+        r["queries"]
+    );
 
     assert!(number(&r["overhead"]["instrumented_ms"]) > 0.0);
 
     // Every failure scenario's alerts, each opened no earlier than allowed.
     let detections = r["latency"].as_array().unwrap();
-    assert_eq!(detections.len(), 9, "{detections:?}");
+    assert_eq!(detections.len(), 11, "{detections:?}");
     for d in detections {
         if let Some(late) = d["steps_late"].as_i64() {
             assert!(late >= 0, "opened before its threshold allows: {d}");

@@ -40,7 +40,10 @@ fn threshold_steps(kind: &str) -> u64 {
     STREAK_THRESHOLDS
         .iter()
         .find(|(k, _, _)| *k == kind)
-        .map_or(1, |(_, _, steps)| *steps)
+        .map_or(
+            if kind == "loss_divergence" { 2 } else { 1 },
+            |(_, _, steps)| *steps,
+        )
 }
 
 /// Where the fault of `scenario` first shows for `kind`; `None` for the checks made
@@ -53,6 +56,10 @@ fn fault_step(name: &str, kind: &str) -> anyhow::Result<Option<u64>> {
         // the loss of step N + 1 is the first non-finite one.
         "grad_nonfinite" => Some(settings.faults.nan_grad_at.unwrap_or(0)),
         "loss_nonfinite" => Some(settings.faults.nan_grad_at.map_or(0, |s| s + 1)),
+        // Step 0's update at lr 1.0 is the fault: step 1's loss is the first to show it,
+        // and the blow-up zeroes a module's gradient from step 2 on.
+        "loss_divergence" => Some(1),
+        "grad_stuck_zero" if name == "lr-too-high" => Some(2),
         // Every other fault is there from the first step.
         _ => Some(0),
     })

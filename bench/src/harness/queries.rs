@@ -45,6 +45,16 @@ pub struct QueryResult {
     pub alerts: usize,
     /// Alerts by kind and subject, to show what the reads had to return.
     pub alert_kinds: std::collections::BTreeMap<String, usize>,
+    /// Alerts the workloads should raise: each short run's dead module.
+    #[serde(default)]
+    pub expected_alerts: usize,
+    /// Alerts on what is healthy by construction (the long run's stationary
+    /// norms, the short runs' live modules): false alarms, by kind and subject.
+    #[serde(default)]
+    pub false_alarms: std::collections::BTreeMap<String, usize>,
+    /// False alarms per 1,000 healthy steps streamed.
+    #[serde(default)]
+    pub false_alarms_per_1000_steps: f64,
     pub build_seconds: f64,
     pub timings: Vec<QueryTiming>,
 }
@@ -75,14 +85,23 @@ pub async fn run(spec: &QuerySpec) -> anyhow::Result<QueryResult> {
         .await?;
     let alert_list = alerts["alerts"].as_array().cloned().unwrap_or_default();
     let mut alert_kinds = std::collections::BTreeMap::new();
+    let mut false_alarms = std::collections::BTreeMap::new();
+    let mut expected_alerts = 0;
     for a in &alert_list {
         let key = format!(
             "{} on {}",
             a["kind"].as_str().unwrap_or("?"),
             a["subject"].as_str().unwrap_or("?")
         );
-        *alert_kinds.entry(key).or_insert(0) += 1;
+        *alert_kinds.entry(key.clone()).or_insert(0) += 1;
+        if a["run_id"] != LONG_RUN && key == format!("grad_stuck_zero on {DEAD_MODULE}") {
+            expected_alerts += 1;
+        } else {
+            *false_alarms.entry(key).or_insert(0) += 1;
+        }
     }
+    let healthy_steps = spec.long_steps + 60 * spec.runs.saturating_sub(1) as u64;
+    let false_alarm_count: usize = false_alarms.values().sum();
     let module = &shape.module_names()[17];
     let queries = [
         (
@@ -122,6 +141,10 @@ pub async fn run(spec: &QuerySpec) -> anyhow::Result<QueryResult> {
         runs: spec.runs,
         alerts: alert_list.len(),
         alert_kinds,
+        expected_alerts,
+        false_alarms,
+        false_alarms_per_1000_steps: false_alarm_count as f64 * 1000.0
+            / healthy_steps.max(1) as f64,
         build_seconds,
         timings,
     })
@@ -226,6 +249,9 @@ pub async fn stream_steps(
     Ok(())
 }
 
+/// The module the short runs leave without a gradient.
+const DEAD_MODULE: &str = "agent.head";
+
 /// Short runs of 60 steps in which one module never gets a gradient: each opens a
 /// `grad_stuck_zero` alert on its 50th step, and every other run's resolves on step 55.
 async fn add_short_runs(
@@ -233,7 +259,7 @@ async fn add_short_runs(
     server: &ServerProcess,
     count: usize,
 ) -> anyhow::Result<()> {
-    let modules = ["agent.encoder", "agent.policy", "agent.value", "agent.head"];
+    let modules = ["agent.encoder", "agent.policy", "agent.value", DEAD_MODULE];
     let registration = json!({
         "precision": {"param_dtype": "f32"},
         "params": modules.iter().map(|m| json!({"name": format!("{m}.weight"), "role": "linear", "dtype": "f32"})).collect::<Vec<_>>(),

@@ -91,10 +91,26 @@ impl Report {
         if let Some(q) = &self.queries {
             let _ = writeln!(
                 md,
-                "### Queries\n\n{} runs ({} alerts); the long run: {} steps × {} modules. \
-                Median of the timed requests over HTTP, end to end.\n",
+                "### Queries\n\n{} runs ({} alerts: {} expected, the short runs' dead module; \
+                {} false alarms on healthy data, {:.2} per 1,000 steps{}); the long run: {} \
+                steps × {} modules. Median of the timed requests over HTTP, end to end.\n",
                 q.runs,
                 q.alerts,
+                q.expected_alerts,
+                q.false_alarms.values().sum::<usize>(),
+                q.false_alarms_per_1000_steps,
+                if q.false_alarms.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        ": {}",
+                        q.false_alarms
+                            .iter()
+                            .map(|(k, n)| format!("{n} × {k}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                },
                 thousands(q.long_steps as f64),
                 q.long_modules
             );
