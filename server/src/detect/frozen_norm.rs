@@ -142,8 +142,62 @@ impl FrozenNormWeight {
             }
             self.open_groups.insert(group.to_owned(), step);
             out.push(open(context, group, &frozen, step));
+            // A client that cannot amend its registration (protocol v1) still shows
+            // the late unfreeze: weights registered frozen that receive gradients and
+            // never move are outside the optimizer.
+            let unfrozen: Vec<&str> = frozen
+                .iter()
+                .filter(|f| !f.info.requires_grad)
+                .map(|f| f.name)
+                .collect();
+            if !unfrozen.is_empty() {
+                out.push(unfrozen_outside_optimizer(
+                    group, &unfrozen, &frozen[0], step,
+                ));
+            }
         }
     }
+}
+
+/// `param_not_in_optimizer` from the steps alone: parameters registered frozen whose
+/// records carry gradients while they never change.
+fn unfrozen_outside_optimizer(
+    group: &str,
+    names: &[&str],
+    example: &Frozen<'_>,
+    step: u64,
+) -> Transition {
+    Transition::Open(Opened {
+        kind: AlertKind::ParamNotInOptimizer,
+        subject: group.to_owned(),
+        severity: Severity::Critical,
+        first_step: Some(example.streak.first_step),
+        step: Some(step),
+        title: format!(
+            "{} parameters of {group} were unfrozen but are not in the optimizer",
+            names.len()
+        ),
+        detail: format!(
+            "{} parameters of {group} ({}) were registered frozen (requires_grad false), yet \
+             since {} their records carry gradients (e.g. norm {}) while they never change: \
+             something set requires_grad=True after the optimizer was built, without adding \
+             them to it.",
+            names.len(),
+            name_list(names, 3),
+            step_range(example.streak.first_step, step),
+            sci(example.grad_norm),
+        ),
+        fix: "Add the unfrozen parameters to the optimizer (optimizer.add_param_group(\
+              {'params': [...]})) or rebuild it after unfreezing; a client that sends \
+              registration amendments (protocol v1.1) gets this on the step it happens."
+            .into(),
+        evidence: json!({
+            "cause": "not_in_optimizer",
+            "params": names.iter().take(20).collect::<Vec<_>>(),
+            "missing_params": names.len(),
+            "from_steps": true,
+        }),
+    })
 }
 
 /// Why the updates are exactly zero, with the numbers that say so.
@@ -708,13 +762,25 @@ mod tests {
                 ..Thresholds::default()
             },
         );
-        let (_, o) = cause_of(&ctx, 1.0, None);
-        assert_eq!(o.evidence["cause"], "not_in_optimizer");
+        let records: Vec<_> = (0..6).map(|s| step(s, 0.0, 1.0, None)).collect();
+        let t = run(&ctx, &records);
+        let opened: Vec<&Opened> = t
+            .iter()
+            .filter_map(|(_, t)| match t {
+                Transition::Open(o) => Some(o),
+                Transition::Resolve { .. } => None,
+            })
+            .collect();
+        assert_eq!(opened.len(), 2, "{t:?}");
+        assert_eq!(opened[0].evidence["cause"], "not_in_optimizer");
         assert!(
-            o.title.contains("unfrozen outside the optimizer"),
+            opened[0].title.contains("unfrozen outside the optimizer"),
             "{}",
-            o.title
+            opened[0].title
         );
+        // The steps alone prove the parameter is outside the optimizer.
+        assert_eq!(opened[1].kind, AlertKind::ParamNotInOptimizer);
+        assert_eq!(opened[1].subject, "qwen");
     }
 
     #[test]

@@ -39,15 +39,38 @@ struct Streak {
 /// The layer number in a module name: the integer after a `layers`, `layer`, `h`,
 /// `blocks` or `block` segment (`qwen.layers.3.mlp` → 3, `transformer.h.11.attn` → 11).
 pub fn layer_index(module: &str) -> Option<usize> {
-    let mut parts = module.split('.');
+    layer_stack(module).map(|(_, index)| index)
+}
+
+/// The stack of numbered layers a module sits in and its number there: the name up
+/// to the `layers`-like segment is the stack (`model.vision_tower.encoder.layers.3.mlp`
+/// → `("model.vision_tower.encoder.layers", 3)`), so a vision-language model's vision
+/// and language layers are two stacks, never summed per number.
+pub fn layer_stack(module: &str) -> Option<(&str, usize)> {
+    let mut offset = 0;
+    let mut parts = module.split('.').peekable();
     while let Some(part) = parts.next() {
-        if matches!(part, "layers" | "layer" | "h" | "blocks" | "block") {
-            if let Some(index) = parts.next().and_then(|p| p.parse().ok()) {
-                return Some(index);
-            }
+        let end = offset + part.len();
+        if matches!(part, "layers" | "layer" | "h" | "blocks" | "block")
+            && let Some(index) = parts.peek().and_then(|p| p.parse().ok())
+        {
+            return Some((&module[..end], index));
         }
+        offset = end + 1;
     }
     None
+}
+
+/// The alert's subject for a stack: its group when the stack sits right under the
+/// group (`qwen.layers` in `qwen`), else the stack's own name.
+fn stack_subject<'a>(group: &'a str, stack: &'a str) -> &'a str {
+    match stack
+        .strip_prefix(group)
+        .and_then(|rest| rest.strip_prefix('.'))
+    {
+        Some(rest) if !rest.contains('.') => group,
+        _ => stack,
+    }
 }
 
 impl GradVanishing {
@@ -63,7 +86,8 @@ impl GradVanishing {
             if layer > MAX_LAYER {
                 continue;
             }
-            let sums = layers.entry(info.group.as_str());
+            let stack = layer_stack(&module.module).map_or("", |(stack, _)| stack);
+            let sums = layers.entry(stack_subject(&info.group, stack));
             if sums.len() <= layer {
                 sums.resize(layer + 1, None);
             }
@@ -158,6 +182,64 @@ mod tests {
         assert_eq!(layer_index("encoder.layer.0.output"), Some(0));
         assert_eq!(layer_index("qwen.norm"), None);
         assert_eq!(layer_index("qwen.layers.norm"), None);
+        // Real Hugging Face names.
+        assert_eq!(
+            layer_stack("model.layers.7.self_attn.q_proj"),
+            Some(("model.layers", 7))
+        );
+        assert_eq!(
+            layer_stack("base_model.model.model.layers.2.mlp.up_proj.lora_A.default"),
+            Some(("base_model.model.model.layers", 2))
+        );
+        assert_eq!(
+            layer_stack("model.vision_tower.encoder.layers.11.mlp.fc1"),
+            Some(("model.vision_tower.encoder.layers", 11))
+        );
+        assert_eq!(layer_stack("model.embed_tokens"), None);
+        assert_eq!(layer_stack("lm_head"), None);
+        assert_eq!(stack_subject("model", "model.layers"), "model");
+        assert_eq!(
+            stack_subject("model", "model.language_model.layers"),
+            "model.language_model.layers"
+        );
+    }
+
+    #[test]
+    fn a_vision_language_models_stacks_are_judged_apart() {
+        // Vision layers decay 1000-fold over depth; language layers are flat. Summed
+        // per layer number they would hide each other; apart, the vision stack is
+        // named and the language stack stays silent.
+        let mut params = Vec::new();
+        for l in 0..6 {
+            params.push(json!({"name": format!("model.vision_tower.layers.{l}.mlp.weight"), "group": "model"}));
+            params.push(json!({"name": format!("model.language_model.layers.{l}.mlp.weight"), "group": "model"}));
+        }
+        let registration: RunRegistration =
+            serde_json::from_value(json!({"params": params})).unwrap();
+        let context = RunContext::new(&registration, Thresholds::default());
+        let mut detector = GradVanishing::default();
+        let records = (0..25u64).map(|step| {
+            let mut modules = Vec::new();
+            for l in 0..6 {
+                modules.push(
+                    json!({"module": format!("model.vision_tower.layers.{l}.mlp"),
+                                    "grad_norm": 0.1f64.powi(5 - l)}),
+                );
+                modules.push(
+                    json!({"module": format!("model.language_model.layers.{l}.mlp"),
+                                    "grad_norm": 1.0}),
+                );
+            }
+            record(json!({"step": step, "modules": modules}))
+        });
+        let t = transitions(records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        });
+        assert_eq!(t.len(), 1, "{t:?}");
+        let Transition::Open(o) = &t[0].1 else {
+            panic!("{t:?}")
+        };
+        assert_eq!(o.subject, "model.vision_tower.layers");
     }
 
     fn run(decay: f64, steps: u64) -> Vec<(u64, Transition)> {
