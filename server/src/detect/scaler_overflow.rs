@@ -50,8 +50,10 @@ impl ScalerOverflowStreak {
                 self.len += 1;
                 self.skipped += u32::from(scaler.step_skipped != Some(false));
                 self.scale_now = scale.or(self.scale_now);
-                let threshold = context.thresholds.overflow_streak_steps;
-                if self.len >= threshold && !self.open {
+                // Step numbers, not reports: a client reporting every k-th step
+                // reaches the threshold on the same step number.
+                let threshold = u64::from(context.thresholds.overflow_streak_steps);
+                if record.step - self.first_step + 1 >= threshold && !self.open {
                     self.open = true;
                     out.push(self.opened(record.step));
                 }
@@ -183,9 +185,10 @@ mod tests {
             ])
             .is_empty()
         );
-        // Steps without scaler state do not break a streak, nor extend it.
+        // Steps without scaler state do not break a streak; the threshold counts step
+        // numbers, so the streak of steps 0–2 is three steps long.
         let t = run(&[Some(true), None, Some(true), None, Some(true)]);
         assert_eq!(t.len(), 1);
-        assert_eq!(t[0].0, 4);
+        assert_eq!(t[0].0, 2);
     }
 }

@@ -125,7 +125,8 @@ impl GradVanishing {
                 streak.first_step = record.step;
             }
             streak.len += 1;
-            if streak.len >= STEPS && !streak.open {
+            // Step numbers, not reports.
+            if record.step - streak.first_step + 1 >= u64::from(STEPS) && !streak.open {
                 streak.open = true;
                 out.push(Transition::Open(Opened {
                     kind: AlertKind::GradVanishing,
