@@ -45,7 +45,8 @@ pub struct QueryResult {
     pub alerts: usize,
     /// Alerts by kind and subject, to show what the reads had to return.
     pub alert_kinds: std::collections::BTreeMap<String, usize>,
-    /// Alerts the workloads should raise: each short run's dead module.
+    /// Alerts the workloads should raise: each short run's dead module, and the long
+    /// run's registered but never reported last layer.
     #[serde(default)]
     pub expected_alerts: usize,
     /// Alerts on what is healthy by construction (the long run's stationary
@@ -94,7 +95,13 @@ pub async fn run(spec: &QuerySpec) -> anyhow::Result<QueryResult> {
             a["subject"].as_str().unwrap_or("?")
         );
         *alert_kinds.entry(key.clone()).or_insert(0) += 1;
-        if a["run_id"] != LONG_RUN && key == format!("grad_stuck_zero on {DEAD_MODULE}") {
+        let dead_module =
+            a["run_id"] != LONG_RUN && key == format!("grad_stuck_zero on {DEAD_MODULE}");
+        // The long run's shape registers the norm weights of one more Qwen layer
+        // than it reports modules of (50 norm weights, 24 layers of 8 modules), so
+        // the server is right to say those modules never report.
+        let unreported_layer = a["run_id"] == LONG_RUN && key == "unused_parameters on qwen";
+        if dead_module || unreported_layer {
             expected_alerts += 1;
         } else {
             *false_alarms.entry(key).or_insert(0) += 1;

@@ -91,7 +91,7 @@ impl Report {
         if let Some(q) = &self.queries {
             let _ = writeln!(
                 md,
-                "### Queries\n\n{} runs ({} alerts: {} expected, the short runs' dead module; \
+                "### Queries\n\n{} runs ({} alerts: {} expected by construction; \
                 {} false alarms on healthy data, {:.2} per 1,000 steps{}); the long run: {} \
                 steps × {} modules. Median of the timed requests over HTTP, end to end.\n",
                 q.runs,
