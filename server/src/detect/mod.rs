@@ -19,8 +19,9 @@
 //! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
 //! - [`unused`]: `unused_parameters`, trainable modules no step ever reports.
-//! - [`registration`]: the checks made once, at registration: `scaler_bf16_incompatible`,
-//!   `dtype_mismatch`, `param_not_in_optimizer`.
+//! - [`registration`]: the checks made once, at registration (and again at each
+//!   amendment): `scaler_bf16_incompatible`, `dtype_mismatch`, `param_not_in_optimizer`,
+//!   `group_not_training`.
 //! - [`context`]: what the detectors know of a run from its registration.
 //! - [`precision`]: floating-point spacing arithmetic (the bf16 ulp story).
 
@@ -171,10 +172,11 @@ pub enum AlertKind {
     GradVanishing,
     UnusedParameters,
     LossDivergence,
+    GroupNotTraining,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 12] = [
+    pub const ALL: [AlertKind; 13] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -187,6 +189,7 @@ impl AlertKind {
         AlertKind::GradVanishing,
         AlertKind::UnusedParameters,
         AlertKind::LossDivergence,
+        AlertKind::GroupNotTraining,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -203,6 +206,7 @@ impl AlertKind {
             AlertKind::GradVanishing => "grad_vanishing",
             AlertKind::UnusedParameters => "unused_parameters",
             AlertKind::LossDivergence => "loss_divergence",
+            AlertKind::GroupNotTraining => "group_not_training",
         }
     }
 

@@ -5,6 +5,8 @@
 //! - `dtype_mismatch`: trainable parameters whose dtype is not the run's
 //!   `precision.param_dtype` (e.g. LoRA adapters left in bf16 under fp32 masters).
 //! - `param_not_in_optimizer`: `requires_grad` parameters the optimizer does not hold.
+//! - `group_not_training`: a group the registration declares meant to train
+//!   (`train`, v1.1) has no trainable parameter (a wrong name filter froze it).
 //!
 //! One alert per kind and group, listing the parameters.
 
@@ -21,7 +23,72 @@ pub fn check(context: &RunContext) -> Vec<Opened> {
     scaler_bf16_incompatible(context, &mut alerts);
     dtype_mismatch(context, &mut alerts);
     param_not_in_optimizer(context, &mut alerts);
+    group_not_training(context, &mut alerts);
     alerts
+}
+
+fn group_not_training(context: &RunContext, out: &mut Vec<Opened>) {
+    let Some(train) = &context.registration.train else {
+        return;
+    };
+    for group in train {
+        let params: Vec<&ParamSpec> = context
+            .registration
+            .params
+            .iter()
+            .filter(|p| p.group_name() == group)
+            .collect();
+        let trainable = params
+            .iter()
+            .filter(|p| p.requires_grad() && p.in_optimizer())
+            .count();
+        if trainable > 0 {
+            continue;
+        }
+        let (detail, cause) = if params.is_empty() {
+            (
+                format!(
+                    "The registration says {group} is meant to train, but no registered \
+                     parameter belongs to it: the group name does not match the parameters' \
+                     groups, or the module was never built."
+                ),
+                "no_params",
+            )
+        } else {
+            (
+                format!(
+                    "The registration says {group} is meant to train, but none of its {} \
+                     parameters is both trainable and in the optimizer ({} have \
+                     requires_grad=False, {} are outside the optimizer): it will not learn.",
+                    params.len(),
+                    params.iter().filter(|p| !p.requires_grad()).count(),
+                    params
+                        .iter()
+                        .filter(|p| p.requires_grad() && !p.in_optimizer())
+                        .count(),
+                ),
+                "no_trainable_params",
+            )
+        };
+        out.push(Opened {
+            kind: AlertKind::GroupNotTraining,
+            subject: group.clone(),
+            severity: Severity::Critical,
+            first_step: None,
+            step: None,
+            title: format!("{group} is meant to train but has no trainable parameters"),
+            detail,
+            fix: "Check the filter that freezes parameters (a name pattern that matches more \
+                  than intended, e.g. 'head' in 'agent.head'), and build the optimizer from the \
+                  parameters that should train after freezing."
+                .into(),
+            evidence: json!({
+                "cause": cause,
+                "params": params.iter().take(20).map(|p| p.name.as_str()).collect::<Vec<_>>(),
+                "registered_params": params.len(),
+            }),
+        });
+    }
 }
 
 fn trainable(context: &RunContext) -> impl Iterator<Item = &ParamSpec> {
@@ -193,6 +260,27 @@ mod tests {
     fn alerts(registration: Value) -> Vec<Opened> {
         let registration: RunRegistration = serde_json::from_value(registration).unwrap();
         check(&RunContext::new(&registration, Thresholds::default()))
+    }
+
+    #[test]
+    fn a_group_meant_to_train_with_nothing_trainable_is_flagged() {
+        let found = alerts(json!({
+            "train": ["qwen", "agent"],
+            "params": [
+                {"name": "qwen.layers.0.mlp.weight"},
+                {"name": "agent.head.weight", "requires_grad": false, "in_optimizer": false},
+                {"name": "agent.head.bias", "requires_grad": false, "in_optimizer": false},
+                {"name": "vision.patch.weight", "requires_grad": false}
+            ]
+        }));
+        let groups: Vec<&str> = found
+            .iter()
+            .filter(|a| a.kind == AlertKind::GroupNotTraining)
+            .map(|a| a.subject.as_str())
+            .collect();
+        // vision is frozen too, but nobody said it should train.
+        assert_eq!(groups, ["agent"]);
+        assert!(alerts(json!({"params": [{"name": "a.w", "requires_grad": false}]})).is_empty());
     }
 
     #[test]
