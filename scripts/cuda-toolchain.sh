@@ -6,6 +6,7 @@
 #
 #   scripts/cuda-toolchain.sh check    # cargo check -p gradflow-trainer --features cuda
 #   scripts/cuda-toolchain.sh build    # cargo build --release … (also fetches link libraries)
+#   scripts/cuda-toolchain.sh build-dev  # the same in the dev profile (CI: proves the link)
 #   source <(scripts/cuda-toolchain.sh env)   # the environment, for your own cargo commands
 #
 # Everything goes under $GRADFLOW_CUDA_DIR (default: .cuda/ in the repository, ignored
@@ -20,13 +21,15 @@ compute_cap=${CUDA_COMPUTE_CAP:-90}
 # Compiling kernels needs these; linking the binary also needs the libraries below.
 compile_wheels=(nvidia-cuda-nvcc nvidia-nvvm nvidia-cuda-crt nvidia-cuda-runtime nvidia-cuda-cccl)
 link_wheels=(nvidia-cublas nvidia-cuda-nvrtc nvidia-curand)
+# Wheels whose version does not follow the toolkit's: CUDA 13.0 ships cuRAND 10.4.0.
+declare -A wheel_version=([nvidia-curand]=10.4.0.*)
 
 fetch() {
     mkdir -p "$dir/wheels" "$dir/tree"
     local wanted=()
     for name in "$@"; do
         if ! ls "$dir/wheels/${name//-/_}-"*.whl >/dev/null 2>&1; then
-            wanted+=("$name==$cuda_version.*")
+            wanted+=("$name==${wheel_version[$name]:-$cuda_version.*}")
         fi
     done
     if [ ${#wanted[@]} -gt 0 ]; then
@@ -54,18 +57,44 @@ environment() {
 }
 
 stub_libcuda() {
-    # The driver library ships with the driver, not the toolkit; a stub with no
-    # symbols satisfies the linker (cudarc loads the real one at run time).
+    # The driver library ships with the driver, not the toolkit. cudarc links the
+    # driver API directly, so the linker needs every `cu*` symbol the compiled
+    # libraries reference: the stub defines each as an empty function, under the
+    # real library's soname, and the binary binds to the real driver at run time.
+    local deps=$1
     mkdir -p "$dir/stub"
-    if [ ! -e "$dir/stub/libcuda.so" ]; then
-        echo 'void gradflow_cuda_stub(void) {}' | cc -shared -fPIC -x c - -o "$dir/stub/libcuda.so"
+    local symbols
+    symbols=$(for rlib in "$deps"/libcudarc-*.rlib "$deps"/libcandle_*.rlib; do
+                  [ -e "$rlib" ] && nm --undefined-only --format=posix "$rlib" 2>/dev/null
+              done | awk '$1 ~ /^cu[A-Z]/ {print $1}' | sort -u)
+    if [ -z "$symbols" ]; then
+        echo "cuda-toolchain: no driver symbols found in $deps" >&2
+        exit 1
     fi
+    for symbol in $symbols; do echo "void $symbol(void) {}"; done >"$dir/stub/libcuda.c"
+    cc -shared -fPIC -Wl,-soname,libcuda.so.1 "$dir/stub/libcuda.c" -o "$dir/stub/libcuda.so"
+    echo "cuda-toolchain: stub libcuda.so with $(echo "$symbols" | wc -l) driver symbols" >&2
     local lib=$dir/tree/nvidia/cu13/lib
     for so in "$lib"/*.so.*; do
         [ -e "$so" ] || continue
         local base=${so%%.so.*}.so
         [ -e "$base" ] || ln -s "$(basename "$so")" "$base"
     done
+}
+
+# Builds the trainer with CUDA: the libraries first (no link), then the stub from
+# the driver symbols they reference, then the binary.
+build() {
+    local profile=$1
+    fetch "${compile_wheels[@]}" "${link_wheels[@]}"
+    eval "$(environment)"
+    cd "$repo"
+    local flags=(-p gradflow-trainer --features cuda)
+    [ "$profile" = release ] && flags+=(--release)
+    cargo build "${flags[@]}" --lib
+    local target=${CARGO_TARGET_DIR:-$repo/target}
+    stub_libcuda "$target/$([ "$profile" = release ] && echo release || echo debug)/deps"
+    cargo build "${flags[@]}"
 }
 
 case "${1:-check}" in
@@ -80,13 +109,13 @@ case "${1:-check}" in
         cd "$repo" && cargo check -p gradflow-trainer --features cuda
         ;;
     build)
-        fetch "${compile_wheels[@]}" "${link_wheels[@]}"
-        stub_libcuda
-        eval "$(environment)"
-        cd "$repo" && cargo build --release -p gradflow-trainer --features cuda
+        build release
+        ;;
+    build-dev)
+        build dev
         ;;
     *)
-        echo "usage: $0 [check|build|env]" >&2
+        echo "usage: $0 [check|build|build-dev|env]" >&2
         exit 2
         ;;
 esac
