@@ -1,6 +1,6 @@
 //! `unused_parameters` (gradflow's own kind): trainable modules of the registration
-//! that no step reported during the run's first N reported steps (N =
-//! `stuck_zero_steps`): their parameters take part in no forward pass that reaches
+//! that no step reported during the run's first N steps (N = `stuck_zero_steps`,
+//! counted in step numbers from the first step that reported modules): their parameters take part in no forward pass that reaches
 //! the loss. Hook-based reporters only see modules that backward reaches, so these
 //! are absent rather than zero; modules reported with zeros are `grad_stuck_zero`'s.
 //!
@@ -8,7 +8,7 @@
 //! (whole blocks, say). Then most registered modules are never seen, which says
 //! nothing: the check stays silent unless at least half of them were seen.
 //!
-//! Decided once, at the N-th reported step; a listed module that later arrives with a
+//! Decided once, on the first report at or past the N-th step; a listed module that later arrives with a
 //! gradient leaves the list, and the alert resolves when its list is empty.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -19,8 +19,11 @@ use serde_json::json;
 use super::{AlertKind, Opened, RunContext, Severity, StepView, Transition, name_list};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct UnusedParameters {
     reported_steps: u32,
+    /// The first step that reported modules.
+    first_step: Option<u64>,
     /// Trainable modules seen so far; emptied once decided.
     seen: BTreeSet<String>,
     decided: bool,
@@ -44,7 +47,8 @@ impl UnusedParameters {
             }
         }
         self.reported_steps += 1;
-        if self.reported_steps < context.thresholds.stuck_zero_steps {
+        let first = *self.first_step.get_or_insert(record.step);
+        if record.step - first + 1 < u64::from(context.thresholds.stuck_zero_steps) {
             return;
         }
         self.decided = true;
@@ -174,6 +178,27 @@ mod tests {
         transitions(records, |r, out| {
             detector.on_step(&StepView::new(&context, r), out)
         })
+    }
+
+    #[test]
+    fn the_window_is_step_numbers_when_a_client_reports_every_third_step() {
+        let context = context();
+        let mut detector = UnusedParameters::default();
+        let used = ["qwen.a", "qwen.b", "qwen.c", "agent.head"];
+        let records = [0u64, 3, 6].map(|step| {
+            let modules: Vec<Value> = used
+                .iter()
+                .map(|m| json!({"module": m, "grad_norm": 1.0}))
+                .collect();
+            record(json!({"step": step, "modules": modules}))
+        });
+        let t = transitions(&records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        });
+        // Threshold 5: decided on step 6, the first report past step 4, after
+        // three reports rather than five.
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert_eq!(t[0].0, 6);
     }
 
     #[test]
