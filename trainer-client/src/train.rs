@@ -2,6 +2,10 @@
 //! options that reproduce what goes wrong in real runs, and the instrumentation that
 //! turns a step into a protocol step record.
 //!
+//! Hook hits come from the forward pass's module outputs: those backward reached
+//! (`model::trace`), which a gradient store cannot tell since candle frees every
+//! gradient but the variables'.
+//!
 //! Instrumentation is computed on the device and brought to the host in one transfer
 //! per step: every gradient's sum of squares, the norm weights' update, drift and
 //! mean, the loss and the accuracy are stacked into one vector. With a loss scaler
@@ -14,6 +18,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use crate::model::HybridModel;
+use crate::model::trace::{self, Outputs};
 use crate::optim::{AdamW, ParamsAdamW, intended_summary};
 use crate::scaler::LossScaler;
 use crate::tasks::{Batch, Task, Tokenizer};
@@ -228,21 +233,15 @@ impl Trainer {
         Batch::new(&tasks, preset, &self.tokenizer, &self.device)
     }
 
-    /// Runs step `step`.
-    pub fn step(&mut self, step: u64) -> anyhow::Result<StepOutput> {
-        let Batch {
-            ids,
-            grids,
-            targets,
-        } = self.sample_batch()?;
+    /// The agent's cell logits for one batch: Qwen's prompt embedding (or the cached
+    /// one), with the forward-pass faults applied.
+    fn forward(&mut self, step: u64, ids: &Tensor, grids: &Tensor) -> candle_core::Result<Tensor> {
         let dtype = self.options.compute_dtype;
-        let faults = self.options.faults.clone();
+        let faults = &self.options.faults;
         let every = self.options.qwen_every.max(1);
         let run_qwen = every == 1 || step % every == 0 || self.cached_prompt.is_none();
-        let lr = self.options.schedule.lr_at(self.options.lr, step);
-        self.optimizer.set_learning_rate(lr);
         let prompt = if run_qwen {
-            let prompt = self.model.prompt_embedding(&ids, dtype)?;
+            let prompt = self.model.prompt_embedding(ids, dtype)?;
             let prompt = if faults.detach_prompt {
                 prompt.detach()
             } else {
@@ -262,7 +261,26 @@ impl Trainer {
         } else {
             prompt
         };
-        let logits = self.model.agent.forward(&grids, &prompt, dtype)?;
+        self.model.agent.forward(grids, &prompt, dtype)
+    }
+
+    /// Runs step `step`.
+    pub fn step(&mut self, step: u64) -> anyhow::Result<StepOutput> {
+        let Batch {
+            ids,
+            grids,
+            targets,
+        } = self.sample_batch()?;
+        let lr = self.options.schedule.lr_at(self.options.lr, step);
+        self.optimizer.set_learning_rate(lr);
+        // Module outputs are recorded only when instrumented: hook hits are read
+        // from them once the loss is known.
+        let (logits, outputs) = if self.options.instrument {
+            let (logits, outputs) = trace::capture(|| self.forward(step, &ids, &grids));
+            (logits?, outputs)
+        } else {
+            (self.forward(step, &ids, &grids)?, Outputs::default())
+        };
         let flat = logits.to_dtype(DType::F32)?.flatten_to(1)?;
         let loss = candle_nn::loss::cross_entropy(&flat, &targets)?;
         let scale = self.scaler.map_or(1.0, |s| s.scale);
@@ -271,7 +289,7 @@ impl Trainer {
         } else {
             loss.backward()?
         };
-        if faults.nan_grad_at == Some(step)
+        if self.options.faults.nan_grad_at == Some(step)
             && let Some(param) = self.model.store.get(NAN_GRAD_PARAM)
             && let Some(grad) = grads.remove(&param.var)
         {
@@ -311,6 +329,8 @@ impl Trainer {
             .eq(&targets)?
             .to_dtype(DType::F32)?
             .sum_all()?;
+        let module_names: Vec<&str> = self.modules.iter().map(|m| m.name.as_str()).collect();
+        let hook_hits = outputs.hits(&loss, &module_names);
         let mut stage_a = vec![loss.reshape(1)?, correct.reshape(1)?];
         let mut has_grad = Vec::with_capacity(self.vars.len());
         for var in &self.vars {
@@ -388,6 +408,7 @@ impl Trainer {
             host_a: &host_a,
             host_b: &host_b,
             has_grad: &has_grad,
+            hook_hits: &hook_hits,
             has_intended: &has_intended,
         };
         Ok(self.record(step, &measured, found_inf, skipped))
@@ -405,6 +426,7 @@ impl Trainer {
             host_a,
             host_b,
             has_grad,
+            hook_hits,
             has_intended,
         } = *measured;
         let loss = host_a[0] as f64;
@@ -427,7 +449,8 @@ impl Trainer {
         let modules: Vec<ModuleStep> = self
             .modules
             .iter()
-            .map(|module| {
+            .zip(hook_hits)
+            .map(|(module, &hits)| {
                 let sum = module
                     .params
                     .iter()
@@ -438,13 +461,10 @@ impl Trainer {
                 {
                     qwen_sum = Some(qwen_sum.unwrap_or(0.0) + s);
                 }
-                // Backward reached the module's output exactly when its parameters
-                // (all trainable here) received a gradient: that is its hook firing.
-                let reached = module.params.iter().any(|&i| has_grad[i]);
                 ModuleStep {
                     module: module.name.clone(),
                     grad_norm: sum.map(|s| Float(s.sqrt())),
-                    hook_hits: Some(u32::from(reached)),
+                    hook_hits: Some(hits),
                 }
             })
             .collect();
@@ -526,6 +546,8 @@ struct Measured<'a> {
     host_a: &'a [f32],
     host_b: &'a [f32],
     has_grad: &'a [bool],
+    /// Per module: how many of its outputs backward reached.
+    hook_hits: &'a [u32],
     /// Per watched parameter: whether `host_b` holds its intended-update summary.
     has_intended: &'a [bool],
 }

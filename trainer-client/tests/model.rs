@@ -83,6 +83,33 @@ fn a_detached_prompt_leaves_every_qwen_tensor_without_a_gradient() {
     }
 }
 
+#[test]
+fn hook_hits_count_the_modules_backward_reached_on_each_step() {
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
+    let mut opts = options(DType::F32, DType::F32);
+    opts.qwen_every = 2; // Qwen runs on even steps; odd steps reuse its cached output
+    let mut trainer = Trainer::new(model, opts, &Device::Cpu).unwrap();
+    for step in 0..4u64 {
+        let record = trainer.step(step).unwrap().record.unwrap();
+        for module in &record.modules {
+            let reached = !module.module.starts_with("qwen.") || step % 2 == 0;
+            assert_eq!(
+                module.hook_hits,
+                Some(u32::from(reached)),
+                "step {step}: {}",
+                module.module
+            );
+        }
+    }
+    // Uninstrumented steps record nothing.
+    let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
+    let mut opts = options(DType::F32, DType::F32);
+    opts.instrument = false;
+    let mut trainer = Trainer::new(model, opts, &Device::Cpu).unwrap();
+    assert!(trainer.step(0).unwrap().record.is_none());
+}
+
 /// Sets one element of a parameter.
 fn poke(var: &candle_core::Var, index: usize, value: f64) {
     let shape = var.shape().clone();

@@ -14,7 +14,7 @@ use gradflow_protocol::Role;
 use super::config::{AgentConfig, COLOURS};
 use super::layers::{Linear, RmsNorm};
 use super::ops::softmax_f32;
-use super::{ParamSource, cast};
+use super::{ParamSource, cast, trace};
 
 struct Block {
     norm: RmsNorm,
@@ -24,6 +24,11 @@ struct Block {
 
 pub struct Agent {
     pub config: AgentConfig,
+    /// The names of the modules that hold a bare parameter (`agent.mixer`), for
+    /// recording their outputs.
+    cell_embed_module: String,
+    pos_embed_module: String,
+    mixer_module: String,
     cell_embed: Var,
     pos_embed: Var,
     prompt_proj: Linear,
@@ -78,6 +83,9 @@ impl Agent {
         let head = Linear::new(source, m("head"), COLOURS, d, true)?;
         Ok(Agent {
             config,
+            cell_embed_module: m("cell_embed"),
+            pos_embed_module: m("pos_embed"),
+            mixer_module: m("mixer"),
             cell_embed,
             pos_embed,
             prompt_proj,
@@ -97,13 +105,17 @@ impl Agent {
         let cells_embedded = cast(&self.cell_embed, dtype)?
             .index_select(&grids.flatten_all()?, 0)?
             .reshape((batch, cells, d))?;
+        trace::record(&self.cell_embed_module, &cells_embedded);
+        let positions = cast(&self.pos_embed, dtype)?;
+        trace::record(&self.pos_embed_module, &positions);
 
-        let x = cells_embedded.broadcast_add(&cast(&self.pos_embed, dtype)?)?;
+        let x = cells_embedded.broadcast_add(&positions)?;
 
         let p = self.prompt_proj.forward(&prompt.to_dtype(dtype)?, dtype)?;
         let x = x.broadcast_add(&p.unsqueeze(1)?)?;
         let choice = softmax_f32(&self.mix_select.forward(&p, dtype)?)?;
         let mixers = cast(&self.mixer, dtype)?;
+        trace::record(&self.mixer_module, &mixers);
         let mixing = choice
             .reshape((batch, self.config.mixers, 1, 1))?
             .broadcast_mul(&mixers.unsqueeze(0)?)?

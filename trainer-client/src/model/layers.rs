@@ -4,7 +4,7 @@ use candle_core::{DType, Result, Tensor, Var};
 use gradflow_protocol::Role;
 
 use super::ops::{linear, rms_norm};
-use super::{ParamSource, cast};
+use super::{ParamSource, cast, trace};
 
 /// A linear layer `x Wᵀ + b`, computed in the given dtype.
 pub struct Linear {
@@ -36,7 +36,9 @@ impl Linear {
 
     pub fn forward(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let bias = self.bias.as_ref().map(|b| cast(b, dtype)).transpose()?;
-        linear(x, &cast(&self.weight, dtype)?, bias.as_ref())
+        let output = linear(x, &cast(&self.weight, dtype)?, bias.as_ref())?;
+        trace::record(&self.module, &output);
+        Ok(output)
     }
 }
 
@@ -63,6 +65,8 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        rms_norm(x, &cast(&self.weight, dtype)?, self.eps)
+        let output = rms_norm(x, &cast(&self.weight, dtype)?, self.eps)?;
+        trace::record(&self.module, &output);
+        Ok(output)
     }
 }

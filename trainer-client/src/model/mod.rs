@@ -7,6 +7,7 @@
 //! - [`params`]: every parameter by name, in its master dtype.
 //! - [`ops`]: differentiable building blocks (RMSNorm, RoPE, softmax, GQA).
 //! - [`layers`]: linear and norm layers that record their outputs.
+//! - [`trace`]: which modules' outputs backward reached (hook hits).
 //! - [`qwen2`], [`agent`]: the two models.
 //! - [`checkpoint`]: Hugging Face checkpoint folders.
 
@@ -17,6 +18,7 @@ pub mod layers;
 pub mod ops;
 pub mod params;
 pub mod qwen2;
+pub mod trace;
 
 use std::collections::HashMap;
 

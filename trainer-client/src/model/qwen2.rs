@@ -8,7 +8,7 @@ use gradflow_protocol::Role;
 use super::config::Qwen2Config;
 use super::layers::{Linear, RmsNorm};
 use super::ops::{causal_mask, linear, repeat_kv, rope, rope_tables, softmax_f32};
-use super::{ParamSource, cast};
+use super::{ParamSource, cast, trace};
 
 struct DecoderLayer {
     input_layernorm: RmsNorm,
@@ -24,6 +24,7 @@ struct DecoderLayer {
 
 pub struct Qwen2 {
     pub config: Qwen2Config,
+    embed_module: String,
     embed: Var,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -97,6 +98,7 @@ impl Qwen2 {
         };
         Ok(Qwen2 {
             config: config.clone(),
+            embed_module,
             embed,
             layers,
             norm,
@@ -114,6 +116,7 @@ impl Qwen2 {
             seq,
             self.config.hidden_size,
         ))?;
+        trace::record(&self.embed_module, &embedded);
         let mut x = embedded;
         let (cos, sin) = rope_tables(seq, self.config.head_dim(), self.config.rope_theta, device)?;
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
