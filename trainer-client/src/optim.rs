@@ -114,6 +114,26 @@ fn min_normal(dtype: DType) -> f64 {
     }
 }
 
+/// Each element's ulp in `dtype` (the spacing above its magnitude; below the
+/// smallest normal value, the subnormals' constant spacing), in f32, exactly.
+///
+/// Found by rounding rather than by logarithms, whose f32 results straddle the
+/// integers at powers of two: for `m = |x|` with `p` explicit significand bits,
+/// `m + 0.75·2^−p·m` lies between `m + 0.75 ulp` and `m + 1.5 ulp`, so rounding it
+/// to `dtype` gives the next value, `m + ulp`. The sum is computed exactly in a
+/// wider float (f32 for bf16 and f16, f64 for f32), so only that one rounding
+/// happens.
+fn ulp(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    let wide = match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        _ => DType::F64,
+    };
+    let m = x.to_dtype(wide)?.abs()?.maximum(min_normal(dtype))?;
+    let offset = (&m * (0.75 * 2f64.powi(-mantissa_bits(dtype))))?;
+    let next = (&m + offset)?.to_dtype(dtype)?.to_dtype(wide)?;
+    (next - m)?.to_dtype(DType::F32)
+}
+
 /// The summary of one intended update against the weights it was meant for, as four
 /// scalars on the device (each shape `[1]`): the update's squared norm, the largest
 /// |update| / ulp(weight) with the ulp in `dtype` at each weight's value before the
@@ -128,11 +148,7 @@ pub fn intended_summary(
     dtype: DType,
 ) -> Result<[Tensor; 4]> {
     let squared = intended.sqr()?.sum_all()?.reshape(1)?;
-    // ulp(x) = 2^(floor(log2 |x|) − mantissa bits), for |x| at least the smallest
-    // normal value (the spacing of subnormals is that of the smallest normal).
-    let magnitude = before.abs()?.maximum(min_normal(dtype))?;
-    let exponent = (magnitude.log()? / std::f64::consts::LN_2)?.floor()?;
-    let ulp = ((exponent - mantissa_bits(dtype) as f64)? * std::f64::consts::LN_2)?.exp()?;
+    let ulp = ulp(before, dtype)?;
     let ratio = (intended.abs()? / ulp)?;
     // max_all skips NaN on some devices; adding 0 × the sum brings any NaN or
     // infinity of the update back.
@@ -194,6 +210,23 @@ mod tests {
         let [_, ratio, _, rounded] = summary(&[1.0], &[1e-4], DType::F32);
         assert!(ratio > 500.0, "{ratio}");
         assert_eq!(rounded, 0.0);
+    }
+
+    #[test]
+    fn the_ulp_is_exact_at_powers_of_two_and_just_below_them() {
+        // At 2^k the spacing above is 2^(k−p) with p explicit significand bits; just
+        // below 2^k it is half that.
+        for (dtype, p) in [(DType::BF16, 7), (DType::F16, 10), (DType::F32, 23)] {
+            for k in -12i32..=12 {
+                let w = 2f32.powi(k);
+                let update = 2f32.powi(k - p - 2); // a quarter of the spacing above w
+                let ratio = summary(&[w], &[update], dtype)[1];
+                assert_eq!(ratio, 0.25, "{dtype:?} at 2^{k}");
+                let below = w * (1.0 - 2f32.powi(-p - 1)); // the largest value below 2^k
+                let ratio = summary(&[below], &[update], dtype)[1];
+                assert_eq!(ratio, 0.5, "{dtype:?} just below 2^{k}");
+            }
+        }
     }
 
     #[test]
