@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
+use clap::builder::{PossibleValue, PossibleValuesParser};
 use clap::{Parser, ValueEnum};
 
 use crate::scenario;
@@ -29,7 +30,7 @@ pub struct Args {
     pub ingest_token: Option<String>,
 
     /// A named story that sets the options below (explicit flags override it).
-    #[arg(long, env = "GRADFLOW_SCENARIO", default_value = "healthy")]
+    #[arg(long, env = "GRADFLOW_SCENARIO", default_value = "healthy", value_parser = scenario_names())]
     pub scenario: String,
 
     /// Training steps.
@@ -179,6 +180,16 @@ fn parse_fault(text: &str) -> Result<Fault, String> {
             )),
         },
     }
+}
+
+/// Every scenario of the table, with its symptom as the value's help: `--help`
+/// lists them, and an unknown name is refused before anything starts.
+fn scenario_names() -> PossibleValuesParser {
+    PossibleValuesParser::new(
+        scenario::SCENARIOS
+            .iter()
+            .map(|s| PossibleValue::new(s.name).help(s.symptom)),
+    )
 }
 
 /// The scenario's settings with the explicit flags applied.
