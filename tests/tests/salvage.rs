@@ -1,11 +1,14 @@
 //! One bad value in a batch costs that record only: the reporter of the bundled
 //! trainer resends the halves of a batch the real server refused until only the
 //! invalid records are left out (as a NaN weight once produced a drift of −Infinity
-//! on CUDA, and the server's 400 cost the 30 healthy steps batched with it).
+//! on CUDA, and the server's 400 cost the 30 healthy steps batched with it). And a
+//! non-finite reading is data: the trainer whose weights go NaN sends NaN, and the
+//! server stores every step of it.
 
+use std::process::Command;
 use std::time::Duration;
 
-use gradflow_e2e::ServerProcess;
+use gradflow_e2e::{ServerProcess, binary};
 use gradflow_protocol::{Float, ModuleStep, ParamStep, RunRegistration, StepRecord};
 use gradflow_trainer::reporter::{Reporter, ReporterConfig};
 use serde_json::{Value, json};
@@ -66,4 +69,63 @@ fn a_refused_batch_loses_only_its_invalid_records() {
         .collect();
     let expected: Vec<u64> = (0..40).filter(|s| *s != 31).collect();
     assert_eq!(steps, expected, "every valid step stored, in order");
+}
+
+fn series(server: &ServerProcess, run: &str, query: &str) -> Vec<Value> {
+    let url = server.url(&format!("/api/v1/runs/{run}/series?{query}"));
+    let body: Value = reqwest::blocking::get(url).unwrap().json().unwrap();
+    body["points"].as_array().unwrap().clone()
+}
+
+#[test]
+fn a_nan_gradient_run_delivers_every_step_with_nan_readings() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("g.db"), &[]);
+    let output = Command::new(binary("gradflow-trainer"))
+        .args(["--server", &server.base, "--scenario", "nan-gradient"])
+        .args(["--run-id", "nan", "--steps", "40", "--quiet"])
+        .arg("--spool-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{text}");
+    assert!(text.contains("delivered 40 steps"), "{text}");
+
+    let steps: Vec<u64> = series(&server, "nan", "metric=loss")
+        .iter()
+        .map(|p| p[0].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (0..40).collect::<Vec<_>>(), "every step stored");
+    // The NaN gradient of step 30 reaches every weight through AdamW by the next
+    // step: from then on the norm weights' drift and updates are NaN, never a
+    // negative or infinite number a reduction made of them.
+    for metric in [
+        "drift",
+        "update_norm",
+        "intended_update_norm",
+        "intended_update_max_ulp",
+    ] {
+        let points = series(
+            &server,
+            "nan",
+            &format!("metric={metric}&subject=qwen.norm.weight"),
+        );
+        assert_eq!(points.len(), 40, "{metric}: {points:?}");
+        for point in &points {
+            let step = point[0].as_u64().unwrap();
+            match &point[1] {
+                Value::Number(n) => {
+                    assert!(step < 31, "{metric} at step {step}: {n}, not NaN");
+                    assert!(n.as_f64().unwrap() >= 0.0, "{metric} at step {step}: {n}");
+                }
+                Value::String(s) => {
+                    assert_eq!(s, "NaN", "{metric} at step {step}");
+                    assert!(step >= 30, "{metric} at step {step}: NaN before the fault");
+                }
+                other => panic!("{metric} at step {step}: {other}"),
+            }
+        }
+    }
 }
