@@ -66,6 +66,17 @@ impl Shape {
             .collect()
     }
 
+    /// Whether the norm weights registered reach a layer beyond the last one whose
+    /// modules are reported (Qwen2's one norm weight per four modules does, for
+    /// most widths): the server then rightly says that layer never reports.
+    pub fn registers_unreported_layer(&self) -> bool {
+        let agent = self.modules / 23;
+        let qwen_modules = self.modules - agent;
+        let last_module_layer = qwen_modules.saturating_sub(1) / 8;
+        let last_param_layer = self.norm_params.saturating_sub(1) / 2;
+        self.norm_params > 0 && (qwen_modules == 0 || last_param_layer > last_module_layer)
+    }
+
     pub fn param_names(&self) -> Vec<String> {
         (0..self.norm_params)
             .map(|i| {
@@ -233,6 +244,16 @@ mod tests {
         let unique: std::collections::HashSet<_> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "module names are distinct");
         assert_eq!(Shape::with_modules(1000).norm_params, 250);
+    }
+
+    #[test]
+    fn knows_when_it_registers_a_layer_it_never_reports() {
+        // 220 Qwen modules (layers 0-27), 57 norm weights (layers 0-28).
+        assert!(Shape::QWEN_1_5B.registers_unreported_layer());
+        // 192 Qwen modules (layers 0-23), 50 norm weights (layers 0-24).
+        assert!(Shape::with_modules(200).registers_unreported_layer());
+        // 48 Qwen modules (layers 0-5), 12 norm weights (layers 0-5).
+        assert!(!Shape::with_modules(50).registers_unreported_layer());
     }
 
     #[test]

@@ -54,21 +54,56 @@ fn every_part_runs_and_reports() {
         "{}",
         r["queries"]
     );
-    // Those are the only alerts: the long run's stationary norms and the short runs'
-    // live modules are healthy, and nothing may be raised on them.
-    assert_eq!(r["queries"]["expected_alerts"], 19);
+    // Those are the only alerts, labelled expected: the long run's stationary norms
+    // and the short runs' live modules are healthy, and nothing may be raised on them.
+    let short_runs = &r["queries"]["alarms"][1];
     assert_eq!(
-        r["queries"]["false_alarms"],
-        serde_json::json!({}),
-        "{}",
-        r["queries"]
+        short_runs["expected"],
+        serde_json::json!({"grad_stuck_zero on agent.head": 19}),
+        "{short_runs}"
     );
+
+    // Every workload's alerts are labelled, and none is unexpected: no false alarm
+    // on the healthy ones (the generated telemetry, and the trainer's healthy
+    // scenarios), no stray verdict on a failure scenario.
+    let alarms = &r["false_alarms"];
+    let workloads = alarms["workloads"].as_array().unwrap();
+    let names: Vec<&str> = workloads
+        .iter()
+        .map(|w| w["workload"].as_str().unwrap())
+        .collect();
+    for part in [
+        "ingest",
+        "queries",
+        "trainer: healthy-0",
+        "trainer: prompt-caching-0",
+        "scaling",
+    ] {
+        assert!(
+            names.iter().any(|n| n.starts_with(part)),
+            "no {part} workload in {names:?}"
+        );
+    }
+    for w in workloads {
+        assert_eq!(w["unexpected"], serde_json::json!({}), "{w}");
+    }
+    assert!(number(&alarms["healthy_steps"]) > 5_000.0, "{alarms}");
+    assert_eq!(alarms["false_alarms"], 0, "{alarms}");
+    assert_eq!(alarms["by_kind"], serde_json::json!({}), "{alarms}");
 
     assert!(number(&r["overhead"]["instrumented_ms"]) > 0.0);
 
     // Every failure scenario's alerts, each opened no earlier than allowed.
     let detections = r["latency"].as_array().unwrap();
     assert_eq!(detections.len(), 11, "{detections:?}");
+    // The fault's step is read back from the telemetry where it shows there: the NaN
+    // gradient injected at step 30 makes step 31's loss the first non-finite one.
+    let loss_nan = detections
+        .iter()
+        .find(|d| d["scenario"] == "nan-gradient" && d["kind"] == "loss_nonfinite")
+        .unwrap();
+    assert_eq!(loss_nan["fault_step_from"], "telemetry", "{loss_nan}");
+    assert_eq!(loss_nan["fault_step"], 31, "{loss_nan}");
     for d in detections {
         if let Some(late) = d["steps_late"].as_i64() {
             assert!(late >= 0, "opened before its threshold allows: {d}");
@@ -107,6 +142,11 @@ fn every_part_runs_and_reports() {
     let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(
         report.contains("| ingest over HTTP, detectors on |"),
+        "{report}"
+    );
+    assert!(
+        report.contains("### False alarms")
+            && report.contains("| trainer: healthy-0 (200 steps) |"),
         "{report}"
     );
 }

@@ -16,7 +16,9 @@ use tokio::sync::watch;
 use crate::config::ServerConfig;
 use crate::startup::{Application, shutdown_signal};
 
-/// The scenarios the demo runs, in order: healthy first, then each failure.
+/// The scenarios the demo runs, in order: healthy first, then each failure, then
+/// prompt caching. The two healthy ones raise no warning at all; each failure raises
+/// exactly the alerts its scenario names (README's table; `tests/tests/demo.rs`).
 pub const SCENARIOS: [&str; 9] = [
     "healthy",
     "detached-prompt",

@@ -13,7 +13,8 @@ use std::process::Command;
 use anyhow::Context;
 use candle_core::Device;
 use clap::{Parser, ValueEnum};
-use gradflow_bench::harness::report::{IngestReport, IngestRound, Report};
+use gradflow_bench::harness::alarms::FalseAlarms;
+use gradflow_bench::harness::report::{self, IngestReport, IngestRound, Report};
 use gradflow_bench::harness::{Machine, baseline, ingest, latency, plot, queries, scaling};
 use gradflow_trainer::model::config::Preset;
 use gradflow_trainer::overhead;
@@ -105,8 +106,28 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     if wants(Part::Latency) {
-        eprintln!("gradflow-bench: detection latency (every failure scenario of the trainer)");
-        report.latency = Some(latency::run().await?);
+        // The healthy scenarios beside the failures: long enough for the rise of
+        // the tiny model's gradient norms around step 150.
+        let healthy = if quick {
+            latency::HealthyRuns {
+                seeds: vec![0],
+                steps: 200,
+            }
+        } else {
+            latency::HealthyRuns {
+                seeds: vec![0, 1, 2],
+                steps: 1_000,
+            }
+        };
+        eprintln!(
+            "gradflow-bench: detection latency (every failure scenario of the trainer), \
+            and its healthy scenarios at {} seeds × {} steps",
+            healthy.seeds.len(),
+            healthy.steps
+        );
+        let (detections, alarms) = latency::run(&healthy).await?;
+        report.latency = Some(detections);
+        report.latency_alarms = Some(alarms);
     }
     if wants(Part::Scaling) {
         let sweeps = scaling_sweeps(quick).await?;
@@ -115,6 +136,11 @@ async fn main() -> anyhow::Result<()> {
     }
     if wants(Part::Mlflow) {
         report.mlflow = mlflow_reference(quick)?;
+    }
+
+    let alarms = report::gather_alarms(&report);
+    if !alarms.is_empty() {
+        report.false_alarms = Some(FalseAlarms::of(alarms));
     }
 
     let json = args.out.join("results.json");

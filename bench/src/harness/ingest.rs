@@ -12,6 +12,7 @@ use anyhow::Context;
 use gradflow_e2e::ServerProcess;
 use serde::Serialize;
 
+use super::alarms::WorkloadAlarms;
 use super::queries::{QueryTiming, post, register, time_get, timed_get};
 use crate::server::bytes_on_disk;
 use crate::stats::{ms, quantile};
@@ -69,6 +70,8 @@ pub struct IngestResult {
     pub probe: Option<QueryTiming>,
     /// `queries_after`, in order.
     pub queries: Vec<QueryTiming>,
+    /// What the detectors raised on these healthy runs (`None` with them off).
+    pub alarms: Option<WorkloadAlarms>,
 }
 
 /// Runs one measurement on a fresh server and database.
@@ -136,6 +139,31 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
     for (name, path) in &spec.queries_after {
         queries.push(time_get(&client, &server, name, path, spec.query_repeats).await?);
     }
+    let detectors_on = !spec.server_args.iter().any(|a| a == "--disable-detectors");
+    let alarms = if detectors_on {
+        let alerts: serde_json::Value = client
+            .get(server.url("/api/v1/alerts"))
+            .send()
+            .await?
+            .json()
+            .await?;
+        Some(WorkloadAlarms::label(
+            &format!(
+                "{} runs × {} i.i.d. healthy steps × {} modules",
+                spec.clients, spec.steps_per_client, spec.shape.modules
+            ),
+            spec.clients as u64 * spec.steps_per_client,
+            alerts["alerts"].as_array().map_or(&[], Vec::as_slice),
+            // The server is right to say the unreported layer's modules never report.
+            |a| {
+                spec.shape.registers_unreported_layer()
+                    && a["kind"] == "unused_parameters"
+                    && a["subject"] == "qwen"
+            },
+        ))
+    } else {
+        None
+    };
     let status = server.terminate();
     anyhow::ensure!(status.success(), "the server stopped with {status}");
     latencies.sort();
@@ -155,6 +183,7 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
         bytes_per_value: bytes as f64 / values as f64,
         probe,
         queries,
+        alarms,
     })
 }
 

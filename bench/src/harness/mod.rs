@@ -3,6 +3,7 @@
 //! temporary database, the trainer binary, bare SQLite) and returns its figures,
 //! and the report that sets them against the targets.
 
+pub mod alarms;
 pub mod baseline;
 pub mod ingest;
 pub mod latency;

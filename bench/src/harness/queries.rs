@@ -10,6 +10,7 @@ use gradflow_e2e::ServerProcess;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Value, json};
 
+use super::alarms::WorkloadAlarms;
 use crate::stats::{ms, quantile};
 use crate::workload::{BatchWriter, Generator, Shape};
 
@@ -45,17 +46,10 @@ pub struct QueryResult {
     pub alerts: usize,
     /// Alerts by kind and subject, to show what the reads had to return.
     pub alert_kinds: std::collections::BTreeMap<String, usize>,
-    /// Alerts the workloads should raise: each short run's dead module, and the long
-    /// run's registered but never reported last layer.
-    #[serde(default)]
-    pub expected_alerts: usize,
-    /// Alerts on what is healthy by construction (the long run's stationary
-    /// norms, the short runs' live modules): false alarms, by kind and subject.
-    #[serde(default)]
-    pub false_alarms: std::collections::BTreeMap<String, usize>,
-    /// False alarms per 1,000 healthy steps streamed.
-    #[serde(default)]
-    pub false_alarms_per_1000_steps: f64,
+    /// What each workload raised, labelled: the long run (healthy by construction,
+    /// but registering the norm weights of one more layer than it reports modules
+    /// of) and the short runs (one dead module each, every other module healthy).
+    pub alarms: Vec<WorkloadAlarms>,
     pub build_seconds: f64,
     pub timings: Vec<QueryTiming>,
 }
@@ -86,29 +80,41 @@ pub async fn run(spec: &QuerySpec) -> anyhow::Result<QueryResult> {
         .await?;
     let alert_list = alerts["alerts"].as_array().cloned().unwrap_or_default();
     let mut alert_kinds = std::collections::BTreeMap::new();
-    let mut false_alarms = std::collections::BTreeMap::new();
-    let mut expected_alerts = 0;
     for a in &alert_list {
         let key = format!(
             "{} on {}",
             a["kind"].as_str().unwrap_or("?"),
             a["subject"].as_str().unwrap_or("?")
         );
-        *alert_kinds.entry(key.clone()).or_insert(0) += 1;
-        let dead_module =
-            a["run_id"] != LONG_RUN && key == format!("grad_stuck_zero on {DEAD_MODULE}");
-        // The long run's shape registers the norm weights of one more Qwen layer
-        // than it reports modules of (50 norm weights, 24 layers of 8 modules), so
-        // the server is right to say those modules never report.
-        let unreported_layer = a["run_id"] == LONG_RUN && key == "unused_parameters on qwen";
-        if dead_module || unreported_layer {
-            expected_alerts += 1;
-        } else {
-            *false_alarms.entry(key).or_insert(0) += 1;
-        }
+        *alert_kinds.entry(key).or_insert(0) += 1;
     }
-    let healthy_steps = spec.long_steps + 60 * spec.runs.saturating_sub(1) as u64;
-    let false_alarm_count: usize = false_alarms.values().sum();
+    let (long, short): (Vec<Value>, Vec<Value>) = alert_list
+        .iter()
+        .cloned()
+        .partition(|a| a["run_id"] == LONG_RUN);
+    let short_runs = spec.runs.saturating_sub(1);
+    let alarms = vec![
+        WorkloadAlarms::label(
+            &format!(
+                "queries: the long run ({} i.i.d. healthy steps × {} modules)",
+                spec.long_steps, spec.long_modules
+            ),
+            spec.long_steps,
+            &long,
+            // The server is right to say the unreported layer's modules never report.
+            |a| {
+                shape.registers_unreported_layer()
+                    && a["kind"] == "unused_parameters"
+                    && a["subject"] == "qwen"
+            },
+        ),
+        WorkloadAlarms::label(
+            &format!("queries: {short_runs} short runs (60 steps, {DEAD_MODULE} dead)"),
+            60 * short_runs as u64,
+            &short,
+            |a| a["kind"] == "grad_stuck_zero" && a["subject"] == DEAD_MODULE,
+        ),
+    ];
     let module = &shape.module_names()[17];
     let queries = [
         (
@@ -148,10 +154,7 @@ pub async fn run(spec: &QuerySpec) -> anyhow::Result<QueryResult> {
         runs: spec.runs,
         alerts: alert_list.len(),
         alert_kinds,
-        expected_alerts,
-        false_alarms,
-        false_alarms_per_1000_steps: false_alarm_count as f64 * 1000.0
-            / healthy_steps.max(1) as f64,
+        alarms,
         build_seconds,
         timings,
     })

@@ -7,6 +7,7 @@ use gradflow_trainer::overhead::Overhead;
 use serde::Serialize;
 
 use super::Machine;
+use super::alarms::{FalseAlarms, WorkloadAlarms};
 use super::baseline::BaselineResult;
 use super::ingest::IngestResult;
 use super::latency::Detection;
@@ -47,7 +48,12 @@ pub struct Report {
     pub queries: Option<QueryResult>,
     pub overhead: Option<Overhead>,
     pub latency: Option<Vec<Detection>>,
+    /// What the latency part's runs raised, healthy scenarios included, labelled.
+    #[serde(skip)]
+    pub latency_alarms: Option<Vec<WorkloadAlarms>>,
     pub scaling: Option<Vec<Sweep>>,
+    /// What every workload above raised, labelled; false alarms on the healthy ones.
+    pub false_alarms: Option<FalseAlarms>,
     /// `scripts/mlflow_reference.py`'s figures, when MLflow is installed.
     pub mlflow: Option<serde_json::Value>,
 }
@@ -91,26 +97,19 @@ impl Report {
         if let Some(q) = &self.queries {
             let _ = writeln!(
                 md,
-                "### Queries\n\n{} runs ({} alerts: {} expected by construction; \
-                {} false alarms on healthy data, {:.2} per 1,000 steps{}); the long run: {} \
+                "### Queries\n\n{} runs ({} alerts: {} expected by construction, {} false \
+                alarms; see the false-alarm table); the long run: {} \
                 steps × {} modules. Median of the timed requests over HTTP, end to end.\n",
                 q.runs,
                 q.alerts,
-                q.expected_alerts,
-                q.false_alarms.values().sum::<usize>(),
-                q.false_alarms_per_1000_steps,
-                if q.false_alarms.is_empty() {
-                    String::new()
-                } else {
-                    format!(
-                        ": {}",
-                        q.false_alarms
-                            .iter()
-                            .map(|(k, n)| format!("{n} × {k}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )
-                },
+                q.alarms
+                    .iter()
+                    .flat_map(|w| w.expected.values())
+                    .sum::<usize>(),
+                q.alarms
+                    .iter()
+                    .flat_map(|w| w.unexpected.values())
+                    .sum::<usize>(),
                 thousands(q.long_steps as f64),
                 q.long_modules
             );
@@ -161,7 +160,9 @@ impl Report {
         if let Some(detections) = &self.latency {
             let _ = writeln!(
                 md,
-                "### Detection latency\n\n| scenario | alert | subject | fault from step | threshold | earliest allowed | opened on | late by |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+                "### Detection latency\n\nThe fault's first step is read back from the stored telemetry where it shows \
+                there directly (`telemetry`), and taken from where the scenario injects it otherwise \
+                (`construction`).\n\n| scenario | alert | subject | fault from step | threshold | earliest allowed | opened on | late by |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
             );
             for d in detections {
                 let step =
@@ -176,7 +177,10 @@ impl Report {
                     d.scenario,
                     d.kind,
                     d.subject,
-                    step(d.fault_step),
+                    match d.fault_step {
+                        Some(s) => format!("{s} ({})", d.fault_step_from),
+                        None => step(None),
+                    },
                     d.threshold_steps,
                     step(d.earliest_step),
                     step(d.opened_step),
@@ -184,6 +188,9 @@ impl Report {
                 );
             }
             md.push('\n');
+        }
+        if let Some(alarms) = &self.false_alarms {
+            false_alarm_table(&mut md, alarms);
         }
         if let Some(sweeps) = &self.scaling {
             for s in sweeps {
@@ -325,6 +332,93 @@ impl Report {
         }
         md.push('\n');
     }
+}
+
+/// "n × key, …", or "none".
+fn counts(map: &std::collections::BTreeMap<String, usize>) -> String {
+    if map.is_empty() {
+        return "none".to_owned();
+    }
+    map.iter()
+        .map(|(key, n)| format!("{n} × `{key}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn false_alarm_table(md: &mut String, alarms: &FalseAlarms) {
+    let _ = writeln!(
+        md,
+        "### False alarms
+
+Every alert of warning or critical severity that the workloads above raised, \
+        labelled expected (the workload is built to raise it) or not. An unexpected alert on a workload \
+        healthy by construction is a false alarm: **{} in {} healthy steps, {:.3} per 1,000 steps**{}.\n",
+        alarms.false_alarms,
+        thousands(alarms.healthy_steps as f64),
+        alarms.per_1000_steps,
+        if alarms.by_kind.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " ({})",
+                alarms
+                    .by_kind
+                    .iter()
+                    .map(|(kind, n)| format!("{n} × `{kind}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    );
+    let _ = writeln!(
+        md,
+        "| workload | healthy steps | expected | unexpected | false alarms per 1,000 healthy steps |\n\
+        | --- | --- | --- | --- | --- |"
+    );
+    for w in &alarms.workloads {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} |",
+            w.workload,
+            thousands(w.healthy_steps as f64),
+            counts(&w.expected),
+            counts(&w.unexpected),
+            w.false_alarms_per_1000_steps
+                .map_or_else(|| "(a failure scenario)".to_owned(), |r| format!("{r:.3}"))
+        );
+    }
+    md.push('\n');
+}
+
+/// Every workload's labelled alerts out of `report`, the ingest rounds folded into one.
+pub fn gather_alarms(report: &Report) -> Vec<WorkloadAlarms> {
+    let mut all = Vec::new();
+    if let Some(ingest) = &report.ingest {
+        let mut rounds = ingest
+            .rounds
+            .iter()
+            .filter_map(|r| r.detectors_on.alarms.clone());
+        if let Some(mut first) = rounds.next() {
+            for round in rounds {
+                first.merge(&round);
+            }
+            first.workload = format!("ingest, {} rounds: {}", ingest.rounds.len(), first.workload);
+            all.push(first);
+        }
+    }
+    if let Some(queries) = &report.queries {
+        all.extend(queries.alarms.iter().cloned());
+    }
+    if let Some(latency) = &report.latency_alarms {
+        all.extend(latency.iter().cloned());
+    }
+    for sweep in report.scaling.iter().flatten() {
+        all.extend(sweep.alarms.iter().map(|w| WorkloadAlarms {
+            workload: format!("scaling ({}): {}", sweep.axis, w.workload),
+            ..w.clone()
+        }));
+    }
+    all
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use anyhow::Context;
 use gradflow_e2e::ServerProcess;
 use serde::{Deserialize, Serialize};
 
+use super::alarms::WorkloadAlarms;
 use super::ingest::{self, IngestSpec};
 use super::queries::{self, QueryTiming, time_get};
 use crate::workload::Shape;
@@ -29,6 +30,9 @@ pub struct Sweep {
     /// How each point was made.
     pub method: String,
     pub points: Vec<Point>,
+    /// What the detectors raised on the sweep's healthy runs.
+    #[serde(default)]
+    pub alarms: Vec<WorkloadAlarms>,
 }
 
 fn chart_and_series(run: &str, module: &str) -> Vec<(String, String)> {
@@ -47,6 +51,7 @@ fn chart_and_series(run: &str, module: &str) -> Vec<(String, String)> {
 /// Modules per step, 4 clients of `steps` steps each.
 pub async fn modules(widths: &[usize], steps: u64) -> anyhow::Result<Sweep> {
     let mut points = Vec::new();
+    let mut alarms = Vec::new();
     for &modules in widths {
         let shape = Shape::with_modules(modules);
         let module = shape.module_names()[modules / 2].clone();
@@ -58,6 +63,7 @@ pub async fn modules(widths: &[usize], steps: u64) -> anyhow::Result<Sweep> {
         let r = ingest::http(&spec)
             .await
             .with_context(|| format!("{modules} modules"))?;
+        alarms.extend(r.alarms.clone());
         points.push(Point {
             x: modules as u64,
             module_values_per_second: r.module_values_per_second,
@@ -73,6 +79,7 @@ pub async fn modules(widths: &[usize], steps: u64) -> anyhow::Result<Sweep> {
             "4 clients × {steps} steps, 50 steps a batch, one norm weight per four modules; reads of client 0's run afterwards"
         ),
         points,
+        alarms,
     })
 }
 
@@ -80,6 +87,7 @@ pub async fn modules(widths: &[usize], steps: u64) -> anyhow::Result<Sweep> {
 /// by its own client, while a reader asks for a 1,000-point series every 50 ms.
 pub async fn runs(counts: &[usize], total_steps: u64) -> anyhow::Result<Sweep> {
     let mut points = Vec::new();
+    let mut alarms = Vec::new();
     for &clients in counts {
         let spec = IngestSpec {
             clients,
@@ -90,6 +98,7 @@ pub async fn runs(counts: &[usize], total_steps: u64) -> anyhow::Result<Sweep> {
         let r = ingest::http(&spec)
             .await
             .with_context(|| format!("{clients} runs"))?;
+        alarms.extend(r.alarms.clone());
         points.push(Point {
             x: clients as u64,
             module_values_per_second: r.module_values_per_second,
@@ -105,6 +114,7 @@ pub async fn runs(counts: &[usize], total_steps: u64) -> anyhow::Result<Sweep> {
             "{total_steps} steps of 230 modules + 57 norm weights split over N clients (one run each), 50 steps a batch; a reader asks for a 1,000-point series of run 0 every 50 ms meanwhile"
         ),
         points,
+        alarms,
     })
 }
 
@@ -140,6 +150,23 @@ pub async fn length(lengths: &[u64], modules: usize) -> anyhow::Result<Sweep> {
             queries: timings,
         });
     }
+    let alerts: serde_json::Value = client
+        .get(server.url("/api/v1/alerts"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let alarms = vec![WorkloadAlarms::label(
+        &format!("one run of {done} i.i.d. healthy steps × {modules} modules"),
+        done,
+        alerts["alerts"].as_array().map_or(&[], Vec::as_slice),
+        // The server is right to say the unreported layer's modules never report.
+        |a| {
+            shape.registers_unreported_layer()
+                && a["kind"] == "unused_parameters"
+                && a["subject"] == "qwen"
+        },
+    )];
     let status = server.terminate();
     anyhow::ensure!(status.success(), "the server stopped with {status}");
     Ok(Sweep {
@@ -150,5 +177,6 @@ pub async fn length(lengths: &[u64], modules: usize) -> anyhow::Result<Sweep> {
             modules / 4
         ),
         points,
+        alarms,
     })
 }
