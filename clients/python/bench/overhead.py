@@ -1,0 +1,219 @@
+"""What watching costs a training step: bare, with ``gradflow.watch``, and with
+``wandb.watch(model, log="all", log_freq=1)`` in offline mode, side by side.
+
+    python clients/python/bench/overhead.py [--device cpu|cuda] [--preset cpu|qwen2.5-0.5b]
+
+Each mode trains its own copy of the same model (same seed, same batches). The modes
+take turns in rounds of ``--block`` steps, so a machine that slows down mid-run slows
+every mode alike; after ``--warmup`` steps per mode, each step's wall time is recorded
+(on CUDA, the benchmark synchronises at the end of each step to time it; the clients do
+not). The report gives each mode's median step time and its overhead over bare, as
+ratios of medians. gradflow reports to a real ``gradflow-server`` on a temporary
+database (``--server-bin``, default target/release then target/debug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+REPO = Path(__file__).resolve().parents[3]
+
+PRESETS: Dict[str, Dict[str, Any]] = {
+    # About 60-90 ms a step on two CPU cores: the client's CPU target is for a step of
+    # at least 50 ms.
+    "cpu": dict(
+        config=dict(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+        ),
+        batch=4,
+        seq=128,
+    ),
+    # Qwen2.5-0.5B's shape, random weights.
+    "qwen2.5-0.5b": dict(
+        config=dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+        batch=8,
+        seq=512,
+    ),
+}
+
+
+def server_binary(explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    for profile in ("release", "debug"):
+        path = REPO / "target" / profile / "gradflow-server"
+        if path.exists():
+            return path
+    sys.exit("gradflow-server not built: cargo build --release -p gradflow-server")
+
+
+def start_server(binary: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [str(binary), "--listen", f"127.0.0.1:{port}", "--db", str(workdir / "bench.db")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if "gradflow-server listening" in line:
+            break
+    else:
+        sys.exit("gradflow-server did not start")
+    return process, f"http://127.0.0.1:{port}"
+
+
+class Mode:
+    """One copy of the model, its optimizer, and what watches it."""
+
+    def __init__(self, name: str, preset: Dict[str, Any], device: str, dtype: torch.dtype):
+        torch.manual_seed(0)
+        config = Qwen2Config(max_position_embeddings=preset["seq"], **preset["config"])
+        self.name = name
+        self.model = Qwen2ForCausalLM(config).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.device = device
+        self.dtype = dtype
+        self.after_step: Callable[[torch.Tensor], None] = lambda loss: None
+        self.close: Callable[[], None] = lambda: None
+        self.times: List[float] = []
+
+    def step(self, tokens: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            loss = self.model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        self.optimizer.step()
+        self.after_step(loss)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--steps", type=int, default=120, help="measured steps per mode")
+    parser.add_argument("--warmup", type=int, default=10, help="unmeasured steps per mode")
+    parser.add_argument("--block", type=int, default=10, help="steps per mode per round")
+    parser.add_argument("--modes", default="bare,gradflow,wandb")
+    parser.add_argument("--autocast", choices=["none", "bf16"], default=None)
+    parser.add_argument("--server-bin")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    preset_name = args.preset or ("qwen2.5-0.5b" if args.device == "cuda" else "cpu")
+    preset = PRESETS[preset_name]
+    autocast = args.autocast or ("bf16" if args.device == "cuda" else "none")
+    dtype = torch.bfloat16 if autocast == "bf16" else torch.float32
+    names = [m for m in args.modes.split(",") if m]
+
+    workdir = Path(tempfile.mkdtemp(prefix="gradflow-bench-"))
+    server = None
+    modes: List[Mode] = []
+    for name in names:
+        mode = Mode(name, preset, args.device, dtype)
+        if name == "gradflow":
+            import gradflow
+
+            if server is None:
+                server, url = start_server(server_binary(args.server_bin), workdir)
+            gf = gradflow.watch(
+                mode.model, mode.optimizer, server=url, run_id="bench-overhead", on_alert=None
+            )
+            mode.after_step = lambda loss, gf=gf: gf.step(loss=loss)
+            mode.close = gf.close
+        elif name == "wandb":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            run = wandb.init(project="gradflow-bench", mode="offline", dir=str(workdir))
+            wandb.watch(mode.model, log="all", log_freq=1)
+            mode.after_step = lambda loss, run=run: run.log({"loss": loss.item()})
+            mode.close = run.finish
+        elif name != "bare":
+            sys.exit(f"unknown mode {name!r}")
+        modes.append(mode)
+
+    g = torch.Generator().manual_seed(1)
+    vocab = preset["config"]["vocab_size"]
+    total = args.warmup + args.steps
+    done = 0
+    while done < total:
+        block = min(args.block, total - done)
+        batches = [
+            torch.randint(0, vocab, (preset["batch"], preset["seq"]), generator=g).to(args.device)
+            for _ in range(block)
+        ]
+        for mode in modes:
+            for tokens in batches:
+                mode.step(tokens)
+        done += block
+    for mode in modes:
+        mode.close()
+    if server is not None:
+        server.terminate()
+        server.wait()
+
+    medians = {m.name: statistics.median(m.times[args.warmup :]) for m in modes}
+    bare = medians.get("bare")
+    device_name = (
+        torch.cuda.get_device_name() if args.device == "cuda" else f"cpu x{torch.get_num_threads()}"
+    )
+    print(
+        f"preset {preset_name}, {args.device} ({device_name}), autocast {autocast}, "
+        f"batch {preset['batch']}x{preset['seq']}, torch {torch.__version__}; "
+        f"median of {args.steps} steps after {args.warmup} warm-up, rounds of {args.block}"
+    )
+    result: Dict[str, Any] = {"preset": preset_name, "device": device_name, "modes": {}}
+    for mode in modes:
+        median = medians[mode.name]
+        line = f"  {mode.name:9s} {median * 1e3:9.2f} ms/step"
+        entry: Dict[str, Any] = {"median_ms": median * 1e3}
+        if bare and mode.name != "bare":
+            overhead = median / bare - 1
+            entry["overhead"] = overhead
+            line += f"   {overhead * 100:+6.2f} % over bare"
+        result["modes"][mode.name] = entry
+        print(line)
+    gf_over = result["modes"].get("gradflow", {}).get("overhead")
+    wb_over = result["modes"].get("wandb", {}).get("overhead")
+    if gf_over is not None and wb_over is not None and gf_over > 0:
+        print(f"  wandb.watch's overhead is {wb_over / gf_over:.1f}x gradflow's")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The update an optimizer meant to apply, in f32, before it was rounded to the
+parameter's dtype: what decides whether rounding explains a weight that never moves.
+
+Computed right after ``optimizer.step()`` from the state that step left (the new
+moments and step count are exactly what it used), for the parameters the caller
+passes, on their device, without a host sync. AdamW / Adam (also ``amsgrad``,
+``maximize`` and ``decoupled_weight_decay``) and SGD (momentum, dampening-free
+Nesterov, weight decay); any other optimizer gets no intended update.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
+
+
+def family(optimizer: Any) -> Optional[str]:
+    if isinstance(optimizer, torch.optim.Adam) or type(optimizer).__name__ in ("Adam", "AdamW"):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    return None
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at each value of `x` (f32): the distance from |x| to the
+    next representable value above it, exact at powers of two."""
+    wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
+    m = x.to(wide).abs().clamp_min(torch.finfo(dtype).tiny)
+    nxt = (m + m * (0.75 * 2.0 ** -_MANTISSA[dtype])).to(dtype).to(wide)
+    return (nxt - m).float()
+
+
+def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).float()
+
+
+def update(
+    kind: str,
+    optimizer: Any,
+    group: Dict[str, Any],
+    params: List[torch.Tensor],
+    before: torch.Tensor,
+) -> Optional[torch.Tensor]:
+    """The flat f32 intended update of `params` (all in `group`), whose values before
+    the step are `before` (flat f32); None when the state does not allow it."""
+    states = [optimizer.state.get(p) or {} for p in params]
+    lr = float(group["lr"])
+    wd = float(group.get("weight_decay", 0.0) or 0.0)
+    if kind == "adam":
+        if any("exp_avg" not in s for s in states):
+            return None
+        b1, b2 = (float(b) for b in group["betas"])
+        eps = float(group["eps"])
+        second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
+        m = _flat([s["exp_avg"] for s in states])
+        v = _flat([s[second] for s in states])
+        step = states[0]["step"]
+        if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+            # capturable / fused: the count lives on the device; reading it would sync.
+            step = step.to(m.device, torch.float32)
+            bc1 = 1 - b1**step
+            bc2_sqrt = (1 - b2**step).sqrt()
+        else:
+            step = float(step)
+            bc1 = 1 - b1**step
+            bc2_sqrt = math.sqrt(1 - b2**step)
+        upd = (m / bc1) / (v.sqrt() / bc2_sqrt + eps) * (-lr)
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
+            "decoupled_weight_decay", False
+        )
+        if decoupled and wd:
+            upd = upd - (lr * wd) * before
+        return upd
+    if kind == "sgd":
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        g = _flat(grads)
+        if group.get("maximize"):
+            g = -g
+        if wd:
+            g = g + wd * before
+        momentum = float(group.get("momentum", 0.0) or 0.0)
+        if momentum:
+            if any(s.get("momentum_buffer") is None for s in states):
+                return None
+            buf = _flat([s["momentum_buffer"] for s in states])
+            g = g + momentum * buf if group.get("nesterov") else buf
+        return g * (-lr)
+    return None
+
+
+def summary(
+    upd: torch.Tensor,
+    before: torch.Tensor,
+    after: torch.Tensor,
+    dtype: torch.dtype,
+    segments: torch.Tensor,
+    count: int,
+) -> torch.Tensor:
+    """Per parameter (segment): [|u|², max |u|/ulp(before), #u≠0, #(u≠0 and unchanged)],
+    shape (count, 4). A non-finite update makes its ratio NaN, never a number that
+    hides it (amax over NaN is not reliable across devices)."""
+    zeros = torch.zeros(count, device=upd.device, dtype=torch.float32)
+    squared = zeros.index_add(0, segments, upd * upd)
+    ratio = upd.abs() / ulp(before, dtype)
+    max_ratio = zeros.scatter_reduce(0, segments, ratio, "amax", include_self=False)
+    max_ratio = max_ratio + zeros.index_add(0, segments, upd) * 0.0
+    nonzero = upd != 0
+    counted = zeros.index_add(0, segments, nonzero.float())
+    rounded = zeros.index_add(0, segments, (nonzero & (after == before)).float())
+    return torch.stack([squared, max_ratio, counted, rounded], dim=1)

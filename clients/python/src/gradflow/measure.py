@@ -1,0 +1,489 @@
+"""Per-step measurements on the device, brought to the host in one transfer.
+
+Gradient norms are read in the optimizer's step pre-hook (after unscaling, before
+anything can zero them; on a step the scaler skips, from its ``step`` wrapper), the
+norm weights are snapshotted there and compared in the step post-hook, and at
+``gf.step`` every piece is concatenated into one f32 vector and copied to the host
+(non-blocking into pinned memory on CUDA). The reporter thread waits for the copy
+and turns the numbers into a step record, so the training thread never syncs.
+
+Backward reaching a module is counted by ``register_post_accumulate_grad_hook`` on
+its parameters: a host counter, no tensor work, and training stays bit-identical
+(module full-backward hooks would change its numerics).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import encode, intended
+from .registration import Param, Registry
+
+
+@dataclass
+class _Norm:
+    """A norm weight whose drift, update and intended update are reported."""
+
+    name: str
+    tensor: torch.Tensor
+    init: torch.Tensor  # f32 copy at registration, for drift
+    group_index: Optional[int]  # optimizer parameter group, None when not in it
+
+
+@dataclass
+class PendingStep:
+    """One step's numbers (a device vector still being copied) and where each lies."""
+
+    step: int
+    time: float
+    vector: Optional[torch.Tensor] = None
+    event: Any = None
+    loss: Optional[float] = None
+    loss_slot: Optional[int] = None
+    modules: List[Tuple[str, Optional[int], Optional[int]]] = field(default_factory=list)
+    norms: List[Tuple[str, Optional[int], Optional[int], Optional[int]]] = field(
+        default_factory=list
+    )
+    scaler_slot: Optional[int] = None
+    lrs: Dict[str, float] = field(default_factory=dict)
+    amend: Optional[Dict[str, Any]] = None
+    metrics: Dict[str, Any] = field(default_factory=dict)
+
+    def values(self) -> List[float]:
+        if self.vector is None:
+            return []
+        if self.event is not None:
+            self.event.synchronize()
+        return self.vector.tolist()
+
+    def record(self) -> Dict[str, Any]:
+        """The protocol's step record (runs on the reporter thread)."""
+        v = self.values()
+        rec: Dict[str, Any] = {"step": self.step, "time": self.time}
+        loss = v[self.loss_slot] if self.loss_slot is not None else self.loss
+        if loss is not None:
+            rec["loss"] = encode.number(loss)
+        if self.lrs:
+            rec["lrs"] = self.lrs
+            rec["lr"] = next(iter(self.lrs.values()))
+        modules = []
+        nonfinite = 0
+        for name, slot, hits in self.modules:
+            entry: Dict[str, Any] = {"module": name}
+            if slot is None:
+                entry["grad_norm"] = None
+            else:
+                sq = v[slot]
+                norm = sq**0.5 if sq >= 0 else float("nan")
+                if norm != norm or norm == float("inf"):
+                    nonfinite += 1
+                entry["grad_norm"] = encode.norm(norm)
+            if hits is not None:
+                entry["hook_hits"] = hits
+            modules.append(entry)
+        if modules:
+            rec["modules"] = modules
+            self.metrics.setdefault("grad_nonfinite_modules", float(nonfinite))
+        params = []
+        for name, grad_slot, stats_slot, intended_slot in self.norms:
+            entry = {"name": name}
+            if grad_slot is not None:
+                sq = v[grad_slot]
+                entry["grad_norm"] = encode.norm(sq**0.5 if sq >= 0 else float("nan"))
+            if stats_slot is not None:
+                update_sq, drift, mean = v[stats_slot : stats_slot + 3]
+                entry["update_norm"] = encode.norm(update_sq**0.5 if update_sq >= 0 else update_sq)
+                entry["drift"] = encode.norm(drift)
+                entry["mean"] = encode.number(mean)
+            if intended_slot is not None:
+                sq, ratio, nonzero, rounded = v[intended_slot : intended_slot + 4]
+                entry["intended_update_norm"] = encode.norm(sq**0.5 if sq >= 0 else sq)
+                entry["intended_update_max_ulp"] = encode.norm(ratio)
+                nz, ra = encode.count(nonzero), encode.count(rounded)
+                if nz is not None and ra is not None and ra <= nz:
+                    entry["intended_nonzero"] = nz
+                    entry["rounded_away"] = ra
+            params.append(entry)
+        if params:
+            rec["params"] = params
+        if self.scaler_slot is not None:
+            scale, tracker, found = v[self.scaler_slot : self.scaler_slot + 3]
+            scaler: Dict[str, Any] = {"scale": encode.norm(scale)}
+            if encode.count(tracker) is not None:
+                scaler["growth_tracker"] = encode.count(tracker)
+            if found == found:
+                scaler["found_inf"] = found > 0
+                scaler["step_skipped"] = found > 0
+            rec["scaler"] = scaler
+        if self.metrics:
+            rec["metrics"] = _metrics(self.metrics)
+        if self.amend:
+            rec["amend"] = self.amend
+        return rec
+
+
+class Measurer:
+    """Everything measured for one step of one watched model."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.optimizer = registry.optimizer
+        self._family = intended.family(self.optimizer) if self.optimizer is not None else None
+        self._hits: Dict[int, int] = {}
+        self._hooks: Dict[int, Any] = {}
+        self._fresh: set = set()
+        self._norms: List[_Norm] = []
+        self._index_cache: Dict[Tuple[int, ...], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._seg_cache: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        # Set by arm_backward_end: called once when the backward pass now running ends.
+        self._at_backward_end: Optional[Callable[[], None]] = None
+        self.rebuild()
+        self.reset()
+
+    # -- structure ---------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """After registration or an amendment: modules, hooks, norm weights."""
+        params = self.registry.params
+        self._modules: List[str] = []
+        index: Dict[str, int] = {}
+        self._module_of: List[int] = []
+        for p in params:
+            if p.module not in index:
+                index[p.module] = len(self._modules)
+                self._modules.append(p.module)
+            self._module_of.append(index[p.module])
+        for p in params:
+            self._hook(p)
+        membership = self.registry._membership()
+        old = {n.name: n for n in self._norms}
+        norms = []
+        for p in params:
+            if p.role != "norm" or not p.tensor.is_floating_point():
+                continue
+            prior = old.get(p.name)
+            init = (
+                prior.init if prior is not None else p.tensor.detach().float().reshape(-1).clone()
+            )
+            norms.append(_Norm(p.name, p.tensor, init, membership.get(id(p.tensor))))
+        # Contiguous runs of one optimizer group and dtype: the intended update is
+        # computed per run with plain scalars.
+        norms.sort(key=lambda n: (n.group_index is None, n.group_index or 0, str(n.tensor.dtype)))
+        self._norms = norms
+        self._norm_init = torch.cat([n.init for n in norms]) if norms else None
+        self._index_cache.clear()
+        self._seg_cache.clear()
+        # Anything measured against the old layout is dropped; collect() measures the
+        # gradients again if they are still there.
+        self._grads = None
+        self._grad_meta = None
+        self._before = None
+        self._stats = None
+        self._intended_slots = {}
+
+    def _hook(self, p: Param) -> None:
+        key = id(p.tensor)
+        if key in self._hooks or not p.tensor.requires_grad:
+            return
+        register = getattr(p.tensor, "register_post_accumulate_grad_hook", None)
+        if register is None:
+            return
+        hits = self._hits
+        measurer = self
+
+        def hook(_tensor: torch.Tensor, key: int = key) -> None:
+            hits[key] = hits.get(key, 0) + 1
+            if measurer._at_backward_end is not None:
+                callback, measurer._at_backward_end = measurer._at_backward_end, None
+                _queue_at_backward_end(callback)
+
+        self._hooks[key] = register(hook)
+        self._fresh.add(key)
+
+    def arm_backward_end(self, callback: Callable[[], None]) -> None:
+        """Runs `callback` once, when the next backward pass that reaches a watched
+        parameter has finished: after every gradient of that pass is accumulated (and,
+        under DistributedDataParallel, averaged), before the loop clips them."""
+        self._at_backward_end = callback
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+
+    def reset(self) -> None:
+        self._grads: Optional[torch.Tensor] = None
+        self._grad_meta: Optional[Tuple[List[Optional[int]], List[Optional[int]]]] = None
+        self._before: Optional[torch.Tensor] = None
+        self._stats: Optional[torch.Tensor] = None
+        self._intended_slots: Dict[int, int] = {}
+        self._at_backward_end = None
+        self._hits.clear()
+        self._fresh.clear()
+
+    @property
+    def grads_measured(self) -> bool:
+        return self._grads is not None or self._grad_meta is not None
+
+    # -- the optimizer step ------------------------------------------------------
+
+    def measure_grads(self) -> None:
+        """Per-parameter gradient norms (foreach), summed per module on the device."""
+        params = self.registry.params
+        present = [
+            i for i, p in enumerate(params) if p.tensor.requires_grad and p.tensor.grad is not None
+        ]
+        module_slot: List[Optional[int]] = [None] * len(self._modules)
+        norm_slot: List[Optional[int]] = [None] * len(self._norms)
+        if not present:
+            self._grads, self._grad_meta = None, (module_slot, norm_slot)
+            return
+        by_kind: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+        for i in present:
+            g = params[i].tensor.grad
+            by_kind.setdefault((g.device, g.dtype), []).append(i)
+        device = params[present[0]].tensor.grad.device
+        order: List[int] = []
+        parts = []
+        for (_dev, _dtype), idx in by_kind.items():
+            grads = [params[i].tensor.grad for i in idx]
+            parts.append(_norms(grads).to(device, non_blocking=True))
+            order.extend(idx)
+        per_param = torch.cat(parts) if len(parts) > 1 else parts[0]
+        squared = per_param * per_param
+        key = tuple(order)
+        cached = self._index_cache.get(key)
+        if cached is None:
+            if len(self._index_cache) > 32:
+                # The set of parameters with gradients varies (mixture of experts):
+                # keep the cache from growing without bound.
+                self._index_cache.clear()
+            modules = torch.tensor([self._module_of[i] for i in order], device=device)
+            position = {id(params[i].tensor): k for k, i in enumerate(order)}
+            picks = [position.get(id(n.tensor), 0) for n in self._norms]
+            cached = (modules, torch.tensor(picks, device=device, dtype=torch.long))
+            self._index_cache[key] = cached
+        modules_index, norm_pick = cached
+        per_module = torch.zeros(len(self._modules), device=device).index_add_(
+            0, modules_index, squared
+        )
+        for i in order:
+            module_slot[self._module_of[i]] = self._module_of[i]
+        position = {id(params[i].tensor) for i in order}
+        for k, n in enumerate(self._norms):
+            if id(n.tensor) in position:
+                norm_slot[k] = len(self._modules) + k
+        pieces = [per_module]
+        if self._norms:
+            pieces.append(squared.index_select(0, norm_pick))
+        self._grads = torch.cat(pieces)
+        self._grad_meta = (module_slot, norm_slot)
+
+    def snapshot_norms(self) -> None:
+        if self._norms:
+            self._before = torch.cat([n.tensor.detach().reshape(-1).float() for n in self._norms])
+
+    def after_step(self) -> None:
+        """Update, drift and mean of the norm weights, and what the optimizer meant."""
+        if not self._norms or self._before is None:
+            return
+        before = self._before
+        self._before = None
+        after = torch.cat([n.tensor.detach().reshape(-1).float() for n in self._norms])
+        if after.shape != before.shape or self._norm_init is None:
+            return  # a norm weight was replaced or resized since the snapshot
+        device = after.device
+        segments, sizes = self._segments(0, len(self._norms), device)
+        count = len(self._norms)
+        zeros = torch.zeros(count, device=device)
+        diff = after - before
+        update_sq = zeros.index_add(0, segments, diff * diff)
+        init = self._norm_init.to(device, non_blocking=True)
+        away = (after - init).abs()
+        drift = zeros.scatter_reduce(0, segments, away, "amax", include_self=False)
+        drift = drift + zeros.index_add(0, segments, away) * 0.0
+        mean = zeros.index_add(0, segments, after) / sizes
+        pieces = [torch.stack([update_sq, drift, mean], dim=1).reshape(-1)]
+        self._intended_slots = {}
+        if self._family is not None:
+            pieces.extend(self._intended(before, after, 3 * count))
+        self._stats = torch.cat(pieces)
+
+    def _segments(
+        self, start: int, end: int, device: torch.device
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Segment id of each element of norms[start:end] and each one's size, cached
+        on the device (built once, not every step)."""
+        key = (start, end)
+        cached = self._seg_cache.get(key)
+        if cached is None or cached[0].device != device:
+            sizes = torch.tensor([self._norms[k].tensor.numel() for k in range(start, end)])
+            ids = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(device)
+            cached = (ids, sizes.to(device, torch.float32))
+            self._seg_cache[key] = cached
+        return cached
+
+    def _intended(self, before: torch.Tensor, after: torch.Tensor, base: int) -> List[torch.Tensor]:
+        pieces: List[torch.Tensor] = []
+        offsets = [0]
+        for n in self._norms:
+            offsets.append(offsets[-1] + n.tensor.numel())
+        groups = self.optimizer.param_groups
+        start = 0
+        slot = base
+        while start < len(self._norms):
+            first = self._norms[start]
+            end = start
+            while (
+                end < len(self._norms)
+                and self._norms[end].group_index == first.group_index
+                and self._norms[end].tensor.dtype == first.tensor.dtype
+            ):
+                end += 1
+            if first.group_index is not None and first.group_index < len(groups):
+                a, b = offsets[start], offsets[end]
+                tensors = [n.tensor for n in self._norms[start:end]]
+                upd = intended.update(
+                    self._family, self.optimizer, groups[first.group_index], tensors, before[a:b]
+                )
+                if upd is not None:
+                    segments, _ = self._segments(start, end, upd.device)
+                    summary = intended.summary(
+                        upd, before[a:b], after[a:b], first.tensor.dtype, segments, end - start
+                    )
+                    pieces.append(summary.reshape(-1))
+                    for k in range(start, end):
+                        self._intended_slots[k] = slot + 4 * (k - start)
+                    slot += 4 * (end - start)
+            start = end
+        return pieces
+
+    # -- the step record ---------------------------------------------------------
+
+    def collect(
+        self,
+        step: int,
+        loss: Any,
+        scaler_state: Optional[torch.Tensor],
+        lrs: Dict[str, float],
+        amend: Optional[Dict[str, Any]],
+        metrics: Optional[Dict[str, Any]],
+    ) -> PendingStep:
+        if not self.grads_measured:
+            self.measure_grads()  # gf.step without an optimizer step: what is there now
+        pending = PendingStep(step=step, time=time.time(), lrs=lrs, amend=amend)
+        if metrics:
+            pending.metrics.update(metrics)
+        pieces: List[torch.Tensor] = []
+        size = 0
+
+        def add(t: torch.Tensor) -> int:
+            nonlocal size
+            pieces.append(t)
+            at = size
+            size += t.numel()
+            return at
+
+        if isinstance(loss, torch.Tensor):
+            pending.loss_slot = add(loss.detach().float().mean().reshape(1))
+        elif loss is not None:
+            pending.loss = float(loss)
+        grad_base = add(self._grads) if self._grads is not None else 0
+        stats_base = add(self._stats) if self._stats is not None else None
+        if scaler_state is not None:
+            pending.scaler_slot = add(scaler_state)
+        module_slot, norm_slot = self._grad_meta or ([None] * len(self._modules), [])
+        hits = self._module_hits()
+        trainable = self._module_trainable()
+        for m, name in enumerate(self._modules):
+            if not trainable[m]:
+                continue
+            slot = module_slot[m]
+            pending.modules.append((name, None if slot is None else grad_base + slot, hits[m]))
+        for k, n in enumerate(self._norms):
+            grad = norm_slot[k] if k < len(norm_slot) else None
+            stats = None if stats_base is None else stats_base + 3 * k
+            inten = self._intended_slots.get(k)
+            pending.norms.append(
+                (
+                    n.name,
+                    None if grad is None else grad_base + grad,
+                    stats,
+                    None if inten is None or stats_base is None else stats_base + inten,
+                )
+            )
+        if pieces:
+            device = pieces[0].device
+            vector = torch.cat([p.to(device, torch.float32, non_blocking=True) for p in pieces])
+            if device.type == "cuda":
+                host = torch.empty(vector.shape, dtype=torch.float32, pin_memory=True)
+                host.copy_(vector, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                pending.vector, pending.event = host, event
+            else:
+                pending.vector = vector
+        self.reset()
+        return pending
+
+    def _module_trainable(self) -> List[bool]:
+        trainable = [False] * len(self._modules)
+        for p, m in zip(self.registry.params, self._module_of):
+            if p.tensor.requires_grad:
+                trainable[m] = True
+        return trainable
+
+    def _module_hits(self) -> List[Optional[int]]:
+        """Per module the most hits of any of its parameters; unknown (None) when a
+        parameter's hook was registered after this step's backward."""
+        hits: List[Optional[int]] = [0] * len(self._modules)
+        for p, m in zip(self.registry.params, self._module_of):
+            if not p.tensor.requires_grad:
+                continue
+            key = id(p.tensor)
+            if key in self._fresh or key not in self._hooks or hits[m] is None:
+                hits[m] = None
+                continue
+            hits[m] = max(hits[m], self._hits.get(key, 0))  # type: ignore[type-var]
+        return hits
+
+
+def _queue_at_backward_end(callback: Callable[[], None]) -> None:
+    """Queues `callback` on the autograd engine's final callbacks of the running
+    backward pass. It queues itself once more when it first runs, so that it comes after
+    the callbacks others (DistributedDataParallel's reducer) queued after it."""
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+    def again() -> None:
+        engine.queue_callback(callback)
+
+    engine.queue_callback(again)
+
+
+def _norms(grads: List[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of each tensor, in f32, as one vector (multi-tensor kernels)."""
+    if any(g.is_sparse for g in grads):
+        return torch.stack([g.coalesce().values().float().norm() for g in grads])
+    try:
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):
+        return torch.stack(torch._foreach_norm(grads)).float()
+
+
+def _metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """User metrics as the protocol takes them: numbers (a 1-element tensor is read
+    here, on the reporter thread), null for None; anything else is left out."""
+    out: Dict[str, Any] = {}
+    for name, value in metrics.items():
+        if value is None:
+            out[str(name)] = None
+            continue
+        try:
+            out[str(name)] = encode.number(float(value))
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return out

@@ -1,0 +1,284 @@
+"""The run's registration, built from the live model, optimizer and scaler, and the
+amendments that keep it true while training changes them."""
+
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import layout
+
+
+@dataclass
+class Param:
+    """One named parameter of the watched model."""
+
+    name: str
+    tensor: torch.Tensor
+    module: str
+    group: str
+    role: str
+
+
+def _finite(x: Any) -> Optional[float]:
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _betas(x: Any) -> Optional[List[float]]:
+    try:
+        b = [float(v) for v in x]
+    except (TypeError, ValueError):
+        return None
+    if len(b) == 2 and all(math.isfinite(v) and 0 <= v < 1 for v in b):
+        return b
+    return None
+
+
+def param_group_spec(index: int, group: Dict[str, Any], with_lr: bool = True) -> Dict[str, Any]:
+    spec: Dict[str, Any] = {"name": str(index)}
+    if with_lr and _finite(group.get("lr")) is not None:
+        spec["lr"] = _finite(group.get("lr"))
+    if _finite(group.get("weight_decay")) is not None:
+        spec["weight_decay"] = _finite(group.get("weight_decay"))
+    if "betas" in group and _betas(group["betas"]) is not None:
+        spec["betas"] = _betas(group["betas"])
+    if _finite(group.get("eps")) is not None:
+        spec["eps"] = _finite(group.get("eps"))
+    return spec
+
+
+def scaler_kind(scaler: Any) -> str:
+    if scaler is None:
+        return "none"
+    enabled = getattr(scaler, "is_enabled", None)
+    if callable(enabled) and not enabled():
+        return "none"
+    growth = getattr(scaler, "_growth_factor", 2.0)
+    backoff = getattr(scaler, "_backoff_factor", 0.5)
+    return "static" if growth == 1.0 and backoff == 1.0 else "dynamic"
+
+
+class Registry:
+    """The watched model's parameters and what was last told to the server."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        scaler: Any,
+        groups: layout.GroupsArg,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self._group_of = layout.group_resolver(model, groups)
+        self.params: List[Param] = []
+        self._rescan()
+        self._sent_specs: Dict[str, Dict[str, Any]] = {}
+        self._sent_groups: Dict[str, Dict[str, Any]] = {}
+        self._sent_param_dtype: Optional[str] = None
+        self._signature = self._live_signature()
+
+    # -- reading the live objects ------------------------------------------------
+
+    def _rescan(self) -> None:
+        modules = dict(self.model.named_modules())
+        params = []
+        for name, tensor in self.model.named_parameters():
+            module_name, _, local = name.rpartition(".")
+            owner = modules.get(module_name, self.model)
+            params.append(
+                Param(
+                    name=name,
+                    tensor=tensor,
+                    module=module_name or name,
+                    group=self._group_of(name),
+                    role=layout.role(owner, local, tensor),
+                )
+            )
+        self.params = params
+
+    def _membership(self) -> Dict[int, int]:
+        """id(parameter) -> index of the optimizer's parameter group holding it."""
+        where: Dict[int, int] = {}
+        if self.optimizer is None:
+            return where
+        for index, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                where.setdefault(id(p), index)
+        return where
+
+    def _live_signature(self) -> Tuple[Any, ...]:
+        """Cheap to compute every step; changes whenever an amendment may be due."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return (
+            tuple(p.tensor.requires_grad for p in self.params),
+            tuple(p.tensor.dtype for p in self.params),
+            len(groups),
+            sum(len(g["params"]) for g in groups),
+        )
+
+    def param_spec(self, p: Param, membership: Dict[int, int]) -> Dict[str, Any]:
+        spec: Dict[str, Any] = {
+            "name": p.name,
+            "module": p.module,
+            "group": p.group,
+            "role": p.role,
+        }
+        dtype = layout.dtype_name(p.tensor.dtype)
+        if dtype is not None:
+            spec["dtype"] = dtype
+        spec["shape"] = [int(d) for d in p.tensor.shape]
+        spec["requires_grad"] = bool(p.tensor.requires_grad)
+        if self.optimizer is not None:
+            index = membership.get(id(p.tensor))
+            spec["in_optimizer"] = index is not None
+            if index is not None:
+                spec["param_group"] = str(index)
+        return spec
+
+    def param_dtype(self) -> Optional[str]:
+        """The dtype the optimizer updates: the one holding most elements among the
+        trainable parameters it holds (all trainable ones without an optimizer)."""
+        membership = self._membership()
+        counts: Dict[str, int] = {}
+        for p in self.params:
+            if not p.tensor.requires_grad:
+                continue
+            if self.optimizer is not None and id(p.tensor) not in membership:
+                continue
+            name = layout.dtype_name(p.tensor.dtype)
+            if name is not None:
+                counts[name] = counts.get(name, 0) + p.tensor.numel()
+        if not counts:
+            return None
+        return max(sorted(counts), key=lambda d: counts[d])
+
+    def groups(self) -> List[str]:
+        seen: Dict[str, None] = {}
+        for p in self.params:
+            seen.setdefault(p.group, None)
+        return list(seen)
+
+    # -- what is sent ------------------------------------------------------------
+
+    def registration(
+        self,
+        name: Optional[str],
+        detectors: Optional[Dict[str, int]],
+        config: Optional[Any],
+        train: Optional[List[str]],
+        rank: Optional[int],
+        world_size: Optional[int],
+    ) -> Dict[str, Any]:
+        membership = self._membership()
+        specs = [self.param_spec(p, membership) for p in self.params]
+        body: Dict[str, Any] = {}
+        if name:
+            body["name"] = name[:1024]
+        body["host"] = socket.gethostname()[:1024]
+        if rank is not None and world_size:
+            body["rank"], body["world_size"] = rank, world_size
+        precision: Dict[str, Any] = {"loss_scaler": scaler_kind(self.scaler)}
+        param_dtype = self.param_dtype()
+        if param_dtype is not None:
+            precision["param_dtype"] = param_dtype
+        body["precision"] = precision
+        if self.optimizer is not None:
+            body["optimizer"] = self._optimizer_spec()
+        body["params"] = specs
+        if detectors:
+            body["detectors"] = dict(detectors)
+        if train is not None:
+            body["train"] = list(train)
+        # Only what stays the same when the same job restarts: registering again with
+        # the same body is then accepted as the same run.
+        cfg: Dict[str, Any] = {"client": "gradflow-python", "torch": torch.__version__}
+        if config is not None:
+            cfg["user"] = config
+        body["config"] = cfg
+        self._sent_specs = {s["name"]: s for s in specs}
+        self._sent_groups = {
+            g["name"]: g
+            for g in (
+                param_group_spec(i, g, with_lr=False) for i, g in enumerate(self._param_groups())
+            )
+        }
+        self._sent_param_dtype = param_dtype
+        return body
+
+    def _param_groups(self) -> List[Dict[str, Any]]:
+        return list(self.optimizer.param_groups) if self.optimizer is not None else []
+
+    def _optimizer_spec(self) -> Dict[str, Any]:
+        groups = self._param_groups()
+        spec: Dict[str, Any] = {"name": type(self.optimizer).__name__.lower()}
+        if groups:
+            first = param_group_spec(0, groups[0])
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                if key in first:
+                    spec[key] = first[key]
+            for key in ("momentum", "dampening"):
+                value = _finite(groups[0].get(key))
+                if value is not None:
+                    spec[key] = value
+        spec["param_groups"] = [param_group_spec(i, g) for i, g in enumerate(groups)]
+        return spec
+
+    def amendment(self) -> Optional[Dict[str, Any]]:
+        """The changes since the registration (or the last amendment), or None.
+
+        Checked every step through a signature of the parameters' requires_grad and
+        dtype and the optimizer's group count; only a change rebuilds the specs.
+        """
+        signature = self._live_signature()
+        if signature == self._signature:
+            return None
+        if signature[2:] != self._signature[2:]:
+            # The optimizer changed (add_param_group): the model may have new parameters.
+            self._rescan()
+            signature = self._live_signature()
+        self._signature = signature
+        membership = self._membership()
+        amend: Dict[str, Any] = {}
+        changed = []
+        for p in self.params:
+            spec = self.param_spec(p, membership)
+            if self._sent_specs.get(p.name) != spec:
+                changed.append(spec)
+                self._sent_specs[p.name] = spec
+        groups = []
+        for i, g in enumerate(self._param_groups()):
+            without_lr = param_group_spec(i, g, with_lr=False)
+            if self._sent_groups.get(without_lr["name"]) != without_lr:
+                groups.append(param_group_spec(i, g))
+                self._sent_groups[without_lr["name"]] = without_lr
+        if groups:
+            amend["param_groups"] = groups
+        if changed:
+            amend["params"] = changed
+        param_dtype = self.param_dtype()
+        if param_dtype is not None and param_dtype != self._sent_param_dtype:
+            amend["precision"] = {"param_dtype": param_dtype}
+            self._sent_param_dtype = param_dtype
+        return amend or None
+
+    def lrs(self) -> Dict[str, float]:
+        out = {}
+        for i, g in enumerate(self._param_groups()):
+            lr = g.get("lr")
+            if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+                continue  # reading it would wait for the device
+            value = _finite(lr)
+            if value is not None:
+                out[str(i)] = value
+        return out

@@ -1,0 +1,257 @@
+"""The background thread that owns all I/O: registration, batches, spool, alerts.
+
+The training thread only ``submit``s to a bounded queue and never waits: a full
+queue drops the step and counts it (``dropped_steps`` in later records). The thread
+turns pending steps into records (waiting there for their device copies), posts them
+in batches, and while the server is out of reach appends them to the on-disk spool,
+which is replayed in order before anything newer once it answers again. A batch the
+server refuses as invalid is split and resent, so only its invalid records are lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from ._log import logger, say, swallow
+from .alerts import AlertBox
+from .measure import PendingStep
+from .spool import Spool
+from .transport import Client, Refused, Unreachable
+
+_STOP = object()
+
+
+class Reporter:
+    def __init__(
+        self,
+        client: Client,
+        run_id: str,
+        registration: Dict[str, Any],
+        spool: Spool,
+        alerts: Optional[AlertBox],
+        queue_size: int = 1024,
+        batch_size: int = 256,
+        flush_interval: float = 0.5,
+        alert_interval: float = 1.0,
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.registration = registration
+        self.spool = spool
+        self.alerts = alerts
+        self.batch_size = batch_size
+        self.flush_interval = flush_interval
+        self.alert_interval = alert_interval
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self.registered = False
+        self.broken: Optional[str] = None  # why nothing can be delivered any more
+        self.dropped = 0
+        self.delivered = 0
+        self.rejected = 0
+        self._retry_at = 0.0
+        self._backoff = 0.5
+        self._next_poll = 0.0
+        self._deadline: Optional[float] = None
+        self._thread = threading.Thread(target=self._run, name="gradflow-reporter", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- training thread ---------------------------------------------------------
+
+    def submit(self, pending: PendingStep) -> None:
+        try:
+            self._queue.put_nowait(pending)
+        except queue.Full:
+            self.dropped += 1
+
+    def register(self, timeout: Optional[float] = None) -> bool:
+        """One registration attempt; on failure the thread retries before any step."""
+        try:
+            self._register(timeout)
+            return True
+        except Unreachable as err:
+            logger.info("gradflow: server unreachable at registration (%s); will retry", err)
+            self._offline()
+            return False
+
+    def poll_alerts(self) -> None:
+        if self.alerts is None or self.broken or not self.registered:
+            return
+        try:
+            self.alerts.offer(self.client.alerts(self.run_id))
+        except (Unreachable, Refused) as err:
+            logger.debug("gradflow: could not read alerts: %s", err)
+
+    def close(self, timeout: float) -> None:
+        self._deadline = time.monotonic() + timeout
+        with contextlib.suppress(queue.Full):
+            self._queue.put(_STOP, timeout=max(0.1, timeout))
+        self._thread.join(timeout + 1.0)
+
+    @property
+    def pending(self) -> int:
+        return len(self.spool) + self._queue.qsize()
+
+    # -- reporter thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            try:
+                items: List[PendingStep] = []
+                try:
+                    first = self._queue.get(timeout=self.flush_interval)
+                    if first is _STOP:
+                        stopping = True
+                    else:
+                        items.append(first)
+                except queue.Empty:
+                    pass
+                while not stopping and len(items) < self.batch_size:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is _STOP:
+                        stopping = True
+                    else:
+                        items.append(item)
+                lines = [self._encode(p) for p in items]
+                self._deliver([line for line in lines if line is not None])
+                if time.monotonic() >= self._next_poll and not self._is_offline():
+                    self._next_poll = time.monotonic() + self.alert_interval
+                    self.poll_alerts()
+            except Exception as exc:
+                swallow("reporter", exc)
+        self._finish()
+
+    def _encode(self, pending: PendingStep) -> Optional[str]:
+        try:
+            record = pending.record()
+            if self.dropped:
+                record["dropped_steps"] = self.dropped
+            return json.dumps(record, separators=(",", ":"), allow_nan=False)
+        except Exception as exc:
+            swallow("building a step record", exc)
+            self.rejected += 1
+            return None
+
+    def _is_offline(self) -> bool:
+        return time.monotonic() < self._retry_at
+
+    def _offline(self) -> None:
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, 5.0)
+
+    def _online(self) -> None:
+        self._retry_at = 0.0
+        self._backoff = 0.5
+
+    def _deliver(self, lines: List[str]) -> None:
+        if self.broken:
+            self.rejected += len(lines)
+            return
+        if lines and (len(self.spool) or self._is_offline()):
+            self.dropped += self.spool.append(lines)
+            lines = []
+        if self._is_offline():
+            return
+        if not self._drain_spool():
+            if lines:
+                self.dropped += self.spool.append(lines)
+            return
+        for start in range(0, len(lines), self.batch_size):
+            chunk = lines[start : start + self.batch_size]
+            try:
+                self._send(chunk)
+            except Unreachable:
+                self._offline()
+                self.dropped += self.spool.append(lines[start:])
+                return
+
+    def _drain_spool(self) -> bool:
+        while len(self.spool) and not self.broken:
+            chunk = self.spool.peek(self.batch_size)
+            try:
+                self._send(chunk)
+            except Unreachable:
+                self._offline()
+                return False
+            self.spool.advance(len(chunk))
+        return True
+
+    def _register(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.client.register(self.run_id, self.registration, timeout)
+        except Refused as err:
+            if err.status == 409:
+                say(
+                    f"run {self.run_id} already exists with a different registration "
+                    f"({err.message}); its steps are still sent to it"
+                )
+            else:
+                self.broken = f"the server refused the registration: {err}"
+                say(self.broken)
+        self.registered = True
+        self._online()
+
+    def _send(self, lines: List[str]) -> None:
+        """Delivers lines or accounts for them as rejected; raises Unreachable."""
+        if not lines:
+            return
+        if not self.registered:
+            self._register()
+        if self.broken:
+            self.rejected += len(lines)
+            return
+        try:
+            answer = self.client.post_steps(self.run_id, lines)
+        except Refused as err:
+            if err.status == 404 and err.code == "run_not_found":
+                self.registered = False  # the server lost the run: register it again
+                self._register()
+                answer = self.client.post_steps(self.run_id, lines)
+            elif err.status in (400, 413) and len(lines) > 1:
+                half = len(lines) // 2
+                self._send(lines[:half])
+                self._send(lines[half:])
+                return
+            else:
+                self.rejected += len(lines)
+                swallow(f"the server refused step records ({err.code})", err)
+                if err.status in (401, 403):
+                    self.broken = f"the server refused the ingest token: {err}"
+                    say(self.broken)
+                return
+        self._online()
+        self.delivered += len(lines)
+        del answer
+
+    def _finish(self) -> None:
+        """Flush everything within the deadline, then tell the server the run ended."""
+        deadline = self._deadline or time.monotonic()
+        while True:
+            self._retry_at = 0.0
+            try:
+                if not self.registered and not self.broken:
+                    self.register()
+                if self.registered and self._drain_spool():
+                    break
+            except Exception as exc:
+                swallow("reporter flush", exc)
+                break
+            if time.monotonic() + 0.5 >= deadline:
+                break
+            time.sleep(0.5)
+        if self.registered and not self.broken and not len(self.spool):
+            try:
+                self.client.finish(self.run_id)
+            except (Unreachable, Refused) as err:
+                logger.debug("gradflow: finish not recorded: %s", err)
+            self.poll_alerts()

@@ -1,0 +1,384 @@
+"""``gradflow.watch``: attaches to a live model, optimizer and scaler."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import tempfile
+import warnings
+import weakref
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from . import _env, layout
+from ._log import guarded, logger, say, swallow
+from .alerts import AlertBox
+from .errors import GradflowWarning, TrainingAlert
+from .measure import Measurer
+from .registration import Registry
+from .reporter import Reporter
+from .scaler import ScalerTap
+from .spool import Spool
+from .transport import Client, Refused, Unreachable
+
+
+class NoopWatcher:
+    """What ``watch`` returns when gradflow is disabled or this rank does not report:
+    the same methods, doing nothing."""
+
+    run_id: Optional[str] = None
+    enabled = False
+
+    def step(self, loss: Any = None, *, step: Optional[int] = None, **_: Any) -> None:
+        return None
+
+    def alerts(self) -> List[Dict[str, Any]]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> NoopWatcher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Watcher:
+    """Reports one training run to a gradflow server. Built by :func:`gradflow.watch`."""
+
+    enabled = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any = None,
+        scaler: Any = None,
+        *,
+        run_id: str,
+        generated_id: bool,
+        server: str,
+        token: Optional[str],
+        name: Optional[str],
+        every: int,
+        groups: layout.GroupsArg,
+        on_alert: Optional[str],
+        detectors: Optional[Mapping[str, int]],
+        train: Optional[List[str]],
+        config: Any,
+        rank: Optional[int],
+        world_size: Optional[int],
+        queue_size: int,
+        close_timeout: float,
+        spool_dir: Optional[str],
+        spool_max_bytes: int,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        self.run_id = run_id
+        self.server = server
+        self.every = every
+        self.close_timeout = close_timeout
+        self._closed = False
+        self._step = 0
+        self.model = layout.unwrap_model(model)
+        self.optimizer = layout.unwrap_optimizer(optimizer) if optimizer is not None else None
+        self._alerts = AlertBox(on_alert)
+        self.registry = Registry(self.model, self.optimizer, scaler, groups)
+        body = self.registry.registration(
+            name, dict(detectors) if detectors else None, config, train, rank, world_size
+        )
+        self.measurer = Measurer(self.registry)
+        self._pending_amend: Optional[Dict[str, Any]] = None
+        self._handles: List[Any] = []
+        self._scaler: Optional[ScalerTap] = None
+        directory = spool_dir or os.path.join(tempfile.gettempdir(), "gradflow-spool")
+        spool = Spool(os.path.join(directory, f"{run_id}.{os.getpid()}.ndjson"), spool_max_bytes)
+        self.client = Client(server, token)
+        self.reporter = Reporter(
+            self.client,
+            run_id,
+            body,
+            spool,
+            self._alerts if on_alert is not None else None,
+            queue_size=queue_size,
+        )
+        if generated_id:
+            say(f"run id {run_id} (set GRADFLOW_RUN_ID or run_id= to choose one)")
+        # Registration-time verdicts (a GradScaler over bf16 parameters) come before the
+        # first step: register now, read the run's alerts, show them.
+        if self.reporter.register(timeout=3.0):
+            self.reporter.poll_alerts()
+        self.reporter.start()
+        # Hooks last: nothing is attached to the user's objects unless all of the above
+        # worked.
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
+            # (An optimizer without step hooks is measured at gf.step instead.)
+            self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
+            if scaler is not None:
+                self._scaler = ScalerTap(scaler, self.optimizer, self._measure, self._reporting)
+        atexit.register(_close_at_exit, weakref.ref(self))
+        try:
+            self._alerts.deliver()
+        except TrainingAlert:
+            self.close()  # the caller asked to stop: leave nothing attached
+            raise
+
+    # -- hooks -------------------------------------------------------------------
+
+    def _reporting(self) -> bool:
+        return self._step % self.every == 0 or self._pending_amend is not None
+
+    def _check_amend(self) -> None:
+        amend = self.registry.amendment()
+        if amend is None:
+            return
+        self.measurer.rebuild()
+        if self._pending_amend is None:
+            self._pending_amend = amend
+        else:  # two changes before one report: later specs win, by name
+            for key in ("params", "param_groups"):
+                merged = {x["name"]: x for x in self._pending_amend.get(key, [])}
+                merged.update({x["name"]: x for x in amend.get(key, [])})
+                if merged:
+                    self._pending_amend[key] = list(merged.values())
+            if "precision" in amend:
+                self._pending_amend["precision"] = amend["precision"]
+
+    @guarded("measuring gradients")
+    def _measure(self) -> None:
+        self._check_amend()
+        if self._reporting() and not self.measurer.grads_measured:
+            self.measurer.measure_grads()
+
+    @guarded("optimizer step pre-hook")
+    def _pre_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._measure()
+        if self._reporting():
+            self.measurer.snapshot_norms()
+
+    @guarded("optimizer step post-hook")
+    def _post_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self._reporting():
+            self.measurer.after_step()
+
+    @guarded("reading gradients at the end of backward")
+    def _measure_at_backward_end(self) -> None:
+        self._measure()
+
+    def read_grads_at_backward_end(self) -> None:
+        """Reads this step's gradients as soon as the next backward pass ends, instead of
+        at the optimizer step: for a loop that clips (or otherwise changes) gradients
+        between its last backward and ``optimizer.step()``. Call it before the last
+        backward of an optimizer step; the Hugging Face callback does. Under an enabled
+        loss scaler it does nothing: gradients are read right after unscaling anyway."""
+        if self._closed or (self._scaler is not None and self._scaler.enabled()):
+            return
+        if self._reporting():
+            self.measurer.arm_backward_end(self._measure_at_backward_end)
+
+    # -- the public API ----------------------------------------------------------
+
+    def step(
+        self,
+        loss: Any = None,
+        *,
+        step: Optional[int] = None,
+        metrics: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        """Records one optimizer step. Call it once per step, after ``optimizer.step()``
+        (and ``scaler.update()``). ``loss`` may be a tensor (read without a sync) or a
+        float. Never raises, except :class:`gradflow.TrainingAlert` with
+        ``on_alert="raise"``."""
+        self._step_guarded(loss, step, metrics)
+        self._alerts.deliver()
+
+    @guarded("gf.step")
+    def _step_guarded(
+        self, loss: Any, step: Optional[int], metrics: Optional[Mapping[str, Any]]
+    ) -> None:
+        if self._closed:
+            return
+        if step is not None:
+            self._step = int(step)
+        self._check_amend()
+        if self._reporting():
+            amend, self._pending_amend = self._pending_amend, None
+            scaler_state = self._scaler.take() if self._scaler is not None else None
+            pending = self.measurer.collect(
+                self._step,
+                loss,
+                scaler_state,
+                self.registry.lrs(),
+                amend,
+                dict(metrics) if metrics else None,
+            )
+            self.reporter.submit(pending)
+        else:
+            self.measurer.reset()
+            if self._scaler is not None:
+                self._scaler.captured = None
+        self._step += 1
+
+    def alerts(self) -> List[Dict[str, Any]]:
+        """The run's open alerts, as the server has them now (a request to the server;
+        empty when it cannot be reached)."""
+        try:
+            return self.client.alerts(self.run_id)
+        except (Unreachable, Refused) as err:
+            logger.info("gradflow: could not read alerts: %s", err)
+            return []
+        except Exception as exc:
+            swallow("gf.alerts", exc)
+            return []
+
+    def close(self) -> None:
+        """Removes the hooks, delivers what is left (bounded by ``close_timeout``),
+        marks the run finished and says what could not be delivered."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for handle in self._handles:
+                handle.remove()
+            self.measurer.remove_hooks()
+            if self._scaler is not None:
+                self._scaler.uninstall()
+            self.reporter.close(self.close_timeout)
+            r = self.reporter
+            left = r.pending
+            r.spool.close()
+            if left or r.dropped or r.rejected or r.broken:
+                parts = []
+                if left:
+                    parts.append(f"{left} still queued (kept in {r.spool.path})")
+                if r.dropped:
+                    parts.append(f"{r.dropped} dropped (queue or spool full)")
+                if r.rejected:
+                    parts.append(f"{r.rejected} refused by the server")
+                say(
+                    f"run {self.run_id}: delivered {r.delivered} steps to {self.server}; "
+                    f"NOT delivered: {', '.join(parts) or r.broken}"
+                )
+        except Exception as exc:
+            swallow("gf.close", exc)
+        # The run is over: a critical alert is not raised from close.
+        with contextlib.suppress(TrainingAlert):
+            self._alerts.deliver()
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _close_at_exit(ref: Any) -> None:
+    watcher = ref()
+    if watcher is not None:
+        watcher.close()
+
+
+def _distributed() -> tuple:
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None, None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _sharded(model: nn.Module) -> Optional[str]:
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            return f"{name} is a DTensor (FSDP2 / tensor parallel)"
+        if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
+            return f"{name} is partitioned by DeepSpeed ZeRO"
+    return None
+
+
+def watch(
+    model: nn.Module,
+    optimizer: Any = None,
+    scaler: Any = None,
+    run_id: Optional[str] = None,
+    server: Optional[str] = None,
+    name: Optional[str] = None,
+    every: int = 1,
+    token: Optional[str] = None,
+    groups: layout.GroupsArg = None,
+    on_alert: Optional[str] = "warn",
+    *,
+    detectors: Optional[Mapping[str, int]] = None,
+    train: Optional[List[str]] = None,
+    config: Any = None,
+    rank: Optional[int] = None,
+    queue_size: int = 1024,
+    close_timeout: Optional[float] = None,
+    spool_dir: Optional[str] = None,
+    spool_max_bytes: Optional[int] = None,
+) -> Any:
+    """Watches a training run and reports it to a gradflow server.
+
+    Returns a :class:`Watcher` (or a no-op object when ``GRADFLOW_DISABLED=1``, on
+    ranks other than 0 under torch.distributed, or when the model is sharded across
+    ranks, which is not supported yet). Never raises for gradflow's own failures;
+    with ``on_alert="raise"`` a critical registration-time alert raises
+    :class:`gradflow.TrainingAlert` here.
+    """
+    if _env.disabled():
+        return NoopWatcher()
+    try:
+        dist_rank, world_size = _distributed()
+        report_rank = 0 if rank is None else rank
+        if dist_rank is not None and dist_rank != report_rank:
+            return NoopWatcher()
+        inner = layout.unwrap_model(model)
+        sharded = _sharded(inner)
+        if sharded is not None:
+            warnings.warn(
+                f"gradflow: {sharded}. Parameters sharded across ranks are not supported yet: "
+                "reporting a local shard as the whole tensor would give wrong norms, so this "
+                "run is not watched.",
+                GradflowWarning,
+                stacklevel=2,
+            )
+            return NoopWatcher()
+        chosen_id, generated = _env.run_id(run_id, name)
+        return Watcher(
+            model,
+            optimizer,
+            scaler,
+            run_id=chosen_id,
+            generated_id=generated,
+            server=_env.server(server),
+            token=_env.token(token),
+            name=name,
+            every=int(every),
+            groups=groups,
+            on_alert=on_alert,
+            detectors=detectors,
+            train=train,
+            config=config,
+            rank=dist_rank,
+            world_size=world_size,
+            queue_size=queue_size,
+            close_timeout=close_timeout
+            if close_timeout is not None
+            else _env.float_env("GRADFLOW_CLOSE_TIMEOUT", 15.0),
+            spool_dir=spool_dir or os.environ.get("GRADFLOW_SPOOL_DIR"),
+            spool_max_bytes=spool_max_bytes
+            or int(_env.float_env("GRADFLOW_SPOOL_MAX_BYTES", 256 * 1024 * 1024)),
+        )
+    except TrainingAlert:
+        raise
+    except (ValueError, TypeError) as exc:
+        # A wrong argument is the user's to fix, but it must not stop training either.
+        warnings.warn(f"gradflow: not watching: {exc}", GradflowWarning, stacklevel=2)
+        return NoopWatcher()
+    except Exception as exc:
+        swallow("gradflow.watch", exc)
+        return NoopWatcher()

@@ -1,0 +1,282 @@
+"""Shared fixtures: a real gradflow-server on a free port and a tiny Qwen2 agent.
+
+The server binary is the workspace's ``target/debug/gradflow-server`` (built by
+``scripts/python-tests.sh``), or ``GRADFLOW_SERVER_BIN``. Every test gets runs of
+its own (unique run ids) on one session-wide server with a temporary database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen2Config, Qwen2Model
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def server_binary() -> Path:
+    explicit = os.environ.get("GRADFLOW_SERVER_BIN")
+    path = Path(explicit) if explicit else REPO / "target" / "debug" / "gradflow-server"
+    if not path.exists():
+        pytest.fail(
+            f"gradflow-server not found at {path}: build it with `cargo build -p gradflow-server` "
+            "or set GRADFLOW_SERVER_BIN"
+        )
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """The real server binary on 127.0.0.1:`port` with its database at `db`; can be
+    stopped and started again on the same port and file."""
+
+    def __init__(self, db: Path, port: Optional[int] = None, *flags: str) -> None:
+        self.db = db
+        self.port = port or free_port()
+        self.flags = flags
+        self.process: Optional[subprocess.Popen] = None
+        self.log: List[str] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        self.process = subprocess.Popen(
+            [str(server_binary()), "--listen", f"127.0.0.1:{self.port}", "--db", str(self.db)]
+            + list(self.flags),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")},
+        )
+        ready = threading.Event()
+        process = self.process
+
+        def drain() -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                self.log.append(line)
+                if "gradflow-server listening" in line:
+                    ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(30):
+            self.stop()
+            raise RuntimeError("gradflow-server did not start:\n" + "".join(self.log[-20:]))
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process is not None and self.process.stdout is not None:
+            self.process.stdout.close()
+        self.process = None
+
+    # -- reads -------------------------------------------------------------------
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=10) as response:
+            return json.loads(response.read())
+
+    def run(self, run_id: str) -> Dict[str, Any]:
+        return self.get(f"/api/v1/runs/{run_id}")
+
+    def has_run(self, run_id: str) -> bool:
+        try:
+            self.run(run_id)
+            return True
+        except urllib.error.HTTPError as err:
+            if err.code == 404:
+                return False
+            raise
+
+    def alerts(self, run_id: str, status: str = "all") -> List[Dict[str, Any]]:
+        return self.get(f"/api/v1/runs/{run_id}/alerts?status={status}")["alerts"]
+
+    def series(self, run_id: str, metric: str, subject: str = "") -> List[List[Any]]:
+        query = f"metric={metric}" + (f"&subject={subject}" if subject else "")
+        return self.get(f"/api/v1/runs/{run_id}/series?{query}")["points"]
+
+    def wait_for_alert(
+        self,
+        run_id: str,
+        kind: str,
+        subject: Optional[str] = None,
+        timeout: float = 10.0,
+    ) -> Dict[str, Any]:
+        """The first alert of `kind` (on `subject`) of the run; fails with every alert
+        the run has when none appears within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alerts = self.alerts(run_id)
+            for alert in alerts:
+                if alert["kind"] == kind and (subject is None or alert["subject"] == subject):
+                    return alert
+            if time.monotonic() > deadline:
+                seen = [(a["kind"], a["subject"], a["evidence"].get("cause")) for a in alerts]
+                pytest.fail(f"no {kind} alert on {subject or 'any subject'} for {run_id}: {seen}")
+            time.sleep(0.2)
+
+    def serious(self, run_id: str) -> List[Dict[str, Any]]:
+        """The run's warning and critical alerts (what a healthy run must not have)."""
+        return [a for a in self.alerts(run_id) if a["severity"] in ("warning", "critical")]
+
+
+@pytest.fixture(scope="session")
+def gradflow_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real gradflow-server for the whole session (``.url``, ``.alerts()``,
+    ``.wait_for_alert()``, ``.run()``, ``.series()``)."""
+    server = ServerProcess(tmp_path_factory.mktemp("server") / "gradflow.db").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gradflow_env(gradflow_server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Points GRADFLOW_* at the session server, with a fresh run id and spool folder."""
+    run_id = f"test-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("GRADFLOW_SERVER", gradflow_server.url)
+    monkeypatch.setenv("GRADFLOW_RUN_ID", run_id)
+    monkeypatch.setenv("GRADFLOW_SPOOL_DIR", str(tmp_path / "spool"))
+    monkeypatch.delenv("GRADFLOW_DISABLED", raising=False)
+    monkeypatch.delenv("GRADFLOW_INGEST_TOKEN", raising=False)
+    return run_id
+
+
+def new_run_id(stem: str = "t") -> str:
+    return f"{stem}-{uuid.uuid4().hex[:10]}"
+
+
+# -- the model ---------------------------------------------------------------------
+
+VOCAB = 64
+HIDDEN = 48
+ACTIONS = 8
+PROMPT = 12
+
+
+def qwen_config(**overrides: Any) -> Qwen2Config:
+    """A tiny random Qwen2 (no hub): 2 layers, hidden 48."""
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    return Qwen2Config(**settings)
+
+
+class AgentHead(nn.Module):
+    """The agent: the prompt's last hidden state -> a norm -> an action."""
+
+    def __init__(self, hidden: int = HIDDEN, actions: int = ACTIONS) -> None:
+        super().__init__()
+        self.prompt_proj = nn.Linear(hidden, hidden)
+        self.norm = nn.RMSNorm(hidden)
+        self.hidden = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, actions)
+
+    def forward(self, prompt: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.prompt_proj(prompt))
+        x = self.norm(x)
+        return self.head(torch.relu(self.hidden(x)) + x)
+
+
+class PromptAgent(nn.Module):
+    """A Qwen2 prompt encoder whose last hidden state feeds the agent head; groups
+    `qwen` and `agent`, like gradflow's Rust trainer."""
+
+    def __init__(self, seed: int = 0, detach_prompt: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.qwen = Qwen2Model(qwen_config())
+        self.agent = AgentHead()
+        self.detach_prompt = detach_prompt
+
+    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.qwen(input_ids=tokens).last_hidden_state[:, -1]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.detach_prompt:
+            with torch.no_grad():  # the seed bug: the prompt encoder cut from backward
+                prompt = self.encode(tokens)
+        else:
+            prompt = self.encode(tokens)
+        return self.agent(prompt)
+
+
+def batches(steps: int, batch: int = 8, seed: int = 1):
+    """A learnable task: the action is the first token modulo the action count."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (batch, PROMPT), generator=g)
+        yield tokens, tokens[:, 0] % ACTIONS
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    gf: Any,
+    steps: int,
+    scaler: Any = None,
+    autocast: Optional[torch.dtype] = None,
+    before_step: Any = None,
+    after_backward: Any = None,
+) -> List[float]:
+    """A plain PyTorch loop; returns the losses. `before_step(step)` runs before the
+    forward pass, `after_backward(step)` between backward and the optimizer step."""
+    losses = []
+    for step, (tokens, target) in enumerate(batches(steps)):
+        if before_step is not None:
+            before_step(step)
+        optimizer.zero_grad(set_to_none=True)
+        if autocast is not None:
+            with torch.autocast("cpu", dtype=autocast):
+                logits = model(tokens)
+        else:
+            logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.float(), target)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        if after_backward is not None:
+            after_backward(step)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if gf is not None:
+            gf.step(loss=loss)
+        losses.append(loss.item())
+    return losses

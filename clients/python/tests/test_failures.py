@@ -1,0 +1,261 @@
+"""Every failure gradflow's Rust trainer reproduces, reproduced in PyTorch: the client
+must give the server what it needs to name each one, with the right cause."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import PromptAgent, new_run_id, train
+from torch import nn
+
+import gradflow
+
+
+def watch(server, model, optimizer, **options):
+    options.setdefault("run_id", new_run_id())
+    options.setdefault("on_alert", None)
+    return gradflow.watch(model, optimizer, server=server.url, **options)
+
+
+def test_detached_prompt_is_backward_not_reached_on_qwen(gradflow_server):
+    model = PromptAgent(detach_prompt=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer, detectors={"stuck_zero_steps": 10})
+    train(model, optimizer, gf, 14)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "grad_stuck_zero", subject="qwen")
+    assert alert["severity"] == "critical"
+    assert alert["evidence"]["cause"] == "backward_not_reached", alert
+    # The agent trained: nothing is said about it.
+    assert not [a for a in gradflow_server.serious(gf.run_id) if a["subject"].startswith("agent")]
+    hits = gradflow_server.series(gf.run_id, "hook_hits", "qwen.layers.0.self_attn.q_proj")
+    assert hits and all(value == 0 for _, value in hits)
+
+
+def test_bf16_norm_weights_under_adamw_are_frozen_by_rounding(gradflow_server):
+    model = PromptAgent().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gf = watch(gradflow_server, model, optimizer, detectors={"frozen_norm_steps": 10})
+    train(model, optimizer, gf, 14)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "norm_weight_frozen")
+    assert alert["evidence"]["cause"] == "low_precision_underflow", alert
+    name = "qwen.layers.0.input_layernorm.weight"
+    # What the client measured: AdamW meant ~lr per element, far below bf16's spacing
+    # at 1.0 (2^-7), and every such update rounded away.
+    ratio = gradflow_server.series(gf.run_id, "intended_update_max_ulp", name)
+    assert ratio and all(0 < value < 0.25 for _, value in ratio), ratio
+    nonzero = gradflow_server.series(gf.run_id, "intended_nonzero", name)
+    rounded = gradflow_server.series(gf.run_id, "rounded_away", name)
+    assert nonzero[-1][1] == 48 and rounded[-1][1] == 48
+    assert all(value == 0 for _, value in gradflow_server.series(gf.run_id, "update_norm", name))
+
+
+def test_grad_scaler_over_bf16_params_is_flagged_before_the_first_step(gradflow_server):
+    model = PromptAgent().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gf = watch(gradflow_server, model, optimizer, scaler=scaler, on_alert="warn")
+    shown = [w for w in caught if issubclass(w.category, gradflow.GradflowAlertWarning)]
+    assert any("scaler_bf16_incompatible" in str(w.message) for w in shown), shown
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "scaler_bf16_incompatible")
+    assert alert["first_step"] is None and alert["severity"] == "critical"
+
+
+def test_raise_mode_stops_at_watch_on_a_critical_registration_alert(gradflow_server):
+    model = PromptAgent().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(gradflow.TrainingAlert) as raised:
+        watch(gradflow_server, model, optimizer, scaler=scaler, on_alert="raise")
+    assert raised.value.kind == "scaler_bf16_incompatible"
+    assert "fix:" in str(raised.value)
+    # Nothing stays attached to the objects of a run the user chose to stop.
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert not {"step", "update", "unscale_"} & set(vars(scaler))
+
+
+def test_qwen_left_out_of_the_optimizer(gradflow_server):
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.agent.parameters(), lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer, detectors={"frozen_norm_steps": 10})
+    train(model, optimizer, gf, 14)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "param_not_in_optimizer", subject="qwen")
+    assert alert["severity"] == "critical"
+    frozen = gradflow_server.wait_for_alert(gf.run_id, "norm_weight_frozen", subject="qwen")
+    assert frozen["evidence"]["cause"] == "not_in_optimizer", frozen
+
+
+def test_late_unfreeze_outside_the_optimizer_is_amended_and_flagged(gradflow_server):
+    model = PromptAgent()
+    model.qwen.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.agent.parameters(), lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer)
+    assert not gradflow_server.alerts(gf.run_id), "a frozen backbone is not a fault"
+
+    def unfreeze(step):
+        if step == 8:
+            model.qwen.requires_grad_(True)  # ... but never added to the optimizer
+
+    train(model, optimizer, gf, 14, before_step=unfreeze)
+    gf.close()
+    run = gradflow_server.run(gf.run_id)
+    amended = [a for a in run["amendments"] if a["step"] == 8]
+    assert amended, run["amendments"]
+    specs = {p["name"]: p for p in amended[0]["amend"]["params"]}
+    spec = specs["qwen.layers.0.mlp.up_proj.weight"]
+    assert spec["requires_grad"] is True and spec["in_optimizer"] is False
+    alert = gradflow_server.wait_for_alert(gf.run_id, "param_not_in_optimizer", subject="qwen")
+    assert alert["severity"] == "critical"
+    assert alert["opened_step"] == 8, alert
+
+
+def test_parameter_group_added_while_training_is_an_amendment(gradflow_server):
+    model = PromptAgent()
+    model.qwen.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.agent.parameters(), lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer)
+
+    def unfreeze(step):
+        if step == 5:
+            model.qwen.requires_grad_(True)
+            optimizer.add_param_group({"params": model.qwen.parameters(), "lr": 1e-4})
+
+    train(model, optimizer, gf, 10, before_step=unfreeze)
+    gf.close()
+    run = gradflow_server.run(gf.run_id)
+    (amendment,) = [a for a in run["amendments"] if a["step"] == 5]
+    groups = amendment["amend"]["param_groups"]
+    assert groups == [
+        {"name": "1", "lr": 1e-4, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
+    ]
+    spec = {p["name"]: p for p in run["params"]}["qwen.norm.weight"]
+    assert spec["in_optimizer"] is True and spec["param_group"] == "1"
+    assert not gradflow_server.serious(gf.run_id)
+    lrs = gradflow_server.series(gf.run_id, "lr", "1")
+    assert lrs and lrs[0][0] == 5
+
+
+def test_fp16_overflow_under_a_cpu_grad_scaler(gradflow_server):
+    model = PromptAgent()
+    # Activations past fp16's range (65504) under fp16 autocast: every step overflows.
+    model.agent.prompt_proj.weight.data.mul_(1e4)
+    model.agent.hidden.weight.data.mul_(1e4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    gf = watch(
+        gradflow_server, model, optimizer, scaler=scaler, detectors={"overflow_streak_steps": 6}
+    )
+    train(model, optimizer, gf, 10, scaler=scaler, autocast=torch.float16)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "scaler_overflow_streak")
+    assert alert["evidence"]["cause"] == "overflow"
+    found = gradflow_server.series(gf.run_id, "found_inf")
+    assert found and all(value == 1 for _, value in found), found
+    scale = [value for _, value in gradflow_server.series(gf.run_id, "scaler_scale")]
+    # Read before update() halved it: the first reported scale is the initial one.
+    assert scale[0] == 65536.0 and scale[1] == 32768.0, scale
+    # Skipped steps are not a NaN-gradient verdict: the scaler explains them.
+    assert not [a for a in gradflow_server.alerts(gf.run_id) if a["kind"] == "grad_nonfinite"]
+
+
+def test_nan_gradient_is_flagged_and_no_step_is_lost(gradflow_server):
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer)
+
+    def poison(step):
+        if step == 6:
+            model.agent.head.weight.grad[0, 0] = math.nan
+
+    train(model, optimizer, gf, 10, after_backward=poison)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "grad_nonfinite", subject="agent")
+    assert alert["evidence"]["cause"] == "nan" and alert["first_step"] == 6
+    # The step the NaN was injected names only the agent's head; the rest follows it.
+    head = gradflow_server.series(gf.run_id, "grad_norm", "agent.head")
+    assert [step for step, value in head if not isinstance(value, float)][:1] == [6], head
+    run = gradflow_server.run(gf.run_id)
+    assert run["step_count"] == 10 and run["last_step"] == 9
+
+
+class LoRALinear(nn.Module):
+    """A frozen base projection plus a low-rank adapter kept in its own dtype."""
+
+    def __init__(self, base: nn.Linear, rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, dtype=dtype)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, dtype=dtype)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype)))
+        return self.base(x) + low.to(x.dtype)
+
+
+def lora_model(adapter_dtype: torch.dtype) -> PromptAgent:
+    model = PromptAgent()
+    model.qwen.requires_grad_(False)
+    for layer in model.qwen.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj, 4, adapter_dtype)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj, 4, adapter_dtype)
+    return model
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def test_lora_adapters_in_another_dtype_than_the_trained_weights(gradflow_server):
+    model = lora_model(torch.bfloat16)
+    optimizer = torch.optim.AdamW(trainable(model), lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer)
+    train(model, optimizer, gf, 4)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "dtype_mismatch", subject="qwen")
+    assert alert["evidence"]["cause"] == "mixed_param_dtypes"
+    assert alert["evidence"]["expected"] == "f32" and alert["evidence"]["found"] == ["bf16"]
+
+
+def test_lora_adapters_in_the_trained_dtype_raise_nothing(gradflow_server):
+    model = lora_model(torch.float32)
+    optimizer = torch.optim.AdamW(trainable(model), lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer)
+    train(model, optimizer, gf, 4)
+    gf.close()
+    assert gradflow_server.run(gf.run_id)["step_count"] == 4
+    assert not gradflow_server.serious(gf.run_id)
+
+
+def test_adapters_cast_while_training_are_amended(gradflow_server):
+    model = lora_model(torch.float32)
+    optimizer = torch.optim.SGD(trainable(model), lr=1e-2)
+    gf = watch(gradflow_server, model, optimizer)
+
+    def cast(step):
+        if step == 3:  # what a trainer library does to adapters behind the user's back
+            for layer in model.qwen.layers:
+                layer.self_attn.q_proj.lora_A.to(torch.bfloat16)
+                layer.self_attn.q_proj.lora_B.to(torch.bfloat16)
+
+    train(model, optimizer, gf, 5, before_step=cast)
+    gf.close()
+    run = gradflow_server.run(gf.run_id)
+    (amendment,) = run["amendments"]
+    assert amendment["step"] == 3
+    dtypes = {p["name"]: p["dtype"] for p in amendment["amend"]["params"]}
+    assert dtypes == {
+        f"qwen.layers.{i}.self_attn.q_proj.lora_{ab}.weight": "bf16"
+        for i in range(2)
+        for ab in "AB"
+    }
+    alert = gradflow_server.wait_for_alert(gf.run_id, "dtype_mismatch", subject="qwen")
+    assert alert["evidence"]["found"] == ["bf16"]
