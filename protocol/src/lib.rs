@@ -33,7 +33,10 @@ pub use run::{
     DetectorOverrides, Dtype, LossScaler, Optimizer, ParamGroup, ParamSpec, Precision, Role, RunId,
     RunRegistration, default_group, default_module,
 };
-pub use step::{GpuStat, ModuleStep, ParamStep, ScalerState, StepRecord, validate_batch};
+pub use step::{
+    CallSite, GpuStat, GraphCut, GraphCutKind, ModuleStep, ParamStep, ScalerState, StepRecord,
+    validate_batch,
+};
 pub use timestamp::Timestamp;
 
 /// Formats a float for an error message: `NaN`, `Infinity`, `-Infinity` as the wire

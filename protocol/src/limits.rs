@@ -15,6 +15,10 @@ pub const MAX_PARAMS_PER_STEP: usize = 100_000;
 pub const MAX_METRICS_PER_STEP: usize = 10_000;
 /// Devices in one step record's `gpu`.
 pub const MAX_GPUS_PER_STEP: usize = 1_024;
+/// Entries of `graph_cuts[]` in one step record.
+pub const MAX_GRAPH_CUTS_PER_STEP: usize = 1_024;
+/// Frames of a graph cut's `stack`.
+pub const MAX_STACK_FRAMES: usize = 16;
 /// Step records in one batch.
 pub const MAX_STEPS_PER_BATCH: usize = 100_000;
 /// Bytes in a parameter, module, group or metric name.

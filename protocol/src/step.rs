@@ -10,11 +10,11 @@ use crate::amend::Amendment;
 use crate::error::{InvalidBody, Path};
 use crate::float::Float;
 use crate::limits::{
-    MAX_GPUS_PER_STEP, MAX_METRICS_PER_STEP, MAX_MODULES_PER_STEP, MAX_PARAMS_PER_STEP, MAX_STEP,
-    MAX_STEPS_PER_BATCH,
+    MAX_GPUS_PER_STEP, MAX_GRAPH_CUTS_PER_STEP, MAX_METRICS_PER_STEP, MAX_MODULES_PER_STEP,
+    MAX_PARAMS_PER_STEP, MAX_STACK_FRAMES, MAX_STEP, MAX_STEPS_PER_BATCH, MAX_TEXT_BYTES,
 };
 use crate::timestamp::Timestamp;
-use crate::validate::{check_name, check_norm};
+use crate::validate::{check_name, check_norm, check_text};
 
 /// One training step's telemetry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -75,6 +75,85 @@ pub struct StepRecord {
     /// v1.1: changes to the registration, in force from this step on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub amend: Option<Amendment>,
+    /// v1.2: where the client saw the autograd graph cut since its last record, each
+    /// sent once per module per episode. The server keeps them and names the place in
+    /// the `grad_stuck_zero` alert (cause `backward_not_reached`) they explain.
+    #[serde(
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub graph_cuts: Vec<GraphCut>,
+}
+
+/// A place where a module's output lost its path to the loss, as a client saw it
+/// during the forward pass.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct GraphCut {
+    /// The module with trainable parameters where the cut was seen.
+    pub module: String,
+    pub kind: GraphCutKind,
+    /// The module's group, when the client knows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// `detached_input`: the group that ran with gradients just before, whose output
+    /// the module most likely received without its history.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// The user's code that made the call, innermost frame first: the first frame
+    /// outside the framework libraries, then its callers.
+    #[serde(
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub stack: Vec<CallSite>,
+}
+
+/// How the graph was cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum GraphCutKind {
+    /// The module's forward ran with gradients disabled (`torch.no_grad()`,
+    /// `torch.inference_mode()`, `torch.set_grad_enabled(False)`).
+    NoGrad,
+    /// Gradients were enabled, but the module's floating-point inputs had no autograd
+    /// history although another group had just run with gradients: a `.detach()`, a
+    /// tensor rebuilt from data, or a cached value.
+    DetachedInput,
+}
+
+impl GraphCutKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GraphCutKind::NoGrad => "no_grad",
+            GraphCutKind::DetachedInput => "detached_input",
+        }
+    }
+}
+
+/// A frame of the user's code.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CallSite {
+    pub file: String,
+    pub line: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function: Option<String>,
+}
+
+impl fmt::Display for CallSite {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.file, self.line)?;
+        if let Some(function) = &self.function {
+            write!(f, " in {function}")?;
+        }
+        Ok(())
+    }
 }
 
 /// A module's gradient after this step's backward.
@@ -224,6 +303,7 @@ impl StepRecord {
                 )));
             }
         }
+        validate_graph_cuts(&path.field("graph_cuts"), &self.graph_cuts)?;
         if let Some(scaler) = &self.scaler
             && let Some(scale) = scaler.scale
             && scale.get() < 0.0
@@ -285,6 +365,43 @@ impl StepRecord {
 }
 
 /// Checks every record of a batch and that steps strictly increase inside it.
+fn validate_graph_cuts(path: &Path<'_>, cuts: &[GraphCut]) -> Result<(), InvalidBody> {
+    if cuts.len() > MAX_GRAPH_CUTS_PER_STEP {
+        return Err(path.error(format!(
+            "{} graph cuts is more than the limit of {MAX_GRAPH_CUTS_PER_STEP} per step",
+            cuts.len()
+        )));
+    }
+    for (i, cut) in cuts.iter().enumerate() {
+        let path = path.index(i);
+        check_name(&path.field("module"), &cut.module)?;
+        if let Some(group) = &cut.group {
+            check_name(&path.field("group"), group)?;
+        }
+        if let Some(upstream) = &cut.upstream {
+            check_name(&path.field("upstream"), upstream)?;
+        }
+        let stack = path.field("stack");
+        if cut.stack.len() > MAX_STACK_FRAMES {
+            return Err(stack.error(format!(
+                "{} frames is more than the limit of {MAX_STACK_FRAMES}",
+                cut.stack.len()
+            )));
+        }
+        for (j, frame) in cut.stack.iter().enumerate() {
+            let frame_path = stack.index(j);
+            if frame.file.is_empty() {
+                return Err(frame_path.field("file").error("file must not be empty"));
+            }
+            check_text(&frame_path.field("file"), &frame.file, MAX_TEXT_BYTES)?;
+            if let Some(function) = &frame.function {
+                check_name(&frame_path.field("function"), function)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn validate_batch(records: &[StepRecord]) -> Result<(), InvalidBody> {
     let root = Path::root("steps");
     if records.len() > MAX_STEPS_PER_BATCH {

@@ -34,11 +34,15 @@ async fn hostile_cut_run(app: &TestApp) {
         .await
         .status();
     assert_eq!(status, 201);
-    let steps: Vec<Value> = (0..60)
+    let mut steps: Vec<Value> = (0..60)
         .map(|s| json!({"step": s, "loss": 2.0, "lr": 3e-4,
             "modules": [{"module": "qwen.layers.0.input_layernorm", "grad_norm": null, "hook_hits": 0},
                         {"module": "agent.head", "grad_norm": 0.5, "hook_hits": 1}]}))
         .collect();
+    // Where the client saw the cut, from a file whose name is markup.
+    steps[0]["graph_cuts"] = json!([{"module": "qwen", "kind": "no_grad", "group": "qwen",
+        "stack": [{"file": "<img src=x>.py", "line": 87, "function": "encode"},
+                  {"file": "train.py", "line": 112, "function": "forward"}]}]);
     assert_eq!(
         app.post_steps("cut", &Value::Array(steps)).await.status(),
         200
@@ -122,6 +126,14 @@ async fn run_page_shows_alerts_charts_modules_and_registration_escaped() {
     assert!(html.contains("no gradient: backward never reached it"));
     assert!(html.contains("5.00e-1"));
     assert!(html.contains("2 tensors, 40 elements"));
+    // Where the graph was cut, as the client saw it.
+    assert!(
+        html.contains(
+            "<strong>Where: </strong><code>&lt;img src=x&gt;.py:87 in encode</code>, called from \
+             <code>train.py:112 in forward</code>"
+        ),
+        "{html}"
+    );
     // What the client sent is text, never markup.
     assert!(!html.contains("<script>alert"));
     assert!(!html.contains("<img src=x"));

@@ -14,6 +14,12 @@
 //! common name prefix, listing them. Modules are named individually only when a few
 //! dead modules sit inside a healthy group.
 //!
+//! A client that watches the forward pass (the Python client) sends `graph_cuts`: the
+//! module whose forward ran under `torch.no_grad()`, or that got a tensor without grad
+//! history right after another group ran, with the user's call site. They are kept
+//! per module, and a `backward_not_reached` alert names the cut seen since its streak
+//! began on the subject (or feeding from it): the file and line to look at.
+//!
 //! The threshold counts step numbers: a streak from step 0 reaches 50 steps on step
 //! 49 whether the client reported every step or every tenth. Steps where an entity
 //! is not reported neither extend nor break its streak: "not measured" is not
@@ -23,6 +29,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+
+use gradflow_protocol::{GraphCut, GraphCutKind};
 
 use super::{
     AlertKind, GroupMap, Opened, RunContext, Severity, StepView, Transition, sci, step_range,
@@ -38,6 +46,40 @@ pub struct StuckZeroGrad {
     modules: BTreeMap<String, Streak>,
     /// Open alerts that stand for several modules: subject → the modules still stuck.
     batches: BTreeMap<String, Vec<String>>,
+    /// The latest graph cut the client reported for each module.
+    cuts: BTreeMap<String, SeenCut>,
+}
+
+/// Cuts kept at most (the oldest go first): a client sends one per module per episode.
+const MAX_CUTS: usize = 256;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct SeenCut {
+    step: u64,
+    cut: GraphCut,
+}
+
+impl SeenCut {
+    /// Whether this cut explains `subject` (a group, a module, or a common prefix)
+    /// not being reached: its own forward ran without gradients, or it fed the module
+    /// that got its output without history.
+    fn explains(&self, subject: &str, group: Option<&str>) -> bool {
+        let within = |name: &str| {
+            name == subject
+                || name.starts_with(&format!("{subject}."))
+                || subject.starts_with(&format!("{name}."))
+        };
+        match self.cut.kind {
+            GraphCutKind::NoGrad => {
+                within(&self.cut.module) || self.cut.group.as_deref().is_some_and(within)
+            }
+            GraphCutKind::DetachedInput => self
+                .cut
+                .upstream
+                .as_deref()
+                .is_some_and(|u| within(u) || group == Some(u)),
+        }
+    }
 }
 
 /// A run of consecutive zero-gradient steps of one group or module.
@@ -134,6 +176,7 @@ impl StuckZeroGrad {
     pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
         let (context, record) = (view.context, view.record);
         let step = record.step;
+        self.keep_cuts(step, &record.graph_cuts);
         let threshold = u64::from(context.thresholds.stuck_zero_steps);
         let mut module_readings: Vec<(&str, &str, Reading)> = Vec::new();
         let mut group_readings: GroupMap<Option<Reading>> = GroupMap::default();
@@ -165,6 +208,7 @@ impl StuckZeroGrad {
             if streak.span(step) >= threshold && !streak.open {
                 streak.open = true;
                 let others = healthy_others(&group_readings, group);
+                let cut = cut_for(&self.cuts, group, None, streak);
                 out.push(open(
                     context,
                     group,
@@ -173,6 +217,7 @@ impl StuckZeroGrad {
                     streak,
                     step,
                     &others,
+                    cut,
                 ));
             }
         }
@@ -202,7 +247,17 @@ impl StuckZeroGrad {
                 for module in modules {
                     let streak = self.modules.get_mut(module).expect("streak just updated");
                     streak.open = true;
-                    out.push(open(context, module, Some(group), 1, streak, step, &[]));
+                    let cut = cut_for(&self.cuts, module, Some(group), streak);
+                    out.push(open(
+                        context,
+                        module,
+                        Some(group),
+                        1,
+                        streak,
+                        step,
+                        &[],
+                        cut,
+                    ));
                 }
                 continue;
             }
@@ -213,8 +268,9 @@ impl StuckZeroGrad {
                 streak.open = true;
                 streak.batch = Some(subject.clone());
             }
+            let cut = cut_for(&self.cuts, &subject, Some(group), &example);
             out.push(open_batch(
-                context, &subject, group, &modules, &example, step,
+                context, &subject, group, &modules, &example, step, cut,
             ));
             self.batches
                 .insert(subject, modules.iter().map(|m| (*m).to_owned()).collect());
@@ -223,6 +279,84 @@ impl StuckZeroGrad {
         self.groups.retain(|_, s| s.len > 0 || s.open);
         self.modules.retain(|_, s| s.len > 0 || s.open);
     }
+
+    fn keep_cuts(&mut self, step: u64, cuts: &[GraphCut]) {
+        for cut in cuts {
+            self.cuts.insert(
+                cut.module.clone(),
+                SeenCut {
+                    step,
+                    cut: cut.clone(),
+                },
+            );
+        }
+        while self.cuts.len() > MAX_CUTS {
+            let oldest = self
+                .cuts
+                .iter()
+                .min_by_key(|(_, seen)| seen.step)
+                .map(|(module, _)| module.clone())
+                .expect("more than MAX_CUTS entries");
+            self.cuts.remove(&oldest);
+        }
+    }
+}
+
+/// The cut that explains a `backward_not_reached` streak on `subject`: one seen since
+/// the streak began (an older one belongs to an earlier episode, such as an
+/// evaluation under `torch.no_grad()`), a cut on the subject itself before one
+/// feeding from it, then the earliest.
+fn cut_for<'a>(
+    cuts: &'a BTreeMap<String, SeenCut>,
+    subject: &str,
+    group: Option<&str>,
+    streak: &Streak,
+) -> Option<&'a SeenCut> {
+    if Cause::of(streak) != Cause::BackwardNotReached {
+        return None;
+    }
+    cuts.values()
+        .filter(|seen| seen.step >= streak.first_step && seen.explains(subject, group))
+        .min_by_key(|seen| (seen.cut.kind != GraphCutKind::NoGrad, seen.step))
+}
+
+/// The sentence that names the cut, and its evidence.
+fn describe_cut(seen: &SeenCut) -> (String, serde_json::Value) {
+    let cut = &seen.cut;
+    let site = cut.stack.first();
+    let called = |who: &str| match site {
+        Some(site) => format!(" ({who} called from {site})"),
+        None => String::new(),
+    };
+    let callers = if cut.stack.len() > 1 {
+        let chain: Vec<String> = cut.stack[1..].iter().map(|f| f.to_string()).collect();
+        format!("; called in turn from {}", chain.join(", from "))
+    } else {
+        String::new()
+    };
+    let sentence = match cut.kind {
+        GraphCutKind::NoGrad => format!(
+            " The client saw where: {}'s forward ran with gradients disabled (torch.no_grad(), \
+             inference_mode or set_grad_enabled(False)) at step {}{}{callers}.",
+            cut.module,
+            seen.step,
+            called(&cut.module),
+        ),
+        GraphCutKind::DetachedInput => format!(
+            " The client saw where: {} received a tensor without grad history at step {} although \
+             {} had just run with gradients: a .detach(), a tensor rebuilt from data \
+             (.tolist(), .numpy(), torch.tensor(...)) or a cached value between {} and {}{}{callers}.",
+            cut.module,
+            seen.step,
+            cut.upstream.as_deref().unwrap_or("another group"),
+            cut.upstream.as_deref().unwrap_or("the upstream group"),
+            cut.module,
+            called(&cut.module),
+        ),
+    };
+    let mut evidence = serde_json::to_value(cut).expect("a graph cut serialises");
+    evidence["step"] = json!(seen.step);
+    (sentence, evidence)
 }
 
 /// A module of a common alert has a gradient again; the alert resolves when none
@@ -272,10 +406,18 @@ fn open_batch(
     modules: &[&str],
     example: &Streak,
     step: u64,
+    cut: Option<&SeenCut>,
 ) -> Transition {
-    let Transition::Open(mut alert) =
-        open(context, subject, None, modules.len(), example, step, &[])
-    else {
+    let Transition::Open(mut alert) = open(
+        context,
+        subject,
+        None,
+        modules.len(),
+        example,
+        step,
+        &[],
+        cut,
+    ) else {
         unreachable!("open() opens")
     };
     let total = context
@@ -332,6 +474,7 @@ fn resolve(subject: &str, step: u64) -> Transition {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn open(
     context: &RunContext,
     subject: &str,
@@ -340,6 +483,7 @@ fn open(
     streak: &Streak,
     step: u64,
     others: &[(String, f64)],
+    cut: Option<&SeenCut>,
 ) -> Transition {
     let cause = Cause::of(streak);
     let what = match module_of_group {
@@ -388,6 +532,10 @@ fn open(
             contrast.join(", ")
         ));
     }
+    let cut = cut.map(describe_cut);
+    if let Some((sentence, _)) = &cut {
+        detail.push_str(sentence);
+    }
     let fix = match cause {
         Cause::BackwardNotReached => format!(
             "Find where the path from {subject}'s output to the loss is cut: a torch.no_grad() or \
@@ -406,7 +554,7 @@ fn open(
              wrapping or loading), and that requires_grad was not switched off."
         ),
     };
-    Transition::Open(Opened {
+    let mut opened = Opened {
         kind: AlertKind::GradStuckZero,
         subject: subject.to_owned(),
         severity: Severity::Critical,
@@ -424,7 +572,11 @@ fn open(
             "hooks_silent_steps": streak.hooks_silent,
             "missing_steps": streak.missing,
         }),
-    })
+    };
+    if let Some((_, evidence)) = cut {
+        opened.evidence["graph_cut"] = evidence;
+    }
+    Transition::Open(opened)
 }
 
 #[cfg(test)]
@@ -500,6 +652,88 @@ mod tests {
             Transition::Open(o) => o,
             other => panic!("expected an open, got {other:?}"),
         }
+    }
+
+    /// `record` with the client's graph cuts.
+    fn with_cuts(mut record: StepRecord, cuts: Value) -> StepRecord {
+        record.graph_cuts = serde_json::from_value(cuts).unwrap();
+        record
+    }
+
+    fn no_grad_on_qwen() -> Value {
+        json!([{"module": "qwen", "kind": "no_grad", "group": "qwen", "stack": [
+            {"file": "train.py", "line": 87, "function": "encode"},
+            {"file": "train.py", "line": 120, "function": "forward"}
+        ]}])
+    }
+
+    #[test]
+    fn the_alert_names_the_no_grad_call_the_client_saw() {
+        let mut records: Vec<StepRecord> = (0..6).map(detached).collect();
+        records[0] = with_cuts(detached(0), no_grad_on_qwen());
+        let transitions = run(&records);
+        let o = opened(&transitions[0].1);
+        assert_eq!(o.subject, "qwen");
+        assert!(
+            o.detail.contains(
+                "qwen's forward ran with gradients disabled (torch.no_grad(), inference_mode or \
+                 set_grad_enabled(False)) at step 0 (qwen called from train.py:87 in encode); \
+                 called in turn from train.py:120 in forward."
+            ),
+            "{}",
+            o.detail
+        );
+        let cut = &o.evidence["graph_cut"];
+        assert_eq!(cut["kind"], "no_grad");
+        assert_eq!(cut["stack"][0]["line"], 87);
+        assert_eq!(cut["step"], 0);
+    }
+
+    #[test]
+    fn the_alert_names_the_module_that_got_a_detached_input() {
+        let mut records: Vec<StepRecord> = (0..6).map(detached).collect();
+        records[0] = with_cuts(
+            detached(0),
+            json!([{"module": "agent.x", "kind": "detached_input", "group": "agent",
+                    "upstream": "qwen",
+                    "stack": [{"file": "train.py", "line": 112, "function": "forward"}]}]),
+        );
+        let o = opened(&run(&records)[0].1).clone();
+        assert!(
+            o.detail.contains(
+                "agent.x received a tensor without grad history at step 0 although qwen had just \
+                 run with gradients"
+            ),
+            "{}",
+            o.detail
+        );
+        assert!(
+            o.detail
+                .contains("(agent.x called from train.py:112 in forward).")
+        );
+        assert_eq!(o.evidence["graph_cut"]["upstream"], "qwen");
+    }
+
+    #[test]
+    fn a_cut_from_before_the_streak_or_on_another_group_is_not_named() {
+        // An evaluation under no_grad at step 1, training with gradients after it, the
+        // real cut from step 3; and a no_grad cut on agent, which trains.
+        let mut records = vec![
+            healthy(0),
+            with_cuts(healthy(1), no_grad_on_qwen()),
+            healthy(2),
+        ];
+        records.extend((3..10).map(detached));
+        records[3] = with_cuts(
+            detached(3),
+            json!([{"module": "agent.x", "kind": "no_grad", "group": "agent",
+                    "stack": [{"file": "eval.py", "line": 5}]}]),
+        );
+        let transitions = run(&records);
+        let o = opened(&transitions[0].1);
+        assert_eq!(o.subject, "qwen");
+        assert!(o.evidence.get("graph_cut").is_none(), "{:?}", o.evidence);
+        assert!(!o.detail.contains("The client saw where"), "{}", o.detail);
     }
 
     #[test]

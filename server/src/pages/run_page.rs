@@ -288,9 +288,32 @@ fn alert_card(alert: &Alert) -> Markup {
                 @if let Some(resolved) = alert.resolved_step { " · resolved on step " (resolved) }
             }
             p.alert-detail { (alert.detail) }
+            @if let Some(frames) = cut_sites(&alert.evidence) {
+                p.alert-where {
+                    strong { "Where: " }
+                    @for (i, frame) in frames.iter().enumerate() {
+                        @if i > 0 { ", called from " }
+                        code { (frame) }
+                    }
+                }
+            }
             p.alert-fix { strong { "Fix: " } (alert.fix) }
         }
     }
+}
+
+/// The call sites of the graph cut an alert names (`evidence.graph_cut.stack`), the
+/// user's innermost frame first.
+fn cut_sites(evidence: &serde_json::Value) -> Option<Vec<String>> {
+    let stack = evidence.get("graph_cut")?.get("stack")?.as_array()?;
+    let frames: Vec<String> = stack
+        .iter()
+        .filter_map(|frame| {
+            let site = serde_json::from_value::<gradflow_protocol::CallSite>(frame.clone()).ok()?;
+            Some(site.to_string())
+        })
+        .collect();
+    (!frames.is_empty()).then_some(frames)
 }
 
 /// A row of the module table: a module of the registration (or one only seen in
