@@ -51,6 +51,7 @@ class PendingStep:
     scaler_slot: Optional[int] = None
     lrs: Dict[str, float] = field(default_factory=dict)
     amend: Optional[Dict[str, Any]] = None
+    graph_cuts: List[Dict[str, Any]] = field(default_factory=list)
     metrics: Dict[str, Any] = field(default_factory=dict)
 
     def values(self) -> List[float]:
@@ -123,6 +124,8 @@ class PendingStep:
             rec["metrics"] = _metrics(self.metrics)
         if self.amend:
             rec["amend"] = self.amend
+        if self.graph_cuts:
+            rec["graph_cuts"] = self.graph_cuts
         return rec
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from . import _env, layout
 from ._log import guarded, logger, say, swallow
 from .alerts import AlertBox
+from .cuts import CutTracer
 from .errors import GradflowWarning, TrainingAlert
 from .measure import Measurer
 from .registration import Registry
@@ -93,6 +94,8 @@ class Watcher:
             name, dict(detectors) if detectors else None, config, train, rank, world_size
         )
         self.measurer = Measurer(self.registry)
+        self.tracer = CutTracer(self.registry)
+        self._pending_cuts: List[Dict[str, Any]] = []
         self._pending_amend: Optional[Dict[str, Any]] = None
         self._handles: List[Any] = []
         self._scaler: Optional[ScalerTap] = None
@@ -139,6 +142,7 @@ class Watcher:
         if amend is None:
             return
         self.measurer.rebuild()
+        self.tracer.rebuild()
         if self._pending_amend is None:
             self._pending_amend = amend
         else:  # two changes before one report: later specs win, by name
@@ -207,6 +211,7 @@ class Watcher:
         if step is not None:
             self._step = int(step)
         self._check_amend()
+        self._pending_cuts.extend(self.tracer.take())
         if self._reporting():
             amend, self._pending_amend = self._pending_amend, None
             scaler_state = self._scaler.take() if self._scaler is not None else None
@@ -218,12 +223,28 @@ class Watcher:
                 amend,
                 dict(metrics) if metrics else None,
             )
+            pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
             self.reporter.submit(pending)
         else:
             self.measurer.reset()
             if self._scaler is not None:
                 self._scaler.captured = None
         self._step += 1
+
+    def _flush_unreported(self) -> None:
+        """A step that never reached ``gf.step`` (training died inside it: the
+        optimizer, or a GradScaler, crashing on parameters whose dtype just changed)
+        may have seen an amendment or a graph cut: they are sent in a record of that
+        step, with whatever of it was measured, so the cause of the crash is on the
+        server."""
+        self._check_amend()
+        self._pending_cuts.extend(self.tracer.take())
+        if self._pending_amend is None and not self._pending_cuts:
+            return
+        amend, self._pending_amend = self._pending_amend, None
+        pending = self.measurer.collect(self._step, None, None, self.registry.lrs(), amend, None)
+        pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
+        self.reporter.submit(pending)
 
     def alerts(self) -> List[Dict[str, Any]]:
         """The run's open alerts, as the server has them now (a request to the server;
@@ -244,9 +265,11 @@ class Watcher:
             return
         self._closed = True
         try:
+            self._flush_unreported()
             for handle in self._handles:
                 handle.remove()
             self.measurer.remove_hooks()
+            self.tracer.remove()
             if self._scaler is not None:
                 self._scaler.uninstall()
             self.reporter.close(self.close_timeout)

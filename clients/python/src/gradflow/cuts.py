@@ -1,0 +1,205 @@
+"""Where the autograd graph was cut, seen from the forward pass.
+
+A ``grad_stuck_zero`` alert with cause ``backward_not_reached`` says *what* is wrong;
+this module finds *where*. Forward pre-hooks (no change to autograd, so training
+stays bit-identical) on each group's root module and on every module that owns
+trainable parameters look at the first module of each group to run in a step:
+
+- ``no_grad``: its forward ran with gradients disabled (``torch.no_grad()``,
+  ``inference_mode``, ``set_grad_enabled(False)``);
+- ``detached_input``: gradients were enabled, but the floating-point tensors it
+  received had no autograd history although another watched group had just run
+  with gradients (a ``.detach()``, a tensor rebuilt with ``torch.tensor(x.tolist())``,
+  a cached value).
+
+Each cut is recorded with the user's call site (the first frame outside torch,
+transformers, accelerate, the standard library, installed packages and gradflow,
+then its callers) once per module per episode: again only after the module has run
+without it. The server keeps the cuts and names the one behind an alert.
+
+A step's cost is one ``torch.is_grad_enabled()`` and a set lookup per hooked module
+call; inputs are inspected once per group per step; the stack is walked only when a
+cut is first seen.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from ._log import guarded
+from .registration import Registry
+
+MAX_FRAMES = 6
+
+
+def _library_roots() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(the libraries whose frames are never the call site, every installed package
+    and the standard library)."""
+    named = []
+    for package in ("torch", "transformers", "accelerate", "peft", "gradflow"):
+        module = sys.modules.get(package)
+        path = getattr(module, "__file__", None)
+        if path:
+            named.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    broad = list(named)
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            broad.append(os.path.abspath(path) + os.sep)
+    return tuple(named), tuple(broad)
+
+
+def user_stack(limit: int = MAX_FRAMES) -> List[Dict[str, Any]]:
+    """The user's frames of the current call, innermost first: the frames outside
+    the framework libraries, installed packages and the standard library (or, when
+    every frame is in one of those, outside the framework libraries only)."""
+    named, broad = _library_roots()
+    frames = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    for skip in (broad, named):
+        picked = []
+        for f in frames:
+            filename = f.f_code.co_filename
+            if filename.startswith("<") or os.path.abspath(filename).startswith(skip):
+                continue
+            picked.append(
+                {"file": _shown(filename), "line": f.f_lineno, "function": f.f_code.co_name}
+            )
+            if len(picked) == limit:
+                break
+        if picked:
+            return picked
+    return []
+
+
+def _shown(filename: str) -> str:
+    """A path relative to the working directory when it lies inside it."""
+    path = os.path.abspath(filename)
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if relative.startswith("..") else relative
+
+
+def _float_tensors(args: Any, kwargs: Dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The floating-point tensors among the arguments (and one level of tuples, lists
+    and dicts inside them)."""
+    values: List[Any] = list(args) + list(kwargs.values())
+    for value in values:
+        items = value
+        if isinstance(value, dict):
+            items = list(value.values())
+        elif not isinstance(value, (tuple, list)):
+            items = [value]
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                yield item
+
+
+class CutTracer:
+    """Forward hooks that report where the graph was cut (see the module's doc)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._handles: List[Any] = []
+        self._pending: List[Dict[str, Any]] = []
+        # Episodes reported and still going: (module, kind) -> the module's group.
+        self._active: Dict[Tuple[str, str], str] = {}
+        self._reset_step()
+        self.rebuild()
+
+    def _reset_step(self) -> None:
+        self._no_grad_checked: Set[str] = set()
+        self._input_checked: Set[str] = set()
+        self._ran_with_grad: List[str] = []
+        self._seen: Set[Tuple[str, str]] = set()
+
+    def rebuild(self) -> None:
+        """Hooks the modules that own trainable parameters, and each group's root
+        module; after registration and after every amendment."""
+        self.remove()
+        modules = dict(self.registry.model.named_modules())
+        groups: Dict[str, str] = {}  # module -> group, for modules owning trainable params
+        trainable_groups: Set[str] = set()
+        for p in self.registry.params:
+            if p.tensor.requires_grad:
+                groups.setdefault(p.module, p.group)
+                trainable_groups.add(p.group)
+        hooked: Dict[str, Tuple[str, bool]] = {}
+        for group in trainable_groups:
+            if group in modules:
+                hooked[group] = (group, False)
+        for module_name, group in groups.items():
+            hooked[module_name] = (group, True)
+        for module_name, (group, leaf) in hooked.items():
+            module = modules.get(module_name)
+            if isinstance(module, nn.Module) and type(module).forward is not nn.Module.forward:
+                self._handles.append(
+                    module.register_forward_pre_hook(
+                        self._hook(module_name, group, leaf), with_kwargs=True
+                    )
+                )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, module_name: str, group: str, leaf: bool) -> Any:
+        tracer = self
+
+        @guarded("watching the forward pass")
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            if group not in tracer._no_grad_checked:
+                tracer._no_grad_checked.add(group)
+                if not torch.is_grad_enabled():
+                    tracer._saw(module_name, group, "no_grad", None)
+                    return
+                tracer._ran_with_grad.append(group)
+            if not leaf or group in tracer._input_checked or not torch.is_grad_enabled():
+                return
+            tracer._input_checked.add(group)
+            floats = list(_float_tensors(args, kwargs))
+            if floats and not any(t.requires_grad for t in floats):
+                upstream = [g for g in tracer._ran_with_grad if g != group]
+                if upstream:
+                    tracer._saw(module_name, group, "detached_input", upstream[-1])
+
+        return hook
+
+    def _saw(self, module: str, group: str, kind: str, upstream: Optional[str]) -> None:
+        key = (module, kind)
+        self._seen.add(key)
+        if key in self._active:
+            return  # this episode was reported already
+        self._active[key] = group
+        cut: Dict[str, Any] = {"module": module, "kind": kind, "group": group}
+        if upstream is not None:
+            cut["upstream"] = upstream
+        stack = user_stack()
+        if stack:
+            cut["stack"] = stack
+        self._pending.append(cut)
+
+    def take(self) -> List[Dict[str, Any]]:
+        """The cuts first seen since the last call; ends the episodes of modules whose
+        group ran this step without their cut. Called once per optimizer step."""
+        ran = self._no_grad_checked
+        self._active = {
+            key: group
+            for key, group in self._active.items()
+            if key in self._seen or group not in ran
+        }
+        self._reset_step()
+        pending, self._pending = self._pending, []
+        return pending
