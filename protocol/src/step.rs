@@ -84,6 +84,11 @@ pub struct StepRecord {
         skip_serializing_if = "Vec::is_empty"
     )]
     pub graph_cuts: Vec<GraphCut>,
+    /// v1.2: whether the gradients this step's first backward pass added to were
+    /// still those of the previous optimizer step (nothing zeroed them in between).
+    /// Absent: not measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grads_carried_over: Option<bool>,
 }
 
 /// A place where a module's output lost its path to the loss, as a client saw it

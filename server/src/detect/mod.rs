@@ -16,6 +16,7 @@
 //! - [`grad_nonfinite`]: `grad_nonfinite`, NaN/Inf gradients the scaler did not catch.
 //! - [`loss_nonfinite`]: `loss_nonfinite`, a NaN or infinite loss.
 //! - [`loss_divergence`]: `loss_divergence`, the loss running away from its start.
+//! - [`grads_not_zeroed`]: `grads_not_zeroed`, gradients carried over optimizer steps.
 //! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
 //! - [`unused`]: `unused_parameters`, trainable modules no step ever reports.
@@ -29,6 +30,7 @@ pub mod context;
 pub mod explosion;
 pub mod frozen_norm;
 pub mod grad_nonfinite;
+pub mod grads_not_zeroed;
 pub mod loss_divergence;
 pub mod loss_nonfinite;
 pub mod precision;
@@ -173,10 +175,11 @@ pub enum AlertKind {
     UnusedParameters,
     LossDivergence,
     GroupNotTraining,
+    GradsNotZeroed,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 13] = [
+    pub const ALL: [AlertKind; 14] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -190,6 +193,7 @@ impl AlertKind {
         AlertKind::UnusedParameters,
         AlertKind::LossDivergence,
         AlertKind::GroupNotTraining,
+        AlertKind::GradsNotZeroed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -207,6 +211,7 @@ impl AlertKind {
             AlertKind::UnusedParameters => "unused_parameters",
             AlertKind::LossDivergence => "loss_divergence",
             AlertKind::GroupNotTraining => "group_not_training",
+            AlertKind::GradsNotZeroed => "grads_not_zeroed",
         }
     }
 
@@ -283,6 +288,7 @@ pub struct DetectorSet {
     pub vanishing: vanishing::GradVanishing,
     pub unused: unused::UnusedParameters,
     pub loss_divergence: loss_divergence::LossDivergence,
+    pub grads_not_zeroed: grads_not_zeroed::GradsNotZeroed,
 }
 
 impl DetectorSet {
@@ -294,6 +300,7 @@ impl DetectorSet {
         self.loss_divergence
             .on_step(context, record, &mut transitions);
         self.grad_nonfinite.on_step(&step, &mut transitions);
+        self.grads_not_zeroed.on_step(record, &mut transitions);
         self.stuck_zero.on_step(&step, &mut transitions);
         self.frozen_norm.on_step(&step, &mut transitions);
         self.scaler_overflow.on_step(&step, &mut transitions);

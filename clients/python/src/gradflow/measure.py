@@ -52,6 +52,8 @@ class PendingStep:
     lrs: Dict[str, float] = field(default_factory=dict)
     amend: Optional[Dict[str, Any]] = None
     graph_cuts: List[Dict[str, Any]] = field(default_factory=list)
+    carried: Optional[bool] = None
+    carried_slot: Optional[int] = None
     metrics: Dict[str, Any] = field(default_factory=dict)
 
     def values(self) -> List[float]:
@@ -126,6 +128,12 @@ class PendingStep:
             rec["amend"] = self.amend
         if self.graph_cuts:
             rec["graph_cuts"] = self.graph_cuts
+        carried = self.carried
+        if self.carried_slot is not None:
+            probe = v[self.carried_slot]
+            carried = None if probe != probe else probe > 0  # NaN: a non-finite gradient
+        if carried is not None:
+            rec["grads_carried_over"] = bool(carried)
         return rec
 
 
@@ -144,6 +152,12 @@ class Measurer:
         self._seg_cache: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         # Set by arm_backward_end: called once when the backward pass now running ends.
         self._at_backward_end: Optional[Callable[[], None]] = None
+        # The carry-over probe: one parameter whose gradient is looked at just before
+        # the first backward after each optimizer step (see arm_carry_probe).
+        self._sentinel: Optional[torch.Tensor] = None
+        self._sentinel_hook: Any = None
+        self._probe_armed = False
+        self._carried: Any = None  # None, False, or a device scalar (> 0: carried)
         self.rebuild()
         self.reset()
 
@@ -217,6 +231,50 @@ class Measurer:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
+        if self._sentinel_hook is not None:
+            self._sentinel_hook.remove()
+            self._sentinel_hook = None
+
+    def arm_carry_probe(self) -> None:
+        """After an optimizer step: look at one parameter's gradient just before the
+        next backward pass adds to it. Still holding values then means nothing zeroed
+        the gradients since the step (``grads_carried_over``). The look is a tensor
+        hook that returns nothing (training unchanged) and, when the old gradient is
+        there, one ``amax`` on the device, read with the step's other numbers."""
+        sentinel = self._sentinel
+        if sentinel is None or sentinel.grad is None or not sentinel.requires_grad:
+            sentinel = self._pick_sentinel()
+            if sentinel is not self._sentinel:
+                if self._sentinel_hook is not None:
+                    self._sentinel_hook.remove()
+                    self._sentinel_hook = None
+                self._sentinel = sentinel
+                if sentinel is not None:
+                    self._sentinel_hook = sentinel.register_hook(self._probe)
+        self._probe_armed = self._sentinel is not None
+
+    def _pick_sentinel(self) -> Optional[torch.Tensor]:
+        """A parameter the optimizer steps that got a gradient this step (one outside
+        the optimizer is never zeroed by it, which is another alert)."""
+        membership = self.registry._membership()
+        for p in self.registry.params:
+            t = p.tensor
+            if t.requires_grad and t.grad is not None and id(t) in membership:
+                return t
+        return None
+
+    def _probe(self, _grad: torch.Tensor) -> None:
+        if not self._probe_armed:
+            return
+        self._probe_armed = False
+        try:
+            old = self._sentinel.grad if self._sentinel is not None else None
+            if old is None:
+                self._carried = False
+            else:
+                self._carried = old.detach().abs().amax().float()
+        except Exception:  # never break the backward pass
+            self._carried = None
 
     def reset(self) -> None:
         self._grads: Optional[torch.Tensor] = None
@@ -225,6 +283,7 @@ class Measurer:
         self._stats: Optional[torch.Tensor] = None
         self._intended_slots: Dict[int, int] = {}
         self._at_backward_end = None
+        self._carried = None
         self._hits.clear()
         self._fresh.clear()
 
@@ -399,6 +458,10 @@ class Measurer:
         stats_base = add(self._stats) if self._stats is not None else None
         if scaler_state is not None:
             pending.scaler_slot = add(scaler_state)
+        if isinstance(self._carried, torch.Tensor):
+            pending.carried_slot = add(self._carried.reshape(1))
+        elif self._carried is False:
+            pending.carried = False
         module_slot, norm_slot = self._grad_meta or ([None] * len(self._modules), [])
         hits = self._module_hits()
         trainable = self._module_trainable()

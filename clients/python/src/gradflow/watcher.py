@@ -170,6 +170,7 @@ class Watcher:
     def _post_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self._reporting():
             self.measurer.after_step()
+        self.measurer.arm_carry_probe()
 
     @guarded("reading gradients at the end of backward")
     def _measure_at_backward_end(self) -> None:

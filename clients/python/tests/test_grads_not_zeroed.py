@@ -1,0 +1,54 @@
+"""A loop that never zeroes its gradients, against the same loop done right and
+gradient accumulation."""
+
+from __future__ import annotations
+
+import torch
+from conftest import PromptAgent, batches, new_run_id
+from torch import nn
+
+import gradflow
+
+
+def loop(server, zero: str, steps: int = 10, accumulate: int = 1):
+    """zero: "none" (the bug), "before" (zero_grad before backward), "after" (after the
+    optimizer step), "data" (the old idiom p.grad.data.zero_())."""
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gf = gradflow.watch(model, optimizer, server=server.url, run_id=new_run_id("zero"))
+    data = batches(steps * accumulate)
+    for _ in range(steps):
+        if zero == "before":
+            optimizer.zero_grad(set_to_none=True)
+        for _micro in range(accumulate):
+            tokens, target = next(data)
+            loss = nn.functional.cross_entropy(model(tokens), target) / accumulate
+            loss.backward()
+        optimizer.step()
+        if zero == "after":
+            optimizer.zero_grad(set_to_none=False)
+        elif zero == "data":
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.data.zero_()
+        gf.step(loss=loss)
+    gf.close()
+    return gf.run_id
+
+
+def test_a_loop_that_never_zeroes_its_gradients(gradflow_server):
+    run_id = loop(gradflow_server, "none")
+    alert = gradflow_server.wait_for_alert(run_id, "grads_not_zeroed")
+    assert alert["severity"] == "warning" and alert["evidence"]["cause"] == "not_zeroed"
+    # Step 0 had nothing to carry; steps 1, 2, 3 did: it opens on the third.
+    assert (alert["first_step"], alert["opened_step"]) == (1, 3), alert
+    assert "grew" not in alert["detail"] and "total gradient norm went from" in alert["detail"]
+    assert "zero_grad" in alert["fix"]
+
+
+def test_zeroing_before_after_or_by_data_and_accumulation_stay_silent(gradflow_server):
+    for zero, accumulate in [("before", 1), ("after", 1), ("data", 1), ("before", 3)]:
+        run_id = loop(gradflow_server, zero, accumulate=accumulate)
+        kinds = [a["kind"] for a in gradflow_server.alerts(run_id)]
+        assert "grads_not_zeroed" not in kinds, (zero, accumulate, kinds)
+        assert gradflow_server.run(run_id)["step_count"] == 10
