@@ -259,3 +259,14 @@ def test_adapters_cast_while_training_are_amended(gradflow_server):
     }
     alert = gradflow_server.wait_for_alert(gf.run_id, "dtype_mismatch", subject="qwen")
     assert alert["evidence"]["found"] == ["bf16"]
+
+
+def test_a_learning_rate_far_too_high_is_runaway_loss_within_five_steps(gradflow_server):
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    gf = watch(gradflow_server, model, optimizer)
+    losses = train(model, optimizer, gf, 8)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "loss_divergence")
+    assert alert["opened_step"] <= 5, (alert, losses)
+    assert alert["evidence"]["cause"] == "divergence"

@@ -86,6 +86,8 @@ class Watcher:
         self.close_timeout = close_timeout
         self._closed = False
         self._step = 0
+        self._steps_taken = 0
+        self._max_steps = _env.max_steps()
         self.model = layout.unwrap_model(model)
         self.optimizer = layout.unwrap_optimizer(optimizer) if optimizer is not None else None
         self._alerts = AlertBox(on_alert)
@@ -202,6 +204,12 @@ class Watcher:
         ``on_alert="raise"``."""
         self._step_guarded(loss, step, metrics)
         self._alerts.deliver()
+        self._steps_taken += 1
+        if self._max_steps is not None and self._steps_taken >= self._max_steps:
+            # `gradflow check --steps N`: enough of this script has run.
+            self.close()
+            say(f"stopping the script after {self._steps_taken} steps (GRADFLOW_MAX_STEPS)")
+            raise SystemExit(0)
 
     @guarded("gf.step")
     def _step_guarded(
