@@ -89,6 +89,11 @@ pub struct StepRecord {
     /// Absent: not measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grads_carried_over: Option<bool>,
+    /// v1.2: the largest absolute value among the floating-point tensors passed to the
+    /// watched model's forward this step (`NaN` when one held a NaN). Lets the overflow
+    /// verdicts say when the batch, not the model, is the cause.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_absmax: Option<Float>,
 }
 
 /// A place where a module's output lost its path to the loss, as a client saw it
@@ -309,6 +314,7 @@ impl StepRecord {
             }
         }
         validate_graph_cuts(&path.field("graph_cuts"), &self.graph_cuts)?;
+        check_norm(&path.field("input_absmax"), self.input_absmax)?;
         if let Some(scaler) = &self.scaler
             && let Some(scale) = scaler.scale
             && scale.get() < 0.0

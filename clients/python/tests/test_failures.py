@@ -270,3 +270,41 @@ def test_a_learning_rate_far_too_high_is_runaway_loss_within_five_steps(gradflow
     alert = gradflow_server.wait_for_alert(gf.run_id, "loss_divergence")
     assert alert["opened_step"] <= 5, (alert, losses)
     assert alert["evidence"]["cause"] == "divergence"
+
+
+def test_a_head_meant_to_train_but_frozen_by_a_wrong_filter(gradflow_server):
+    model = PromptAgent()
+    for name, p in model.named_parameters():
+        if "head" in name:  # meant to freeze attention heads; froze the agent's head too
+            p.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer, train=["qwen", "agent", "agent.head"])
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "group_not_training")
+    assert alert["subject"] == "agent.head" and alert["severity"] == "critical"
+    assert alert["first_step"] is None
+    assert [a["subject"] for a in gradflow_server.alerts(gf.run_id)] == ["agent.head"]
+
+
+def test_an_fp16_overflow_from_the_inputs_names_the_batch(gradflow_server):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    gf = watch(
+        gradflow_server, model, optimizer, scaler=scaler, detectors={"overflow_streak_steps": 6}
+    )
+    for _ in range(8):
+        x = torch.randn(8, 16) * 3e5  # features never normalised: past fp16's 65504
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        gf.step(loss=loss)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "scaler_overflow_streak")
+    assert alert["evidence"]["cause"] == "input_overflow", alert
+    assert alert["evidence"]["input_absmax"] > 65504
+    assert "the batch is the likely cause" in alert["detail"]

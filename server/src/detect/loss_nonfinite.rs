@@ -35,6 +35,10 @@ impl LossNonfinite {
         self.open = true;
         let cause = if loss.is_nan() { "nan" } else { "inf" };
         let spelled = gradflow_protocol::format_float(loss);
+        let input_absmax = record.input_absmax.map(|x| x.get());
+        let because = super::precision::input_explanation(input_absmax)
+            .map(|(_, sentence)| sentence)
+            .unwrap_or_default();
         out.push(Transition::Open(Opened {
             kind: AlertKind::LossNonfinite,
             subject: SUBJECT.into(),
@@ -44,7 +48,7 @@ impl LossNonfinite {
             title: format!("Loss is {spelled} at step {}", record.step),
             detail: format!(
                 "The loss reported at step {} is {spelled}. Every gradient computed from it is \
-                 non-finite, and an optimizer step taken with it corrupts the weights.",
+                 non-finite, and an optimizer step taken with it corrupts the weights.{because}",
                 record.step
             ),
             fix: "Find the first non-finite value: run one step under \
@@ -53,7 +57,11 @@ impl LossNonfinite {
                   when a mask is empty). Skip steps whose loss is not finite, clip gradients, and \
                   lower the lr if the loss rose before it broke."
                 .into(),
-            evidence: json!({"cause": cause, "loss": spelled}),
+            evidence: json!({
+                "cause": cause,
+                "loss": spelled,
+                "input_absmax": super::precision::evidence_number(input_absmax),
+            }),
         }));
     }
 }

@@ -78,3 +78,43 @@ mod tests {
         assert_eq!(describe_magnitude(0.1), "near 0.1");
     }
 }
+
+/// float16's largest finite value: inputs beyond it are inf under fp16 autocast.
+pub const F16_MAX: f64 = 65504.0;
+
+/// What a step's `input_absmax` says about a non-finite loss or gradient: a cause and
+/// a sentence when the inputs themselves explain it (NaN in them, or values past
+/// float16's range), else None.
+pub fn input_explanation(input_absmax: Option<f64>) -> Option<(&'static str, String)> {
+    let max = input_absmax?;
+    if max.is_nan() || max.is_infinite() {
+        return Some((
+            "input_nonfinite",
+            " The model's inputs themselves held NaN or infinite values on these steps: the \
+             batch is the cause, not the model."
+                .to_owned(),
+        ));
+    }
+    (max >= F16_MAX).then(|| {
+        (
+            "input_overflow",
+            format!(
+                " The model's inputs reached {} in absolute value, beyond float16's largest value \
+                 65504: under fp16 autocast they become inf in the first layer, so the batch is \
+                 the likely cause, not the model. Normalise or clip the inputs, or keep the \
+                 first layer in fp32.",
+                super::sci(max)
+            ),
+        )
+    })
+}
+
+/// A reading for an alert's evidence: the number, or its protocol spelling when it is
+/// not finite (JSON has no NaN).
+pub fn evidence_number(value: Option<f64>) -> serde_json::Value {
+    match value {
+        Some(x) if x.is_finite() => serde_json::json!(x),
+        Some(x) => serde_json::json!(gradflow_protocol::format_float(x)),
+        None => serde_json::Value::Null,
+    }
+}

@@ -32,11 +32,13 @@ fn group_not_training(context: &RunContext, out: &mut Vec<Opened>) {
         return;
     };
     for group in train {
+        // A group's name, or a module prefix inside one (`agent.head`).
+        let prefix = format!("{group}.");
         let params: Vec<&ParamSpec> = context
             .registration
             .params
             .iter()
-            .filter(|p| p.group_name() == group)
+            .filter(|p| p.group_name() == group || p.name.starts_with(&prefix))
             .collect();
         let trainable = params
             .iter()
@@ -281,6 +283,22 @@ mod tests {
         // vision is frozen too, but nobody said it should train.
         assert_eq!(groups, ["agent"]);
         assert!(alerts(json!({"params": [{"name": "a.w", "requires_grad": false}]})).is_empty());
+    }
+
+    #[test]
+    fn a_module_prefix_meant_to_train_is_judged_on_its_own() {
+        // agent trains as a group, but its head was frozen by a wrong name filter.
+        let found = alerts(json!({
+            "train": ["agent", "agent.head"],
+            "params": [
+                {"name": "agent.hidden.weight"},
+                {"name": "agent.head.weight", "requires_grad": false},
+                {"name": "agent.head.bias", "requires_grad": false}
+            ]
+        }));
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].subject, "agent.head");
+        assert!(found[0].detail.contains("none of its 2 parameters"));
     }
 
     #[test]

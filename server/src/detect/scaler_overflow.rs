@@ -16,6 +16,9 @@ pub struct ScalerOverflowStreak {
     scale_before: Option<f64>,
     scale_now: Option<f64>,
     skipped: u32,
+    /// The largest input absolute value over the streak (NaN sticks).
+    #[serde(default)]
+    input_absmax: Option<f64>,
     open: bool,
 }
 
@@ -49,6 +52,13 @@ impl ScalerOverflowStreak {
                 }
                 self.len += 1;
                 self.skipped += u32::from(scaler.step_skipped != Some(false));
+                if let Some(x) = record.input_absmax.map(|x| x.get()) {
+                    self.input_absmax = Some(match self.input_absmax {
+                        Some(m) if m.is_nan() || x.is_nan() => f64::NAN,
+                        Some(m) => m.max(x),
+                        None => x,
+                    });
+                }
                 self.scale_now = scale.or(self.scale_now);
                 // Step numbers, not reports: a client reporting every k-th step
                 // reaches the threshold on the same step number.
@@ -69,6 +79,8 @@ impl ScalerOverflowStreak {
             (None, Some(now)) => format!(" The loss scale is now {}.", sci(now)),
             _ => String::new(),
         };
+        let inputs = super::precision::input_explanation(self.input_absmax);
+        let (cause, because) = inputs.unwrap_or(("overflow", String::new()));
         Transition::Open(Opened {
             kind: AlertKind::ScalerOverflowStreak,
             subject: SUBJECT.into(),
@@ -79,7 +91,8 @@ impl ScalerOverflowStreak {
             detail: format!(
                 "The loss scaler found inf/NaN gradients on each of the last {} steps ({}), so {} \
                  optimizer steps were skipped and the model has not trained since step {}.{scale} \
-                 Halving the scale has not helped: the gradients are non-finite at any scale.",
+                 Halving the scale has not helped: the gradients are non-finite at any scale.\
+                 {because}",
                 self.len,
                 step_range(self.first_step, step),
                 self.skipped,
@@ -91,7 +104,8 @@ impl ScalerOverflowStreak {
                   the lr, clip gradients, restore a checkpoint)."
                 .into(),
             evidence: json!({
-                "cause": "overflow",
+                "cause": cause,
+                "input_absmax": super::precision::evidence_number(self.input_absmax),
                 "steps": self.len,
                 "first_step": self.first_step,
                 "skipped_steps": self.skipped,
@@ -112,6 +126,13 @@ mod tests {
     use gradflow_protocol::RunRegistration;
 
     fn run(found_inf: &[Option<bool>]) -> Vec<(u64, Transition)> {
+        run_with_inputs(found_inf, None)
+    }
+
+    fn run_with_inputs(
+        found_inf: &[Option<bool>],
+        input_absmax: Option<serde_json::Value>,
+    ) -> Vec<(u64, Transition)> {
         let registration: RunRegistration = serde_json::from_value(json!({"params": []})).unwrap();
         let context = RunContext::new(
             &registration,
@@ -127,6 +148,9 @@ mod tests {
                 scale /= 2.0;
             }
             let mut value = json!({"step": step});
+            if let Some(x) = &input_absmax {
+                value["input_absmax"] = x.clone();
+            }
             if let Some(inf) = inf {
                 value["scaler"] = json!({"scale": scale, "found_inf": inf, "step_skipped": inf});
             }
@@ -135,6 +159,28 @@ mod tests {
         transitions(records, |r, out| {
             detector.on_step(&StepView::new(&context, r), out)
         })
+    }
+
+    #[test]
+    fn inputs_past_float16_range_are_named_as_the_cause() {
+        let streak = [Some(true), Some(true), Some(true)];
+        let Transition::Open(o) = &run_with_inputs(&streak, Some(json!(3.0e5)))[0].1 else {
+            panic!("expected an open")
+        };
+        assert_eq!(o.evidence["cause"], "input_overflow");
+        assert_eq!(o.evidence["input_absmax"], 3.0e5);
+        assert!(o.detail.contains("inputs reached 3.00e5"), "{}", o.detail);
+        let Transition::Open(o) = &run_with_inputs(&streak, Some(json!("NaN")))[0].1 else {
+            panic!("expected an open")
+        };
+        assert_eq!(o.evidence["cause"], "input_nonfinite");
+        assert_eq!(o.evidence["input_absmax"], "NaN");
+        // Ordinary inputs: the model is the suspect, as before.
+        let Transition::Open(o) = &run_with_inputs(&streak, Some(json!(4.0)))[0].1 else {
+            panic!("expected an open")
+        };
+        assert_eq!(o.evidence["cause"], "overflow");
+        assert!(!o.detail.contains("inputs"), "{}", o.detail);
     }
 
     #[test]

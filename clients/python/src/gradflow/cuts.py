@@ -27,12 +27,13 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from ._log import guarded
+from .measure import float_inputs
 from .registration import Registry
 
 MAX_FRAMES = 6
@@ -89,21 +90,6 @@ def _shown(filename: str) -> str:
     except ValueError:
         return path
     return path if relative.startswith("..") else relative
-
-
-def _float_tensors(args: Any, kwargs: Dict[str, Any]) -> Iterator[torch.Tensor]:
-    """The floating-point tensors among the arguments (and one level of tuples, lists
-    and dicts inside them)."""
-    values: List[Any] = list(args) + list(kwargs.values())
-    for value in values:
-        items = value
-        if isinstance(value, dict):
-            items = list(value.values())
-        elif not isinstance(value, (tuple, list)):
-            items = [value]
-        for item in items:
-            if isinstance(item, torch.Tensor) and item.is_floating_point():
-                yield item
 
 
 class CutTracer:
@@ -169,7 +155,7 @@ class CutTracer:
             if not leaf or group in tracer._input_checked or not torch.is_grad_enabled():
                 return
             tracer._input_checked.add(group)
-            floats = list(_float_tensors(args, kwargs))
+            floats = float_inputs(args, kwargs)
             if floats and not any(t.requires_grad for t in floats):
                 upstream = [g for g in tracer._ran_with_grad if g != group]
                 if upstream:

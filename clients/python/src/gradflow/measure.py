@@ -54,6 +54,7 @@ class PendingStep:
     graph_cuts: List[Dict[str, Any]] = field(default_factory=list)
     carried: Optional[bool] = None
     carried_slot: Optional[int] = None
+    input_slot: Optional[int] = None
     metrics: Dict[str, Any] = field(default_factory=dict)
 
     def values(self) -> List[float]:
@@ -134,6 +135,8 @@ class PendingStep:
             carried = None if probe != probe else probe > 0  # NaN: a non-finite gradient
         if carried is not None:
             rec["grads_carried_over"] = bool(carried)
+        if self.input_slot is not None:
+            rec["input_absmax"] = encode.norm(v[self.input_slot])
         return rec
 
 
@@ -158,6 +161,12 @@ class Measurer:
         self._sentinel_hook: Any = None
         self._probe_armed = False
         self._carried: Any = None  # None, False, or a device scalar (> 0: carried)
+        # The largest |value| of the floating-point inputs of the watched model's
+        # forward passes this step (a device scalar), and the hook that reads it.
+        self._input_absmax: Optional[torch.Tensor] = None
+        self._input_hook = registry.model.register_forward_pre_hook(
+            self._on_model_input, with_kwargs=True
+        )
         self.rebuild()
         self.reset()
 
@@ -234,6 +243,25 @@ class Measurer:
         if self._sentinel_hook is not None:
             self._sentinel_hook.remove()
             self._sentinel_hook = None
+        if self._input_hook is not None:
+            self._input_hook.remove()
+            self._input_hook = None
+
+    def _on_model_input(self, _module: Any, args: Any, kwargs: Any) -> None:
+        """The step's largest input magnitude, on the device (a NaN propagates)."""
+        try:
+            if not torch.is_grad_enabled():
+                return  # evaluation: not the batch the optimizer steps on
+            peaks = [
+                t.detach().abs().amax().float() for t in float_inputs(args, kwargs) if t.numel() > 0
+            ]
+            if not peaks:
+                return
+            peak = torch.stack([p.to(peaks[0].device) for p in peaks]).amax()
+            previous = self._input_absmax
+            self._input_absmax = peak if previous is None else torch.maximum(previous, peak)
+        except Exception:  # never break the forward pass
+            self._input_absmax = None
 
     def arm_carry_probe(self) -> None:
         """After an optimizer step: look at one parameter's gradient just before the
@@ -284,6 +312,7 @@ class Measurer:
         self._intended_slots: Dict[int, int] = {}
         self._at_backward_end = None
         self._carried = None
+        self._input_absmax = None
         self._hits.clear()
         self._fresh.clear()
 
@@ -458,6 +487,8 @@ class Measurer:
         stats_base = add(self._stats) if self._stats is not None else None
         if scaler_state is not None:
             pending.scaler_slot = add(scaler_state)
+        if self._input_absmax is not None:
+            pending.input_slot = add(self._input_absmax.reshape(1))
         if isinstance(self._carried, torch.Tensor):
             pending.carried_slot = add(self._carried.reshape(1))
         elif self._carried is False:
@@ -516,6 +547,18 @@ class Measurer:
                 continue
             hits[m] = max(hits[m], self._hits.get(key, 0))  # type: ignore[type-var]
         return hits
+
+
+def float_inputs(args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:
+    """The floating-point tensors among a forward's arguments (one level into tuples,
+    lists and dicts)."""
+    found: List[torch.Tensor] = []
+    for value in list(args) + list(kwargs.values()):
+        items = value.values() if isinstance(value, dict) else value
+        if not isinstance(value, (dict, tuple, list)):
+            items = [value]
+        found.extend(t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return found
 
 
 def _queue_at_backward_end(callback: Callable[[], None]) -> None:
