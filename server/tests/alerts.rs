@@ -61,10 +61,18 @@ fn detached(s: u64) -> Value {
     step(s, (Value::Null, 0), 1e-4)
 }
 
+/// The alerts a query returns. First-step hints (info, on the second step of many
+/// runs here, tested on their own) are left out unless the query asks for them.
 async fn alerts(app: &TestApp, query: &str) -> Vec<Value> {
     let (status, body) = app.get_json(&format!("/api/v1/alerts?{query}")).await;
     assert_eq!(status, 200, "{body}");
-    body["alerts"].as_array().unwrap().clone()
+    let all = body["alerts"].as_array().unwrap().clone();
+    if query.contains("first_step_hint") || query.contains("severity=info") {
+        return all;
+    }
+    all.into_iter()
+        .filter(|a| a["kind"] != "first_step_hint")
+        .collect()
 }
 
 async fn stream(app: &TestApp, run: &str, records: Vec<Value>) {
@@ -108,6 +116,26 @@ async fn a_detached_prompt_opens_grad_stuck_zero_on_the_50th_step_and_resolves()
         alerts(&app, "run_id=cut").await.is_empty(),
         "not on the 49th zero step"
     );
+    // Only the first-step hint so far: info, from step 1, naming Qwen's modules.
+    let early = alerts(&app, "run_id=cut&kind=first_step_hint").await;
+    assert_eq!(early.len(), 1, "{early:?}");
+    assert_eq!(
+        (
+            &early[0]["kind"],
+            &early[0]["severity"],
+            &early[0]["opened_step"]
+        ),
+        (&json!("first_step_hint"), &json!("info"), &json!(1))
+    );
+    assert_eq!(
+        early[0]["evidence"]["no_gradient"],
+        json!([
+            "qwen.embed_tokens",
+            "qwen.layers.0.input_layernorm",
+            "qwen.layers.0.self_attn.q_proj",
+            "qwen.norm"
+        ])
+    );
     stream(&app, "cut", vec![detached(49)]).await;
     let open = alerts(&app, "run_id=cut&status=open").await;
     assert_eq!(
@@ -134,10 +162,16 @@ async fn a_detached_prompt_opens_grad_stuck_zero_on_the_50th_step_and_resolves()
         run["open_alerts"],
         json!({"critical": 1, "warning": 0, "info": 0})
     );
-    assert_eq!(alerts(&app, "run_id=cut").await[0]["last_step"], 59);
+    assert_eq!(
+        alerts(&app, "run_id=cut&kind=grad_stuck_zero").await[0]["last_step"],
+        59
+    );
 
     stream(&app, "cut", (60..65).map(healthy).collect()).await;
-    let resolved = alerts(&app, "run_id=cut&status=resolved").await;
+    // The hint ended when grad_stuck_zero confirmed it, on step 49.
+    let hint = alerts(&app, "run_id=cut&kind=first_step_hint").await;
+    assert_eq!(hint[0]["resolved_step"], 49);
+    let resolved = alerts(&app, "run_id=cut&status=resolved&kind=grad_stuck_zero").await;
     assert_eq!(resolved.len(), 1);
     assert_eq!(resolved[0]["resolved_step"], 60);
     assert_eq!(resolved[0]["last_step"], 59);
@@ -332,7 +366,8 @@ async fn alert_filters_and_their_errors() {
     assert_eq!(alerts(&app, "status=all").await.len(), 3);
     assert_eq!(alerts(&app, "kind=grad_stuck_zero").await.len(), 1);
     assert_eq!(alerts(&app, "severity=critical&status=open").await.len(), 2);
-    assert_eq!(alerts(&app, "severity=info").await.len(), 0);
+    // The cut run's first-step hint, resolved when grad_stuck_zero confirmed it.
+    assert_eq!(alerts(&app, "severity=info").await.len(), 1);
     assert_eq!(alerts(&app, "run_id=scaler").await.len(), 1);
     let (status, body) = app.get_json("/api/v1/runs/cut/alerts?status=open").await;
     assert_eq!(status, 200);
@@ -483,12 +518,27 @@ async fn an_sse_listener_hears_the_alert_when_the_threshold_is_crossed() {
     )
     .await;
     stream(&app, "cut", (0..50).map(detached).collect()).await;
+    // The first-step hint on step 1, then the verdict on step 49, which ends the hint.
+    let event = next_alert_event(&mut events).await;
+    assert_eq!(
+        (
+            &event["action"],
+            &event["alert"]["kind"],
+            &event["alert"]["opened_step"]
+        ),
+        (&json!("opened"), &json!("first_step_hint"), &json!(1))
+    );
     let event = next_alert_event(&mut events).await;
     assert_eq!(event["type"], "alert");
     assert_eq!(event["action"], "opened");
     assert_eq!(event["alert"]["run_id"], "cut");
     assert_eq!(event["alert"]["kind"], "grad_stuck_zero");
     assert_eq!(event["alert"]["opened_step"], 49);
+    let event = next_alert_event(&mut events).await;
+    assert_eq!(
+        (&event["action"], &event["alert"]["kind"]),
+        (&json!("resolved"), &json!("first_step_hint"))
+    );
     stream(&app, "cut", vec![healthy(50)]).await;
     let event = next_alert_event(&mut events).await;
     assert_eq!(event["action"], "resolved");

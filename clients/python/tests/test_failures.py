@@ -308,3 +308,18 @@ def test_an_fp16_overflow_from_the_inputs_names_the_batch(gradflow_server):
     assert alert["evidence"]["cause"] == "input_overflow", alert
     assert alert["evidence"]["input_absmax"] > 65504
     assert "the batch is the likely cause" in alert["detail"]
+
+
+def test_the_first_steps_already_hint_at_a_cut_encoder(gradflow_server):
+    """Long before the 50-step verdict, the second step says what the first showed."""
+    model = PromptAgent(detach_prompt=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer)
+    train(model, optimizer, gf, 3)
+    gf.close()
+    hint = gradflow_server.wait_for_alert(gf.run_id, "first_step_hint")
+    assert (hint["severity"], hint["first_step"], hint["opened_step"]) == ("info", 0, 1)
+    named = hint["evidence"]["no_gradient"]
+    assert named and all(m.startswith("qwen") for m in named), named
+    assert "qwen.layers.0.mlp.up_proj" in named
+    assert not gradflow_server.serious(gf.run_id)

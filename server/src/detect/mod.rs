@@ -17,6 +17,7 @@
 //! - [`loss_nonfinite`]: `loss_nonfinite`, a NaN or infinite loss.
 //! - [`loss_divergence`]: `loss_divergence`, the loss running away from its start.
 //! - [`grads_not_zeroed`]: `grads_not_zeroed`, gradients carried over optimizer steps.
+//! - [`first_step`]: `first_step_hint` (info), what the first step already shows.
 //! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
 //! - [`unused`]: `unused_parameters`, trainable modules no step ever reports.
@@ -28,6 +29,7 @@
 
 pub mod context;
 pub mod explosion;
+pub mod first_step;
 pub mod frozen_norm;
 pub mod grad_nonfinite;
 pub mod grads_not_zeroed;
@@ -176,10 +178,11 @@ pub enum AlertKind {
     LossDivergence,
     GroupNotTraining,
     GradsNotZeroed,
+    FirstStepHint,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 14] = [
+    pub const ALL: [AlertKind; 15] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -194,6 +197,7 @@ impl AlertKind {
         AlertKind::LossDivergence,
         AlertKind::GroupNotTraining,
         AlertKind::GradsNotZeroed,
+        AlertKind::FirstStepHint,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -212,6 +216,7 @@ impl AlertKind {
             AlertKind::LossDivergence => "loss_divergence",
             AlertKind::GroupNotTraining => "group_not_training",
             AlertKind::GradsNotZeroed => "grads_not_zeroed",
+            AlertKind::FirstStepHint => "first_step_hint",
         }
     }
 
@@ -289,6 +294,7 @@ pub struct DetectorSet {
     pub unused: unused::UnusedParameters,
     pub loss_divergence: loss_divergence::LossDivergence,
     pub grads_not_zeroed: grads_not_zeroed::GradsNotZeroed,
+    pub first_step: first_step::FirstStepHint,
 }
 
 impl DetectorSet {
@@ -307,6 +313,9 @@ impl DetectorSet {
         self.explosion.on_step(&step, &mut transitions);
         self.vanishing.on_step(&step, &mut transitions);
         self.unused.on_step(&step, &mut transitions);
+        let mut hint = Vec::new();
+        self.first_step.on_step(&step, &transitions, &mut hint);
+        transitions.extend(hint);
         transitions
     }
 

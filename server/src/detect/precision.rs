@@ -46,39 +46,6 @@ fn trim(value: f64) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_spacings_of_the_issue() {
-        // bf16 at 1.0: a decrease of up to 2^-9 is lost.
-        assert_eq!(smallest_change(1.0, Dtype::Bf16), Some(2f64.powi(-9)));
-        // f16 at 1.0: 2^-11 below, so half of it.
-        assert_eq!(smallest_change(1.0, Dtype::F16), Some(2f64.powi(-12)));
-        // bf16 near 0.1 moves in steps of 2^-11.
-        assert_eq!(smallest_change(0.1, Dtype::Bf16), Some(2f64.powi(-12)));
-        assert_eq!(smallest_change(1.5, Dtype::Bf16), Some(2f64.powi(-8)));
-        assert_eq!(smallest_change(-1.0, Dtype::F32), Some(2f64.powi(-25)));
-        assert_eq!(smallest_change(0.0, Dtype::Bf16), None);
-    }
-
-    #[test]
-    fn adamw_steps_against_bf16_spacing() {
-        // lr 3e-4 at 1.0 rounds away; lr 0.05 does not; lr 3e-4 near 0.1 does not.
-        assert!(3e-4 < smallest_change(1.0, Dtype::Bf16).unwrap());
-        assert!(0.05 > smallest_change(1.0, Dtype::Bf16).unwrap());
-        assert!(3e-4 > smallest_change(0.1, Dtype::Bf16).unwrap());
-        assert!(3e-4 > smallest_change(1.0, Dtype::F32).unwrap());
-    }
-
-    #[test]
-    fn magnitudes_read_naturally() {
-        assert_eq!(describe_magnitude(1.0), "just below 1.0");
-        assert_eq!(describe_magnitude(0.1), "near 0.1");
-    }
-}
-
 /// float16's largest finite value: inputs beyond it are inf under fp16 autocast.
 pub const F16_MAX: f64 = 65504.0;
 
@@ -116,5 +83,38 @@ pub fn evidence_number(value: Option<f64>) -> serde_json::Value {
         Some(x) if x.is_finite() => serde_json::json!(x),
         Some(x) => serde_json::json!(gradflow_protocol::format_float(x)),
         None => serde_json::Value::Null,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spacings_of_the_issue() {
+        // bf16 at 1.0: a decrease of up to 2^-9 is lost.
+        assert_eq!(smallest_change(1.0, Dtype::Bf16), Some(2f64.powi(-9)));
+        // f16 at 1.0: 2^-11 below, so half of it.
+        assert_eq!(smallest_change(1.0, Dtype::F16), Some(2f64.powi(-12)));
+        // bf16 near 0.1 moves in steps of 2^-11.
+        assert_eq!(smallest_change(0.1, Dtype::Bf16), Some(2f64.powi(-12)));
+        assert_eq!(smallest_change(1.5, Dtype::Bf16), Some(2f64.powi(-8)));
+        assert_eq!(smallest_change(-1.0, Dtype::F32), Some(2f64.powi(-25)));
+        assert_eq!(smallest_change(0.0, Dtype::Bf16), None);
+    }
+
+    #[test]
+    fn adamw_steps_against_bf16_spacing() {
+        // lr 3e-4 at 1.0 rounds away; lr 0.05 does not; lr 3e-4 near 0.1 does not.
+        assert!(3e-4 < smallest_change(1.0, Dtype::Bf16).unwrap());
+        assert!(0.05 > smallest_change(1.0, Dtype::Bf16).unwrap());
+        assert!(3e-4 > smallest_change(0.1, Dtype::Bf16).unwrap());
+        assert!(3e-4 > smallest_change(1.0, Dtype::F32).unwrap());
+    }
+
+    #[test]
+    fn magnitudes_read_naturally() {
+        assert_eq!(describe_magnitude(1.0), "just below 1.0");
+        assert_eq!(describe_magnitude(0.1), "near 0.1");
     }
 }
