@@ -30,6 +30,7 @@ pub mod config;
 pub mod demo;
 pub mod detect;
 pub mod error;
+pub mod import;
 pub mod metrics;
 pub mod openapi;
 pub mod pages;

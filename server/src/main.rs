@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use gradflow_server::config::ServerConfig;
 use gradflow_server::demo::{self, DemoOptions};
+use gradflow_server::import::{self, ImportOptions};
 use gradflow_server::startup::{Application, shutdown_signal, survive_file_size_limit};
 use tracing_subscriber::EnvFilter;
 
@@ -26,6 +27,9 @@ enum Command {
     /// Serve, and run a demo trainer (CPU) through a healthy run and every fault
     /// scenario, one after another; prints the dashboard's address.
     Demo(DemoOptions),
+    /// Load a client's undelivered spool (NDJSON step records) and its registration
+    /// into the database (--db), through the same checks and detectors as the API.
+    Import(ImportOptions),
 }
 
 #[tokio::main]
@@ -43,6 +47,7 @@ async fn main() -> ExitCode {
     let result = match &cli.command {
         None => run(cli.server).await,
         Some(Command::Demo(options)) => demo::run(&cli.server, options).await,
+        Some(Command::Import(options)) => import::run(&cli.server, options).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -4,12 +4,14 @@ gradflow never breaks the loop it watches."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 import warnings
 
 import pytest
 import torch
-from conftest import PromptAgent, ServerProcess, free_port, new_run_id, train
+from conftest import PromptAgent, ServerProcess, free_port, new_run_id, server_binary, train
 
 import gradflow
 
@@ -72,9 +74,53 @@ def test_what_cannot_be_delivered_is_said_at_close(tmp_path, capfd):
     gf.close()
     err = capfd.readouterr().err
     assert "NOT delivered: 5 still queued" in err, err
-    (kept,) = spool.iterdir()
+    kept = spool / f"{gf.run_id}.{os.getpid()}.ndjson"
     records = [json.loads(line) for line in kept.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert f"gradflow-server import {kept}" in err
+
+    # Later, the spool goes into a server's database, registration and all.
+    db = tmp_path / "later.db"
+    command = [str(server_binary()), "--db", str(db), "import", str(kept)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"imported 5 step records into run {gf.run_id}" in done.stdout, done.stdout
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert "imported 0 step records" in again.stdout and "(5 already there)" in again.stdout
+    server = ServerProcess(db).start()
+    try:
+        run = server.run(gf.run_id)
+        assert run["step_count"] == 5 and run["config"]["client"] == "gradflow-python"
+        assert [s for s, _ in server.series(gf.run_id, "loss")] == [0, 1, 2, 3, 4]
+    finally:
+        server.stop()
+
+
+def test_import_refuses_a_bad_spool_and_stores_nothing(tmp_path):
+    spool = tmp_path / "bad.ndjson"
+    spool.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": -1, "modules": 3}\n')
+    registration = tmp_path / "registration.json"
+    registration.write_text('{"params": [{"name": "a.weight"}]}')
+    db = tmp_path / "bad.db"
+    done = subprocess.run(
+        [
+            str(server_binary()),
+            "--db",
+            str(db),
+            "import",
+            str(spool),
+            "--run-id",
+            "bad",
+            "--registration",
+            str(registration),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "line 2" in done.stderr and "steps[1].modules" in done.stderr, done.stderr
+    assert not db.exists(), "nothing stored: not even the database is created"
 
 
 def test_a_refused_batch_loses_only_its_invalid_records(gradflow_server, capfd):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import tempfile
 import warnings
@@ -285,10 +286,15 @@ class Watcher:
             r = self.reporter
             left = r.pending
             r.spool.close()
+            if left:
+                _write_sidecar(r.spool.path, self.run_id, r.registration)
             if left or r.dropped or r.rejected or r.broken:
                 parts = []
                 if left:
-                    parts.append(f"{left} still queued (kept in {r.spool.path})")
+                    parts.append(
+                        f"{left} still queued (kept in {r.spool.path}; load them later with "
+                        f"`gradflow-server import {r.spool.path}`)"
+                    )
                 if r.dropped:
                     parts.append(f"{r.dropped} dropped (queue or spool full)")
                 if r.rejected:
@@ -308,6 +314,13 @@ class Watcher:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _write_sidecar(spool_path: str, run_id: str, registration: Dict[str, Any]) -> None:
+    """Beside an undelivered spool: the run id and registration that
+    ``gradflow-server import SPOOL`` needs to load it."""
+    with open(spool_path + ".registration.json", "w") as f:
+        json.dump({"run_id": run_id, "registration": registration}, f)
 
 
 def _close_at_exit(ref: Any) -> None:
