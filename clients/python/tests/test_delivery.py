@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 import warnings
 
@@ -94,6 +95,31 @@ def test_what_cannot_be_delivered_is_said_at_close(tmp_path, capfd):
         assert [s for s, _ in server.series(gf.run_id, "loss")] == [0, 1, 2, 3, 4]
     finally:
         server.stop()
+
+    # Or, with no server at all, a report that opens offline.
+    report = tmp_path / "report.html"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradflow",
+            "report",
+            str(kept),
+            "--out",
+            str(report),
+            "--server-bin",
+            str(server_binary()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"run {gf.run_id}, 5 steps" in done.stdout, done.stdout
+    html = report.read_text()
+    assert gf.run_id in html and "<style>" in html
+    assert html.count('src="data:image/svg+xml;base64,') >= 3, "the charts are inlined"
+    assert "<script" not in html and 'src="/api/' not in html, "nothing to fetch"
 
 
 def test_import_refuses_a_bad_spool_and_stores_nothing(tmp_path):

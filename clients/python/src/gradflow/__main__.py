@@ -1,11 +1,15 @@
-"""``python -m gradflow`` / ``gradflow``: the package's commands (``check``)."""
+"""``python -m gradflow`` / ``gradflow``: the package's commands (``check``,
+``report``)."""
 
 from __future__ import annotations
 
 import sys
 from typing import List, Optional
 
-USAGE = "usage: gradflow check [options] -- COMMAND...   (gradflow check --help)"
+USAGE = (
+    "usage: gradflow check [options] -- COMMAND...   (gradflow check --help)\n"
+    "       gradflow report SPOOL [--out FILE]         (gradflow report --help)"
+)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -17,6 +21,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .check import main as check
 
         return check(args[1:])
+    if args[0] == "report":
+        from .report import main as report
+
+        return report(args[1:])
     print(f"gradflow: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
     return 2
 
