@@ -323,3 +323,40 @@ def test_the_first_steps_already_hint_at_a_cut_encoder(gradflow_server):
     assert named and all(m.startswith("qwen") for m in named), named
     assert "qwen.layers.0.mlp.up_proj" in named
     assert not gradflow_server.serious(gf.run_id)
+
+
+def test_bf16_linear_layers_frozen_by_rounding_are_found_like_norm_weights(gradflow_server):
+    """A bf16 model at an lr whose AdamW steps are all below half a bf16 ulp: every
+    group's linear layers and embeddings keep their values exactly."""
+    model = PromptAgent().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    gf = watch(
+        gradflow_server, model, optimizer, updates_every=2, detectors={"frozen_norm_steps": 6}
+    )
+    train(model, optimizer, gf, 10)
+    gf.close()
+    for group in ("qwen", "agent"):
+        alert = gradflow_server.wait_for_alert(gf.run_id, "update_rounded_away", subject=group)
+        evidence = alert["evidence"]
+        assert evidence["cause"] == "low_precision_underflow", alert
+        assert evidence["rounded_away"] >= 0.98 * evidence["intended_nonzero"], evidence
+    name = "qwen.layers.0.mlp.up_proj.weight"
+    lost = gradflow_server.series(gf.run_id, "rounded_away", name)
+    meant = gradflow_server.series(gf.run_id, "intended_nonzero", name)
+    assert [s for s, _ in lost] == [0, 2, 4, 6, 8], lost
+    # Only elements near 0 moved: over 98 % of the intended changes rounded away.
+    assert all(r >= 0.98 * m for (_, r), (_, m) in zip(lost, meant)), (lost, meant)
+
+
+def test_bf16_layers_at_a_healthy_lr_are_not_frozen(gradflow_server):
+    model = PromptAgent().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gf = watch(
+        gradflow_server, model, optimizer, updates_every=2, detectors={"frozen_norm_steps": 6}
+    )
+    train(model, optimizer, gf, 10)
+    gf.close()
+    kinds = [a["kind"] for a in gradflow_server.alerts(gf.run_id)]
+    assert "update_rounded_away" not in kinds, kinds
+    name = "qwen.layers.0.mlp.up_proj.weight"
+    assert all(v > 0 for _, v in gradflow_server.series(gf.run_id, "update_norm", name))

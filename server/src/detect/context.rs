@@ -97,6 +97,8 @@ pub struct RunContext {
     pub trainable_modules_per_group: BTreeMap<String, usize>,
     /// Trainable norm weights by name.
     pub norm_params: HashMap<String, NormParam>,
+    /// Every trainable parameter that is not a norm weight: name → group.
+    pub other_trainable: HashMap<String, String>,
     pub optimizer: OptimizerInfo,
 }
 
@@ -106,6 +108,7 @@ impl RunContext {
         let run_dtype = registration.precision.as_ref().and_then(|p| p.param_dtype);
         let mut trainable_modules = HashMap::default();
         let mut norm_params = HashMap::default();
+        let mut other_trainable = HashMap::default();
         for param in &registration.params {
             if param.role() == Role::Norm {
                 norm_params.insert(
@@ -122,6 +125,9 @@ impl RunContext {
             }
             if !param.requires_grad() {
                 continue;
+            }
+            if param.role() != Role::Norm {
+                other_trainable.insert(param.name.clone(), param.group_name().to_owned());
             }
             trainable_modules.insert(
                 param.module_name().to_owned(),
@@ -181,6 +187,7 @@ impl RunContext {
             trainable_modules,
             trainable_modules_per_group,
             norm_params,
+            other_trainable,
             optimizer,
         }
     }

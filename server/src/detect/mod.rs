@@ -18,6 +18,8 @@
 //! - [`loss_divergence`]: `loss_divergence`, the loss running away from its start.
 //! - [`grads_not_zeroed`]: `grads_not_zeroed`, gradients carried over optimizer steps.
 //! - [`first_step`]: `first_step_hint` (info), what the first step already shows.
+//! - [`update_rounded_away`]: `update_rounded_away`, a group's low-precision weights
+//!   whose every intended update rounds away.
 //! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
 //! - [`unused`]: `unused_parameters`, trainable modules no step ever reports.
@@ -40,6 +42,7 @@ pub mod registration;
 pub mod scaler_overflow;
 pub mod stuck_zero;
 pub mod unused;
+pub mod update_rounded_away;
 pub mod vanishing;
 
 use gradflow_protocol::StepRecord;
@@ -179,10 +182,11 @@ pub enum AlertKind {
     GroupNotTraining,
     GradsNotZeroed,
     FirstStepHint,
+    UpdateRoundedAway,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 15] = [
+    pub const ALL: [AlertKind; 16] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -198,6 +202,7 @@ impl AlertKind {
         AlertKind::GroupNotTraining,
         AlertKind::GradsNotZeroed,
         AlertKind::FirstStepHint,
+        AlertKind::UpdateRoundedAway,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -217,6 +222,7 @@ impl AlertKind {
             AlertKind::GroupNotTraining => "group_not_training",
             AlertKind::GradsNotZeroed => "grads_not_zeroed",
             AlertKind::FirstStepHint => "first_step_hint",
+            AlertKind::UpdateRoundedAway => "update_rounded_away",
         }
     }
 
@@ -295,6 +301,7 @@ pub struct DetectorSet {
     pub loss_divergence: loss_divergence::LossDivergence,
     pub grads_not_zeroed: grads_not_zeroed::GradsNotZeroed,
     pub first_step: first_step::FirstStepHint,
+    pub update_rounded_away: update_rounded_away::UpdateRoundedAway,
 }
 
 impl DetectorSet {
@@ -309,6 +316,7 @@ impl DetectorSet {
         self.grads_not_zeroed.on_step(record, &mut transitions);
         self.stuck_zero.on_step(&step, &mut transitions);
         self.frozen_norm.on_step(&step, &mut transitions);
+        self.update_rounded_away.on_step(&step, &mut transitions);
         self.scaler_overflow.on_step(&step, &mut transitions);
         self.explosion.on_step(&step, &mut transitions);
         self.vanishing.on_step(&step, &mut transitions);

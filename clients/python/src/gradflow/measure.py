@@ -55,6 +55,8 @@ class PendingStep:
     carried: Optional[bool] = None
     carried_slot: Optional[int] = None
     input_slot: Optional[int] = None
+    update_names: List[str] = field(default_factory=list)
+    update_slot: Optional[int] = None
     metrics: Dict[str, Any] = field(default_factory=dict)
 
     def values(self) -> List[float]:
@@ -112,6 +114,20 @@ class PendingStep:
                     entry["intended_nonzero"] = nz
                     entry["rounded_away"] = ra
             params.append(entry)
+        if self.update_slot is not None:
+            for i, name in enumerate(self.update_names):
+                applied, sq, ratio, nonzero, rounded = v[
+                    self.update_slot + 5 * i : self.update_slot + 5 * i + 5
+                ]
+                entry = {"name": name, "update_norm": encode.norm(applied**0.5)}
+                if sq == sq:  # NaN: no intended update for this optimizer
+                    entry["intended_update_norm"] = encode.norm(sq**0.5 if sq >= 0 else sq)
+                    entry["intended_update_max_ulp"] = encode.norm(ratio)
+                    nz, ra = encode.count(nonzero), encode.count(rounded)
+                    if nz is not None and ra is not None and ra <= nz:
+                        entry["intended_nonzero"] = nz
+                        entry["rounded_away"] = ra
+                params.append(entry)
         if params:
             rec["params"] = params
         if self.scaler_slot is not None:
@@ -463,6 +479,7 @@ class Measurer:
         lrs: Dict[str, float],
         amend: Optional[Dict[str, Any]],
         metrics: Optional[Dict[str, Any]],
+        updates: Optional[Tuple[List[str], Optional[torch.Tensor]]] = None,
     ) -> PendingStep:
         if not self.grads_measured:
             self.measure_grads()  # gf.step without an optimizer step: what is there now
@@ -489,6 +506,9 @@ class Measurer:
             pending.scaler_slot = add(scaler_state)
         if self._input_absmax is not None:
             pending.input_slot = add(self._input_absmax.reshape(1))
+        if updates is not None and updates[1] is not None:
+            pending.update_names = list(updates[0])
+            pending.update_slot = add(updates[1].reshape(-1))
         if isinstance(self._carried, torch.Tensor):
             pending.carried_slot = add(self._carried.reshape(1))
         elif self._carried is False:

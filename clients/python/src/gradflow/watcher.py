@@ -25,6 +25,7 @@ from .reporter import Reporter
 from .scaler import ScalerTap
 from .spool import Spool
 from .transport import Client, Refused, Unreachable
+from .updates import UpdateTracker
 
 
 class NoopWatcher:
@@ -78,6 +79,7 @@ class Watcher:
         close_timeout: float,
         spool_dir: Optional[str],
         spool_max_bytes: int,
+        updates_every: int = 10,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
@@ -98,6 +100,7 @@ class Watcher:
         )
         self.measurer = Measurer(self.registry)
         self.tracer = CutTracer(self.registry)
+        self.updates = UpdateTracker(self.registry, updates_every)
         self._pending_cuts: List[Dict[str, Any]] = []
         self._pending_amend: Optional[Dict[str, Any]] = None
         self._handles: List[Any] = []
@@ -146,6 +149,7 @@ class Watcher:
             return
         self.measurer.rebuild()
         self.tracer.rebuild()
+        self.updates.rebuild()
         if self._pending_amend is None:
             self._pending_amend = amend
         else:  # two changes before one report: later specs win, by name
@@ -168,11 +172,14 @@ class Watcher:
         self._measure()
         if self._reporting():
             self.measurer.snapshot_norms()
+            if self.updates.due(self._step):
+                self.updates.before_step()
 
     @guarded("optimizer step post-hook")
     def _post_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self._reporting():
             self.measurer.after_step()
+            self.updates.after_step()
         self.measurer.arm_carry_probe()
 
     @guarded("reading gradients at the end of backward")
@@ -232,11 +239,13 @@ class Watcher:
                 self.registry.lrs(),
                 amend,
                 dict(metrics) if metrics else None,
+                self.updates.take(),
             )
             pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
             self.reporter.submit(pending)
         else:
             self.measurer.reset()
+            self.updates.discard()
             if self._scaler is not None:
                 self._scaler.captured = None
         self._step += 1
@@ -365,6 +374,7 @@ def watch(
     close_timeout: Optional[float] = None,
     spool_dir: Optional[str] = None,
     spool_max_bytes: Optional[int] = None,
+    updates_every: int = 10,
 ) -> Any:
     """Watches a training run and reports it to a gradflow server.
 
@@ -417,6 +427,7 @@ def watch(
             spool_dir=spool_dir or os.environ.get("GRADFLOW_SPOOL_DIR"),
             spool_max_bytes=spool_max_bytes
             or int(_env.float_env("GRADFLOW_SPOOL_MAX_BYTES", 256 * 1024 * 1024)),
+            updates_every=int(updates_every),
         )
     except TrainingAlert:
         raise

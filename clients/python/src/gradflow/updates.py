@@ -1,0 +1,118 @@
+"""The applied and intended update of every low-precision parameter, now and then.
+
+Norm weights get their update measured every reported step (``measure.py``). Any
+other bf16 or fp16 parameter can be frozen by rounding too — an embedding or a
+linear layer whose AdamW steps are all below half an ulp — so every ``every``-th
+reported step the trainable bf16/fp16 parameters that are not norm weights are
+copied before the optimizer step (in their own dtype), and after it each one's
+applied update norm and, for AdamW/Adam/SGD, the update the optimizer meant to apply
+(norm, largest ratio to the ulp, non-zero elements, and how many of those rounded
+away) are computed on the device, in chunks that bound the temporary memory. f32
+parameters are left out: rounding does not freeze them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from . import intended
+from .registration import Registry
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Elements per chunk of the f32 temporaries (before, after, update: 3 × 4 B each).
+CHUNK_ELEMENTS = 16 * 1024 * 1024
+
+
+class UpdateTracker:
+    def __init__(self, registry: Registry, every: int) -> None:
+        self.registry = registry
+        self.every = max(1, int(every))
+        self._family = (
+            intended.family(registry.optimizer) if registry.optimizer is not None else None
+        )
+        self._entries: List[Tuple[str, torch.Tensor, Optional[int]]] = []
+        self._before: Optional[List[torch.Tensor]] = None
+        self._stats: Optional[torch.Tensor] = None
+        self._names: List[str] = []
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        membership = self.registry._membership()
+        entries = [
+            (p.name, p.tensor, membership.get(id(p.tensor)))
+            for p in self.registry.params
+            if p.role != "norm" and p.tensor.requires_grad and p.tensor.dtype in LOW_PRECISION
+        ]
+        # Runs of one optimizer group and dtype share the intended-update arithmetic.
+        entries.sort(key=lambda e: (e[2] is None, e[2] or 0, str(e[1].dtype)))
+        self._entries = entries
+        self._before = None
+        self._stats = None
+
+    def due(self, step: int) -> bool:
+        return bool(self._entries) and step % self.every == 0
+
+    def before_step(self) -> None:
+        self._before = [t.detach().clone() for _, t, _ in self._entries]
+
+    def after_step(self) -> None:
+        before, self._before = self._before, None
+        if before is None or len(before) != len(self._entries):
+            return
+        groups = self.registry.optimizer.param_groups if self.registry.optimizer else []
+        rows: List[torch.Tensor] = []
+        names: List[str] = []
+        start = 0
+        while start < len(self._entries):
+            end = self._chunk_end(start)
+            first = self._entries[start]
+            tensors = [t for _, t, _ in self._entries[start:end]]
+            b = torch.cat([x.reshape(-1).float() for x in before[start:end]])
+            a = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+            sizes = torch.tensor([t.numel() for t in tensors])
+            segments = torch.repeat_interleave(torch.arange(len(tensors)), sizes).to(a.device)
+            count = end - start
+            zeros = torch.zeros(count, device=a.device)
+            diff = a - b
+            applied = zeros.index_add(0, segments, diff * diff)
+            summary = None
+            group_index = first[2]
+            if self._family is not None and group_index is not None and group_index < len(groups):
+                upd = intended.update(
+                    self._family, self.registry.optimizer, groups[group_index], tensors, b
+                )
+                if upd is not None:
+                    summary = intended.summary(upd, b, a, first[1].dtype, segments, count)
+            if summary is None:
+                summary = torch.full((count, 4), float("nan"), device=a.device)
+            rows.append(torch.cat([applied.reshape(-1, 1), summary], dim=1).reshape(-1))
+            names.extend(name for name, _, _ in self._entries[start:end])
+            start = end
+        self._stats = torch.cat(rows) if rows else None
+        self._names = names
+
+    def _chunk_end(self, start: int) -> int:
+        """The end of a run of one group and dtype starting at `start`, cut to the
+        chunk budget (at least one parameter)."""
+        _, first, group = self._entries[start]
+        end, elements = start, 0
+        while end < len(self._entries):
+            _, t, g = self._entries[end]
+            if g != group or t.dtype != first.dtype:
+                break
+            if end > start and elements + t.numel() > CHUNK_ELEMENTS:
+                break
+            elements += t.numel()
+            end += 1
+        return end
+
+    def take(self) -> Tuple[List[str], Optional[torch.Tensor]]:
+        """The names and the (n × 5) stats of the last measured step, once."""
+        stats, self._stats = self._stats, None
+        return (self._names if stats is not None else []), stats
+
+    def discard(self) -> Any:
+        self._before = None
+        self._stats = None
