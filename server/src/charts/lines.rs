@@ -147,6 +147,9 @@ where
     }
 
     // Alert episodes behind everything, each labelled; one legend entry per label.
+    // The labels go below the legend box (upper right), which would otherwise cover
+    // the label of an episode that starts in the right part of the chart.
+    let label_top = LabelRows::below_legend(chart, cc.plotting_area().dim_in_pixel().1);
     let mut legended = BTreeSet::new();
     for (i, band) in chart.bands.iter().enumerate() {
         let series = cc
@@ -167,7 +170,7 @@ where
             // Stacked, so that bands starting at the same step keep readable labels.
             (
                 band.from,
-                primary.hi - (primary.hi - primary.lo) * (0.04 + 0.06 * i as f64),
+                primary.hi - (primary.hi - primary.lo) * label_top.fraction(i),
             ),
             (FONT, LABEL_SIZE).into_font().color(&BAND),
         )))
@@ -263,6 +266,59 @@ where
     Ok(())
 }
 
+/// Where the episode labels go: rows from the top of the plotting area, starting
+/// under the legend box when the legend leaves room, else at the top.
+struct LabelRows {
+    first_px: f64,
+    row_px: f64,
+    plot_px: f64,
+}
+
+impl LabelRows {
+    fn below_legend(chart: &LineChart, plot_px: u32) -> LabelRows {
+        let bands: BTreeSet<&str> = chart.bands.iter().map(|b| b.label.as_str()).collect();
+        let secondary = chart.secondary.as_ref().map_or(0, |a| a.lines.len());
+        let nonfinite = chart
+            .primary
+            .lines
+            .iter()
+            .chain(chart.secondary.iter().flat_map(|a| a.lines.iter()))
+            .filter(|l| !l.nonfinite.is_empty())
+            .count();
+        let markers = chart.markers.iter().filter(|(_, s)| !s.is_empty()).count();
+        let entries = bands.len()
+            + chart.references.len()
+            + chart.primary.lines.len()
+            + secondary
+            + nonfinite
+            + markers;
+        // plotters' legend: a row per entry at the label font's size plus spacing,
+        // inside a box with a margin.
+        let row_px = f64::from(LABEL_SIZE) + 8.0;
+        let legend_px = entries as f64 * row_px + 16.0;
+        let plot_px = f64::from(plot_px.max(1));
+        let first_px = if legend_px + 3.0 * row_px < plot_px {
+            legend_px + 4.0
+        } else {
+            4.0
+        };
+        LabelRows {
+            first_px,
+            row_px,
+            plot_px,
+        }
+    }
+
+    /// How far below the top, as a fraction of the plotting area's height, label `i`
+    /// starts (wrapping back up rather than leaving the area).
+    fn fraction(&self, i: usize) -> f64 {
+        let room = ((self.plot_px - self.first_px) / self.row_px)
+            .floor()
+            .max(1.0) as usize;
+        (self.first_px + (i % room) as f64 * self.row_px) / self.plot_px
+    }
+}
+
 /// A chart with nothing to show says so, with its title and step range.
 pub fn draw_empty<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
@@ -286,4 +342,64 @@ where
     ))
     .map_err(plot_error)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::charts::data::{Axis, Band, ChartData, Line};
+    use crate::charts::{Format, render};
+
+    /// The number after `name="` in an SVG element's text.
+    fn attr(element: &str, name: &str) -> f64 {
+        let start = element.find(&format!(" {name}=\"")).expect(name) + name.len() + 3;
+        let end = start + element[start..].find('"').unwrap();
+        element[start..end].parse().unwrap()
+    }
+
+    #[test]
+    fn an_episode_label_is_never_under_the_legend() {
+        let line = |label: &str| Line {
+            label: label.into(),
+            points: (0..100).map(|s| (s, 1.0 + s as f64 / 100.0)).collect(),
+            nonfinite: vec![],
+        };
+        let chart = LineChart {
+            title: "t".into(),
+            from: 0,
+            to: 99,
+            primary: Axis {
+                label: "drift".into(),
+                log: false,
+                lines: vec![line("a"), line("b"), line("c"), line("d")],
+            },
+            secondary: None,
+            // An episode that starts where the legend box is (upper right).
+            bands: vec![Band {
+                from: 80,
+                to: 99,
+                label: "norm_weight_frozen: agent".into(),
+            }],
+            markers: vec![],
+            references: vec![],
+        };
+        for (width, height) in [(600, 420), (1200, 420), (400, 300)] {
+            let svg = render(&ChartData::Lines(chart.clone()), Format::Svg, width, height).unwrap();
+            let svg = String::from_utf8(svg).unwrap();
+            let legend = svg
+                .split('<')
+                .find(|e| e.starts_with("rect") && e.contains("opacity=\"0.85\""))
+                .expect("the legend's box");
+            let bottom = attr(legend, "y") + attr(legend, "height");
+            let label_at = svg
+                .find("\nnorm_weight_frozen: agent\n")
+                .expect("the label");
+            let text = &svg[svg[..label_at].rfind("<text").unwrap()..label_at];
+            assert!(
+                attr(text, "y") > bottom,
+                "{width}×{height}: label at y {} under the legend ending at {bottom}",
+                attr(text, "y")
+            );
+        }
+    }
 }
