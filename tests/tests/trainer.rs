@@ -167,3 +167,63 @@ async fn a_run_whose_server_is_down_trains_to_the_end_and_delivers_its_spool() {
         "every step, in order, once"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spool_no_server_ever_saw_is_imported_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = trainer(&[
+        "--server",
+        &format!("http://{}", free_loopback_address()),
+        "--run-id",
+        "lost",
+        "--steps",
+        "20",
+        "--spool-dir",
+        dir.path().to_str().unwrap(),
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let status = wait_for_exit(&mut child, Duration::from_secs(60), "the trainer");
+    let stderr = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    let spool = dir.path().join("gradflow-spool-lost.ndjson");
+    assert!(
+        stderr.contains(&format!("import {}", spool.display())),
+        "{stderr}"
+    );
+    let sidecar = dir
+        .path()
+        .join("gradflow-spool-lost.ndjson.registration.json");
+    let meta: Value = serde_json::from_slice(&std::fs::read(&sidecar).unwrap()).unwrap();
+    assert_eq!(meta["run_id"], "lost");
+
+    let db = dir.path().join("later.db");
+    let import = Command::new(binary("gradflow-server"))
+        .args([
+            "--db",
+            db.to_str().unwrap(),
+            "import",
+            spool.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&import.stdout);
+    assert!(
+        import.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&import.stderr)
+    );
+    assert!(
+        out.contains("imported 20 step records into run lost"),
+        "{out}"
+    );
+    let server = ServerProcess::start(&db, &[]);
+    let client = reqwest::Client::new();
+    let run = get(&client, server.url("/api/v1/runs/lost")).await;
+    assert_eq!(run["step_count"], 20, "{run}");
+    assert_eq!(
+        run["params"].as_array().unwrap().len(),
+        meta["registration"]["params"].as_array().unwrap().len()
+    );
+}

@@ -51,6 +51,13 @@ fn main() -> ExitCode {
                             .map(|e| format!("; registration failed: {e}"))
                             .unwrap_or_default()
                     );
+                    if let Some(spool) = s.spool {
+                        eprintln!(
+                            "gradflow-trainer: the spooled steps are in {0}; load them later \
+                             with `gradflow-server --db PATH import {0}`",
+                            spool.display()
+                        );
+                    }
                     ExitCode::from(2)
                 }
                 None => ExitCode::SUCCESS,

@@ -69,6 +69,9 @@ pub struct Summary {
     pub dropped: u64,
     /// Why the run could not be registered, if it could not.
     pub registration_error: Option<String>,
+    /// The spool file holding the undelivered records (its registration beside it,
+    /// for `gradflow-server import`), when some are left.
+    pub spool: Option<PathBuf>,
 }
 
 impl Summary {
@@ -234,11 +237,29 @@ impl Worker {
             }
         }
         self.summary.undelivered = self.spool.records;
+        if self.summary.undelivered > 0 {
+            self.write_sidecar();
+            self.summary.spool = Some(self.spool.path.clone());
+        }
         self.summary.dropped = self.dropped_so_far();
         if self.spool.is_empty() && self.registered {
             self.announce_finished();
         }
         self.summary
+    }
+
+    /// Beside a spool left undelivered: the run id and registration that
+    /// `gradflow-server import SPOOL` needs to load it later.
+    fn write_sidecar(&self) {
+        let mut name = self.spool.path.as_os_str().to_owned();
+        name.push(".registration.json");
+        let body = serde_json::json!({
+            "run_id": self.config.run_id,
+            "registration": &self.registration,
+        });
+        if let Err(error) = std::fs::write(&name, body.to_string()) {
+            tracing::warn!(%error, path = ?name, "could not write the spool's registration");
+        }
     }
 
     /// Tells the server the run is over (the dashboard then shows it finished, not
