@@ -35,7 +35,6 @@ import threading
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
-from urllib.parse import quote
 
 from .transport import Client, Refused, Unreachable
 
@@ -108,21 +107,13 @@ class EmbeddedServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _runs_of(client: Client, run_id: Optional[str]) -> List[str]:
-    if run_id is not None:
-        return [run_id]
-    answer = client._request("GET", "/api/v1/runs") or {}
-    return [run["run_id"] for run in answer.get("runs", [])]
-
-
 def _alerts(client: Client, run_id: str) -> List[Dict[str, Any]]:
     try:
-        answer = client._request("GET", f"/api/v1/runs/{quote(run_id)}/alerts?status=open")
+        return client.alerts(run_id)
     except Refused as err:
         if err.status == 404:
             return []  # the script never registered this run
         raise
-    return list((answer or {}).get("alerts", []))
 
 
 def run_check(
@@ -153,7 +144,8 @@ def run_check(
         time.sleep(settle)  # the last batch's detectors run inside its commit; be safe
         client = Client(url, env.get("GRADFLOW_INGEST_TOKEN"))
         try:
-            runs = [{"run_id": r, "alerts": _alerts(client, r)} for r in _runs_of(client, run_id)]
+            ids = [run_id] if run_id is not None else client.runs()
+            runs = [{"run_id": r, "alerts": _alerts(client, r)} for r in ids]
         except (Unreachable, Refused) as err:
             raise CheckError(f"could not read the alerts from {url}: {err}") from None
     finally:

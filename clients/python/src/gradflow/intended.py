@@ -11,7 +11,7 @@ Nesterov, weight decay); any other optimizer gets no intended update.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,30 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     m = x.to(wide).abs().clamp_min(torch.finfo(dtype).tiny)
     nxt = (m + m * (0.75 * 2.0 ** -_MANTISSA[dtype])).to(dtype).to(wide)
     return (nxt - m).float()
+
+
+def runs(
+    tensors: List[torch.Tensor],
+    groups: List[Optional[int]],
+    budget: Optional[int] = None,
+) -> List[Tuple[int, int]]:
+    """[start, end) ranges of consecutive tensors in one optimizer group and dtype:
+    each range shares the intended-update arithmetic. With `budget`, a range also
+    ends before its elements would pass it (a range always holds one tensor)."""
+    ranges = []
+    start = 0
+    while start < len(tensors):
+        end, elements = start, 0
+        while end < len(tensors):
+            if groups[end] != groups[start] or tensors[end].dtype != tensors[start].dtype:
+                break
+            if budget is not None and end > start and elements + tensors[end].numel() > budget:
+                break
+            elements += tensors[end].numel()
+            end += 1
+        ranges.append((start, end))
+        start = end
+    return ranges
 
 
 def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:

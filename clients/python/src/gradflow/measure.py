@@ -98,35 +98,21 @@ class PendingStep:
         for name, grad_slot, stats_slot, intended_slot in self.norms:
             entry = {"name": name}
             if grad_slot is not None:
-                sq = v[grad_slot]
-                entry["grad_norm"] = encode.norm(sq**0.5 if sq >= 0 else float("nan"))
+                entry["grad_norm"] = _root(v[grad_slot])
             if stats_slot is not None:
                 update_sq, drift, mean = v[stats_slot : stats_slot + 3]
-                entry["update_norm"] = encode.norm(update_sq**0.5 if update_sq >= 0 else update_sq)
+                entry["update_norm"] = _root(update_sq)
                 entry["drift"] = encode.norm(drift)
                 entry["mean"] = encode.number(mean)
             if intended_slot is not None:
-                sq, ratio, nonzero, rounded = v[intended_slot : intended_slot + 4]
-                entry["intended_update_norm"] = encode.norm(sq**0.5 if sq >= 0 else sq)
-                entry["intended_update_max_ulp"] = encode.norm(ratio)
-                nz, ra = encode.count(nonzero), encode.count(rounded)
-                if nz is not None and ra is not None and ra <= nz:
-                    entry["intended_nonzero"] = nz
-                    entry["rounded_away"] = ra
+                _intended_fields(entry, v[intended_slot : intended_slot + 4])
             params.append(entry)
         if self.update_slot is not None:
             for i, name in enumerate(self.update_names):
-                applied, sq, ratio, nonzero, rounded = v[
-                    self.update_slot + 5 * i : self.update_slot + 5 * i + 5
-                ]
-                entry = {"name": name, "update_norm": encode.norm(applied**0.5)}
-                if sq == sq:  # NaN: no intended update for this optimizer
-                    entry["intended_update_norm"] = encode.norm(sq**0.5 if sq >= 0 else sq)
-                    entry["intended_update_max_ulp"] = encode.norm(ratio)
-                    nz, ra = encode.count(nonzero), encode.count(rounded)
-                    if nz is not None and ra is not None and ra <= nz:
-                        entry["intended_nonzero"] = nz
-                        entry["rounded_away"] = ra
+                at = self.update_slot + 5 * i
+                entry = {"name": name, "update_norm": _root(v[at])}
+                if v[at + 1] == v[at + 1]:  # NaN: no intended update for this optimizer
+                    _intended_fields(entry, v[at + 1 : at + 5])
                 params.append(entry)
         if params:
             rec["params"] = params
@@ -440,22 +426,19 @@ class Measurer:
         for n in self._norms:
             offsets.append(offsets[-1] + n.tensor.numel())
         groups = self.optimizer.param_groups
-        start = 0
         slot = base
-        while start < len(self._norms):
+        tensors = [n.tensor for n in self._norms]
+        indices = [n.group_index for n in self._norms]
+        for start, end in intended.runs(tensors, indices):
             first = self._norms[start]
-            end = start
-            while (
-                end < len(self._norms)
-                and self._norms[end].group_index == first.group_index
-                and self._norms[end].tensor.dtype == first.tensor.dtype
-            ):
-                end += 1
             if first.group_index is not None and first.group_index < len(groups):
                 a, b = offsets[start], offsets[end]
-                tensors = [n.tensor for n in self._norms[start:end]]
                 upd = intended.update(
-                    self._family, self.optimizer, groups[first.group_index], tensors, before[a:b]
+                    self._family,
+                    self.optimizer,
+                    groups[first.group_index],
+                    tensors[start:end],
+                    before[a:b],
                 )
                 if upd is not None:
                     segments, _ = self._segments(start, end, upd.device)
@@ -466,7 +449,6 @@ class Measurer:
                     for k in range(start, end):
                         self._intended_slots[k] = slot + 4 * (k - start)
                     slot += 4 * (end - start)
-            start = end
         return pieces
 
     # -- the step record ---------------------------------------------------------
@@ -567,6 +549,25 @@ class Measurer:
                 continue
             hits[m] = max(hits[m], self._hits.get(key, 0))  # type: ignore[type-var]
         return hits
+
+
+def _root(square: float) -> Any:
+    """The norm whose square a reduction produced; NaN (never a negative norm) when the
+    reduction did not give a non-negative number."""
+    return encode.norm(square**0.5 if square >= 0 else float("nan"))
+
+
+def _intended_fields(entry: Dict[str, Any], summary: List[float]) -> None:
+    """A parameter's intended-update fields from its [|u|², max ratio to the ulp,
+    #u≠0, #rounded away] summary (`intended.summary`); the counts only when they are
+    consistent."""
+    sq, ratio, nonzero, rounded = summary
+    entry["intended_update_norm"] = _root(sq)
+    entry["intended_update_max_ulp"] = encode.norm(ratio)
+    nz, ra = encode.count(nonzero), encode.count(rounded)
+    if nz is not None and ra is not None and ra <= nz:
+        entry["intended_nonzero"] = nz
+        entry["rounded_away"] = ra
 
 
 def float_inputs(args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:

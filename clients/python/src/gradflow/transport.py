@@ -83,6 +83,11 @@ class Client:
     def finish(self, run_id: str) -> None:
         self._request("POST", f"/api/v1/runs/{quote(run_id)}/finish", b"")
 
+    def runs(self) -> List[str]:
+        """The ids of every run the server has."""
+        answer = self._request("GET", "/api/v1/runs") or {}
+        return [run["run_id"] for run in answer.get("runs", [])]
+
     def alerts(self, run_id: str, status: str = "open") -> List[Dict[str, Any]]:
         answer = self._request("GET", f"/api/v1/runs/{quote(run_id)}/alerts?status={status}")
         return list((answer or {}).get("alerts", []))

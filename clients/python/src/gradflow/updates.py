@@ -64,49 +64,32 @@ class UpdateTracker:
         groups = self.registry.optimizer.param_groups if self.registry.optimizer else []
         rows: List[torch.Tensor] = []
         names: List[str] = []
-        start = 0
-        while start < len(self._entries):
-            end = self._chunk_end(start)
-            first = self._entries[start]
-            tensors = [t for _, t, _ in self._entries[start:end]]
+        tensors = [t for _, t, _ in self._entries]
+        indices = [g for _, _, g in self._entries]
+        for start, end in intended.runs(tensors, indices, CHUNK_ELEMENTS):
+            group_index = indices[start]
+            chunk = tensors[start:end]
             b = torch.cat([x.reshape(-1).float() for x in before[start:end]])
-            a = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-            sizes = torch.tensor([t.numel() for t in tensors])
-            segments = torch.repeat_interleave(torch.arange(len(tensors)), sizes).to(a.device)
+            a = torch.cat([t.detach().reshape(-1).float() for t in chunk])
+            sizes = torch.tensor([t.numel() for t in chunk])
+            segments = torch.repeat_interleave(torch.arange(len(chunk)), sizes).to(a.device)
             count = end - start
             zeros = torch.zeros(count, device=a.device)
             diff = a - b
             applied = zeros.index_add(0, segments, diff * diff)
             summary = None
-            group_index = first[2]
             if self._family is not None and group_index is not None and group_index < len(groups):
                 upd = intended.update(
-                    self._family, self.registry.optimizer, groups[group_index], tensors, b
+                    self._family, self.registry.optimizer, groups[group_index], chunk, b
                 )
                 if upd is not None:
-                    summary = intended.summary(upd, b, a, first[1].dtype, segments, count)
+                    summary = intended.summary(upd, b, a, chunk[0].dtype, segments, count)
             if summary is None:
                 summary = torch.full((count, 4), float("nan"), device=a.device)
             rows.append(torch.cat([applied.reshape(-1, 1), summary], dim=1).reshape(-1))
             names.extend(name for name, _, _ in self._entries[start:end])
-            start = end
         self._stats = torch.cat(rows) if rows else None
         self._names = names
-
-    def _chunk_end(self, start: int) -> int:
-        """The end of a run of one group and dtype starting at `start`, cut to the
-        chunk budget (at least one parameter)."""
-        _, first, group = self._entries[start]
-        end, elements = start, 0
-        while end < len(self._entries):
-            _, t, g = self._entries[end]
-            if g != group or t.dtype != first.dtype:
-                break
-            if end > start and elements + t.numel() > CHUNK_ELEMENTS:
-                break
-            elements += t.numel()
-            end += 1
-        return end
 
     def take(self) -> Tuple[List[str], Optional[torch.Tensor]]:
         """The names and the (n × 5) stats of the last measured step, once."""

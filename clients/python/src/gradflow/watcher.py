@@ -230,19 +230,12 @@ class Watcher:
         self._check_amend()
         self._pending_cuts.extend(self.tracer.take())
         if self._reporting():
-            amend, self._pending_amend = self._pending_amend, None
-            scaler_state = self._scaler.take() if self._scaler is not None else None
-            pending = self.measurer.collect(
-                self._step,
+            self._submit(
                 loss,
-                scaler_state,
-                self.registry.lrs(),
-                amend,
+                self._scaler.take() if self._scaler is not None else None,
                 dict(metrics) if metrics else None,
                 self.updates.take(),
             )
-            pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
-            self.reporter.submit(pending)
         else:
             self.measurer.reset()
             self.updates.discard()
@@ -260,8 +253,21 @@ class Watcher:
         self._pending_cuts.extend(self.tracer.take())
         if self._pending_amend is None and not self._pending_cuts:
             return
+        self._submit(None, None, None, None)
+
+    def _submit(
+        self,
+        loss: Any,
+        scaler_state: Any,
+        metrics: Optional[Dict[str, Any]],
+        updates: Any,
+    ) -> None:
+        """This step's record, with the amendment and graph cuts waiting for it, handed
+        to the reporter thread."""
         amend, self._pending_amend = self._pending_amend, None
-        pending = self.measurer.collect(self._step, None, None, self.registry.lrs(), amend, None)
+        pending = self.measurer.collect(
+            self._step, loss, scaler_state, self.registry.lrs(), amend, metrics, updates
+        )
         pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
         self.reporter.submit(pending)
 
