@@ -22,7 +22,7 @@ use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, Opened, Severity, StepView, Transition, name_list};
+use super::{AlertKind, Opened, Severity, StepView, Transition, is_within, name_list};
 
 const SUBJECT: &str = "first_step";
 /// Entities named at most (a model with thousands of dead modules is one story).
@@ -80,11 +80,8 @@ impl FirstStepHint {
                     AlertKind::GradStuckZero | AlertKind::NormWeightFrozen
                 )
             {
-                let within = |name: &String| {
-                    name == &o.subject || name.starts_with(&format!("{}.", o.subject))
-                };
-                self.no_gradient.retain(|m| !within(m));
-                self.unchanged.retain(|p| !within(p));
+                self.no_gradient.retain(|m| !is_within(m, &o.subject));
+                self.unchanged.retain(|p| !is_within(p, &o.subject));
             }
         }
         if self.no_gradient.is_empty() && self.unchanged.is_empty() {

@@ -484,6 +484,13 @@ pub(crate) fn step_range(first: u64, last: u64) -> String {
 }
 
 /// A list of names for a person: at most `max`, then "and N more".
+/// Whether the dotted name `name` is `prefix` itself or lies under it
+/// (`qwen.layers.0` is within `qwen`; `qwen2` is not).
+pub(crate) fn is_within(name: &str, prefix: &str) -> bool {
+    name.strip_prefix(prefix)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
 pub(crate) fn name_list(names: &[&str], max: usize) -> String {
     let shown: Vec<&str> = names.iter().take(max).copied().collect();
     let mut text = shown.join(", ");

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use gradflow_protocol::{Dtype, LossScaler, ParamSpec};
 use serde_json::json;
 
-use super::{AlertKind, Opened, RunContext, Severity, name_list};
+use super::{AlertKind, Opened, RunContext, Severity, is_within, name_list};
 
 /// Every registration-time alert of a run.
 pub fn check(context: &RunContext) -> Vec<Opened> {
@@ -33,12 +33,11 @@ fn group_not_training(context: &RunContext, out: &mut Vec<Opened>) {
     };
     for group in train {
         // A group's name, or a module prefix inside one (`agent.head`).
-        let prefix = format!("{group}.");
         let params: Vec<&ParamSpec> = context
             .registration
             .params
             .iter()
-            .filter(|p| p.group_name() == group || p.name.starts_with(&prefix))
+            .filter(|p| p.group_name() == group || is_within(&p.name, group))
             .collect();
         let trainable = params
             .iter()

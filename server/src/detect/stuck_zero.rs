@@ -33,7 +33,8 @@ use serde_json::json;
 use gradflow_protocol::{GraphCut, GraphCutKind};
 
 use super::{
-    AlertKind, GroupMap, Opened, RunContext, Severity, StepView, Transition, sci, step_range,
+    AlertKind, GroupMap, Opened, RunContext, Severity, StepView, Transition, is_within, sci,
+    step_range,
 };
 
 /// More modules of one group than this, stuck together, are one alert.
@@ -64,11 +65,7 @@ impl SeenCut {
     /// not being reached: its own forward ran without gradients, or it fed the module
     /// that got its output without history.
     fn explains(&self, subject: &str, group: Option<&str>) -> bool {
-        let within = |name: &str| {
-            name == subject
-                || name.starts_with(&format!("{subject}."))
-                || subject.starts_with(&format!("{name}."))
-        };
+        let within = |name: &str| is_within(name, subject) || is_within(subject, name);
         match self.cut.kind {
             GraphCutKind::NoGrad => {
                 within(&self.cut.module) || self.cut.group.as_deref().is_some_and(within)
