@@ -70,15 +70,26 @@ class CutAgent(nn.Module):
         return self.agent(prompt)  # agent call
 
 
+def test_the_warning_in_the_training_process_names_the_line(gradflow_server):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_cut(gradflow_server, "no_grad", on_alert="warn")
+    messages = [str(w.message) for w in caught if w.category is gradflow.GradflowAlertWarning]
+    cut = [m for m in messages if "grad_stuck_zero on qwen" in m]
+    assert cut, messages
+    where = f"  where: qwen (no_grad) at {shown(HERE)}:{line_of('encode call')} in encode"
+    assert where in cut[0], cut[0]
+
+
 def run_cut(server, cut: Optional[str], steps: int = 12, **options):
     model = CutAgent(cut, freeze_qwen=options.pop("freeze_qwen", False))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    options.setdefault("on_alert", None)
     gf = gradflow.watch(
         model,
         optimizer,
         server=server.url,
         run_id=new_run_id("cut"),
-        on_alert=None,
         detectors={"stuck_zero_steps": 10},
         **options,
     )

@@ -30,10 +30,24 @@ class GradflowWarning(UserWarning):
 
 
 def describe(alert: Dict[str, Any]) -> str:
-    """One readable paragraph: severity, kind, subject, title and the fix."""
-    head = (
+    """One readable paragraph: severity, kind, subject, title, where in the user's
+    code the graph was cut (when the alert names it) and the fix."""
+    lines = [
         f"[{alert.get('severity', '?')}] {alert.get('kind', '?')} on "
         f"{alert.get('subject', '?')}: {alert.get('title', '')}"
-    )
+    ]
+    cut = (alert.get("evidence") or {}).get("graph_cut") or {}
+    frames = [
+        f"{f.get('file')}:{f.get('line')}" + (f" in {f['function']}" if f.get("function") else "")
+        for f in cut.get("stack") or []
+        if isinstance(f, dict)
+    ]
+    if frames:
+        lines.append(
+            f"  where: {cut.get('module', '?')} ({cut.get('kind', '?')}) at "
+            + ", called from ".join(frames)
+        )
     fix = alert.get("fix")
-    return f"{head}\n  fix: {fix}" if fix else head
+    if fix:
+        lines.append(f"  fix: {fix}")
+    return "\n".join(lines)
