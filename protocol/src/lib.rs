@@ -30,8 +30,9 @@ pub use error::InvalidBody;
 pub use float::{Float, non_finite_spelling};
 pub use parse::{parse_steps_json, parse_steps_ndjson};
 pub use run::{
-    DetectorOverrides, Dtype, LossScaler, Optimizer, ParamGroup, ParamSpec, Precision, Role, RunId,
-    RunRegistration, default_group, default_module,
+    AlertSeverity, DetectorOverrides, Dtype, LossScaler, MAX_WEBHOOKS_PER_RUN, Optimizer,
+    ParamGroup, ParamSpec, Precision, Role, RunId, RunRegistration, Webhook, WebhookFormat,
+    check_webhook_url, default_group, default_module, redact_webhook_url,
 };
 pub use step::{
     CallSite, GpuStat, GraphCut, GraphCutKind, ModuleStep, ParamStep, ScalerState, StepRecord,

@@ -297,6 +297,118 @@ pub struct RunRegistration {
     /// on purpose. Absent: the client does not say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train: Option<Vec<String>>,
+    /// v1.3: where the server POSTs this run's alerts as they open and resolve, besides
+    /// the server's own `--webhook`s. Absent: only those.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub webhooks: Vec<Webhook>,
+}
+
+/// Most webhooks one registration may name.
+pub const MAX_WEBHOOKS_PER_RUN: usize = 8;
+/// Longest webhook URL, in bytes.
+pub const MAX_WEBHOOK_URL_BYTES: usize = 2_048;
+
+/// v1.3: a receiver of a run's alert notifications.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Webhook {
+    /// An `http://` or `https://` URL that accepts a JSON `POST`.
+    pub url: String,
+    /// The body's shape (default `generic`).
+    #[serde(default, skip_serializing_if = "WebhookFormat::is_generic")]
+    pub format: WebhookFormat,
+    /// The least severe alert sent (default `warning`: the `info` hints of a run's
+    /// first steps stay on the dashboard).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_severity: Option<AlertSeverity>,
+}
+
+/// The body a webhook receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum WebhookFormat {
+    /// `{"event": "alert.opened" | "alert.resolved", "alert": {...}, ...}`.
+    #[default]
+    Generic,
+    /// `{"text": "..."}`, what Slack's (and Mattermost's, and Discord's `/slack`)
+    /// incoming webhooks take.
+    Slack,
+}
+
+impl WebhookFormat {
+    fn is_generic(&self) -> bool {
+        *self == WebhookFormat::Generic
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WebhookFormat::Generic => "generic",
+            WebhookFormat::Slack => "slack",
+        }
+    }
+}
+
+/// An alert's severity, most severe first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum AlertSeverity {
+    Critical,
+    Warning,
+    Info,
+}
+
+impl AlertSeverity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AlertSeverity::Critical => "critical",
+            AlertSeverity::Warning => "warning",
+            AlertSeverity::Info => "info",
+        }
+    }
+}
+
+/// `scheme://host[:port]` of a webhook URL: what may be shown of it, since webhook
+/// URLs (Slack's, for one) carry their secret in the path or query.
+pub fn redact_webhook_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    format!("{scheme}://{authority}")
+}
+
+/// Checks a webhook URL: `http` or `https`, a host, no credentials in it, no
+/// whitespace or control characters, within the length limit. A full URL parser
+/// stays out of this crate; the server parses it again before sending.
+pub fn check_webhook_url(url: &str) -> Result<(), String> {
+    if url.len() > MAX_WEBHOOK_URL_BYTES {
+        return Err(format!(
+            "{} bytes is longer than the limit of {MAX_WEBHOOK_URL_BYTES}",
+            url.len()
+        ));
+    }
+    let rest = url
+        .strip_prefix("https://")
+        .or_else(|| url.strip_prefix("http://"))
+        .ok_or_else(|| format!("{url:?} is not an http:// or https:// URL"))?;
+    if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "{url:?} contains whitespace or a control character"
+        ));
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.contains('@') {
+        return Err("credentials in the URL are not accepted: put a token in its path or query, as Slack's webhook URLs do".to_owned());
+    }
+    let host = authority
+        .rsplit_once(':')
+        .filter(|(_, port)| !port.contains(']'))
+        .map_or(authority, |(host, _)| host);
+    if host.is_empty() {
+        return Err(format!("{url:?} has no host"));
+    }
+    Ok(())
 }
 
 impl RunRegistration {
@@ -355,7 +467,33 @@ impl RunRegistration {
                 check_name(&path.index(i), group)?;
             }
         }
+        let path = root.field("webhooks");
+        if self.webhooks.len() > MAX_WEBHOOKS_PER_RUN {
+            return Err(path.error(format!(
+                "{} webhooks are more than the limit of {MAX_WEBHOOKS_PER_RUN}",
+                self.webhooks.len()
+            )));
+        }
+        for (i, webhook) in self.webhooks.iter().enumerate() {
+            check_webhook_url(&webhook.url)
+                .map_err(|message| path.index(i).field("url").error(message))?;
+            if self.webhooks[..i].iter().any(|w| w.url == webhook.url) {
+                return Err(path
+                    .index(i)
+                    .field("url")
+                    .error("the same URL is listed twice"));
+            }
+        }
         Ok(())
+    }
+
+    /// The registration as it may be shown to readers: webhook URLs cut to their
+    /// scheme, host and port.
+    pub fn redacted(mut self) -> RunRegistration {
+        for webhook in &mut self.webhooks {
+            webhook.url = redact_webhook_url(&webhook.url);
+        }
+        self
     }
 
     /// The registration with the protocol's defaults written out (`module` and
@@ -570,5 +708,57 @@ mod tests {
             let err = RunRegistration::from_json(body.as_bytes()).unwrap_err();
             assert_eq!(&err.path, path, "{body}: {err}");
         }
+    }
+
+    #[test]
+    fn webhooks_are_checked_where_they_are_wrong() {
+        let ok = RunRegistration::from_json(
+            br#"{"params": [], "webhooks": [
+                {"url": "https://hooks.slack.com/services/T0/B0/x", "format": "slack"},
+                {"url": "http://127.0.0.1:9000/alerts", "min_severity": "info"},
+                {"url": "http://[::1]:9000/"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.webhooks[0].format, WebhookFormat::Slack);
+        assert_eq!(ok.webhooks[1].min_severity, Some(AlertSeverity::Info));
+        // An old registration serializes as it did: no `webhooks` key.
+        let old = RunRegistration::from_json(br#"{"params": []}"#).unwrap();
+        assert!(!serde_json::to_string(&old).unwrap().contains("webhooks"));
+        for (webhooks, path) in [
+            (r#"[{"url": "ftp://example.com/"}]"#, "webhooks[0].url"),
+            (r#"[{"url": "https://"}]"#, "webhooks[0].url"),
+            (
+                r#"[{"url": "https://user:pw@example.com/"}]"#,
+                "webhooks[0].url",
+            ),
+            (r#"[{"url": "https://example.com/a b"}]"#, "webhooks[0].url"),
+            (
+                r#"[{"url": "https://a.example/"}, {"url": "https://a.example/"}]"#,
+                "webhooks[1].url",
+            ),
+            (
+                r#"[{"url": "https://a.example/", "format": "teams"}]"#,
+                "webhooks[0].format",
+            ),
+            (
+                r#"[{"url": "https://a.example/", "min_severity": "high"}]"#,
+                "webhooks[0].min_severity",
+            ),
+        ] {
+            let body = format!(r#"{{"params": [], "webhooks": {webhooks}}}"#);
+            let err = RunRegistration::from_json(body.as_bytes()).unwrap_err();
+            assert_eq!(err.path, path, "{body}: {err}");
+        }
+        let many: Vec<String> = (0..=MAX_WEBHOOKS_PER_RUN)
+            .map(|i| format!(r#"{{"url": "https://a.example/{i}"}}"#))
+            .collect();
+        let body = format!(r#"{{"params": [], "webhooks": [{}]}}"#, many.join(","));
+        let err = RunRegistration::from_json(body.as_bytes()).unwrap_err();
+        assert_eq!(err.path, "webhooks", "{err}");
+        // What readers are shown leaves the secret path out.
+        let shown = ok.redacted();
+        assert_eq!(shown.webhooks[0].url, "https://hooks.slack.com");
+        assert_eq!(shown.webhooks[1].url, "http://127.0.0.1:9000");
+        assert_eq!(redact_webhook_url("http://h:1/x?token=1#f"), "http://h:1");
     }
 }

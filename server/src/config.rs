@@ -2,10 +2,14 @@
 
 use std::path::PathBuf;
 
+use std::time::Duration;
+
 use clap::Parser;
+use gradflow_protocol::{AlertSeverity, Webhook, WebhookFormat};
 
 use crate::detect::{Detection, Thresholds};
 use crate::store::SyncMode;
+use crate::webhooks::WebhookSettings;
 
 /// gradflow-server: stores gradient-flow telemetry from instrumented trainers in
 /// SQLite and serves it back over HTTP (protocol v1 under /api/v1).
@@ -80,6 +84,94 @@ pub struct ServerConfig {
     /// for measuring what detection costs, not for production.
     #[arg(long, env = "GRADFLOW_DISABLE_DETECTORS")]
     pub disable_detectors: bool,
+
+    #[command(flatten)]
+    pub webhooks: WebhookFlags,
+}
+
+/// Where alert notifications go (docs/PROTOCOL.md, "Webhooks"); runs may add their
+/// own receivers in their registration.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WebhookFlags {
+    /// POST every alert opened and resolved, as JSON, to this URL; repeat, or
+    /// separate with commas.
+    #[arg(long = "webhook", env = "GRADFLOW_WEBHOOKS", value_delimiter = ',', value_parser = parse_webhook_url)]
+    pub generic: Vec<String>,
+
+    /// As --webhook, with a Slack-compatible `{"text": ...}` body (Slack's incoming
+    /// webhooks, Mattermost, Discord's `/slack` endpoint).
+    #[arg(long = "slack-webhook", env = "GRADFLOW_SLACK_WEBHOOKS", value_delimiter = ',', value_parser = parse_webhook_url)]
+    pub slack: Vec<String>,
+
+    /// The least severe alert the server's webhooks receive: critical, warning or
+    /// info (the hints of a run's first steps).
+    #[arg(long = "webhook-min-severity", env = "GRADFLOW_WEBHOOK_MIN_SEVERITY", default_value = "warning", value_parser = crate::webhooks::parse_severity)]
+    pub min_severity: AlertSeverity,
+
+    /// Attempts per notification before it is given up.
+    #[arg(long = "webhook-max-attempts", env = "GRADFLOW_WEBHOOK_MAX_ATTEMPTS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_attempts: u32,
+
+    /// Seconds before a failed notification is retried; each further retry waits
+    /// twice as long, up to 10 minutes.
+    #[arg(long = "webhook-retry-secs", env = "GRADFLOW_WEBHOOK_RETRY_SECS", default_value_t = 1.0, value_parser = parse_positive_secs)]
+    pub retry_secs: f64,
+
+    /// The dashboard's address as users reach it (e.g. https://gradflow.example.com):
+    /// notifications then link to the run's page.
+    #[arg(long = "public-url", env = "GRADFLOW_PUBLIC_URL", value_parser = parse_webhook_url)]
+    pub public_url: Option<String>,
+}
+
+impl Default for WebhookFlags {
+    fn default() -> Self {
+        WebhookFlags {
+            generic: Vec::new(),
+            slack: Vec::new(),
+            min_severity: AlertSeverity::Warning,
+            max_attempts: 10,
+            retry_secs: 1.0,
+            public_url: None,
+        }
+    }
+}
+
+impl WebhookFlags {
+    /// What the webhook sender needs.
+    pub fn settings(&self) -> WebhookSettings {
+        let target = |url: &String, format| Webhook {
+            url: url.clone(),
+            format,
+            min_severity: Some(self.min_severity),
+        };
+        WebhookSettings {
+            webhooks: self
+                .generic
+                .iter()
+                .map(|url| target(url, WebhookFormat::Generic))
+                .chain(
+                    self.slack
+                        .iter()
+                        .map(|url| target(url, WebhookFormat::Slack)),
+                )
+                .collect(),
+            max_attempts: self.max_attempts,
+            first_retry: Duration::from_secs_f64(self.retry_secs),
+            public_url: self.public_url.clone(),
+        }
+    }
+}
+
+fn parse_webhook_url(url: &str) -> Result<String, String> {
+    gradflow_protocol::check_webhook_url(url)?;
+    Ok(url.to_owned())
+}
+
+fn parse_positive_secs(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= 3600.0 => Ok(secs),
+        _ => Err(format!("{text:?} is not a number of seconds in (0, 3600]")),
+    }
 }
 
 impl ServerConfig {

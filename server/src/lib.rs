@@ -39,3 +39,4 @@ pub mod routes;
 pub mod series;
 pub mod startup;
 pub mod store;
+pub mod webhooks;

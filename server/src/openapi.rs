@@ -35,10 +35,11 @@ use crate::store::{IngestOutcome, RunStatus};
         crate::routes::alerts::list_run_alerts,
         crate::routes::charts::render_chart,
         crate::routes::events::stream_events,
+        crate::routes::webhooks::list_deliveries,
     ),
     components(
         responses(BadRequest, Unauthorized, RunNotFound, TooLarge, Unsupported, Unavailable),
-        schemas(ErrorBody, ErrorDetail, Health, RunView, AmendmentView, RunList, RunListItem, RunProgress, Deleted, Series, AlertList, Alert, OpenAlertCounts, IngestOutcome, RunStatus)),
+        schemas(ErrorBody, ErrorDetail, Health, RunView, AmendmentView, RunList, RunListItem, RunProgress, Deleted, Series, AlertList, Alert, OpenAlertCounts, IngestOutcome, RunStatus, crate::routes::webhooks::DeliveryList, crate::store::webhooks::WebhookDelivery)),
     tags(
         (name = "runs", description = "Register, read, finish and delete runs"),
         (name = "steps", description = "Stream step records"),

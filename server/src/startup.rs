@@ -16,6 +16,7 @@ pub struct Application {
     listener: TcpListener,
     state: AppState,
     retain_days: Option<u32>,
+    webhooks: crate::webhooks::WebhookSettings,
     shutdown: tokio::sync::watch::Sender<bool>,
 }
 
@@ -50,6 +51,7 @@ impl Application {
             listener,
             state,
             retain_days: config.retain_days,
+            webhooks: config.webhooks.settings(),
             shutdown,
         })
     }
@@ -70,12 +72,15 @@ impl Application {
             listener,
             state,
             retain_days,
+            webhooks,
             shutdown: stop_streams,
         } = self;
         let store = state.store.clone();
         if let Some(days) = retain_days {
             tokio::spawn(crate::retention::run(store.clone(), days));
         }
+        let sender =
+            crate::webhooks::start(store.clone(), webhooks, stop_streams.subscribe()).await?;
         let shutdown = async move {
             shutdown.await;
             let _ = stop_streams.send(true);
@@ -84,6 +89,9 @@ impl Application {
             .with_graceful_shutdown(shutdown)
             .await
             .context("serving HTTP")?;
+        // Not waited for: a receiver that hangs must not hold the shutdown up. An
+        // attempt cut short stays pending and is sent again after a restart.
+        sender.abort();
         store.close().await
     }
 }

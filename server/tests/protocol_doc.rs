@@ -6,13 +6,16 @@
 //! a new run), `json steps` and `json step-record` (POSTed to the latest registered
 //! run), `json response` (the previous request's answer, exactly), `json
 //! invalid-steps` (POSTed, must be refused with 400 and change nothing), `json error`
-//! (that refusal's body, exactly) and `json alert` (an alert the latest run now has:
+//! (that refusal's body, exactly), `json webhook` (the body the webhook sender renders
+//! for the alert it shows) and `json alert` (an alert the latest run now has:
 //! same fields, same values except the ones written `"..."` and the ids).
 
 mod common;
 
 use common::TestApp;
 use gradflow_server::detect::AlertKind;
+use gradflow_server::store::webhooks::DueDelivery;
+use gradflow_server::webhooks::render;
 use serde_json::{Value, json};
 
 const PAGE: &str = include_str!("../../docs/PROTOCOL.md");
@@ -115,6 +118,19 @@ async fn every_example_of_the_protocol_page_holds_against_a_real_server() {
                     }
                     assert_eq!(&actual[key], value, "the alert's {key} differs");
                 }
+            }
+            "webhook" => {
+                // The generic body the sender renders for the alert shown.
+                let delivery = DueDelivery {
+                    id: 1,
+                    url: "http://127.0.0.1:1/".into(),
+                    format: "generic".into(),
+                    action: "opened".into(),
+                    payload: example["alert"].to_string(),
+                    attempts: 0,
+                };
+                let rendered = render(&delivery, Some("https://gradflow.example")).unwrap();
+                assert_eq!(rendered, example, "the documented webhook body differs");
             }
             other => panic!("unknown example tag {other:?} in docs/PROTOCOL.md"),
         }

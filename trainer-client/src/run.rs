@@ -110,6 +110,7 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
         detectors: None,
         config: Some(config),
         train: None,
+        webhooks: Vec::new(),
     }
 }
 

@@ -494,7 +494,7 @@ fn registration_section(run: &StoredRun) -> Markup {
         .filter_map(|p| p.shape.as_ref())
         .map(|shape| shape.iter().product::<u64>())
         .sum();
-    let json = serde_json::to_string_pretty(registration).unwrap_or_default();
+    let json = serde_json::to_string_pretty(&registration.clone().redacted()).unwrap_or_default();
     let config = registration
         .config
         .as_ref()

@@ -2,12 +2,11 @@
 
 use axum::Json;
 use axum::extract::State;
-use gradflow_protocol::RunId;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::AppState;
-use super::extract::{ApiQuery, RunIdParam};
+use super::extract::{ApiQuery, RunIdParam, run_id_query};
 use crate::detect::{AlertKind, Severity};
 use crate::error::ApiError;
 use crate::store::alerts::AlertFilter;
@@ -41,15 +40,7 @@ pub async fn list_alerts(
     State(state): State<AppState>,
     ApiQuery(params): ApiQuery<AllAlertsParams>,
 ) -> Result<Json<Value>, ApiError> {
-    let run_id = match params.run_id.as_deref() {
-        Some(raw) => Some(
-            RunId::parse(raw)
-                .map_err(|m| ApiError::invalid_query(m).with_path("run_id"))?
-                .as_str()
-                .to_owned(),
-        ),
-        None => None,
-    };
+    let run_id = run_id_query(params.run_id.as_deref())?;
     let filter = filter(run_id, params.status, params.kind, params.severity)?;
     let alerts = state.store.alerts(&filter).await?;
     Ok(Json(json!({ "alerts": alerts })))

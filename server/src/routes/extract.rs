@@ -46,6 +46,16 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
 
 /// A step range of the query: `from_step` may not come after `to_step` (either may be
 /// left open).
+/// A `run_id` query parameter, checked like the path's.
+pub fn run_id_query(raw: Option<&str>) -> Result<Option<String>, ApiError> {
+    raw.map(|raw| {
+        RunId::parse(raw)
+            .map(|id| id.as_str().to_owned())
+            .map_err(|m| ApiError::invalid_query(m).with_path("run_id"))
+    })
+    .transpose()
+}
+
 pub fn check_step_range(from: Option<u64>, to: Option<u64>) -> Result<(), ApiError> {
     match (from, to) {
         (Some(from), Some(to)) if from > to => Err(ApiError::invalid_query(format!(

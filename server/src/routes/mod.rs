@@ -9,6 +9,7 @@
 //! - [`alerts`]: `GET /api/v1/alerts` and `GET /api/v1/runs/{run_id}/alerts`.
 //! - [`charts`]: `GET /api/v1/runs/{run_id}/charts/{chart}.svg|.png`.
 //! - [`events`]: `GET /api/v1/events`, Server-Sent Events.
+//! - [`webhooks`]: `GET /api/v1/webhooks/deliveries`, the webhook delivery log.
 //! - [`extract`]: extractors that reject bad input with the API's JSON errors.
 //! - [`auth`]: the ingest token that guards every write, the read token that guards
 //!   every read.
@@ -26,6 +27,7 @@ pub mod limits;
 pub mod runs;
 pub mod series;
 pub mod steps;
+pub mod webhooks;
 
 use std::sync::Arc;
 
@@ -85,6 +87,7 @@ pub fn app(state: AppState) -> Router {
         .route("/alerts", get(alerts::list_alerts))
         .route("/runs/{run_id}/charts/{file}", get(charts::render_chart))
         .route("/events", get(events::stream_events))
+        .route("/webhooks/deliveries", get(webhooks::list_deliveries))
         .route("/openapi.json", get(crate::openapi::openapi_json))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

@@ -137,7 +137,8 @@ async fn open_alerts_of(state: &AppState, run_id: &str) -> Result<OpenAlertCount
 
 /// The registration's fields with the run's progress beside them.
 fn run_view(run: &StoredRun, open_alerts: OpenAlertCounts) -> Value {
-    let mut view = serde_json::to_value(&run.registration).unwrap_or_else(|_| json!({}));
+    let mut view =
+        serde_json::to_value(run.registration.clone().redacted()).unwrap_or_else(|_| json!({}));
     let progress = json!({
         "run_id": run.run_id,
         "created_at": rfc3339(run.created_at),

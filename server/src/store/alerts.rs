@@ -1,5 +1,6 @@
 //! Alerts as stored: written by the ingest and registration transactions from the
-//! detectors' transitions, read back with filters.
+//! detectors' transitions (each queueing its webhook notifications in the same
+//! transaction), read back with filters.
 
 use std::collections::HashMap;
 
@@ -8,7 +9,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqlx::SqliteConnection;
 
-use super::{Store, StoreError, StoreResult, now_seconds};
+use super::{Store, StoreError, StoreResult, now_seconds, webhooks};
 use crate::detect::{AlertKind, Opened, Severity};
 
 /// An alert as the API shows it (docs/PROTOCOL.md's alert object), decoded straight from
@@ -108,7 +109,7 @@ pub(super) async fn insert_opened(
 ) -> StoreResult<i64> {
     let evidence = serde_json::to_string(&opened.evidence).context("encoding evidence")?;
     let step = opened.step.map(|s| s as i64);
-    Ok(sqlx::query_scalar(
+    let id = sqlx::query_scalar(
         "INSERT INTO alerts (run, kind, severity, subject, status, first_step, opened_step, \
          last_step, title, detail, fix, evidence, opened_at) \
          VALUES (?, ?, ?, ?, 'open', ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
@@ -125,8 +126,10 @@ pub(super) async fn insert_opened(
     .bind(&opened.fix)
     .bind(evidence)
     .bind(now_seconds())
-    .fetch_one(conn)
-    .await?)
+    .fetch_one(&mut *conn)
+    .await?;
+    webhooks::enqueue_opened(conn, run, id, opened).await?;
+    Ok(id)
 }
 
 /// Marks an episode resolved at `step`, with `last_step` the last step it held on.
@@ -143,9 +146,19 @@ pub(super) async fn resolve(
     .bind(episode.last_step.map(|s| s as i64))
     .bind(now_seconds())
     .bind(episode.id)
-    .execute(conn)
+    .execute(&mut *conn)
     .await?;
-    Ok(())
+    webhooks::enqueue_resolved(conn, episode.id).await
+}
+
+/// One alert by id, on the writer's connection (inside its transaction).
+pub(super) async fn read_one(conn: &mut SqliteConnection, id: i64) -> StoreResult<Option<Alert>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run WHERE a.id = ?"
+    ))
+    .bind(id)
+    .fetch_optional(conn)
+    .await?)
 }
 
 /// Moves an open episode's `last_step` forward.

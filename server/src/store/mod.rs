@@ -14,6 +14,7 @@
 //! - `runs`: registration, listing, reading and deleting runs.
 //! - `ingest`: the all-or-nothing batch transaction.
 //! - `read`: series reads over raw rows and rollups.
+//! - [`webhooks`]: webhook receivers and the delivery queue.
 
 pub mod alerts;
 pub mod codec;
@@ -24,6 +25,7 @@ mod ingest;
 mod read;
 pub mod rollup;
 mod runs;
+pub mod webhooks;
 
 use std::collections::HashMap;
 

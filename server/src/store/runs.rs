@@ -7,7 +7,7 @@ use sqlx::Connection;
 
 use super::alerts::{self, Alert, OpenEpisode};
 use super::events::{AlertAction, Event};
-use super::{RunState, Store, StoreError, StoreResult, Writer, now_seconds};
+use super::{RunState, Store, StoreError, StoreResult, Writer, now_seconds, webhooks};
 use crate::detect::registration;
 
 /// A run as stored: its registration (with the protocol's defaults written out) and
@@ -156,6 +156,7 @@ impl Store {
         .bind(created_at)
         .fetch_one(&mut *tx)
         .await?;
+        webhooks::add_run_targets(&mut tx, key, &registration.webhooks).await?;
         // What the registration alone proves wrong is known before the first step.
         let mut state = RunState::new(key, &registration, self.detection.thresholds);
         let mut opened = Vec::new();

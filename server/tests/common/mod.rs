@@ -39,6 +39,7 @@ pub fn config(db: PathBuf) -> ServerConfig {
         max_concurrent_requests: 1024,
         disable_detectors: false,
         retain_days: None,
+        webhooks: Default::default(),
     }
 }
 

@@ -179,6 +179,7 @@ class Registry:
         train: Optional[List[str]],
         rank: Optional[int],
         world_size: Optional[int],
+        webhooks: Optional[List[Dict[str, Any]]] = None,
     ) -> Dict[str, Any]:
         membership = self._membership()
         specs = [self.param_spec(p, membership) for p in self.params]
@@ -200,6 +201,8 @@ class Registry:
             body["detectors"] = dict(detectors)
         if train is not None:
             body["train"] = list(train)
+        if webhooks:
+            body["webhooks"] = webhooks
         # Only what stays the same when the same job restarts: registering again with
         # the same body is then accepted as the same run.
         cfg: Dict[str, Any] = {"client": "gradflow-python", "torch": torch.__version__}
@@ -282,3 +285,26 @@ class Registry:
             if value is not None:
                 out[str(i)] = value
         return out
+
+
+def webhook_specs(webhooks: Any) -> Optional[List[Dict[str, Any]]]:
+    """The registration's ``webhooks`` from what :func:`gradflow.watch` was given: a
+    URL string (Slack's incoming-webhook URLs get Slack's body, others the generic
+    one) or a dict with ``url``, ``format`` and ``min_severity`` as in the protocol."""
+    if webhooks is None:
+        return None
+    if isinstance(webhooks, (str, dict)):
+        webhooks = [webhooks]
+    specs: List[Dict[str, Any]] = []
+    for hook in webhooks:
+        if isinstance(hook, str):
+            slack = hook.startswith("https://hooks.slack.com/")
+            specs.append({"url": hook, "format": "slack"} if slack else {"url": hook})
+        elif isinstance(hook, dict) and isinstance(hook.get("url"), str):
+            specs.append(dict(hook))
+        else:
+            raise TypeError(
+                f"webhooks: {hook!r} is neither a URL nor a dict with a 'url' "
+                "(and optionally 'format': 'generic' | 'slack', 'min_severity')"
+            )
+    return specs

@@ -20,7 +20,7 @@ from .alerts import AlertBox
 from .cuts import CutTracer
 from .errors import GradflowWarning, TrainingAlert
 from .measure import Measurer
-from .registration import Registry
+from .registration import Registry, webhook_specs
 from .reporter import Reporter
 from .scaler import ScalerTap
 from .spool import Spool
@@ -80,6 +80,7 @@ class Watcher:
         spool_dir: Optional[str],
         spool_max_bytes: int,
         updates_every: int = 10,
+        webhooks: Optional[List[Dict[str, Any]]] = None,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
@@ -96,7 +97,13 @@ class Watcher:
         self._alerts = AlertBox(on_alert)
         self.registry = Registry(self.model, self.optimizer, scaler, groups)
         body = self.registry.registration(
-            name, dict(detectors) if detectors else None, config, train, rank, world_size
+            name,
+            dict(detectors) if detectors else None,
+            config,
+            train,
+            rank,
+            world_size,
+            webhooks,
         )
         self.measurer = Measurer(self.registry)
         self.tracer = CutTracer(self.registry)
@@ -381,6 +388,7 @@ def watch(
     spool_dir: Optional[str] = None,
     spool_max_bytes: Optional[int] = None,
     updates_every: int = 10,
+    webhooks: Any = None,
 ) -> Any:
     """Watches a training run and reports it to a gradflow server.
 
@@ -434,6 +442,7 @@ def watch(
             spool_max_bytes=spool_max_bytes
             or int(_env.float_env("GRADFLOW_SPOOL_MAX_BYTES", 256 * 1024 * 1024)),
             updates_every=int(updates_every),
+            webhooks=webhook_specs(webhooks),
         )
     except TrainingAlert:
         raise
