@@ -7,7 +7,8 @@
 //! - [`steps`]: `POST /api/v1/runs/{run_id}/steps`, the ingest path.
 //! - [`series`]: `GET /api/v1/runs/{run_id}/series`.
 //! - [`alerts`]: `GET /api/v1/alerts` and `GET /api/v1/runs/{run_id}/alerts`.
-//! - [`charts`]: `GET /api/v1/runs/{run_id}/charts/{chart}.svg|.png`.
+//! - [`charts`]: `GET /api/v1/runs/{run_id}/charts/{chart}.svg|.png`, and
+//!   `GET /api/v1/charts/compare.svg|.png` (several runs side by side).
 //! - [`events`]: `GET /api/v1/events`, Server-Sent Events.
 //! - [`extract`]: extractors that reject bad input with the API's JSON errors.
 //! - [`auth`]: the ingest token that guards every write, the read token that guards
@@ -84,6 +85,7 @@ pub fn app(state: AppState) -> Router {
         .route("/runs/{run_id}/alerts", get(alerts::list_run_alerts))
         .route("/alerts", get(alerts::list_alerts))
         .route("/runs/{run_id}/charts/{file}", get(charts::render_chart))
+        .route("/charts/{file}", get(charts::render_comparison))
         .route("/events", get(events::stream_events))
         .route("/openapi.json", get(crate::openapi::openapi_json))
         .route_layer(middleware::from_fn_with_state(
