@@ -317,6 +317,8 @@ assert.ok(await page.evaluate(() => window.gradflowNotReloaded === true), "the p
 assert.notEqual(before, await page.locator("#last-step").innerText());
 await chartsLoaded();
 await shot(`run-${runId}-live.png`);
+// Now with an episode open at the last step, its label at the right edge.
+await checkChartLayout(`run-${runId}-live`);
 
 step("no console errors, failed requests or error responses");
 await browser.close();
