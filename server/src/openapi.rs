@@ -34,6 +34,7 @@ use crate::store::{IngestOutcome, RunStatus};
         crate::routes::alerts::list_alerts,
         crate::routes::alerts::list_run_alerts,
         crate::routes::charts::render_chart,
+        crate::routes::charts::render_comparison,
         crate::routes::events::stream_events,
         crate::routes::webhooks::list_deliveries,
     ),

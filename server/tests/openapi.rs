@@ -23,6 +23,7 @@ const ENDPOINTS: &[(&str, &str)] = &[
     ("post", "/api/v1/runs/{run_id}/finish"),
     ("get", "/metrics"),
     ("get", "/api/v1/openapi.json"),
+    ("get", "/api/v1/charts/{file}"),
 ];
 
 struct Document(Value);
@@ -170,6 +171,13 @@ async fn the_document_covers_the_protocol_and_real_responses_match_it() {
     }
     let (status, body) = app.get_json("/api/v1/runs/run-a/series?metric=bogus").await;
     doc.check("get", "/api/v1/runs/{run_id}/series", status, &body);
+    for query in ["run=run-a", "run=run-a&run=ghost"] {
+        let (status, body) = app
+            .get_json(&format!("/api/v1/charts/compare.svg?{query}"))
+            .await;
+        assert!(status == 400 || status == 404, "{query}: {status}");
+        doc.check("get", "/api/v1/charts/{file}", status, &body);
+    }
     let response = client
         .post(app.url("/api/v1/runs/run-a/finish"))
         .send()

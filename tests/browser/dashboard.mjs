@@ -34,6 +34,8 @@ const browser = await chromium.launch({
 });
 const context = await browser.newContext({ viewport: { width: 1280, height: 800 } });
 const page = await context.newPage();
+// Charts opened on their own, as SVG documents, to read their layout.
+const chartPage = await context.newPage();
 const problems = [];
 page.on("console", (message) => {
   if (message.type() === "error" || message.type() === "warning") {
@@ -64,7 +66,7 @@ const shot = async (name) => {
 };
 const step = (name) => console.log(`- ${name}`);
 
-async function chartsLoaded() {
+async function chartsLoaded(least = 3) {
   // Every chart image has loaded and shows something.
   await page.waitForFunction(() =>
     [...document.querySelectorAll("#charts img")].every((img) => img.complete && img.naturalWidth > 0),
@@ -72,9 +74,73 @@ async function chartsLoaded() {
   const charts = await page.$$eval("#charts img", (imgs) =>
     imgs.map((img) => ({ id: img.id, width: img.naturalWidth, shown: img.getBoundingClientRect().width })),
   );
-  assert.ok(charts.length >= 3, `expected the charts, found ${JSON.stringify(charts)}`);
+  assert.ok(charts.length >= least, `expected the charts, found ${JSON.stringify(charts)}`);
   for (const chart of charts) assert.ok(chart.width > 0 && chart.shown > 100, `chart not visible: ${JSON.stringify(chart)}`);
   return charts;
+}
+
+// Every chart of the page, fetched at the size the page asks for and opened as an
+// SVG document, so the browser lays its text out: screenshot it, and fail when a
+// text box (a legend entry, an alert episode's label, a tick, a title) covers
+// another or leaves the chart. The episode labels once sat under the legend box.
+const EPISODE_LABEL = "#D62728"; // charts::BAND, the alert episodes' colour
+async function checkChartLayout(prefix) {
+  const charts = await page.$$eval("#charts img", (imgs) => imgs.map((img) => ({ id: img.id, src: img.getAttribute("src") })));
+  assert.ok(charts.length > 0, `${prefix}: no charts`);
+  const checked = [];
+  for (const { id, src } of charts) {
+    const response = await chartPage.goto(base + src);
+    assert.ok(response.ok(), `${src}: HTTP ${response.status()}`);
+    const layout = await chartPage.evaluate(() => {
+      const svg = document.documentElement;
+      // The box as drawn: after the rotation of a y-axis label, unlike getBBox().
+      const box = (el) => {
+        const b = el.getBoundingClientRect();
+        return { x: b.x + window.scrollX, y: b.y + window.scrollY, width: b.width, height: b.height };
+      };
+      const texts = [...svg.querySelectorAll("text")]
+        .filter((t) => t.textContent.trim() !== "")
+        .map((t) => ({ text: t.textContent.trim(), fill: (t.getAttribute("fill") ?? "").toUpperCase(), box: box(t) }));
+      // plotters draws the legend's background at 0.85 opacity; nothing else is.
+      const legends = [...svg.querySelectorAll("rect")].filter((r) => r.getAttribute("opacity") === "0.85").map(box);
+      return { width: Number(svg.getAttribute("width")), height: Number(svg.getAttribute("height")), texts, legends };
+    });
+    const asked = new URL(base + src).searchParams.get("width");
+    assert.equal(String(layout.width), asked, `${src}: drawn ${layout.width} wide`);
+    await chartPage.setViewportSize({ width: layout.width, height: layout.height });
+    const path = join(artifacts, `${prefix}-${id}.png`);
+    await chartPage.screenshot({ path });
+    console.log(`screenshot ${path}`);
+
+    // Boxes that share more than a pixel each way.
+    const overlap = (a, b) =>
+      Math.min(a.x + a.width, b.x + b.width) - Math.max(a.x, b.x) > 1 &&
+      Math.min(a.y + a.height, b.y + b.height) - Math.max(a.y, b.y) > 1;
+    const where = (t) => `"${t.text}" at ${Math.round(t.box.x)},${Math.round(t.box.y)} ${Math.round(t.box.width)}×${Math.round(t.box.height)}`;
+    const { texts, legends } = layout;
+    assert.ok(texts.length > 3, `${src}: no text in the chart`);
+    for (const t of texts) {
+      const b = t.box;
+      assert.ok(
+        b.x >= -1 && b.y >= -1 && b.x + b.width <= layout.width + 1 && b.y + b.height <= layout.height + 1,
+        `${src}: ${where(t)} leaves the ${layout.width}×${layout.height} chart`,
+      );
+    }
+    for (let i = 0; i < texts.length; i++) {
+      for (let j = i + 1; j < texts.length; j++) {
+        assert.ok(!overlap(texts[i].box, texts[j].box), `${src}: ${where(texts[i])} overlaps ${where(texts[j])}`);
+      }
+    }
+    const episodes = texts.filter((t) => t.fill === EPISODE_LABEL);
+    for (const label of episodes) {
+      for (const legend of legends) {
+        assert.ok(!overlap(label.box, legend), `${src}: episode label ${where(label)} is under the legend box`);
+      }
+    }
+    checked.push({ id, width: layout.width, height: layout.height, texts: texts.length, episodes: episodes.length, legends: legends.length });
+  }
+  console.log(`  layout of ${prefix}: ${JSON.stringify(checked)}`);
+  return checked;
 }
 
 // ---- The runs page ----
@@ -98,6 +164,7 @@ assert.equal(await page.evaluate(() => document.activeElement?.className), "skip
 await shot("runs.png");
 
 // ---- Each run's page ----
+const runCharts = [];
 for (const runId of runs) {
   step(`the page of ${runId} shows its open alerts word for word, and its charts`);
   await page.goto(`${base}/runs/${runId}`);
@@ -112,7 +179,75 @@ for (const runId of runs) {
   }
   await chartsLoaded();
   await shot(`run-${runId}.png`);
+  runCharts.push(...(await checkChartLayout(`run-${runId}`)));
 }
+// The frozen-norm run's drift chart shades its alert's episode, whose label must
+// clear the legend: the case the layout check is for must have been checked.
+assert.ok(
+  runCharts.some((chart) => chart.episodes > 0 && chart.legends > 0),
+  `no chart with a labelled episode and a legend was checked: ${JSON.stringify(runCharts)}`,
+);
+
+step("two runs ticked on the runs page open their comparison");
+await page.goto(`${base}/`);
+const [firstRun, secondRun] = runs;
+for (const id of [firstRun, secondRun]) await page.locator(`tr[data-run-id="${id}"] input[name="run"]`).check();
+await Promise.all([page.waitForURL(/\/compare\?/), page.getByRole("button", { name: "Compare selected runs" }).click()]);
+assert.deepEqual(new URL(page.url()).searchParams.getAll("run").sort(), [firstRun, secondRun].sort());
+for (const id of [firstRun, secondRun]) await page.locator(`#compared-runs tr[data-run-id="${id}"]`).waitFor();
+await chartsLoaded(1);
+await shot("compare-loss.png");
+await checkChartLayout("compare-loss");
+
+step("the comparison switches to a module's gradient norm, and shows both runs");
+// A module both runs report: the first of the modules offered.
+const module = await page.$eval('select[name="subject"] optgroup[label^="Modules"] option', (o) => o.value);
+await page.selectOption('select[name="metric"]', "grad_norm");
+await page.selectOption('select[name="subject"]', module);
+await Promise.all([page.waitForURL(/metric=grad_norm/), page.getByRole("button", { name: "Compare", exact: true }).click()]);
+const compared = new URL(page.url()).searchParams;
+assert.equal(compared.get("subject"), module);
+assert.equal(await page.inputValue('select[name="metric"]'), "grad_norm", "the form keeps the metric");
+assert.equal(await page.locator("#compare-missing").count(), 0, `both runs report ${module}`);
+await chartsLoaded(1);
+await shot("compare-grad-norm.png");
+const [gradNorm] = await checkChartLayout("compare-grad-norm");
+assert.equal(gradNorm.id, "chart-compare");
+// In the chart itself: a legend entry and a plotted line per run.
+const drawn = await chartPage.evaluate(() => ({
+  texts: [...document.querySelectorAll("text")].map((t) => t.textContent.trim()),
+  lines: [...document.querySelectorAll("polyline")]
+    .filter((l) => l.getAttribute("points").trim().split(/\s+/).length > 2)
+    .map((l) => l.getAttribute("stroke")),
+}));
+for (const id of [firstRun, secondRun]) assert.ok(drawn.texts.includes(id), `the legend lacks ${id}: ${drawn.texts}`);
+assert.ok(drawn.texts.some((t) => t.startsWith(`Gradient norm of ${module}`)), `title: ${drawn.texts}`);
+assert.equal(new Set(drawn.lines).size, 2, `one line per run: ${drawn.lines}`);
+
+step("runs ticked on the runs page stay ticked through a live update");
+await page.goto(`${base}/`);
+await page.locator("#live-indicator.connected").waitFor();
+await page.locator(`tr[data-run-id="${secondRun}"] input[name="run"]`).check();
+await page.evaluate(() => {
+  window.gradflowRefreshed = false;
+  document.addEventListener("gradflow:refreshed", () => {
+    window.gradflowRefreshed = true;
+  });
+});
+const tick = (await api(`/api/v1/runs/${secondRun}`)).last_step + 1;
+await api(`/api/v1/runs/${secondRun}/steps`, {
+  method: "POST",
+  headers: { "Content-Type": "application/json" },
+  body: JSON.stringify([{ step: tick, loss: 1.5 }]),
+});
+await page.waitForFunction(
+  ([id, expected]) =>
+    window.gradflowRefreshed &&
+    document.querySelector(`tr[data-run-id="${id}"] td.num`)?.textContent.replace(/,/g, "").trim() === expected,
+  [secondRun, String(tick)],
+  { timeout: 15000 },
+);
+assert.ok(await page.locator(`tr[data-run-id="${secondRun}"] input[name="run"]`).isChecked(), "the tick was lost");
 
 const runId = runs[0];
 step("the module table sorts and filters");
@@ -182,6 +317,8 @@ assert.ok(await page.evaluate(() => window.gradflowNotReloaded === true), "the p
 assert.notEqual(before, await page.locator("#last-step").innerText());
 await chartsLoaded();
 await shot(`run-${runId}-live.png`);
+// Now with an episode open at the last step, its label at the right edge.
+await checkChartLayout(`run-${runId}-live`);
 
 step("no console errors, failed requests or error responses");
 await browser.close();

@@ -2,8 +2,10 @@
 //! real trainer binary (`detached-prompt` and `bf16-frozen-norms`), then
 //! `tests/browser/dashboard.mjs` (playwright-core driving Debian's Chromium) opens
 //! `/` and each run's page, checks the alert text word for word against the API, the
-//! charts, sorting, filtering, the step range in the URL, and a live update, and
-//! fails on any console error. Screenshots land in `test-artifacts/dashboard/`.
+//! charts (each one's text laid out without overlap at the size the page asks for),
+//! sorting, filtering, the step range in the URL, the comparison of two runs, and a
+//! live update, and fails on any console error. Screenshots land in
+//! `test-artifacts/dashboard/`.
 //!
 //! Needs `chromium` and `npm ci --prefix tests/browser` (`.ci/run` does both).
 
@@ -77,6 +79,10 @@ fn dashboard_shows_the_diagnosis_and_updates_live() {
         "run-detached-prompt.png",
         "run-bf16-frozen-norms.png",
         "run-detached-prompt-live.png",
+        "run-bf16-frozen-norms-chart-norm-drift.png",
+        "compare-loss.png",
+        "compare-grad-norm.png",
+        "compare-grad-norm-chart-compare.png",
     ] {
         let bytes = std::fs::read(artifacts.join(shot)).unwrap();
         assert!(

@@ -1,4 +1,5 @@
-// gradflow dashboard: live updates, module table sorting and filtering.
+// gradflow dashboard: live updates, module table sorting and filtering, the
+// comparison form's subjects.
 //
 // The pages are complete without this script. With it, the page listens to the
 // server's event stream (GET /api/v1/events) and, when a step or an alert arrives,
@@ -15,7 +16,7 @@
 
   // Parts of each page that live updates replace, by id.
   const LIVE_PARTS = {
-    runs: ["runs-summary", "runs-table"],
+    runs: ["runs-summary", "compare-hint", "runs-table"],
     run: ["run-meta", "alerts", "range-hint", "modules-heading", "modules-step", "module-rows", "charts"],
   };
   // At most one re-fetch per this many milliseconds, however fast steps arrive.
@@ -66,7 +67,16 @@
     const current = document.getElementById(id);
     if (!current || !fresh) return;
     if (id === "charts") swapCharts(current, fresh);
-    else if (current.outerHTML !== fresh.outerHTML) current.replaceWith(document.importNode(fresh, true));
+    else if (current.outerHTML !== fresh.outerHTML) {
+      // Runs ticked for a comparison stay ticked: a refresh must not undo a choice.
+      const key = (box) => `${box.name}=${box.value}`;
+      const ticked = new Set([...current.querySelectorAll("input[type=checkbox]:checked")].map(key));
+      const node = document.importNode(fresh, true);
+      for (const box of node.querySelectorAll("input[type=checkbox]")) {
+        if (ticked.has(key(box))) box.checked = true;
+      }
+      current.replaceWith(node);
+    }
   }
 
   // Coalesces bursts of events into at most one re-fetch per MIN_REFRESH_MS.
@@ -191,6 +201,28 @@
     return apply;
   }
 
+  // ---- The comparison form: only the chosen metric's subjects are offered. ----
+
+  function setUpCompareForm() {
+    const form = document.getElementById("compare-form");
+    const metric = form?.querySelector('select[name="metric"]');
+    const subject = form?.querySelector('select[name="subject"]');
+    if (!metric || !subject) return;
+    function apply() {
+      // The loss has no subject: leave the last one chosen as it is.
+      if (metric.value === "loss") return;
+      for (const group of subject.querySelectorAll("optgroup")) group.disabled = group.dataset.metric !== metric.value;
+      const chosen = subject.selectedOptions[0];
+      if (!chosen || chosen.parentElement.disabled) {
+        const first = subject.querySelector(`optgroup[data-metric="${metric.value}"] option`);
+        if (first) subject.value = first.value;
+      }
+    }
+    metric.addEventListener("change", apply);
+    apply();
+  }
+
+  if (page === "compare") setUpCompareForm();
   if (page === "run") {
     const reapplyTable = setUpModuleTable();
     listen(makeRefresher(LIVE_PARTS.run, reapplyTable));

@@ -125,11 +125,17 @@ async fn read_with(
             },
         )
         .await?;
+    Ok(line_of(subject, data.points, null_as_zero))
+}
+
+/// A line of stored cells: finite values plotted, non-finite ones kept apart, and
+/// with `null_as_zero` "reported without a gradient" drawn as 0.
+pub(super) fn line_of(label: &str, cells: Vec<(u64, Cell)>, null_as_zero: bool) -> Line {
     let mut line = Line {
-        label: subject.to_owned(),
+        label: label.to_owned(),
         ..Line::default()
     };
-    for (step, cell) in data.points {
+    for (step, cell) in cells {
         match cell {
             Cell::Value(v) if v.is_finite() => line.points.push((step, widen_for_display(v))),
             Cell::Value(_) => line.nonfinite.push(step),
@@ -137,7 +143,7 @@ async fn read_with(
             Cell::Null | Cell::Absent => {}
         }
     }
-    Ok(line)
+    line
 }
 
 async fn bands(

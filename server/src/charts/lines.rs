@@ -10,6 +10,7 @@
 use std::collections::BTreeSet;
 
 use plotters::coord::Shift;
+use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 
 use super::data::{Axis, LineChart};
@@ -165,14 +166,19 @@ where
                     Rectangle::new([(x, y - 5), (x + 16, y + 5)], BAND.mix(0.3).filled())
                 });
         }
+        let font = (FONT, LABEL_SIZE).into_font().color(&BAND);
+        let text_px = root
+            .estimate_text_size(&band.label, &font)
+            .map_or(0, |(w, _)| w as i32);
+        let at = label_step(&cc, band.from, text_px);
         cc.draw_series(std::iter::once(Text::new(
             band.label.clone(),
             // Stacked, so that bands starting at the same step keep readable labels.
             (
-                band.from,
+                at,
                 primary.hi - (primary.hi - primary.lo) * label_top.fraction(i),
             ),
-            (FONT, LABEL_SIZE).into_font().color(&BAND),
+            font,
         )))
         .map_err(plot_error)?;
     }
@@ -266,6 +272,29 @@ where
     Ok(())
 }
 
+/// The step an episode label starting at `from` is drawn at: `from`, or further
+/// left when a label `text_px` wide would run past the plotting area's right edge
+/// (an episode still open at the last step).
+fn label_step<DB: DrawingBackend>(
+    cc: &ChartContext<'_, DB, Cartesian2d<RangedCoordu64, RangedCoordf64>>,
+    from: u64,
+    text_px: i32,
+) -> u64 {
+    let (xs, _) = cc.plotting_area().get_pixel_range();
+    let (x, _) = cc.backend_coord(&(from, 0.0));
+    // A few pixels to spare: a browser lays the text out with its own font.
+    let limit = xs.end - 6 - text_px;
+    if x <= limit || xs.end <= xs.start {
+        return from;
+    }
+    let (lo, hi) = {
+        let range = cc.x_range();
+        (range.start, range.end)
+    };
+    let fraction = f64::from((limit - xs.start).max(0)) / f64::from(xs.end - xs.start);
+    lo + (fraction * (hi - lo) as f64).floor() as u64
+}
+
 /// Where the episode labels go: rows from the top of the plotting area, starting
 /// under the legend box when the legend leaves room, else at the top.
 struct LabelRows {
@@ -355,6 +384,45 @@ mod tests {
         let start = element.find(&format!(" {name}=\"")).expect(name) + name.len() + 3;
         let end = start + element[start..].find('"').unwrap();
         element[start..end].parse().unwrap()
+    }
+
+    #[test]
+    fn an_episode_open_at_the_last_step_keeps_its_label_inside_the_chart() {
+        let chart = LineChart {
+            title: "t".into(),
+            from: 0,
+            to: 139,
+            primary: Axis {
+                label: "loss".into(),
+                log: false,
+                lines: vec![Line {
+                    label: "loss".into(),
+                    points: (0..139).map(|s| (s, 2.0 - s as f64 / 100.0)).collect(),
+                    nonfinite: vec![139],
+                }],
+            },
+            secondary: None,
+            bands: vec![Band {
+                from: 139,
+                to: 139,
+                label: "loss_nonfinite: loss".into(),
+            }],
+            markers: vec![],
+            references: vec![],
+        };
+        for width in [600, 1200] {
+            let svg = render(&ChartData::Lines(chart.clone()), Format::Svg, width, 420).unwrap();
+            let svg = String::from_utf8(svg).unwrap();
+            let label_at = svg.find("\nloss_nonfinite: loss\n").expect("the label");
+            let text = &svg[svg[..label_at].rfind("<text").unwrap()..label_at];
+            let font = (FONT, LABEL_SIZE).into_font();
+            let (text_px, _) = font.box_size("loss_nonfinite: loss").unwrap();
+            let right = attr(text, "x") + f64::from(text_px);
+            assert!(
+                right < f64::from(width) - 12.0,
+                "{width}: the label ends at x {right}"
+            );
+        }
     }
 
     #[test]

@@ -6,10 +6,12 @@
 //!   run's alerts.
 //! - [`lines`]: line charts (group norms, norm drift, loss scale, loss, GPU).
 //! - [`grad_flow`]: the module × step heatmap that shows a cut graph at a glance.
+//! - [`compare`]: one metric of several runs, a line per run, drawn by [`lines`].
 //!
 //! Shared sizes, fonts and colours live here. Drawing is CPU work: the handler runs
 //! it in `spawn_blocking`.
 
+pub mod compare;
 pub mod data;
 pub mod grad_flow;
 pub mod lines;

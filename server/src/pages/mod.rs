@@ -5,6 +5,8 @@
 //!
 //! - [`runs_page`]: `GET /`, every run with its status and open alerts.
 //! - [`run_page`]: `GET /runs/{run_id}`, one run: alerts, charts, modules, registration.
+//! - [`compare_page`]: `GET /compare?run=a&run=b&metric=&subject=`, runs side by side
+//!   in one chart (the runs page's checkboxes lead there).
 //! - [`layout`]: the frame every page shares, and small formatting helpers.
 //! - [`assets`]: `GET /static/{file}`, the embedded CSS and JS.
 //! - [`login`]: `GET`/`POST /login` and `POST /logout`, for servers with a read token.
@@ -16,6 +18,7 @@
 //! in the parts that did), sorting and filtering.
 
 pub mod assets;
+mod compare_page;
 mod layout;
 mod login;
 mod run_page;
@@ -36,6 +39,7 @@ pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/", get(runs_page::show_runs))
         .route("/runs/{run_id}", get(run_page::show_run))
+        .route("/compare", get(compare_page::show_comparison))
         .route("/static/{file}", get(assets::serve_asset))
         .merge(login::routes())
 }

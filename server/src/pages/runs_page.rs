@@ -10,6 +10,7 @@ use maud::{Markup, html};
 
 use super::layout::{self, ago, thousands};
 use super::{PageError, page_response};
+use crate::charts::compare::{MAX_RUNS, MIN_RUNS};
 use crate::routes::AppState;
 use crate::store::alerts::{Alert, AlertFilter, OpenAlertCounts};
 use crate::store::{RunSummary, now_seconds};
@@ -45,6 +46,8 @@ pub async fn show_runs(State(state): State<AppState>) -> Result<Response, PageEr
     runs.sort_by_key(|(_, c)| worst(c));
     let now = now_seconds();
     let unhealthy = runs.iter().filter(|(_, c)| c.critical > 0).count();
+    // With two runs or more, each can be ticked for a comparison.
+    let pickable = runs.len() >= MIN_RUNS;
 
     let body = html! {
         h1 { "Runs" }
@@ -66,20 +69,30 @@ pub async fn show_runs(State(state): State<AppState>) -> Result<Response, PageEr
             }
         }
         @if !runs.is_empty() {
-            table #runs-table .runs {
-                caption.visually-hidden { "Runs, unhealthy first" }
-                thead {
-                    tr {
-                        th scope="col" { "Run" }
-                        th scope="col" { "Status" }
-                        th scope="col" .num { "Last step" }
-                        th scope="col" { "Open alerts" }
-                        th scope="col" { "What is wrong" }
-                    }
+            // Checkboxes in a plain GET form: ticking runs and submitting opens
+            // `/compare?run=a&run=b`, with or without the script.
+            form #compare-runs method="get" action="/compare" {
+                // Always there (hidden below two runs), so the live update can show it.
+                p #compare-hint .compare-hint hidden[!pickable] {
+                    "Tick " (MIN_RUNS) " to " (MAX_RUNS) " runs to compare them in one chart. "
+                    button type="submit" { "Compare selected runs" }
                 }
-                tbody {
-                    @for (run, count) in &runs {
-                        (run_row(run, count, open_by_run.get(run.run_id.as_str()), now))
+                table #runs-table .runs {
+                    caption.visually-hidden { "Runs, unhealthy first" }
+                    thead {
+                        tr {
+                            @if pickable { th scope="col" { span.visually-hidden { "Compare" } } }
+                            th scope="col" { "Run" }
+                            th scope="col" { "Status" }
+                            th scope="col" .num { "Last step" }
+                            th scope="col" { "Open alerts" }
+                            th scope="col" { "What is wrong" }
+                        }
+                    }
+                    tbody {
+                        @for (run, count) in &runs {
+                            (run_row(run, count, open_by_run.get(run.run_id.as_str()), now, pickable))
+                        }
                     }
                 }
             }
@@ -96,12 +109,19 @@ fn run_row(
     count: &OpenAlertCounts,
     open: Option<&Vec<&Alert>>,
     now: f64,
+    pickable: bool,
 ) -> Markup {
     let status = run.status(now);
     let href = format!("/runs/{}", run.run_id);
     let open = open.map(Vec::as_slice).unwrap_or_default();
     html! {
         tr data-run-id=(run.run_id) {
+            @if pickable {
+                td.pick {
+                    input type="checkbox" name="run" value=(run.run_id)
+                        aria-label={"Compare " (run.name.as_deref().unwrap_or(&run.run_id))};
+                }
+            }
             th scope="row" {
                 a href=(href) { (run.name.as_deref().unwrap_or(&run.run_id)) }
                 @if run.name.is_some() { br; span.run-id { (run.run_id) } }

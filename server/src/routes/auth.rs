@@ -111,7 +111,7 @@ fn always_open(path: &str) -> bool {
 
 /// Dashboard pages, which a person opens in a browser.
 fn is_page(path: &str) -> bool {
-    path == "/" || path.starts_with("/runs/")
+    path == "/" || path == "/compare" || path.starts_with("/runs/")
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {

@@ -1,16 +1,19 @@
 //! `GET /api/v1/runs/{run_id}/charts/{chart}.svg` (and `.png`), with optional
-//! `from_step`, `to_step`, `width`, `height`.
+//! `from_step`, `to_step`, `width`, `height`; and `GET /api/v1/charts/compare.svg`
+//! (and `.png`), one metric of several runs (`run=a&run=b&metric=&subject=`).
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use gradflow_protocol::RunId;
 use serde::Deserialize;
 
 use super::AppState;
 use super::extract::{ApiQuery, RunIdParam, check_step_range};
-use crate::charts::{self, ChartKind, Format, MAX_SIDE, MIN_SIDE};
+use crate::charts::compare::{self, CompareMetric, ComparedRun, MAX_RUNS, MIN_RUNS};
+use crate::charts::{self, ChartData, ChartKind, Format, MAX_SIDE, MIN_SIDE};
 use crate::error::ApiError;
-use crate::store::StoreError;
+use crate::store::{Store, StoreError};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -55,16 +58,7 @@ pub async fn render_chart(
         _ => return Err(unknown()),
     };
     let kind = ChartKind::parse(name).ok_or_else(unknown)?;
-    for (field, value) in [("width", params.width), ("height", params.height)] {
-        if let Some(v) = value
-            && !(MIN_SIDE..=MAX_SIDE).contains(&v)
-        {
-            return Err(ApiError::invalid_query(format!(
-                "{field} must lie between {MIN_SIDE} and {MAX_SIDE} pixels, got {v}"
-            ))
-            .with_path(field));
-        }
-    }
+    check_size(params.width, params.height)?;
     check_step_range(params.from_step, params.to_step)?;
     let width = params.width.unwrap_or(charts::DEFAULT_WIDTH);
     // About one point per pixel column of the plot; a heatmap cell every 3 pixels.
@@ -76,9 +70,33 @@ pub async fn render_chart(
     let window = charts::data::window(&stored, params.from_step, params.to_step, points);
     let data = charts::data::gather(&state.store, &run_id, &stored, kind, window).await?;
     let height = params.height.unwrap_or(match &data {
-        charts::ChartData::GradFlow(flow) => charts::grad_flow::natural_height(flow.modules.len()),
+        ChartData::GradFlow(flow) => charts::grad_flow::natural_height(flow.modules.len()),
         _ => charts::DEFAULT_HEIGHT,
     });
+    respond(data, format, width, height).await
+}
+
+fn check_size(width: Option<u32>, height: Option<u32>) -> Result<(), ApiError> {
+    for (field, value) in [("width", width), ("height", height)] {
+        if let Some(v) = value
+            && !(MIN_SIDE..=MAX_SIDE).contains(&v)
+        {
+            return Err(ApiError::invalid_query(format!(
+                "{field} must lie between {MIN_SIDE} and {MAX_SIDE} pixels, got {v}"
+            ))
+            .with_path(field));
+        }
+    }
+    Ok(())
+}
+
+/// Draws `data` off the async executor and answers it as `format`.
+async fn respond(
+    data: ChartData,
+    format: Format,
+    width: u32,
+    height: u32,
+) -> Result<Response, ApiError> {
     // Drawing is CPU work: keep it off the async executor.
     let bytes = tokio::task::spawn_blocking(move || charts::render(&data, format, width, height))
         .await
@@ -97,4 +115,188 @@ pub async fn render_chart(
         bytes,
     )
         .into_response())
+}
+
+/// The query of a comparison, shared by its chart and its page: `run` once per run,
+/// `metric`, `subject`, a step range and a size. An empty value (a form's emptied
+/// field) counts as absent.
+#[derive(Debug, Default)]
+pub struct CompareQuery {
+    pub runs: Vec<RunId>,
+    pub metric: Option<CompareMetric>,
+    pub subject: Option<String>,
+    pub from_step: Option<u64>,
+    pub to_step: Option<u64>,
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+}
+
+/// Every field of a comparison's query.
+pub const COMPARE_FIELDS: [&str; 7] = [
+    "run",
+    "metric",
+    "subject",
+    "from_step",
+    "to_step",
+    "width",
+    "height",
+];
+
+impl CompareQuery {
+    /// Parses and checks `query`; a field outside `fields` is refused by name.
+    pub fn parse(query: Option<&str>, fields: &[&str]) -> Result<CompareQuery, ApiError> {
+        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query.unwrap_or_default())
+            .map_err(|e| ApiError::invalid_query(format!("malformed query: {e}")))?;
+        let mut parsed = CompareQuery::default();
+        for (field, value) in &pairs {
+            if !fields.contains(&field.as_str()) {
+                return Err(ApiError::invalid_query(format!(
+                    "unknown query parameter {field:?}: expected {}",
+                    fields.join(", ")
+                ))
+                .with_path(field.as_str()));
+            }
+            let value = value.trim();
+            if value.is_empty() {
+                continue;
+            }
+            let step = || whole_number(field, value, "a step number (a whole number, 0 or more)");
+            let pixels = || whole_number(field, value, "a whole number of pixels");
+            match field.as_str() {
+                "run" => {
+                    let id = RunId::parse(value).map_err(|message| {
+                        ApiError::invalid_query(format!("run {value:?}: {message}"))
+                            .with_path("run")
+                    })?;
+                    if parsed.runs.contains(&id) {
+                        return Err(ApiError::invalid_query(format!(
+                            "run {value:?} is named twice"
+                        ))
+                        .with_path("run"));
+                    }
+                    parsed.runs.push(id);
+                }
+                "metric" => {
+                    let metric = CompareMetric::parse(value).ok_or_else(|| {
+                        ApiError::invalid_query(format!(
+                            "unknown metric {value:?}: one of {}",
+                            CompareMetric::names()
+                        ))
+                        .with_path("metric")
+                    })?;
+                    parsed.metric = Some(metric);
+                }
+                "subject" => parsed.subject = Some(value.to_owned()),
+                "from_step" => parsed.from_step = Some(step()?),
+                "to_step" => parsed.to_step = Some(step()?),
+                "width" => parsed.width = Some(pixels()?),
+                _ => parsed.height = Some(pixels()?),
+            }
+        }
+        let count = parsed.runs.len();
+        if count < MIN_RUNS {
+            return Err(ApiError::invalid_query(format!(
+                "a comparison needs at least {MIN_RUNS} runs, got {count}: name each with run="
+            ))
+            .with_path("run"));
+        }
+        if count > MAX_RUNS {
+            return Err(ApiError::invalid_query(format!(
+                "at most {MAX_RUNS} runs can be compared at once, got {count}"
+            ))
+            .with_path("run"));
+        }
+        check_step_range(parsed.from_step, parsed.to_step)?;
+        check_size(parsed.width, parsed.height)?;
+        Ok(parsed)
+    }
+}
+
+fn whole_number<T: std::str::FromStr>(field: &str, value: &str, what: &str) -> Result<T, ApiError> {
+    value.parse().map_err(|_| {
+        ApiError::invalid_query(format!("{field} must be {what}, got {value:?}")).with_path(field)
+    })
+}
+
+/// The compared runs as stored; a run that is not registered is `404 run_not_found`.
+pub async fn compared_runs(store: &Store, ids: &[RunId]) -> Result<Vec<ComparedRun>, ApiError> {
+    let mut runs = Vec::with_capacity(ids.len());
+    for id in ids {
+        runs.push(ComparedRun {
+            id: id.clone(),
+            stored: store.run(id).await?,
+        });
+    }
+    Ok(runs)
+}
+
+/// One metric of two to eight runs in one chart, a line per run on a shared step
+/// axis; a run that never reported the subject is named in the legend as such.
+#[utoipa::path(get, path = "/api/v1/charts/{file}", tag = "charts",
+    params(
+        ("file" = String, Path, description = "compare.svg or compare.png"),
+        ("run" = Vec<String>, Query, explode, description = "A run to compare, repeated once per run: 2 to 8 runs"),
+        ("metric" = Option<String>, Query, description = "loss (the default), grad_norm or drift, as the series endpoint names them"),
+        ("subject" = Option<String>, Query, description = "A group or module (grad_norm), a norm weight (drift); none for loss"),
+        ("from_step" = Option<u64>, Query, description = "First step"),
+        ("to_step" = Option<u64>, Query, description = "Last step"),
+        ("width" = Option<u32>, Query, description = "Pixels, 300 to 4000"),
+        ("height" = Option<u32>, Query, description = "Pixels, 300 to 4000")),
+    responses(
+        (status = 200, description = "The chart", content((String = "image/svg+xml"), (Vec<u8> = "image/png"))),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 404, description = "Unknown run, subject (reported by none of the runs) or chart", body = crate::openapi::ErrorBody)))]
+pub async fn render_comparison(
+    State(state): State<AppState>,
+    Path(file): Path<String>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, ApiError> {
+    let format = match file.as_str() {
+        "compare.svg" => Format::Svg,
+        "compare.png" => Format::Png,
+        _ => {
+            return Err(ApiError::not_found(
+                "unknown_chart",
+                format!("no chart {file:?}: compare.svg or compare.png"),
+            ));
+        }
+    };
+    let query = CompareQuery::parse(query.as_deref(), &COMPARE_FIELDS)?;
+    let metric = query.metric.unwrap_or(CompareMetric::Loss);
+    let subject = match (metric.subject_noun(), query.subject) {
+        (None, None) => String::new(),
+        (None, Some(_)) => {
+            return Err(ApiError::invalid_query(format!(
+                "metric {:?} is run-wide and takes no subject",
+                metric.name()
+            ))
+            .with_path("subject"));
+        }
+        (Some(noun), None) => {
+            return Err(ApiError::invalid_query(format!(
+                "metric {:?} needs a subject: a {noun}",
+                metric.name()
+            ))
+            .with_path("subject"));
+        }
+        (Some(_), Some(subject)) => subject,
+    };
+    let runs = compared_runs(&state.store, &query.runs).await?;
+    if let Some(noun) = metric.subject_noun()
+        && compare::missing(&state.store, &runs, metric, &subject)
+            .await?
+            .len()
+            == runs.len()
+    {
+        return Err(ApiError::not_found(
+            "unknown_subject",
+            format!("none of these runs has reported a {noun} named {subject:?}"),
+        )
+        .with_path("subject"));
+    }
+    let width = query.width.unwrap_or(charts::DEFAULT_WIDTH);
+    let window = compare::window(&runs, query.from_step, query.to_step, width as usize);
+    let chart = compare::gather(&state.store, &runs, metric, &subject, window).await?;
+    let height = query.height.unwrap_or(charts::DEFAULT_HEIGHT);
+    respond(ChartData::Lines(chart), format, width, height).await
 }

@@ -7,7 +7,8 @@
 //! - [`steps`]: `POST /api/v1/runs/{run_id}/steps`, the ingest path.
 //! - [`series`]: `GET /api/v1/runs/{run_id}/series`.
 //! - [`alerts`]: `GET /api/v1/alerts` and `GET /api/v1/runs/{run_id}/alerts`.
-//! - [`charts`]: `GET /api/v1/runs/{run_id}/charts/{chart}.svg|.png`.
+//! - [`charts`]: `GET /api/v1/runs/{run_id}/charts/{chart}.svg|.png`, and
+//!   `GET /api/v1/charts/compare.svg|.png` (several runs side by side).
 //! - [`events`]: `GET /api/v1/events`, Server-Sent Events.
 //! - [`webhooks`]: `GET /api/v1/webhooks/deliveries`, the webhook delivery log.
 //! - [`extract`]: extractors that reject bad input with the API's JSON errors.
@@ -86,6 +87,7 @@ pub fn app(state: AppState) -> Router {
         .route("/runs/{run_id}/alerts", get(alerts::list_run_alerts))
         .route("/alerts", get(alerts::list_alerts))
         .route("/runs/{run_id}/charts/{file}", get(charts::render_chart))
+        .route("/charts/{file}", get(charts::render_comparison))
         .route("/events", get(events::stream_events))
         .route("/webhooks/deliveries", get(webhooks::list_deliveries))
         .route("/openapi.json", get(crate::openapi::openapi_json))
