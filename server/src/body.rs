@@ -12,7 +12,7 @@ use std::io::Read;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode, header};
 use flate2::read::MultiGzDecoder;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 
 use crate::error::ApiError;
 
@@ -107,24 +107,56 @@ fn too_large(limit: usize, what: &str) -> ApiError {
 }
 
 /// Receives the body, at most `limit` bytes of it.
+///
+/// An over-limit body is read to its end and thrown away (up to [`DRAIN_FACTOR`] times
+/// the limit) before the `413` goes out: a client that sends without
+/// `Expect: 100-continue`, as most do, is still writing when the server answers, and a
+/// connection closed under it fails its write with EPIPE before it reads the answer
+/// that says what was wrong. The request timeout bounds how long a slow sender holds it.
 pub async fn receive(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    let mut body = body;
     if declared.is_some_and(|n| n > limit as u64) {
+        discard(&mut body, limit, 0).await;
         return Err(too_large(limit, "request body"));
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(too_large(limit, "request body"))
+    let mut received = Vec::with_capacity(declared.map_or(0, |n| n as usize));
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_body",
+                format!("could not read the request body: {error}"),
+            )
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers
+        };
+        if received.len() + data.len() > limit {
+            discard(&mut body, limit, received.len() + data.len()).await;
+            return Err(too_large(limit, "request body"));
         }
-        Err(error) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_body",
-            format!("could not read the request body: {error}"),
-        )),
+        received.extend_from_slice(&data);
+    }
+    Ok(Bytes::from(received))
+}
+
+/// How many times the body limit [`receive`] reads and discards of a body over it
+/// before it gives up and lets the connection close.
+const DRAIN_FACTOR: usize = 4;
+
+/// Reads `body` to its end, or until `already + what it reads` passes
+/// `DRAIN_FACTOR × limit`, keeping nothing.
+async fn discard(body: &mut Body, limit: usize, already: usize) {
+    let mut seen = already;
+    while seen <= limit.saturating_mul(DRAIN_FACTOR) {
+        match body.frame().await {
+            Some(Ok(frame)) => seen += frame.data_ref().map_or(0, |d| d.len()),
+            Some(Err(_)) | None => return,
+        }
     }
 }
 

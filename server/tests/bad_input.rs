@@ -474,3 +474,44 @@ async fn malformed_requests_are_rejected_clearly_and_change_nothing() {
     let (_, loss) = app.get_json("/api/v1/runs/r/series?metric=loss").await;
     assert_eq!(loss, loss_before);
 }
+
+/// A client that sends a whole over-limit body before it reads (no
+/// `Expect: 100-continue`, as most clients) finishes writing and reads the `413`,
+/// rather than meeting a connection closed mid-write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_limit_body_is_read_to_its_end_before_the_413() {
+    let app = TestApp::spawn().await;
+    assert_eq!(app.register("r", &registration()).await.status(), 201);
+    let address = app.base.trim_start_matches("http://").to_string();
+    let (status, body) = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let body = vec![b' '; 33 * 1024 * 1024];
+        let mut stream = std::net::TcpStream::connect(&address).unwrap();
+        write!(
+            stream,
+            "POST /api/v1/runs/r/steps HTTP/1.1\r\nHost: {address}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\
+             Connection: close\r\n\r\n",
+            body.len()
+        )
+        .unwrap();
+        stream
+            .write_all(&body)
+            .expect("the server closed the connection while the body was being sent");
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        let status = answer.split(' ').nth(1).unwrap_or_default().to_string();
+        let body = answer
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (status, body)
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, "413", "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "body_too_large", "{error}");
+    let (_, run) = app.get_json("/api/v1/runs/r").await;
+    assert_eq!(run["last_step"], Value::Null, "nothing stored: {run}");
+}
