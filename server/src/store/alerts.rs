@@ -9,7 +9,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqlx::SqliteConnection;
 
-use super::{Store, StoreError, StoreResult, now_seconds, webhooks};
+use super::{Store, StoreError, StoreResult, now_seconds};
 use crate::detect::{AlertKind, Opened, Severity};
 
 /// An alert as the API shows it (docs/PROTOCOL.md's alert object), decoded straight from
@@ -128,7 +128,6 @@ pub(super) async fn insert_opened(
     .bind(now_seconds())
     .fetch_one(&mut *conn)
     .await?;
-    webhooks::enqueue_opened(conn, run, id, opened).await?;
     Ok(id)
 }
 
@@ -148,7 +147,7 @@ pub(super) async fn resolve(
     .bind(episode.id)
     .execute(&mut *conn)
     .await?;
-    webhooks::enqueue_resolved(conn, episode.id).await
+    Ok(())
 }
 
 /// One alert by id, on the writer's connection (inside its transaction).

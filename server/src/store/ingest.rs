@@ -23,7 +23,7 @@ use super::columns::ColumnAssigner;
 use super::events::{AlertAction, Event};
 use super::flatten::flatten;
 use super::rollup::{BucketSummary, ROLLUP_WIDTHS};
-use super::{Registry, RunState, Store, StoreError, StoreResult, Writer, now_seconds};
+use super::{Registry, RunState, Store, StoreError, StoreResult, Writer, now_seconds, webhooks};
 use crate::detect::{Thresholds, Transition};
 
 /// The answer to a batch, as docs/PROTOCOL.md words it.
@@ -166,6 +166,7 @@ impl Store {
                 match transition {
                     Transition::Open(alert) => {
                         let id = alerts::insert_opened(&mut tx, state.key, &alert).await?;
+                        webhooks::enqueue_opened(&mut tx, state.key, id, &alert).await?;
                         open.insert(
                             (alert.kind, alert.subject.clone()),
                             OpenEpisode {
@@ -182,6 +183,7 @@ impl Store {
                     } => {
                         if let Some(episode) = open.remove(&(kind, subject)) {
                             alerts::resolve(&mut tx, episode, step).await?;
+                            webhooks::enqueue_resolved(&mut tx, episode.id).await?;
                             resolved.push(episode.id);
                         }
                     }

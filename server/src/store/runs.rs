@@ -167,6 +167,7 @@ impl Store {
         };
         for alert in checks {
             let id = alerts::insert_opened(&mut tx, key, &alert).await?;
+            webhooks::enqueue_opened(&mut tx, key, id, &alert).await?;
             state.open.insert(
                 (alert.kind, alert.subject.clone()),
                 OpenEpisode {

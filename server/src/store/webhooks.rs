@@ -1,7 +1,8 @@
 //! Webhook receivers and the delivery queue, as stored.
 //!
 //! A delivery row is written in the transaction that opens or resolves an alert
-//! (`enqueue_opened`, `enqueue_resolved`, called from `alerts.rs`), so an alert
+//! (`enqueue_opened`, `enqueue_resolved`, called by the writer beside
+//! `alerts::insert_opened` and `alerts::resolve`), so an alert
 //! that committed is always notified, even across a crash, and a rolled-back one
 //! never is. The sender (`crate::webhooks`) claims due rows, POSTs them and records
 //! each attempt here. The queue is bounded: past [`MAX_PENDING`] waiting deliveries
