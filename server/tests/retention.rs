@@ -95,21 +95,24 @@ async fn retain_days_deletes_idle_runs_and_frees_their_space() {
     let before = bytes_on_disk(&app);
 
     let app = app.restart_with(|c| c.retain_days = Some(7)).await;
+    // Retention deletes the runs, then vacuums and checkpoints: wait for all of it,
+    // since a loaded machine may see the first deletion before the rest.
     let started = Instant::now();
-    while app.get_json("/api/v1/runs/old").await.0 != 404 {
+    loop {
+        let old = app.get_json("/api/v1/runs/old").await.0;
+        let empty = app.get_json("/api/v1/runs/old-and-empty").await.0;
+        let after = bytes_on_disk(&app);
+        if old == 404 && empty == 404 && (after as f64) < 0.3 * before as f64 {
+            eprintln!("retention: {before} bytes before, {after} after");
+            break;
+        }
         assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the expired run is still there"
+            started.elapsed() < Duration::from_secs(20),
+            "after 20 s: `old` answers {old}, `old-and-empty` {empty}, and the database \
+             holds {after} of {before} bytes"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(app.get_json("/api/v1/runs/old-and-empty").await.0, 404);
     assert_eq!(app.get_json("/api/v1/runs/recent").await.0, 200);
     assert_eq!(app.points("recent", "metric=loss").await.len(), 200);
-    let after = bytes_on_disk(&app);
-    eprintln!("retention: {before} bytes before, {after} after");
-    assert!(
-        (after as f64) < 0.3 * before as f64,
-        "expiring the big run left {after} of {before} bytes"
-    );
 }
