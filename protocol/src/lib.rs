@@ -1,4 +1,4 @@
-//! The gradflow wire protocol, v1.1 (docs/PROTOCOL.md): the types every instrumented trainer sends and the
+//! The gradflow wire protocol, v1.3 (docs/PROTOCOL.md): the types every instrumented trainer sends and the
 //! server accepts, their parsing and validation, and the encoding of non-finite floats.
 //!
 //! This crate is the one boundary every client sees. It does no I/O and depends only
@@ -14,11 +14,13 @@
 //! - [`timestamp`]: RFC 3339 or Unix-seconds timestamps.
 //! - [`limits`]: the bounds on one request.
 //! - [`error`]: [`InvalidBody`], what was wrong and where.
+//! - `located`: deserialising JSON with the path of what failed, for `run` and `parse`.
 
 pub mod amend;
 pub mod error;
 pub mod float;
 pub mod limits;
+mod located;
 pub mod parse;
 pub mod run;
 pub mod step;

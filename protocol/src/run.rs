@@ -414,7 +414,7 @@ pub fn check_webhook_url(url: &str) -> Result<(), String> {
 impl RunRegistration {
     /// Parses and validates a registration body.
     pub fn from_json(body: &[u8]) -> Result<RunRegistration, InvalidBody> {
-        let registration: RunRegistration = crate::parse::json_with_path(body, "")?;
+        let registration: RunRegistration = crate::located::json_with_path(body, "")?;
         registration.validate()?;
         Ok(registration)
     }

@@ -12,18 +12,25 @@
 //! - [`config`]: command-line flags and their environment variables.
 //! - [`demo`]: `gradflow-server demo`, the server with a demo trainer sidecar.
 //! - [`startup`]: builds the [`startup::Application`] and runs it until shutdown.
+//! - [`app`]: the router: routes, pages, the API document and metrics with their
+//!   middleware.
 //! - [`routes`]: the HTTP API, one file per resource.
+//! - [`state`]: [`state::AppState`], what every handler and page can reach.
+//! - [`api_types`]: the response bodies and error answers the handlers document.
 //! - [`body`]: content types, gzip and size limits of request bodies.
 //! - [`error`]: [`error::ApiError`], the JSON error body.
 //! - [`store`]: everything that touches SQLite.
 //! - [`series`]: pure downsampling and read planning.
 //! - [`detect`]: the streaming detectors, pure: records in, alert transitions out.
 //! - [`charts`]: charts drawn with plotters from the store's rollups.
-//! - [`metrics`]: `GET /metrics`, the server's own metrics for Prometheus.
+//! - [`metrics`]: the server's own metrics for Prometheus (served by
+//!   `routes::metrics`).
 //! - [`openapi`]: `GET /api/v1/openapi.json`, the API document.
 //! - [`pages`]: the dashboard's HTML pages and the embedded files of `web/`.
 //! - [`retention`]: `--retain-days`, expiring idle runs and freeing their space.
 
+pub mod api_types;
+pub mod app;
 pub mod body;
 pub mod charts;
 pub mod config;
@@ -38,5 +45,6 @@ pub mod retention;
 pub mod routes;
 pub mod series;
 pub mod startup;
+pub mod state;
 pub mod store;
 pub mod webhooks;

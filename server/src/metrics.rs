@@ -5,12 +5,9 @@
 //!
 //! Counters and the histogram are updated where things happen; the gauges are read
 //! from the store at scrape time, so they are never stale and cost nothing between
-//! scrapes.
+//! scrapes. The endpoint and the middleware that counts rejections are in
+//! `routes/metrics.rs`.
 
-use axum::extract::{Request, State};
-use axum::http::header;
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -18,10 +15,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-
-use crate::error::{ApiError, ErrorCode};
-use crate::routes::AppState;
-use crate::store::StoreError;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
@@ -113,7 +106,8 @@ impl Metrics {
         self.batch_seconds.observe(seconds);
     }
 
-    fn rejected(&self, reason: &str) {
+    /// A request was answered with the API error `reason`.
+    pub fn rejected(&self, reason: &str) {
         self.rejected
             .get_or_create(&ReasonLabels {
                 reason: reason.to_owned(),
@@ -122,45 +116,28 @@ impl Metrics {
     }
 }
 
-/// Middleware: counts every response that carries an API error, by its code.
-pub async fn count_rejections(
-    State(state): State<AppState>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let response = next.run(request).await;
-    if let Some(ErrorCode(code)) = response.extensions().get::<ErrorCode>() {
-        state.metrics.rejected(code);
-    }
-    response
+/// What `/metrics` reads from the store at scrape time.
+pub struct StoreGauges {
+    /// Open alerts: (kind, severity, count).
+    pub open_alerts: Vec<(String, String, u64)>,
+    pub runs: u64,
+    pub database_bytes: u64,
 }
 
-/// `GET /metrics`.
-#[utoipa::path(get, path = "/metrics", tag = "server",
-    responses((status = 200, description = "The server's metrics, OpenMetrics text", content_type = "application/openmetrics-text")))]
-pub async fn serve_metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let metrics = &state.metrics;
-    let open = state.store.open_alerts_by_kind().await?;
-    // Kinds that closed since the last scrape must read 0, not keep their last value.
-    metrics.open_alerts.clear();
-    for (kind, severity, n) in open {
-        metrics
-            .open_alerts
-            .get_or_create(&AlertLabels { kind, severity })
-            .set(n as i64);
+impl Metrics {
+    /// The metrics in the OpenMetrics text format, with the gauges read from the store.
+    pub fn render(&self, gauges: StoreGauges) -> Result<String, std::fmt::Error> {
+        // Kinds that closed since the last scrape must read 0, not keep their last value.
+        self.open_alerts.clear();
+        for (kind, severity, n) in gauges.open_alerts {
+            self.open_alerts
+                .get_or_create(&AlertLabels { kind, severity })
+                .set(n as i64);
+        }
+        self.runs.set(gauges.runs as i64);
+        self.database_bytes.set(gauges.database_bytes as i64);
+        let mut text = String::new();
+        encode(&mut text, &self.registry)?;
+        Ok(text)
     }
-    metrics.runs.set(state.store.run_count().await? as i64);
-    metrics
-        .database_bytes
-        .set(state.store.database_bytes().await? as i64);
-    let mut text = String::new();
-    encode(&mut text, &metrics.registry).map_err(|e| StoreError::Internal(e.into()))?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
 }

@@ -1,16 +1,11 @@
 //! `GET /api/v1/openapi.json`: the API as an OpenAPI 3.1 document, generated from the
-//! handlers' `#[utoipa::path]` annotations and the wire types (`gradflow-protocol`
-//! with its `openapi` feature). The response shapes the handlers build with `json!`
-//! are described here; `server/tests/openapi.rs` checks real responses against them,
-//! so the two cannot drift apart unnoticed.
+//! handlers' `#[utoipa::path]` annotations, the response bodies of `crate::api_types`
+//! and the wire types (`gradflow-protocol` with its `openapi` feature).
 
 use axum::Json;
-use gradflow_protocol::{Float, Precision};
-use serde::Serialize;
-use utoipa::openapi::RefOr;
-use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Schema, Type};
-use utoipa::{IntoParams, OpenApi, PartialSchema, ToResponse, ToSchema};
+use utoipa::OpenApi;
 
+use crate::api_types::*;
 use crate::store::alerts::{Alert, OpenAlertCounts};
 use crate::store::{IngestOutcome, RunStatus};
 
@@ -22,7 +17,7 @@ use crate::store::{IngestOutcome, RunStatus};
     ),
     paths(
         crate::routes::health::healthz,
-        crate::metrics::serve_metrics,
+        crate::routes::metrics::serve_metrics,
         openapi_json,
         crate::routes::runs::register_run,
         crate::routes::runs::get_run,
@@ -58,179 +53,4 @@ pub struct ApiDoc;
     responses((status = 200, description = "This document", content_type = "application/json")))]
 pub async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     Json(ApiDoc::openapi())
-}
-
-/// The `{run_id}` of a path.
-#[derive(IntoParams)]
-#[into_params(parameter_in = Path)]
-pub struct RunIdPath {
-    /// The run's id: [A-Za-z0-9._-]{1,128}
-    pub run_id: String,
-}
-
-/// The error answers most endpoints share, each with docs/PROTOCOL.md's error body.
-#[derive(ToResponse)]
-#[response(description = "Malformed or invalid: the error says what and where")]
-pub struct BadRequest(pub ErrorBody);
-
-#[derive(ToResponse)]
-#[response(description = "Missing or wrong ingest token")]
-pub struct Unauthorized(pub ErrorBody);
-
-#[derive(ToResponse)]
-#[response(description = "Unknown run")]
-pub struct RunNotFound(pub ErrorBody);
-
-#[derive(ToResponse)]
-#[response(description = "Body too large")]
-pub struct TooLarge(pub ErrorBody);
-
-#[derive(ToResponse)]
-#[response(description = "Unsupported content type or encoding")]
-pub struct Unsupported(pub ErrorBody);
-
-#[derive(ToResponse)]
-#[response(description = "Storage unavailable (disk full, locked): nothing stored, retry")]
-pub struct Unavailable(pub ErrorBody);
-
-/// docs/PROTOCOL.md's error body.
-#[derive(Serialize, ToSchema)]
-pub struct ErrorBody {
-    pub error: ErrorDetail,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct ErrorDetail {
-    /// Machine-readable: `invalid_body`, `run_not_found`, `conflict`, …
-    pub code: String,
-    /// What was wrong, for a person.
-    pub message: String,
-    /// Where, in the protocol's path notation (`steps[3].modules[0].grad_norm`).
-    #[schema(required = false)]
-    pub path: Option<String>,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct Health {
-    /// `ok`.
-    pub status: String,
-}
-
-/// A run: its registration (defaults written out) and where its stream stands.
-#[derive(Serialize, ToSchema)]
-pub struct RunView {
-    pub run_id: String,
-    #[schema(required = false)]
-    pub name: Option<String>,
-    #[schema(required = false, value_type = Option<String>)]
-    pub started_at: Option<String>,
-    #[schema(required = false)]
-    pub host: Option<String>,
-    #[schema(required = false)]
-    pub rank: Option<u32>,
-    #[schema(required = false)]
-    pub world_size: Option<u32>,
-    #[schema(required = false)]
-    pub precision: Option<Precision>,
-    #[schema(required = false, value_type = Option<Object>)]
-    pub optimizer: Option<serde_json::Value>,
-    #[schema(value_type = Vec<gradflow_protocol::ParamSpec>)]
-    pub params: Vec<serde_json::Value>,
-    #[schema(required = false)]
-    pub detectors: Option<gradflow_protocol::DetectorOverrides>,
-    /// Free-form, as registered.
-    #[schema(required = false, value_type = Option<Object>)]
-    pub config: Option<serde_json::Value>,
-    /// The groups meant to train (v1.1).
-    #[schema(required = false)]
-    pub train: Option<Vec<String>>,
-    /// The amendments that made the registration shown (v1.1), oldest first.
-    pub amendments: Vec<AmendmentView>,
-    pub first_step: Option<u64>,
-    #[serde(flatten)]
-    pub progress: RunProgress,
-}
-
-/// One amendment of a run's registration and the step it took effect at.
-#[derive(Serialize, ToSchema)]
-pub struct AmendmentView {
-    pub step: u64,
-    pub amend: gradflow_protocol::Amendment,
-}
-
-/// Where a run's stream stands: in a run, and in each line of the runs list.
-#[derive(Serialize, ToSchema)]
-pub struct RunProgress {
-    /// RFC 3339, server clock.
-    pub created_at: String,
-    pub last_step: Option<u64>,
-    /// When the last batch arrived (RFC 3339, server clock).
-    pub last_seen: Option<String>,
-    pub step_count: u64,
-    pub status: RunStatus,
-    pub finished_at: Option<String>,
-    pub open_alerts: OpenAlertCounts,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct RunList {
-    pub runs: Vec<RunListItem>,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct RunListItem {
-    pub run_id: String,
-    pub name: Option<String>,
-    #[serde(flatten)]
-    pub progress: RunProgress,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct Deleted {
-    pub run_id: String,
-    pub deleted: bool,
-    pub steps_deleted: u64,
-}
-
-/// A series: `points` are `[step, value]` pairs.
-#[derive(Serialize, ToSchema)]
-pub struct Series {
-    pub metric: String,
-    pub subject: Option<String>,
-    /// Whether `max_points` reduced it (min/max per bucket).
-    pub downsampled: bool,
-    pub points: Vec<SeriesPoint>,
-}
-
-/// `[step, value]`: the value a number, a non-finite spelling, or null (measured,
-/// no gradient).
-#[derive(Serialize)]
-pub struct SeriesPoint(pub u64, pub Option<Float>);
-
-impl PartialSchema for SeriesPoint {
-    fn schema() -> RefOr<Schema> {
-        let value = OneOfBuilder::new()
-            .item(Float::schema())
-            .item(ObjectBuilder::new().schema_type(Type::Null));
-        ArrayBuilder::new()
-            .prefix_items([
-                Schema::from(
-                    ObjectBuilder::new()
-                        .schema_type(Type::Integer)
-                        .minimum(Some(0)),
-                ),
-                Schema::from(value),
-            ])
-            .items(utoipa::openapi::schema::ArrayItems::False)
-            .min_items(Some(2))
-            .max_items(Some(2))
-            .into()
-    }
-}
-
-impl ToSchema for SeriesPoint {}
-
-#[derive(Serialize, ToSchema)]
-pub struct AlertList {
-    pub alerts: Vec<Alert>,
 }

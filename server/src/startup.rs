@@ -8,7 +8,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 
 use crate::config::ServerConfig;
-use crate::routes::{self, ApiSettings, AppState};
+use crate::state::{ApiSettings, AppState};
 use crate::store::Store;
 
 /// A bound, ready server. Tests build one on `127.0.0.1:0` and read [`Application::address`].
@@ -85,7 +85,7 @@ impl Application {
             shutdown.await;
             let _ = stop_streams.send(true);
         };
-        axum::serve(listener, routes::app(state))
+        axum::serve(listener, crate::app::app(state))
             .with_graceful_shutdown(shutdown)
             .await
             .context("serving HTTP")?;

@@ -14,8 +14,8 @@ use super::layout::{self, thousands};
 use super::runs_page::severity_counts;
 use super::{PageError, page_response};
 use crate::charts::compare::{self, CompareMetric, ComparedRun, Subjects};
-use crate::routes::AppState;
 use crate::routes::charts::{CompareQuery, compared_runs};
+use crate::state::AppState;
 use crate::store::now_seconds;
 
 /// The comparison chart's width on the page: the full width, like the heatmap.

@@ -12,8 +12,8 @@ use maud::{Markup, html};
 use serde::Deserialize;
 
 use super::{layout, page_response};
-use crate::routes::AppState;
 use crate::routes::auth::LOGIN_COOKIE;
+use crate::state::AppState;
 
 /// How long a login lasts.
 const LOGIN_DAYS: i64 = 30;

@@ -31,7 +31,7 @@ use axum::routing::get;
 use maud::html;
 
 use crate::error::ApiError;
-use crate::routes::AppState;
+use crate::state::AppState;
 use crate::store::StoreError;
 
 /// The dashboard's routes.

@@ -11,7 +11,7 @@ use maud::{Markup, html};
 use super::layout::{self, ago, thousands};
 use super::{PageError, page_response};
 use crate::charts::compare::{MAX_RUNS, MIN_RUNS};
-use crate::routes::AppState;
+use crate::state::AppState;
 use crate::store::alerts::{Alert, AlertFilter, OpenAlertCounts};
 use crate::store::{RunSummary, now_seconds};
 

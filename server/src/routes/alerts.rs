@@ -5,10 +5,10 @@ use axum::extract::State;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::AppState;
 use super::extract::{ApiQuery, RunIdParam, run_id_query};
 use crate::detect::{AlertKind, Severity};
 use crate::error::ApiError;
+use crate::state::AppState;
 use crate::store::alerts::AlertFilter;
 
 #[derive(Debug, Deserialize)]
@@ -35,7 +35,7 @@ pub struct RunAlertsParams {
         ("status" = Option<String>, Query, description = "open, resolved or all (default)"),
         ("kind" = Option<String>, Query, description = "An alert kind"),
         ("severity" = Option<String>, Query, description = "critical, warning or info")),
-    responses((status = 200, description = "Alerts, oldest first_step first", body = crate::openapi::AlertList), (status = 400, response = crate::openapi::BadRequest)))]
+    responses((status = 200, description = "Alerts, oldest first_step first", body = crate::api_types::AlertList), (status = 400, response = crate::api_types::BadRequest)))]
 pub async fn list_alerts(
     State(state): State<AppState>,
     ApiQuery(params): ApiQuery<AllAlertsParams>,
@@ -48,11 +48,11 @@ pub async fn list_alerts(
 
 /// One run's alerts.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/alerts", tag = "alerts",
-    params(crate::openapi::RunIdPath,
+    params(crate::api_types::RunIdPath,
         ("status" = Option<String>, Query, description = "open, resolved or all (default)"),
         ("kind" = Option<String>, Query, description = "An alert kind"),
         ("severity" = Option<String>, Query, description = "critical, warning or info")),
-    responses((status = 200, description = "The run's alerts, oldest first_step first", body = crate::openapi::AlertList), (status = 400, response = crate::openapi::BadRequest), (status = 404, response = crate::openapi::RunNotFound)))]
+    responses((status = 200, description = "The run's alerts, oldest first_step first", body = crate::api_types::AlertList), (status = 400, response = crate::api_types::BadRequest), (status = 404, response = crate::api_types::RunNotFound)))]
 pub async fn list_run_alerts(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,

@@ -16,8 +16,8 @@ use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
 
-use super::AppState;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// The cookie `POST /login` sets; it holds the read token itself (HttpOnly,
 /// SameSite=Strict), so the server keeps no session state.
@@ -91,7 +91,7 @@ pub async fn require_read_token(
     }
 }
 
-impl super::ApiSettings {
+impl crate::state::ApiSettings {
     /// Whether `token` is the read token or the ingest token.
     pub fn may_read(&self, token: &str) -> bool {
         // Both are compared (no early exit) so timing does not say which one matched.

@@ -8,11 +8,11 @@ use axum::response::{IntoResponse, Response};
 use gradflow_protocol::RunId;
 use serde::Deserialize;
 
-use super::AppState;
 use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::charts::compare::{self, CompareMetric, ComparedRun, MAX_RUNS, MIN_RUNS};
 use crate::charts::{self, ChartData, ChartKind, Format, MAX_SIDE, MIN_SIDE};
 use crate::error::ApiError;
+use crate::state::AppState;
 use crate::store::{Store, StoreError};
 
 #[derive(Debug, Deserialize)]
@@ -25,7 +25,7 @@ pub struct ChartParams {
 }
 
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/charts/{file}", tag = "charts",
-    params(crate::openapi::RunIdPath,
+    params(crate::api_types::RunIdPath,
         ("file" = String, Path, description = "grad-flow, group-grad-norms, norm-drift, scaler, loss or gpu, with .svg or .png"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
@@ -33,8 +33,8 @@ pub struct ChartParams {
         ("height" = Option<u32>, Query, description = "Pixels, 300 to 4000")),
     responses(
         (status = 200, description = "The chart", content((String = "image/svg+xml"), (Vec<u8> = "image/png"))),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 404, description = "Unknown run or chart", body = crate::openapi::ErrorBody)))]
+        (status = 400, response = crate::api_types::BadRequest),
+        (status = 404, description = "Unknown run or chart", body = crate::api_types::ErrorBody)))]
 pub async fn render_chart(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,
@@ -244,8 +244,8 @@ pub async fn compared_runs(store: &Store, ids: &[RunId]) -> Result<Vec<ComparedR
         ("height" = Option<u32>, Query, description = "Pixels, 300 to 4000")),
     responses(
         (status = 200, description = "The chart", content((String = "image/svg+xml"), (Vec<u8> = "image/png"))),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 404, description = "Unknown run, subject (reported by none of the runs) or chart", body = crate::openapi::ErrorBody)))]
+        (status = 400, response = crate::api_types::BadRequest),
+        (status = 404, description = "Unknown run, subject (reported by none of the runs) or chart", body = crate::api_types::ErrorBody)))]
 pub async fn render_comparison(
     State(state): State<AppState>,
     Path(file): Path<String>,

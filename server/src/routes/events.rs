@@ -11,9 +11,9 @@ use gradflow_protocol::RunId;
 use serde::Deserialize;
 use tokio::sync::broadcast::error::RecvError;
 
-use super::AppState;
 use super::extract::ApiQuery;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -25,7 +25,7 @@ pub struct EventsParams {
     params(("run_id" = Option<String>, Query, description = "Only this run's events")),
     responses(
         (status = 200, description = "Server-Sent Events: `step` ({type, run_id, last_step, accepted}), `alert` ({type, action: opened|resolved, alert}), `lagged` (events missed)", content_type = "text/event-stream"),
-        (status = 400, response = crate::openapi::BadRequest)))]
+        (status = 400, response = crate::api_types::BadRequest)))]
 pub async fn stream_events(
     State(state): State<AppState>,
     ApiQuery(params): ApiQuery<EventsParams>,

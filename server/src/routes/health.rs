@@ -4,7 +4,7 @@ use axum::Json;
 use serde_json::{Value, json};
 
 #[utoipa::path(get, path = "/healthz", tag = "server",
-    responses((status = 200, description = "The server is up", body = crate::openapi::Health)))]
+    responses((status = 200, description = "The server is up", body = crate::api_types::Health)))]
 pub async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }

@@ -11,8 +11,8 @@ use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::AppState;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 pub async fn limit(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let Ok(_permit) = state.in_flight.clone().try_acquire_owned() else {

@@ -7,26 +7,26 @@ use axum::http::{HeaderMap, StatusCode};
 use gradflow_protocol::{RunRegistration, Timestamp};
 use serde_json::{Value, json};
 
-use super::AppState;
 use super::extract::RunIdParam;
 use crate::body::{self, BodyFormat};
 use crate::error::ApiError;
+use crate::state::AppState;
 use crate::store::alerts::OpenAlertCounts;
 use crate::store::{StoredRun, now_seconds};
 
 /// `PUT /api/v1/runs/{run_id}`: `201` the first time, `200` for the same body again,
 /// `409` for a different one.
 #[utoipa::path(put, path = "/api/v1/runs/{run_id}", tag = "runs",
-    params(crate::openapi::RunIdPath),
+    params(crate::api_types::RunIdPath),
     request_body(content = gradflow_protocol::RunRegistration, content_type = "application/json"),
     responses(
-        (status = 201, description = "Registered", body = crate::openapi::RunView),
-        (status = 200, description = "Already registered with this very body", body = crate::openapi::RunView),
-        (status = 400, response = crate::openapi::BadRequest), (status = 401, response = crate::openapi::Unauthorized),
-        (status = 409, description = "Registered before with a different body", body = crate::openapi::ErrorBody),
-        (status = 413, response = crate::openapi::TooLarge),
-        (status = 415, response = crate::openapi::Unsupported),
-        (status = 503, response = crate::openapi::Unavailable)))]
+        (status = 201, description = "Registered", body = crate::api_types::RunView),
+        (status = 200, description = "Already registered with this very body", body = crate::api_types::RunView),
+        (status = 400, response = crate::api_types::BadRequest), (status = 401, response = crate::api_types::Unauthorized),
+        (status = 409, description = "Registered before with a different body", body = crate::api_types::ErrorBody),
+        (status = 413, response = crate::api_types::TooLarge),
+        (status = 415, response = crate::api_types::Unsupported),
+        (status = 503, response = crate::api_types::Unavailable)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn register_run(
     State(state): State<AppState>,
@@ -59,8 +59,8 @@ pub async fn register_run(
 /// `GET /api/v1/runs/{run_id}`: the registration in force (amendments applied), the
 /// amendments, and where the stream stands.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}", tag = "runs",
-    params(crate::openapi::RunIdPath),
-    responses((status = 200, description = "The registration and where the run stands", body = crate::openapi::RunView), (status = 400, response = crate::openapi::BadRequest), (status = 404, response = crate::openapi::RunNotFound)))]
+    params(crate::api_types::RunIdPath),
+    responses((status = 200, description = "The registration and where the run stands", body = crate::api_types::RunView), (status = 400, response = crate::api_types::BadRequest), (status = 404, response = crate::api_types::RunNotFound)))]
 pub async fn get_run(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,
@@ -72,7 +72,7 @@ pub async fn get_run(
 
 /// `GET /api/v1/runs`: every run, newest first.
 #[utoipa::path(get, path = "/api/v1/runs", tag = "runs",
-    responses((status = 200, description = "Every run, newest first", body = crate::openapi::RunList)))]
+    responses((status = 200, description = "Every run, newest first", body = crate::api_types::RunList)))]
 pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let runs = state.store.runs().await?;
     let counts = state.store.open_alert_counts(None).await?;
@@ -100,8 +100,8 @@ pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, Api
 /// `POST /api/v1/runs/{run_id}/finish`: the trainer says the run is over, so the
 /// dashboard shows it finished rather than stale. Takes no body; answers the run.
 #[utoipa::path(post, path = "/api/v1/runs/{run_id}/finish", tag = "runs",
-    params(crate::openapi::RunIdPath),
-    responses((status = 200, description = "Marked finished", body = crate::openapi::RunView), (status = 400, response = crate::openapi::BadRequest), (status = 401, response = crate::openapi::Unauthorized), (status = 404, response = crate::openapi::RunNotFound)))]
+    params(crate::api_types::RunIdPath),
+    responses((status = 200, description = "Marked finished", body = crate::api_types::RunView), (status = 400, response = crate::api_types::BadRequest), (status = 401, response = crate::api_types::Unauthorized), (status = 404, response = crate::api_types::RunNotFound)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn finish_run(
     State(state): State<AppState>,
@@ -115,8 +115,8 @@ pub async fn finish_run(
 
 /// `DELETE /api/v1/runs/{run_id}`: removes the run and everything of it.
 #[utoipa::path(delete, path = "/api/v1/runs/{run_id}", tag = "runs",
-    params(crate::openapi::RunIdPath),
-    responses((status = 200, description = "Deleted with all its steps and alerts", body = crate::openapi::Deleted), (status = 400, response = crate::openapi::BadRequest), (status = 401, response = crate::openapi::Unauthorized), (status = 404, response = crate::openapi::RunNotFound)))]
+    params(crate::api_types::RunIdPath),
+    responses((status = 200, description = "Deleted with all its steps and alerts", body = crate::api_types::Deleted), (status = 400, response = crate::api_types::BadRequest), (status = 401, response = crate::api_types::Unauthorized), (status = 404, response = crate::api_types::RunNotFound)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn delete_run(
     State(state): State<AppState>,

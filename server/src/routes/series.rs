@@ -10,9 +10,9 @@ use gradflow_protocol::non_finite_spelling;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::AppState;
 use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::error::ApiError;
+use crate::state::AppState;
 use crate::store::SeriesRequest;
 use crate::store::codec::{Cell, widen_for_display};
 use crate::store::columns::SeriesKind;
@@ -123,7 +123,7 @@ const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_n
 /// Reads one series; with `max_points`, a longer range is reduced to at most that
 /// many points by min/max per bucket, which keeps spikes and non-finite values.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/series", tag = "series",
-    params(crate::openapi::RunIdPath,
+    params(crate::api_types::RunIdPath,
         ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w, dropped_steps"),
         ("subject" = Option<String>, Query, description = "A group or module (grad_norm), module (hook_hits), parameter, metrics name, device index, or an optimizer parameter group (lr)"),
         ("from_step" = Option<u64>, Query, description = "First step"),
@@ -132,9 +132,9 @@ const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_n
         ("format" = Option<String>, Query, description = "json (default) or csv")),
     responses(
         (status = 200, description = "The series", content(
-            (crate::openapi::Series = "application/json"),
+            (crate::api_types::Series = "application/json"),
             (String = "text/csv", example = "step,value\n0,2.5\n1,NaN\n"))),
-        (status = 400, response = crate::openapi::BadRequest), (status = 404, response = crate::openapi::RunNotFound)))]
+        (status = 400, response = crate::api_types::BadRequest), (status = 404, response = crate::api_types::RunNotFound)))]
 pub async fn read_series(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,

@@ -6,23 +6,23 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use gradflow_protocol::{parse_steps_json, parse_steps_ndjson};
 
-use super::AppState;
 use super::extract::RunIdParam;
 use crate::body::{self, BodyFormat};
 use crate::error::ApiError;
+use crate::state::AppState;
 use crate::store::{IngestOutcome, StoreError};
 
 /// Stores a batch of step records (a JSON array, or NDJSON), all or nothing.
 #[utoipa::path(post, path = "/api/v1/runs/{run_id}/steps", tag = "steps",
-    params(crate::openapi::RunIdPath),
+    params(crate::api_types::RunIdPath),
     request_body(description = "Step records, steps strictly increasing: a JSON array, or NDJSON (application/x-ndjson, one record a line); may be gzip-compressed",
         content((Vec<gradflow_protocol::StepRecord> = "application/json"), (gradflow_protocol::StepRecord = "application/x-ndjson"))),
     responses(
         (status = 200, description = "Stored and committed (all or nothing)", body = crate::store::IngestOutcome),
-        (status = 400, response = crate::openapi::BadRequest), (status = 401, response = crate::openapi::Unauthorized), (status = 404, response = crate::openapi::RunNotFound),
-        (status = 413, response = crate::openapi::TooLarge),
-        (status = 415, response = crate::openapi::Unsupported),
-        (status = 503, response = crate::openapi::Unavailable)))]
+        (status = 400, response = crate::api_types::BadRequest), (status = 401, response = crate::api_types::Unauthorized), (status = 404, response = crate::api_types::RunNotFound),
+        (status = 413, response = crate::api_types::TooLarge),
+        (status = 415, response = crate::api_types::Unsupported),
+        (status = 503, response = crate::api_types::Unavailable)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn ingest_steps(
     State(state): State<AppState>,

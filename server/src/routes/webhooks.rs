@@ -4,9 +4,9 @@ use axum::Json;
 use axum::extract::State;
 use serde::{Deserialize, Serialize};
 
-use super::AppState;
 use super::extract::{ApiQuery, run_id_query};
 use crate::error::ApiError;
+use crate::state::AppState;
 use crate::store::webhooks::{DeliveryFilter, DeliveryStatus, WebhookDelivery};
 
 /// Deliveries listed when `limit` is not given, and the most it may ask for.
@@ -35,7 +35,7 @@ pub struct DeliveryList {
         ("run_id" = Option<String>, Query, description = "Only this run's"),
         ("status" = Option<String>, Query, description = "pending, delivered, failed or dropped"),
         ("limit" = Option<u32>, Query, description = "At most this many (default 100, at most 1000)")),
-    responses((status = 200, description = "Deliveries, newest first", body = DeliveryList), (status = 400, response = crate::openapi::BadRequest), (status = 404, response = crate::openapi::RunNotFound)))]
+    responses((status = 200, description = "Deliveries, newest first", body = DeliveryList), (status = 400, response = crate::api_types::BadRequest), (status = 404, response = crate::api_types::RunNotFound)))]
 pub async fn list_deliveries(
     State(state): State<AppState>,
     ApiQuery(params): ApiQuery<DeliveryParams>,
