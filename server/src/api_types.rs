@@ -1,9 +1,11 @@
 //! The response bodies, error answers and path parameters the handlers name in their
 //! `#[utoipa::path]` annotations: a leaf the routes import, so that the document
 //! that lists the routes (`crate::openapi`) is imported by nothing but the router.
-//! The response shapes the handlers build with `json!` are described here;
-//! `server/tests/openapi.rs` checks real responses against them, so the two cannot
-//! drift apart unnoticed.
+//! The handlers answer with these types, except [`RunView`]: it is the registration
+//! (whose schema forbids unknown fields, so it cannot be flattened into another
+//! schema) merged with the run's progress, built as JSON and described here.
+//! `server/tests/openapi.rs` checks real responses against the document, so the
+//! two cannot drift apart unnoticed.
 
 use gradflow_protocol::{Float, Precision};
 use serde::Serialize;
@@ -156,10 +158,11 @@ pub struct Series {
     pub points: Vec<SeriesPoint>,
 }
 
-/// `[step, value]`: the value a number, a non-finite spelling, or null (measured,
-/// no gradient).
+/// `[step, value]`: the value a number (an integer without a fraction), a
+/// non-finite spelling, or null (measured, no gradient): the JSON value as built,
+/// described by the schema below.
 #[derive(Serialize)]
-pub struct SeriesPoint(pub u64, pub Option<Float>);
+pub struct SeriesPoint(pub u64, pub serde_json::Value);
 
 impl PartialSchema for SeriesPoint {
     fn schema() -> RefOr<Schema> {

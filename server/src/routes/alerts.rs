@@ -3,9 +3,9 @@
 use axum::Json;
 use axum::extract::State;
 use serde::Deserialize;
-use serde_json::{Value, json};
 
 use super::extract::{ApiQuery, RunIdParam, run_id_query};
+use crate::api_types::AlertList;
 use crate::detect::{AlertKind, Severity};
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -39,11 +39,11 @@ pub struct RunAlertsParams {
 pub async fn list_alerts(
     State(state): State<AppState>,
     ApiQuery(params): ApiQuery<AllAlertsParams>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<AlertList>, ApiError> {
     let run_id = run_id_query(params.run_id.as_deref())?;
     let filter = filter(run_id, params.status, params.kind, params.severity)?;
     let alerts = state.store.alerts(&filter).await?;
-    Ok(Json(json!({ "alerts": alerts })))
+    Ok(Json(AlertList { alerts }))
 }
 
 /// One run's alerts.
@@ -57,7 +57,7 @@ pub async fn list_run_alerts(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,
     ApiQuery(params): ApiQuery<RunAlertsParams>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<AlertList>, ApiError> {
     let filter = filter(
         Some(run_id.as_str().to_owned()),
         params.status,
@@ -65,7 +65,7 @@ pub async fn list_run_alerts(
         params.severity,
     )?;
     let alerts = state.store.alerts(&filter).await?;
-    Ok(Json(json!({ "alerts": alerts })))
+    Ok(Json(AlertList { alerts }))
 }
 
 fn filter(

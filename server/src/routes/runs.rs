@@ -8,6 +8,7 @@ use gradflow_protocol::{RunRegistration, Timestamp};
 use serde_json::{Value, json};
 
 use super::extract::RunIdParam;
+use crate::api_types::{Deleted, RunList, RunListItem, RunProgress};
 use crate::body::{self, BodyFormat};
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -73,28 +74,30 @@ pub async fn get_run(
 /// `GET /api/v1/runs`: every run, newest first.
 #[utoipa::path(get, path = "/api/v1/runs", tag = "runs",
     responses((status = 200, description = "Every run, newest first", body = crate::api_types::RunList)))]
-pub async fn list_runs(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+pub async fn list_runs(State(state): State<AppState>) -> Result<Json<RunList>, ApiError> {
     let runs = state.store.runs().await?;
     let counts = state.store.open_alert_counts(None).await?;
     let now = now_seconds();
-    let runs: Vec<Value> = runs
+    let runs = runs
         .into_iter()
         .map(|run| {
             let open_alerts = counts.get(&run.run_id).copied().unwrap_or_default();
-            json!({
-                "run_id": run.run_id,
-                "name": run.name,
-                "created_at": rfc3339(run.created_at),
-                "last_step": run.last_step,
-                "last_seen": run.last_seen.map(rfc3339),
-                "step_count": run.step_count,
-                "status": run.status(now),
-                "finished_at": run.finished_at.map(rfc3339),
-                "open_alerts": open_alerts,
-            })
+            RunListItem {
+                progress: RunProgress {
+                    created_at: rfc3339(run.created_at),
+                    last_step: run.last_step.map(|s| s as u64),
+                    last_seen: run.last_seen.map(rfc3339),
+                    step_count: run.step_count as u64,
+                    status: run.status(now),
+                    finished_at: run.finished_at.map(rfc3339),
+                    open_alerts,
+                },
+                run_id: run.run_id,
+                name: run.name,
+            }
         })
         .collect();
-    Ok(Json(json!({ "runs": runs })))
+    Ok(Json(RunList { runs }))
 }
 
 /// `POST /api/v1/runs/{run_id}/finish`: the trainer says the run is over, so the
@@ -121,12 +124,14 @@ pub async fn finish_run(
 pub async fn delete_run(
     State(state): State<AppState>,
     run_id: RunIdParam,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Deleted>, ApiError> {
     let RunIdParam(run_id) = run_id;
-    let steps = state.store.delete_run(&run_id).await?;
-    Ok(Json(
-        json!({"run_id": run_id, "deleted": true, "steps_deleted": steps}),
-    ))
+    let steps_deleted = state.store.delete_run(&run_id).await?;
+    Ok(Json(Deleted {
+        run_id: run_id.as_str().to_owned(),
+        deleted: true,
+        steps_deleted,
+    }))
 }
 
 /// One run's open alerts by severity.

@@ -8,9 +8,10 @@ use axum::response::{IntoResponse, Response};
 use gradflow_protocol::limits::MAX_STEP;
 use gradflow_protocol::non_finite_spelling;
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::extract::{ApiQuery, RunIdParam, check_step_range};
+use crate::api_types::{Series, SeriesPoint};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::store::SeriesRequest;
@@ -225,17 +226,17 @@ pub async fn read_series(
             &data.points,
         ));
     }
-    let points: Vec<Value> = data
+    let points = data
         .points
         .iter()
-        .map(|(step, cell)| json!([step, cell_json(*cell)]))
+        .map(|(step, cell)| SeriesPoint(*step, cell_json(*cell)))
         .collect();
-    Ok(Json(json!({
-        "metric": params.metric,
-        "subject": subject,
-        "downsampled": data.downsampled,
-        "points": points,
-    }))
+    Ok(Json(Series {
+        metric: params.metric,
+        subject,
+        downsampled: data.downsampled,
+        points,
+    })
     .into_response())
 }
 
