@@ -108,7 +108,7 @@ fn too_large(limit: usize, what: &str) -> ApiError {
 
 /// Receives the body, at most `limit` bytes of it.
 ///
-/// An over-limit body is read to its end and thrown away (up to [`DRAIN_FACTOR`] times
+/// An over-limit body is read to its end and thrown away (up to `DRAIN_FACTOR` times
 /// the limit) before the `413` goes out: a client that sends without
 /// `Expect: 100-continue`, as most do, is still writing when the server answers, and a
 /// connection closed under it fails its write with EPIPE before it reads the answer
