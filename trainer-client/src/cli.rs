@@ -17,9 +17,16 @@ use crate::train::Faults;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "gradflow-trainer", version, about, long_about = None)]
 pub struct Args {
-    /// The gradflow server's base URL.
-    #[arg(long, env = "GRADFLOW_SERVER", default_value = "http://127.0.0.1:7070")]
-    pub server: String,
+    /// The gradflow server's base URL. Several (comma-separated, or the flag
+    /// repeated) for failover: steps go to the first, and move to the next when the
+    /// one in use stops answering.
+    #[arg(
+        long,
+        env = "GRADFLOW_SERVER",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:7070"
+    )]
+    pub server: Vec<String>,
 
     /// The run's id on the server (default: generated from the scenario and the time).
     #[arg(long, env = "GRADFLOW_RUN_ID")]

@@ -7,6 +7,10 @@
 //! warns once, appends batches to a bounded spool file, and replays the spool in order
 //! when the server is back; new batches queue behind the spool so order is kept. At
 //! exit it flushes within a deadline and says what it could not deliver.
+//!
+//! Given several servers (replicas of one database, or a standby started on the
+//! first's database), it talks to one at a time and moves to the next when the
+//! current one stops answering; step numbers make the resent batches idempotent.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
@@ -22,8 +26,9 @@ use rand::Rng;
 
 #[derive(Debug, Clone)]
 pub struct ReporterConfig {
-    /// Base URL, e.g. `http://127.0.0.1:7070`.
-    pub server: String,
+    /// Base URLs, e.g. `http://127.0.0.1:7070`: the first is tried first, the others
+    /// in turn when the current one stops answering.
+    pub servers: Vec<String>,
     pub run_id: String,
     pub token: Option<String>,
     /// Records per POST.
@@ -41,7 +46,7 @@ pub struct ReporterConfig {
 impl ReporterConfig {
     pub fn new(server: &str, run_id: &str) -> ReporterConfig {
         ReporterConfig {
-            server: server.trim_end_matches('/').to_owned(),
+            servers: vec![server.trim_end_matches('/').to_owned()],
             run_id: run_id.to_owned(),
             token: None,
             batch_size: 50,
@@ -99,6 +104,10 @@ impl Reporter {
         let (tx, rx) = bounded(config.queue_capacity);
         let queue_dropped = Arc::new(AtomicU64::new(0));
         let deadline = Arc::new(std::sync::Mutex::new(None));
+        anyhow::ensure!(
+            !config.servers.is_empty(),
+            "no gradflow server to report to"
+        );
         let client = reqwest::blocking::Client::builder()
             .timeout(config.request_timeout)
             .build()?;
@@ -106,6 +115,7 @@ impl Reporter {
             spool: Spool::open(config.spool_path.clone(), config.spool_max_bytes)?,
             config,
             client,
+            current: 0,
             registration,
             registered: false,
             summary: Summary::default(),
@@ -163,6 +173,8 @@ enum PostError {
 struct Worker {
     config: ReporterConfig,
     client: reqwest::blocking::Client,
+    /// Index into `config.servers` of the server spoken to.
+    current: usize,
     registration: RunRegistration,
     registered: bool,
     spool: Spool,
@@ -406,7 +418,7 @@ impl Worker {
     fn warn_unreachable(&mut self, why: &str) {
         if !self.warned {
             tracing::warn!(
-                server = %self.config.server,
+                server = %self.config.servers[self.current],
                 spool = %self.config.spool_path.display(),
                 "gradflow server unreachable ({why}); training continues and steps are spooled until it is back"
             );
@@ -417,7 +429,7 @@ impl Worker {
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
         let url = format!(
             "{}/api/v1/runs/{}{path}",
-            self.config.server, self.config.run_id
+            self.config.servers[self.current], self.config.run_id
         );
         let mut request = self.client.request(method, url);
         if let Some(token) = &self.config.token {
@@ -426,26 +438,42 @@ impl Worker {
         request
     }
 
-    /// Registers once the server answers; a conflicting registration is final.
+    /// Registers once a server answers (trying each once); a conflicting
+    /// registration is final.
     fn ensure_registered(&mut self) -> bool {
+        for tried in 0..self.config.servers.len() {
+            if tried > 0 && !self.fail_over() {
+                break;
+            }
+            match self.register() {
+                Some(registered) => return registered,
+                None => continue,
+            }
+        }
+        false
+    }
+
+    /// One registration attempt on the current server: `None` when it did not
+    /// answer (the next server may).
+    fn register(&mut self) -> Option<bool> {
         if self.registered {
-            return true;
+            return Some(true);
         }
         if self.summary.registration_error.is_some() {
-            return false;
+            return Some(false);
         }
         let response = self
             .request(reqwest::Method::PUT, "")
             .json(&self.registration)
             .send();
-        match response {
+        Some(match response {
             Ok(r) if r.status().is_success() => {
                 self.registered = true;
                 true
             }
             Ok(r) if r.status().is_server_error() => {
                 self.warn_unreachable(&format!("HTTP {}", r.status()));
-                false
+                return None;
             }
             Ok(r) => {
                 let status = r.status();
@@ -456,13 +484,30 @@ impl Worker {
             }
             Err(error) => {
                 self.warn_unreachable(&error.to_string());
-                false
+                return None;
             }
-        }
+        })
     }
 
-    /// POSTs records gzipped, retrying transient failures three times. Once records
-    /// have been dropped, each one sent carries the count (`dropped_steps`).
+    /// Moves to the next server, if there is another; says so.
+    fn fail_over(&mut self) -> bool {
+        let servers = &self.config.servers;
+        if servers.len() < 2 {
+            return false;
+        }
+        let from = self.current;
+        self.current = (self.current + 1) % servers.len();
+        tracing::info!(
+            from = %servers[from],
+            to = %servers[self.current],
+            "the gradflow server stopped answering: moving to the next one"
+        );
+        true
+    }
+
+    /// POSTs records gzipped, retrying transient failures three times on each server
+    /// in turn. Once records have been dropped, each one sent carries the count
+    /// (`dropped_steps`).
     fn post(&mut self, records: &[StepRecord]) -> Result<(), PostError> {
         let dropped = self.dropped_so_far();
         let stamped: Vec<StepRecord>;
@@ -487,6 +532,19 @@ impl Worker {
         let body = encoder
             .finish()
             .map_err(|e| PostError::Rejected(e.to_string()))?;
+        let mut result = self.post_body(&body);
+        for _ in 1..self.config.servers.len() {
+            if !matches!(result, Err(PostError::Unavailable(_))) || !self.fail_over() {
+                break;
+            }
+            result = self.post_body(&body);
+        }
+        result
+    }
+
+    /// POSTs a gzipped batch to the current server, retrying transient failures
+    /// three times.
+    fn post_body(&mut self, body: &[u8]) -> Result<(), PostError> {
         let mut delay = Duration::from_millis(100);
         let mut last = String::new();
         for attempt in 0..3 {
@@ -498,7 +556,7 @@ impl Worker {
                 .request(reqwest::Method::POST, "/steps")
                 .header("Content-Type", "application/json")
                 .header("Content-Encoding", "gzip")
-                .body(body.clone())
+                .body(body.to_vec())
                 .send();
             match response {
                 Ok(r) if r.status().is_success() => {

@@ -179,7 +179,12 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
     let reporter = if args.no_report || args.no_instrument {
         None
     } else {
-        let mut config = ReporterConfig::new(&args.server, &run_id);
+        let mut config = ReporterConfig::new(&args.server[0], &run_id);
+        config.servers = args
+            .server
+            .iter()
+            .map(|url| url.trim_end_matches('/').to_owned())
+            .collect();
         config.token = args.ingest_token.clone();
         config.spool_max_bytes = args.spool_max_bytes;
         if let Some(dir) = &args.spool_dir {
