@@ -32,9 +32,9 @@ pub use error::InvalidBody;
 pub use float::{Float, non_finite_spelling};
 pub use parse::{parse_steps_json, parse_steps_ndjson};
 pub use run::{
-    AlertSeverity, DetectorOverrides, Dtype, LossScaler, MAX_WEBHOOKS_PER_RUN, Optimizer,
+    AlertSeverity, DetectorOverrides, Dtype, Layout, LossScaler, MAX_WEBHOOKS_PER_RUN, Optimizer,
     ParamGroup, ParamSpec, Precision, Role, RunId, RunRegistration, Webhook, WebhookFormat,
-    check_webhook_url, default_group, default_module, redact_webhook_url,
+    check_webhook_url, default_group, default_module, redact_webhook_url, shard_rank_outside,
 };
 pub use step::{
     CallSite, GpuStat, GraphCut, GraphCutKind, ModuleStep, ParamStep, ScalerState, StepRecord,

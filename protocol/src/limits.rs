@@ -27,3 +27,5 @@ pub const MAX_NAME_BYTES: usize = 512;
 pub const MAX_TEXT_BYTES: usize = 1_024;
 /// Dimensions of a parameter's shape.
 pub const MAX_SHAPE_DIMS: usize = 16;
+/// Ranks in one run (v1.4).
+pub const MAX_WORLD_SIZE: u32 = 65_536;

@@ -180,6 +180,22 @@ mod tests {
                 "steps[0].scaler.scale",
                 "negative",
             ),
+            (
+                r#"[{"step": 0, "rank": 1, "step_time": -0.1}]"#,
+                "steps[0].step_time",
+                "finite number of seconds",
+            ),
+            (r#"[{"step": 0, "rank": -1}]"#, "steps[0].rank", "-1"),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a", "grad_sumsq": -4}]}]"#,
+                "steps[0].modules[0].grad_sumsq",
+                "cannot be negative",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a", "numel": 4, "nonfinite": 5}]}]"#,
+                "steps[0].modules[0].nonfinite",
+                "cannot exceed numel",
+            ),
         ];
         for (body, path, message) in cases {
             let err = parse_steps_json(body.as_bytes()).unwrap_err();
@@ -187,6 +203,27 @@ mod tests {
             assert!(err.message.contains(message), "{body}: {err}");
         }
         assert!(parse_steps_json(format!("[{ok}]").as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn a_rank_sends_partial_sums() {
+        let records = parse_steps_json(
+            br#"[{"step": 4, "rank": 3, "step_time": 0.25,
+                  "modules": [{"module": "a", "grad_sumsq": 2.25, "numel": 512, "nonfinite": 0},
+                              {"module": "b", "grad_sumsq": "NaN", "numel": 8, "nonfinite": 1}],
+                  "params": [{"name": "a.weight", "grad_norm": 1.5, "numel": 512}]}]"#,
+        )
+        .unwrap();
+        let record = &records[0];
+        assert_eq!(
+            (record.rank, record.step_time),
+            (Some(3), Some(Float(0.25)))
+        );
+        assert_eq!(record.modules[0].grad_sumsq, Some(Float(2.25)));
+        assert_eq!(record.modules[0].numel, Some(512));
+        assert!(record.modules[1].grad_sumsq.unwrap().get().is_nan());
+        assert_eq!(record.modules[1].nonfinite, Some(1));
+        assert_eq!(record.params[0].numel, Some(512));
     }
 
     #[test]

@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{InvalidBody, Path};
 use crate::float::Float;
-use crate::limits::{MAX_NAME_BYTES, MAX_PARAMS_PER_RUN, MAX_SHAPE_DIMS, MAX_TEXT_BYTES};
+use crate::limits::{
+    MAX_NAME_BYTES, MAX_PARAMS_PER_RUN, MAX_SHAPE_DIMS, MAX_TEXT_BYTES, MAX_WORLD_SIZE,
+};
 use crate::timestamp::Timestamp;
 use crate::validate::{check_name, check_text};
 
@@ -193,6 +195,39 @@ pub struct ParamSpec {
     /// that holds this parameter.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub param_group: Option<String>,
+    /// v1.4: how the parameter is laid out across the ranks of a multi-rank run
+    /// (default `replicated`). `shape` stays the whole tensor's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<Layout>,
+    /// v1.4: for a `sharded` parameter, the ranks whose shards together make it up
+    /// (default: every rank of the run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_ranks: Option<Vec<u32>>,
+}
+
+/// v1.4: where a parameter's elements live in a multi-rank run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// Every rank holds the whole tensor (data parallelism: DDP, or a parameter a
+    /// sharding wrapper leaves whole); after the gradient all-reduce every rank's
+    /// gradient is the same.
+    #[default]
+    Replicated,
+    /// The elements are split across ranks (FSDP2 / ZeRO-3 `Shard(0)`, tensor
+    /// parallelism): each rank reports its own shard, and the whole tensor's norm
+    /// is the square root of the shards' summed squares.
+    Sharded,
+}
+
+impl Layout {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Layout::Replicated => "replicated",
+            Layout::Sharded => "sharded",
+        }
+    }
 }
 
 impl ParamSpec {
@@ -224,6 +259,18 @@ impl ParamSpec {
     /// Parameters are in the optimizer unless they say otherwise.
     pub fn in_optimizer(&self) -> bool {
         self.in_optimizer.unwrap_or(true)
+    }
+
+    /// Parameters are replicated unless they say otherwise.
+    pub fn layout(&self) -> Layout {
+        self.layout.unwrap_or_default()
+    }
+
+    /// Elements of the whole tensor, when its shape is known.
+    pub fn numel(&self) -> Option<u64> {
+        self.shape
+            .as_ref()
+            .map(|shape| shape.iter().copied().fold(1u64, u64::saturating_mul))
     }
 }
 
@@ -433,6 +480,13 @@ impl RunRegistration {
                 .field("world_size")
                 .error("world_size must be at least 1"));
         }
+        if let Some(world_size) = self.world_size
+            && world_size > MAX_WORLD_SIZE
+        {
+            return Err(root.field("world_size").error(format!(
+                "world_size {world_size} is more than the limit of {MAX_WORLD_SIZE}"
+            )));
+        }
         if let (Some(rank), Some(world_size)) = (self.rank, self.world_size)
             && rank >= world_size
         {
@@ -461,6 +515,7 @@ impl RunRegistration {
             }
         }
         validate_params(&root.field("params"), &self.params)?;
+        check_shard_ranks(&root.field("params"), &self.params, self.world_size())?;
         if let Some(train) = &self.train {
             let path = root.field("train");
             for (i, group) in train.iter().enumerate() {
@@ -485,6 +540,11 @@ impl RunRegistration {
             }
         }
         Ok(())
+    }
+
+    /// Ranks in the run: `world_size`, 1 when absent.
+    pub fn world_size(&self) -> u32 {
+        self.world_size.unwrap_or(1)
     }
 
     /// The registration as it may be shown to readers: webhook URLs cut to their
@@ -559,8 +619,52 @@ pub(crate) fn validate_params(path: &Path<'_>, params: &[ParamSpec]) -> Result<(
                 .field("name")
                 .error(format!("parameter {:?} is listed twice", param.name)));
         }
+        if let Some(ranks) = &param.shard_ranks {
+            let path = path.field("shard_ranks");
+            if param.layout() != Layout::Sharded {
+                return Err(path.error("shard_ranks is only for a parameter with layout sharded"));
+            }
+            if ranks.is_empty() {
+                return Err(path.error("shard_ranks must name at least one rank"));
+            }
+            for (j, rank) in ranks.iter().enumerate() {
+                if ranks[..j].contains(rank) {
+                    return Err(path.index(j).error(format!("rank {rank} is listed twice")));
+                }
+            }
+        }
     }
     Ok(())
+}
+
+fn check_shard_ranks(
+    path: &Path<'_>,
+    params: &[ParamSpec],
+    world_size: u32,
+) -> Result<(), InvalidBody> {
+    match shard_rank_outside(params, world_size) {
+        Some((i, j, message)) => Err(path.index(i).field("shard_ranks").index(j).error(message)),
+        None => Ok(()),
+    }
+}
+
+/// The first `params[i].shard_ranks[j]` that is not a rank of a run of `world_size`
+/// ranks, as `(i, j, message)`: amendments are checked with it against the run's
+/// registration.
+pub fn shard_rank_outside(params: &[ParamSpec], world_size: u32) -> Option<(usize, usize, String)> {
+    params.iter().enumerate().find_map(|(i, param)| {
+        let (j, rank) = param
+            .shard_ranks
+            .iter()
+            .flatten()
+            .enumerate()
+            .find(|(_, rank)| **rank >= world_size)?;
+        Some((
+            i,
+            j,
+            format!("rank {rank} is not below the run's world_size {world_size}"),
+        ))
+    })
 }
 
 /// Checks a list of parameter groups: names, uniqueness, hyper-parameter ranges.
@@ -647,6 +751,8 @@ mod tests {
             requires_grad: None,
             in_optimizer: None,
             param_group: None,
+            layout: None,
+            shard_ranks: None,
         };
         assert_eq!(param.module_name(), "qwen.layers.0.input_layernorm");
         assert_eq!(param.group_name(), "qwen");
@@ -703,11 +809,56 @@ mod tests {
                 "optimizer.lr",
             ),
             (r#"{"params": [], "nmae": "typo"}"#, "nmae"),
+            (r#"{"params": [], "world_size": 65537}"#, "world_size"),
+            (
+                r#"{"params": [{"name": "a", "layout": "striped"}]}"#,
+                "params[0].layout",
+            ),
+            (
+                r#"{"params": [{"name": "a", "shard_ranks": [0]}]}"#,
+                "params[0].shard_ranks",
+            ),
+            (
+                r#"{"params": [{"name": "a", "layout": "sharded", "shard_ranks": []}]}"#,
+                "params[0].shard_ranks",
+            ),
+            (
+                r#"{"params": [{"name": "a", "layout": "sharded", "shard_ranks": [0, 0]}]}"#,
+                "params[0].shard_ranks[1]",
+            ),
+            (
+                r#"{"world_size": 2, "params": [{"name": "a", "layout": "sharded", "shard_ranks": [1, 2]}]}"#,
+                "params[0].shard_ranks[1]",
+            ),
         ];
         for (body, path) in cases {
             let err = RunRegistration::from_json(body.as_bytes()).unwrap_err();
             assert_eq!(&err.path, path, "{body}: {err}");
         }
+    }
+
+    #[test]
+    fn a_multi_rank_registration_lays_its_parameters_out() {
+        let reg = RunRegistration::from_json(
+            br#"{"world_size": 4, "rank": 2, "params": [
+                {"name": "a.weight", "layout": "sharded", "shape": [8, 4]},
+                {"name": "b.weight", "layout": "sharded", "shard_ranks": [0, 1]},
+                {"name": "c.weight"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(reg.world_size(), 4);
+        assert_eq!(reg.params[0].layout(), Layout::Sharded);
+        assert_eq!(reg.params[0].numel(), Some(32));
+        assert_eq!(reg.params[2].layout(), Layout::Replicated);
+        assert_eq!(
+            shard_rank_outside(&reg.params, 2),
+            None,
+            "ranks 0 and 1 exist in a run of two"
+        );
+        assert_eq!(
+            shard_rank_outside(&reg.params, 1).map(|(i, j, _)| (i, j)),
+            Some((1, 1))
+        );
     }
 
     #[test]

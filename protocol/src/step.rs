@@ -94,6 +94,15 @@ pub struct StepRecord {
     /// verdicts say when the batch, not the model, is the cause.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input_absmax: Option<Float>,
+    /// v1.4: which rank of a multi-rank run sent this record (required there, and
+    /// below the run's `world_size`). Every rank reports its own record of a step;
+    /// the server combines them once all have arrived.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
+    /// v1.4: seconds this step took on the sending rank (wall clock, from the end of
+    /// its previous optimizer step to the end of this one): what shows a straggler.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_time: Option<Float>,
 }
 
 /// A place where a module's output lost its path to the loss, as a client saw it
@@ -167,7 +176,7 @@ impl fmt::Display for CallSite {
 }
 
 /// A module's gradient after this step's backward.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModuleStep {
@@ -179,6 +188,18 @@ pub struct ModuleStep {
     /// Times the module's backward hook fired this step; `0`: backward never reached it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hook_hits: Option<u32>,
+    /// v1.4: the sum of squares of the gradient elements the sending rank holds of
+    /// the module's own parameters (f64; `NaN` or `Infinity` when one was not
+    /// finite). The server adds a sharded module's partial sums across ranks; a rank
+    /// that sends only `grad_norm` contributes its square.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_sumsq: Option<Float>,
+    /// v1.4: how many gradient elements `grad_sumsq` covers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numel: Option<u64>,
+    /// v1.4: how many of those elements are NaN or infinite.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nonfinite: Option<u64>,
 }
 
 /// A parameter's state after this step's optimizer step.
@@ -214,6 +235,10 @@ pub struct ParamStep {
     /// stored value after the step (the update was rounded away).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounded_away: Option<u64>,
+    /// v1.4: how many elements of the parameter the sending rank holds (its shard,
+    /// for a sharded parameter): the weight of its `mean` when shards are combined.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numel: Option<u64>,
 }
 
 /// The loss scaler after this step's update (torch.amp.GradScaler semantics).
@@ -270,6 +295,14 @@ impl StepRecord {
             let path = modules.index(i);
             check_name(&path.field("module"), &module.module)?;
             check_norm(&path.field("grad_norm"), module.grad_norm)?;
+            check_norm(&path.field("grad_sumsq"), module.grad_sumsq)?;
+            if let (Some(nonfinite), Some(numel)) = (module.nonfinite, module.numel)
+                && nonfinite > numel
+            {
+                return Err(path.field("nonfinite").error(format!(
+                    "nonfinite ({nonfinite}) cannot exceed numel ({numel})"
+                )));
+            }
             if !seen.insert(module.module.as_str()) {
                 return Err(path.field("module").error(format!(
                     "module {:?} appears twice in this step",
@@ -315,6 +348,14 @@ impl StepRecord {
         }
         validate_graph_cuts(&path.field("graph_cuts"), &self.graph_cuts)?;
         check_norm(&path.field("input_absmax"), self.input_absmax)?;
+        if let Some(time) = self.step_time
+            && !(time.is_finite() && time.get() >= 0.0)
+        {
+            return Err(path.field("step_time").error(format!(
+                "a step time must be a finite number of seconds ≥ 0, got {}",
+                crate::format_float(time.get())
+            )));
+        }
         if let Some(scaler) = &self.scaler
             && let Some(scale) = scaler.scale
             && scale.get() < 0.0

@@ -35,6 +35,7 @@ fn batch() -> impl Strategy<Value = Vec<StepRecord>> {
             module,
             grad_norm: grad.map(Float),
             hook_hits: hits,
+            ..Default::default()
         });
     let record = (value, proptest::collection::vec(module, 0..6));
     (

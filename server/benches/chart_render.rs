@@ -43,6 +43,7 @@ fn batch(first: u64, last: u64, noise: &mut impl FnMut() -> f64) -> Vec<StepReco
                     },
                     grad_norm: (m >= 80).then(|| Float(1e-4 + noise())),
                     hook_hits: Some(u32::from(m >= 80)),
+                    ..Default::default()
                 })
                 .collect(),
             ..StepRecord::default()

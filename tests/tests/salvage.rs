@@ -21,6 +21,7 @@ fn record(step: u64, drift: f64) -> StepRecord {
             module: "qwen.norm".into(),
             grad_norm: Some(Float(0.1)),
             hook_hits: Some(1),
+            ..Default::default()
         }],
         params: vec![ParamStep {
             name: "qwen.norm.weight".into(),

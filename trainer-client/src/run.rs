@@ -72,6 +72,8 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
             requires_grad: Some(true),
             in_optimizer: Some(p.in_optimizer),
             param_group: p.in_optimizer.then(|| PARAM_GROUP.to_owned()),
+            layout: None,
+            shard_ranks: None,
         })
         .collect();
     RunRegistration {

@@ -465,6 +465,7 @@ impl Trainer {
                     module: module.name.clone(),
                     grad_norm: sum.map(|s| Float(s.sqrt())),
                     hook_hits: Some(hits),
+                    ..Default::default()
                 }
             })
             .collect();
