@@ -96,6 +96,13 @@ class ServerProcess:
             self.process.stdout.close()
         self.process = None
 
+    def kill(self) -> None:
+        """SIGKILL: the server dies mid-whatever, as in a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.stop()
+
     # -- reads -------------------------------------------------------------------
 
     def get(self, path: str) -> Any:

@@ -6,7 +6,7 @@ import os
 import re
 import secrets
 import time
-from typing import Optional
+from typing import List, Optional, Sequence, Union
 
 DEFAULT_SERVER = "http://127.0.0.1:7070"
 
@@ -15,11 +15,28 @@ def disabled() -> bool:
     return os.environ.get("GRADFLOW_DISABLED", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def server(explicit: Optional[str]) -> str:
-    url = explicit or os.environ.get("GRADFLOW_SERVER") or DEFAULT_SERVER
-    if "://" not in url:
-        url = "http://" + url
-    return url.rstrip("/")
+def servers(explicit: Union[None, str, Sequence[str]]) -> List[str]:
+    """The servers to report to, in the order they are tried: ``server=`` (a URL, a
+    comma-separated string of them, or a list), else ``GRADFLOW_SERVER`` (one URL or
+    several, comma-separated), else the default. A URL without a scheme gets
+    ``http://``; repeats are dropped."""
+    given: Union[str, Sequence[str]] = (
+        explicit if explicit else os.environ.get("GRADFLOW_SERVER") or DEFAULT_SERVER
+    )
+    items = given.split(",") if isinstance(given, str) else [str(item) for item in given]
+    urls: List[str] = []
+    for item in items:
+        url = item.strip()
+        if not url:
+            continue
+        if "://" not in url:
+            url = "http://" + url
+        url = url.rstrip("/")
+        if url not in urls:
+            urls.append(url)
+    if not urls:
+        raise ValueError(f"no server URL in {given!r}")
+    return urls
 
 
 def token(explicit: Optional[str]) -> Optional[str]:

@@ -6,6 +6,13 @@ turns pending steps into records (waiting there for their device copies), posts 
 in batches, and while the server is out of reach appends them to the on-disk spool,
 which is replayed in order before anything newer once it answers again. A batch the
 server refuses as invalid is split and resent, so only its invalid records are lost.
+
+Given several servers (replicas of one database, or a standby started on the first's
+database), it talks to one at a time. When the current one stops answering (a
+refused connection, a timeout, a 5xx: ``Unreachable``) it moves to the next, round
+robin, and says so once per switch; registration and the batch in hand go to the new
+server. Resending is safe: the server stores a step once and counts a resent one as
+a duplicate. While no server answers, records are spooled as with one server.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import json
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ._log import logger, say, swallow
 from .alerts import AlertBox
@@ -29,7 +36,7 @@ _STOP = object()
 class Reporter:
     def __init__(
         self,
-        client: Client,
+        clients: Sequence[Client],
         run_id: str,
         registration: Dict[str, Any],
         spool: Spool,
@@ -38,8 +45,15 @@ class Reporter:
         batch_size: int = 256,
         flush_interval: float = 0.5,
         alert_interval: float = 1.0,
+        quiet_conflicts: Sequence[str] = (),
     ) -> None:
-        self.client = client
+        if not clients:
+            raise ValueError("no gradflow server to report to")
+        self.clients = list(clients)
+        self.current = 0  # index into clients of the server spoken to
+        # Registration fields that may differ from the stored body without it being a
+        # conflict worth saying (in a multi-rank run: the sending rank and its host).
+        self.quiet_conflicts = tuple(quiet_conflicts)
         self.run_id = run_id
         self.registration = registration
         self.spool = spool
@@ -52,6 +66,9 @@ class Reporter:
         self.broken: Optional[str] = None  # why nothing can be delivered any more
         self.dropped = 0
         self.delivered = 0
+        self.delivered_to: Dict[str, int] = {}  # server -> step records it acknowledged
+        self.switches: List[Tuple[str, str]] = []
+        self._said: Set[Tuple[str, str]] = set()  # switches said since a server answered
         self.rejected = 0
         self._retry_at = 0.0
         self._backoff = 0.5
@@ -62,6 +79,11 @@ class Reporter:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def client(self) -> Client:
+        """The client of the server spoken to now."""
+        return self.clients[self.current]
+
     # -- training thread ---------------------------------------------------------
 
     def submit(self, pending: PendingStep) -> None:
@@ -71,7 +93,8 @@ class Reporter:
             self.dropped += 1
 
     def register(self, timeout: Optional[float] = None) -> bool:
-        """One registration attempt; on failure the thread retries before any step."""
+        """One registration attempt (on each server in turn); on failure the thread
+        retries before any step."""
         try:
             self._register(timeout)
             return True
@@ -186,11 +209,46 @@ class Reporter:
             self.spool.advance(len(chunk))
         return True
 
+    def _switch(self, why: str) -> bool:
+        """Moves to the next server, if there is another; says so once per switch
+        (a switch already said is not said again until some server has answered)."""
+        if len(self.clients) < 2:
+            return False
+        before = self.client.server
+        self.current = (self.current + 1) % len(self.clients)
+        self.registered = False  # the new server gets the registration first
+        switch = (before, self.client.server)
+        self.switches.append(switch)
+        if switch not in self._said:
+            self._said.add(switch)
+            say(
+                f"server {before} is not answering ({why}); moving to {self.client.server} "
+                "(steps are spooled meanwhile and resent there)"
+            )
+        return True
+
+    def _answered(self) -> None:
+        self._said.clear()
+        self._online()
+
     def _register(self, timeout: Optional[float] = None) -> None:
+        """Registers on the current server, or on the next ones in turn when it does
+        not answer; raises Unreachable when none does."""
+        for attempt in range(len(self.clients)):
+            try:
+                self._register_here(timeout)
+                return
+            except Unreachable as err:
+                if attempt + 1 == len(self.clients) or not self._switch(str(err)):
+                    raise
+
+    def _register_here(self, timeout: Optional[float] = None) -> None:
         try:
             self.client.register(self.run_id, self.registration, timeout)
         except Refused as err:
-            if err.status == 409:
+            if err.status == 409 and err.path in self.quiet_conflicts:
+                logger.debug("gradflow: registration differs only in %s: %s", err.path, err)
+            elif err.status == 409:
                 say(
                     f"run {self.run_id} already exists with a different registration "
                     f"({err.message}); its steps are still sent to it"
@@ -199,14 +257,25 @@ class Reporter:
                 self.broken = f"the server refused the registration: {err}"
                 say(self.broken)
         self.registered = True
-        self._online()
+        self._answered()
 
     def _send(self, lines: List[str]) -> None:
-        """Delivers lines or accounts for them as rejected; raises Unreachable."""
+        """Delivers lines (to the current server, or the next ones in turn when it does
+        not answer) or accounts for them as rejected; raises Unreachable when no
+        server answers."""
         if not lines:
             return
+        for attempt in range(len(self.clients)):
+            try:
+                self._send_here(lines)
+                return
+            except Unreachable as err:
+                if attempt + 1 == len(self.clients) or not self._switch(str(err)):
+                    raise
+
+    def _send_here(self, lines: List[str]) -> None:
         if not self.registered:
-            self._register()
+            self._register_here()
         if self.broken:
             self.rejected += len(lines)
             return
@@ -215,7 +284,7 @@ class Reporter:
         except Refused as err:
             if err.status == 404 and err.code == "run_not_found":
                 self.registered = False  # the server lost the run: register it again
-                self._register()
+                self._register_here()
                 answer = self.client.post_steps(self.run_id, lines)
             elif err.status in (400, 413) and len(lines) > 1:
                 half = len(lines) // 2
@@ -229,8 +298,10 @@ class Reporter:
                     self.broken = f"the server refused the ingest token: {err}"
                     say(self.broken)
                 return
-        self._online()
+        self._answered()
         self.delivered += len(lines)
+        server = self.client.server
+        self.delivered_to[server] = self.delivered_to.get(server, 0) + len(lines)
         del answer
 
     def _finish(self) -> None:

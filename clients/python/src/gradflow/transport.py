@@ -66,7 +66,7 @@ class Client:
             except (ValueError, KeyError, TypeError):
                 raise Refused(err.code, "", raw[:200].decode("utf-8", "replace"), None) from None
         except (urllib.error.URLError, OSError, socket.timeout) as err:
-            raise Unreachable(str(err)) from None
+            raise Unreachable(str(getattr(err, "reason", None) or err)) from None
 
     def register(self, run_id: str, body: Dict[str, Any], timeout: Optional[float] = None) -> None:
         data = json.dumps(body, allow_nan=False).encode()

@@ -9,7 +9,7 @@ import os
 import tempfile
 import warnings
 import weakref
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ class Watcher:
         *,
         run_id: str,
         generated_id: bool,
-        server: str,
+        servers: List[str],
         token: Optional[str],
         name: Optional[str],
         every: int,
@@ -85,7 +85,7 @@ class Watcher:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         self.run_id = run_id
-        self.server = server
+        self.servers = list(servers)
         self.every = every
         self.close_timeout = close_timeout
         self._closed = False
@@ -114,9 +114,8 @@ class Watcher:
         self._scaler: Optional[ScalerTap] = None
         directory = spool_dir or os.path.join(tempfile.gettempdir(), "gradflow-spool")
         spool = Spool(os.path.join(directory, f"{run_id}.{os.getpid()}.ndjson"), spool_max_bytes)
-        self.client = Client(server, token)
         self.reporter = Reporter(
-            self.client,
+            [Client(url, token) for url in self.servers],
             run_id,
             body,
             spool,
@@ -282,7 +281,7 @@ class Watcher:
         """The run's open alerts, as the server has them now (a request to the server;
         empty when it cannot be reached)."""
         try:
-            return self.client.alerts(self.run_id)
+            return self.reporter.client.alerts(self.run_id)
         except (Unreachable, Refused) as err:
             logger.info("gradflow: could not read alerts: %s", err)
             return []
@@ -310,6 +309,8 @@ class Watcher:
             r.spool.close()
             if left:
                 _write_sidecar(r.spool.path, self.run_id, r.registration)
+            where = ", ".join(f"{n} to {url}" for url, n in r.delivered_to.items())
+            where = where or f"none to {', '.join(self.servers)}"
             if left or r.dropped or r.rejected or r.broken:
                 parts = []
                 if left:
@@ -322,9 +323,11 @@ class Watcher:
                 if r.rejected:
                     parts.append(f"{r.rejected} refused by the server")
                 say(
-                    f"run {self.run_id}: delivered {r.delivered} steps to {self.server}; "
+                    f"run {self.run_id}: delivered {r.delivered} steps ({where}); "
                     f"NOT delivered: {', '.join(parts) or r.broken}"
                 )
+            elif r.switches:
+                say(f"run {self.run_id}: delivered all {r.delivered} steps ({where})")
         except Exception as exc:
             swallow("gf.close", exc)
         # The run is over: a critical alert is not raised from close.
@@ -372,7 +375,7 @@ def watch(
     optimizer: Any = None,
     scaler: Any = None,
     run_id: Optional[str] = None,
-    server: Optional[str] = None,
+    server: Union[None, str, Sequence[str]] = None,
     name: Optional[str] = None,
     every: int = 1,
     token: Optional[str] = None,
@@ -423,7 +426,7 @@ def watch(
             scaler,
             run_id=chosen_id,
             generated_id=generated,
-            server=_env.server(server),
+            servers=_env.servers(server),
             token=_env.token(token),
             name=name,
             every=int(every),
