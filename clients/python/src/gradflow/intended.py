@@ -1,5 +1,6 @@
 """The update an optimizer meant to apply, in f32, before it was rounded to the
 parameter's dtype: what decides whether rounding explains a weight that never moves.
+Of a sharded parameter (FSDP2), the elements this rank holds.
 
 Computed right after ``optimizer.step()`` from the state that step left (the new
 moments and step count are exactly what it used), for the parameters the caller
@@ -14,6 +15,8 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from .ranks import local, local_numel
 
 _MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
 
@@ -50,9 +53,10 @@ def runs(
         while end < len(tensors):
             if groups[end] != groups[start] or tensors[end].dtype != tensors[start].dtype:
                 break
-            if budget is not None and end > start and elements + tensors[end].numel() > budget:
+            size = local_numel(tensors[end])
+            if budget is not None and end > start and elements + size > budget:
                 break
-            elements += tensors[end].numel()
+            elements += size
             end += 1
         ranges.append((start, end))
         start = end
@@ -60,7 +64,8 @@ def runs(
 
 
 def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors]).float()
+    """This rank's elements of `tensors` (a DTensor's local shard), flat, in f32."""
+    return torch.cat([local(t).detach().reshape(-1) for t in tensors]).float()
 
 
 def update(
@@ -84,6 +89,7 @@ def update(
         m = _flat([s["exp_avg"] for s in states])
         v = _flat([s[second] for s in states])
         step = states[0]["step"]
+        step = local(step) if isinstance(step, torch.Tensor) else step
         if isinstance(step, torch.Tensor) and step.device.type != "cpu":
             # capturable / fused: the count lives on the device; reading it would sync.
             step = step.to(m.device, torch.float32)

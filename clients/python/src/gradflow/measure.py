@@ -3,17 +3,25 @@
 Gradient norms are read in the optimizer's step pre-hook (after unscaling, before
 anything can zero them; on a step the scaler skips, from its ``step`` wrapper), the
 norm weights are snapshotted there and compared in the step post-hook, and at
-``gf.step`` every piece is concatenated into one f32 vector and copied to the host
+``gf.step`` every piece is concatenated into one vector and copied to the host
 (non-blocking into pinned memory on CUDA). The reporter thread waits for the copy
 and turns the numbers into a step record, so the training thread never syncs.
 
 Backward reaching a module is counted by ``register_post_accumulate_grad_hook`` on
 its parameters: a host counter, no tensor work, and training stays bit-identical
 (module full-backward hooks would change its numerics).
+
+In a multi-rank run (``partial``) each rank measures the elements it holds (a
+DTensor's local shard) and also sends each module's sum of squares, the elements it
+covers and how many are not finite, and each parameter's element count: the server
+adds the partial sums of sharded parameters across ranks and compares the copies of
+replicated ones. Sums are taken in f64 (the vector brought to the host is f64; f32
+on Apple's MPS, which has no f64).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -21,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import encode, intended
+from .ranks import is_dtensor, local
 from .registration import Param, Registry
 
 
@@ -30,8 +39,9 @@ class _Norm:
 
     name: str
     tensor: torch.Tensor
-    init: torch.Tensor  # f32 copy at registration, for drift
+    init: torch.Tensor  # f32 copy at registration, for drift (of this rank's elements)
     group_index: Optional[int]  # optimizer parameter group, None when not in it
+    numel: int  # elements this rank holds
 
 
 @dataclass
@@ -44,8 +54,12 @@ class PendingStep:
     event: Any = None
     loss: Optional[float] = None
     loss_slot: Optional[int] = None
-    modules: List[Tuple[str, Optional[int], Optional[int]]] = field(default_factory=list)
-    norms: List[Tuple[str, Optional[int], Optional[int], Optional[int]]] = field(
+    # (module, slot of its squared norm, hook hits, elements covered)
+    modules: List[Tuple[str, Optional[int], Optional[int], Optional[int]]] = field(
+        default_factory=list
+    )
+    # (parameter, gradient slot, stats slot, intended-update slot, elements held)
+    norms: List[Tuple[str, Optional[int], Optional[int], Optional[int], int]] = field(
         default_factory=list
     )
     scaler_slot: Optional[int] = None
@@ -56,8 +70,13 @@ class PendingStep:
     carried_slot: Optional[int] = None
     input_slot: Optional[int] = None
     update_names: List[str] = field(default_factory=list)
+    update_numels: List[int] = field(default_factory=list)
     update_slot: Optional[int] = None
     metrics: Dict[str, Any] = field(default_factory=dict)
+    # A multi-rank run (v1.4): the sending rank, its step time, the partial sums.
+    partial: bool = False
+    rank: Optional[int] = None
+    step_time: Optional[float] = None
 
     def values(self) -> List[float]:
         if self.vector is None:
@@ -70,6 +89,10 @@ class PendingStep:
         """The protocol's step record (runs on the reporter thread)."""
         v = self.values()
         rec: Dict[str, Any] = {"step": self.step, "time": self.time}
+        if self.rank is not None:
+            rec["rank"] = self.rank
+        if self.step_time is not None:
+            rec["step_time"] = self.step_time
         loss = v[self.loss_slot] if self.loss_slot is not None else self.loss
         if loss is not None:
             rec["loss"] = encode.number(loss)
@@ -78,7 +101,7 @@ class PendingStep:
             rec["lr"] = next(iter(self.lrs.values()))
         modules = []
         nonfinite = 0
-        for name, slot, hits in self.modules:
+        for name, slot, hits, numel in self.modules:
             entry: Dict[str, Any] = {"module": name}
             if slot is None:
                 entry["grad_norm"] = None
@@ -88,6 +111,15 @@ class PendingStep:
                 if norm != norm or norm == float("inf"):
                     nonfinite += 1
                 entry["grad_norm"] = encode.norm(norm)
+                if self.partial:
+                    entry["grad_sumsq"] = encode.norm(sq)
+                    if numel is not None:
+                        entry["numel"] = numel
+                        # A finite sum means every element is finite. A sum that is
+                        # not may also be an overflow of finite elements: the count is
+                        # then not known (it would take another pass over them).
+                        if math.isfinite(sq):
+                            entry["nonfinite"] = 0
             if hits is not None:
                 entry["hook_hits"] = hits
             modules.append(entry)
@@ -95,7 +127,7 @@ class PendingStep:
             rec["modules"] = modules
             self.metrics.setdefault("grad_nonfinite_modules", float(nonfinite))
         params = []
-        for name, grad_slot, stats_slot, intended_slot in self.norms:
+        for name, grad_slot, stats_slot, intended_slot, held in self.norms:
             entry = {"name": name}
             if grad_slot is not None:
                 entry["grad_norm"] = _root(v[grad_slot])
@@ -103,9 +135,12 @@ class PendingStep:
                 update_sq, drift, mean = v[stats_slot : stats_slot + 3]
                 entry["update_norm"] = _root(update_sq)
                 entry["drift"] = encode.norm(drift)
-                entry["mean"] = encode.number(mean)
+                if held > 0:  # an empty shard has no mean
+                    entry["mean"] = encode.number(mean)
             if intended_slot is not None:
                 _intended_fields(entry, v[intended_slot : intended_slot + 4])
+            if self.partial:
+                entry["numel"] = held
             params.append(entry)
         if self.update_slot is not None:
             for i, name in enumerate(self.update_names):
@@ -113,6 +148,8 @@ class PendingStep:
                 entry = {"name": name, "update_norm": _root(v[at])}
                 if v[at + 1] == v[at + 1]:  # NaN: no intended update for this optimizer
                     _intended_fields(entry, v[at + 1 : at + 5])
+                if self.partial and i < len(self.update_numels):
+                    entry["numel"] = self.update_numels[i]
                 params.append(entry)
         if params:
             rec["params"] = params
@@ -147,6 +184,8 @@ class Measurer:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
+        # Set for a multi-rank run: records carry the partial sums (see the module).
+        self.partial = False
         self.optimizer = registry.optimizer
         self._family = intended.family(self.optimizer) if self.optimizer is not None else None
         self._hits: Dict[int, int] = {}
@@ -194,10 +233,11 @@ class Measurer:
             if p.role != "norm" or not p.tensor.is_floating_point():
                 continue
             prior = old.get(p.name)
-            init = (
-                prior.init if prior is not None else p.tensor.detach().float().reshape(-1).clone()
+            mine = local(p.tensor)
+            init = prior.init if prior is not None else mine.detach().float().reshape(-1).clone()
+            norms.append(
+                _Norm(p.name, p.tensor, init, membership.get(id(p.tensor)), int(mine.numel()))
             )
-            norms.append(_Norm(p.name, p.tensor, init, membership.get(id(p.tensor))))
         # Contiguous runs of one optimizer group and dtype: the intended update is
         # computed per run with plain scalars.
         norms.sort(key=lambda n: (n.group_index is None, n.group_index or 0, str(n.tensor.dtype)))
@@ -289,7 +329,9 @@ class Measurer:
         membership = self.registry._membership()
         for p in self.registry.params:
             t = p.tensor
-            if t.requires_grad and t.grad is not None and id(t) in membership:
+            # Not a DTensor: FSDP2's sharded parameters are not in the autograd graph
+            # (their unsharded copies are), so a hook on one would never fire.
+            if t.requires_grad and t.grad is not None and id(t) in membership and not is_dtensor(t):
                 return t
         return None
 
@@ -308,7 +350,10 @@ class Measurer:
 
     def reset(self) -> None:
         self._grads: Optional[torch.Tensor] = None
-        self._grad_meta: Optional[Tuple[List[Optional[int]], List[Optional[int]]]] = None
+        # (slot of each module, slot of each norm weight, elements of each module)
+        self._grad_meta: Optional[
+            Tuple[List[Optional[int]], List[Optional[int]], List[Optional[int]]]
+        ] = None
         self._before: Optional[torch.Tensor] = None
         self._stats: Optional[torch.Tensor] = None
         self._intended_slots: Dict[int, int] = {}
@@ -325,28 +370,32 @@ class Measurer:
     # -- the optimizer step ------------------------------------------------------
 
     def measure_grads(self) -> None:
-        """Per-parameter gradient norms (foreach), summed per module on the device."""
+        """Per-parameter gradient norms (foreach) of the elements this rank holds,
+        squared and summed per module on the device, in f64."""
         params = self.registry.params
         present = [
             i for i, p in enumerate(params) if p.tensor.requires_grad and p.tensor.grad is not None
         ]
         module_slot: List[Optional[int]] = [None] * len(self._modules)
         norm_slot: List[Optional[int]] = [None] * len(self._norms)
+        module_numel: List[Optional[int]] = [None] * len(self._modules)
         if not present:
-            self._grads, self._grad_meta = None, (module_slot, norm_slot)
+            self._grads, self._grad_meta = None, (module_slot, norm_slot, module_numel)
             return
+        grad_of = {i: local(params[i].tensor.grad) for i in present}
         by_kind: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
         for i in present:
-            g = params[i].tensor.grad
+            g = grad_of[i]
             by_kind.setdefault((g.device, g.dtype), []).append(i)
-        device = params[present[0]].tensor.grad.device
+        device = grad_of[present[0]].device
         order: List[int] = []
         parts = []
         for (_dev, _dtype), idx in by_kind.items():
-            grads = [params[i].tensor.grad for i in idx]
+            grads = [grad_of[i] for i in idx]
             parts.append(_norms(grads).to(device, non_blocking=True))
             order.extend(idx)
         per_param = torch.cat(parts) if len(parts) > 1 else parts[0]
+        per_param = per_param.to(_wide(device))
         squared = per_param * per_param
         key = tuple(order)
         cached = self._index_cache.get(key)
@@ -361,11 +410,12 @@ class Measurer:
             cached = (modules, torch.tensor(picks, device=device, dtype=torch.long))
             self._index_cache[key] = cached
         modules_index, norm_pick = cached
-        per_module = torch.zeros(len(self._modules), device=device).index_add_(
-            0, modules_index, squared
-        )
+        per_module = torch.zeros(len(self._modules), device=device, dtype=squared.dtype)
+        per_module.index_add_(0, modules_index, squared)
         for i in order:
-            module_slot[self._module_of[i]] = self._module_of[i]
+            m = self._module_of[i]
+            module_slot[m] = m
+            module_numel[m] = (module_numel[m] or 0) + int(grad_of[i].numel())
         position = {id(params[i].tensor) for i in order}
         for k, n in enumerate(self._norms):
             if id(n.tensor) in position:
@@ -374,11 +424,11 @@ class Measurer:
         if self._norms:
             pieces.append(squared.index_select(0, norm_pick))
         self._grads = torch.cat(pieces)
-        self._grad_meta = (module_slot, norm_slot)
+        self._grad_meta = (module_slot, norm_slot, module_numel)
 
     def snapshot_norms(self) -> None:
         if self._norms:
-            self._before = torch.cat([n.tensor.detach().reshape(-1).float() for n in self._norms])
+            self._before = torch.cat([_flat32(n.tensor) for n in self._norms])
 
     def after_step(self) -> None:
         """Update, drift and mean of the norm weights, and what the optimizer meant."""
@@ -386,7 +436,7 @@ class Measurer:
             return
         before = self._before
         self._before = None
-        after = torch.cat([n.tensor.detach().reshape(-1).float() for n in self._norms])
+        after = torch.cat([_flat32(n.tensor) for n in self._norms])
         if after.shape != before.shape or self._norm_init is None:
             return  # a norm weight was replaced or resized since the snapshot
         device = after.device
@@ -414,7 +464,7 @@ class Measurer:
         key = (start, end)
         cached = self._seg_cache.get(key)
         if cached is None or cached[0].device != device:
-            sizes = torch.tensor([self._norms[k].tensor.numel() for k in range(start, end)])
+            sizes = torch.tensor([self._norms[k].numel for k in range(start, end)])
             ids = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(device)
             cached = (ids, sizes.to(device, torch.float32))
             self._seg_cache[key] = cached
@@ -424,7 +474,7 @@ class Measurer:
         pieces: List[torch.Tensor] = []
         offsets = [0]
         for n in self._norms:
-            offsets.append(offsets[-1] + n.tensor.numel())
+            offsets.append(offsets[-1] + n.numel)
         groups = self.optimizer.param_groups
         slot = base
         tensors = [n.tensor for n in self._norms]
@@ -461,11 +511,13 @@ class Measurer:
         lrs: Dict[str, float],
         amend: Optional[Dict[str, Any]],
         metrics: Optional[Dict[str, Any]],
-        updates: Optional[Tuple[List[str], Optional[torch.Tensor]]] = None,
+        updates: Optional[Tuple[List[str], Optional[torch.Tensor], List[int]]] = None,
     ) -> PendingStep:
         if not self.grads_measured:
             self.measure_grads()  # gf.step without an optimizer step: what is there now
-        pending = PendingStep(step=step, time=time.time(), lrs=lrs, amend=amend)
+        pending = PendingStep(
+            step=step, time=time.time(), lrs=lrs, amend=amend, partial=self.partial
+        )
         if metrics:
             pending.metrics.update(metrics)
         pieces: List[torch.Tensor] = []
@@ -490,19 +542,23 @@ class Measurer:
             pending.input_slot = add(self._input_absmax.reshape(1))
         if updates is not None and updates[1] is not None:
             pending.update_names = list(updates[0])
+            pending.update_numels = list(updates[2])
             pending.update_slot = add(updates[1].reshape(-1))
         if isinstance(self._carried, torch.Tensor):
             pending.carried_slot = add(self._carried.reshape(1))
         elif self._carried is False:
             pending.carried = False
-        module_slot, norm_slot = self._grad_meta or ([None] * len(self._modules), [])
+        nothing: List[Optional[int]] = [None] * len(self._modules)
+        module_slot, norm_slot, module_numel = self._grad_meta or (nothing, [], nothing)
         hits = self._module_hits()
         trainable = self._module_trainable()
         for m, name in enumerate(self._modules):
             if not trainable[m]:
                 continue
             slot = module_slot[m]
-            pending.modules.append((name, None if slot is None else grad_base + slot, hits[m]))
+            pending.modules.append(
+                (name, None if slot is None else grad_base + slot, hits[m], module_numel[m])
+            )
         for k, n in enumerate(self._norms):
             grad = norm_slot[k] if k < len(norm_slot) else None
             stats = None if stats_base is None else stats_base + 3 * k
@@ -513,13 +569,15 @@ class Measurer:
                     None if grad is None else grad_base + grad,
                     stats,
                     None if inten is None or stats_base is None else stats_base + inten,
+                    n.numel,
                 )
             )
         if pieces:
             device = pieces[0].device
-            vector = torch.cat([p.to(device, torch.float32, non_blocking=True) for p in pieces])
+            wide = _wide(device)
+            vector = torch.cat([p.to(device, wide, non_blocking=True) for p in pieces])
             if device.type == "cuda":
-                host = torch.empty(vector.shape, dtype=torch.float32, pin_memory=True)
+                host = torch.empty(vector.shape, dtype=wide, pin_memory=True)
                 host.copy_(vector, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
@@ -549,6 +607,17 @@ class Measurer:
                 continue
             hits[m] = max(hits[m], self._hits.get(key, 0))  # type: ignore[type-var]
         return hits
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype of sums and of the vector brought to the host: f64, except on a
+    device without it (Apple's MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _flat32(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a parameter, flat, in f32."""
+    return local(t).detach().reshape(-1).float()
 
 
 def _root(square: float) -> Any:

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import layout
+from . import layout, ranks
 
 
 @dataclass
@@ -82,6 +82,9 @@ class Registry:
         self.scaler = scaler
         self._group_of = layout.group_resolver(model, groups)
         self.params: List[Param] = []
+        # Ranks in a run whose every rank reports (v1.4): parameters then say how
+        # their elements are laid out across the ranks. 1 otherwise.
+        self.world_size = 1
         self._rescan()
         self._sent_specs: Dict[str, Dict[str, Any]] = {}
         self._sent_groups: Dict[str, Dict[str, Any]] = {}
@@ -137,13 +140,18 @@ class Registry:
         dtype = layout.dtype_name(p.tensor.dtype)
         if dtype is not None:
             spec["dtype"] = dtype
-        spec["shape"] = [int(d) for d in p.tensor.shape]
+        spec["shape"] = [int(d) for d in p.tensor.shape]  # a DTensor's is the whole tensor's
         spec["requires_grad"] = bool(p.tensor.requires_grad)
         if self.optimizer is not None:
             index = membership.get(id(p.tensor))
             spec["in_optimizer"] = index is not None
             if index is not None:
                 spec["param_group"] = str(index)
+        if self.world_size > 1:
+            where, holders = ranks.layout_of(p.tensor, self.world_size)
+            spec["layout"] = where
+            if holders is not None:
+                spec["shard_ranks"] = holders
         return spec
 
     def param_dtype(self) -> Optional[str]:
@@ -180,6 +188,7 @@ class Registry:
         rank: Optional[int],
         world_size: Optional[int],
         webhooks: Optional[List[Dict[str, Any]]] = None,
+        client_config: Optional[Dict[str, Any]] = None,
     ) -> Dict[str, Any]:
         membership = self._membership()
         specs = [self.param_spec(p, membership) for p in self.params]
@@ -206,6 +215,7 @@ class Registry:
         # Only what stays the same when the same job restarts: registering again with
         # the same body is then accepted as the same run.
         cfg: Dict[str, Any] = {"client": "gradflow-python", "torch": torch.__version__}
+        cfg.update(client_config or {})
         if config is not None:
             cfg["user"] = config
         body["config"] = cfg

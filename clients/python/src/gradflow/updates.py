@@ -8,7 +8,8 @@ copied before the optimizer step (in their own dtype), and after it each one's
 applied update norm and, for AdamW/Adam/SGD, the update the optimizer meant to apply
 (norm, largest ratio to the ulp, non-zero elements, and how many of those rounded
 away) are computed on the device, in chunks that bound the temporary memory. f32
-parameters are left out: rounding does not freeze them.
+parameters are left out: rounding does not freeze them. Of a sharded parameter
+(FSDP2), each rank measures the elements it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from . import intended
+from .ranks import local
 from .registration import Registry
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -36,6 +38,7 @@ class UpdateTracker:
         self._before: Optional[List[torch.Tensor]] = None
         self._stats: Optional[torch.Tensor] = None
         self._names: List[str] = []
+        self._numels: List[int] = []
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -55,7 +58,7 @@ class UpdateTracker:
         return bool(self._entries) and step % self.every == 0
 
     def before_step(self) -> None:
-        self._before = [t.detach().clone() for _, t, _ in self._entries]
+        self._before = [local(t).detach().clone() for _, t, _ in self._entries]
 
     def after_step(self) -> None:
         before, self._before = self._before, None
@@ -64,14 +67,15 @@ class UpdateTracker:
         groups = self.registry.optimizer.param_groups if self.registry.optimizer else []
         rows: List[torch.Tensor] = []
         names: List[str] = []
+        numels: List[int] = []
         tensors = [t for _, t, _ in self._entries]
         indices = [g for _, _, g in self._entries]
         for start, end in intended.runs(tensors, indices, CHUNK_ELEMENTS):
             group_index = indices[start]
             chunk = tensors[start:end]
             b = torch.cat([x.reshape(-1).float() for x in before[start:end]])
-            a = torch.cat([t.detach().reshape(-1).float() for t in chunk])
-            sizes = torch.tensor([t.numel() for t in chunk])
+            a = torch.cat([local(t).detach().reshape(-1).float() for t in chunk])
+            sizes = torch.tensor([local(t).numel() for t in chunk])
             segments = torch.repeat_interleave(torch.arange(len(chunk)), sizes).to(a.device)
             count = end - start
             zeros = torch.zeros(count, device=a.device)
@@ -88,13 +92,18 @@ class UpdateTracker:
                 summary = torch.full((count, 4), float("nan"), device=a.device)
             rows.append(torch.cat([applied.reshape(-1, 1), summary], dim=1).reshape(-1))
             names.extend(name for name, _, _ in self._entries[start:end])
+            numels.extend(int(n) for n in sizes.tolist())
         self._stats = torch.cat(rows) if rows else None
         self._names = names
+        self._numels = numels
 
-    def take(self) -> Tuple[List[str], Optional[torch.Tensor]]:
-        """The names and the (n × 5) stats of the last measured step, once."""
+    def take(self) -> Tuple[List[str], Optional[torch.Tensor], List[int]]:
+        """The names, the (n × 5) stats and the elements this rank holds of each
+        parameter measured at the last step, once."""
         stats, self._stats = self._stats, None
-        return (self._names if stats is not None else []), stats
+        if stats is None:
+            return [], None, []
+        return self._names, stats, self._numels
 
     def discard(self) -> Any:
         self._before = None

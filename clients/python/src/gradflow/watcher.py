@@ -7,19 +7,21 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 import warnings
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-import torch
 from torch import nn
 
 from . import _env, layout
+from . import ranks as _ranks
 from ._log import guarded, logger, say, swallow
 from .alerts import AlertBox
 from .cuts import CutTracer
 from .errors import GradflowWarning, TrainingAlert
 from .measure import Measurer
+from .ranks import Ranks
 from .registration import Registry, webhook_specs
 from .reporter import Reporter
 from .scaler import ScalerTap
@@ -29,8 +31,8 @@ from .updates import UpdateTracker
 
 
 class NoopWatcher:
-    """What ``watch`` returns when gradflow is disabled or this rank does not report:
-    the same methods, doing nothing."""
+    """What ``watch`` returns when gradflow is disabled or this process does not
+    report: the same methods, doing nothing."""
 
     run_id: Optional[str] = None
     enabled = False
@@ -73,12 +75,12 @@ class Watcher:
         detectors: Optional[Mapping[str, int]],
         train: Optional[List[str]],
         config: Any,
-        rank: Optional[int],
-        world_size: Optional[int],
-        queue_size: int,
-        close_timeout: float,
-        spool_dir: Optional[str],
-        spool_max_bytes: int,
+        ranks: Optional[Ranks] = None,
+        report_alone: bool = False,
+        queue_size: int = 1024,
+        close_timeout: float = 15.0,
+        spool_dir: Optional[str] = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
         updates_every: int = 10,
         webhooks: Optional[List[Dict[str, Any]]] = None,
     ) -> None:
@@ -86,6 +88,13 @@ class Watcher:
             raise ValueError(f"every must be at least 1, got {every}")
         self.run_id = run_id
         self.servers = list(servers)
+        # A multi-rank run: every rank reports its own record (v1.4).
+        self.ranks = ranks
+        self.multi_rank = ranks is not None and ranks.world_size > 1 and not report_alone
+        # The rank its records name (v1.4), in a multi-rank run only.
+        self.rank = ranks.rank if ranks is not None and self.multi_rank else None
+        self._label = f"run {run_id}" + (f" (rank {self.rank})" if self.rank is not None else "")
+        self._last_step_end: Optional[float] = None
         self.every = every
         self.close_timeout = close_timeout
         self._closed = False
@@ -96,16 +105,25 @@ class Watcher:
         self.optimizer = layout.unwrap_optimizer(optimizer) if optimizer is not None else None
         self._alerts = AlertBox(on_alert)
         self.registry = Registry(self.model, self.optimizer, scaler, groups)
+        client_config: Dict[str, Any] = {}
+        if ranks is not None and report_alone:
+            # One rank reports for the whole job: a single view, registered as such.
+            client_config["reporting_rank"] = ranks.rank
+            client_config["world_size"] = ranks.world_size
+        elif ranks is not None and self.multi_rank:
+            self.registry.world_size = ranks.world_size
         body = self.registry.registration(
             name,
             dict(detectors) if detectors else None,
             config,
             train,
-            rank,
-            world_size,
+            ranks.rank if ranks is not None and not report_alone else None,
+            ranks.world_size if ranks is not None and not report_alone else None,
             webhooks,
+            client_config,
         )
         self.measurer = Measurer(self.registry)
+        self.measurer.partial = self.multi_rank
         self.tracer = CutTracer(self.registry)
         self.updates = UpdateTracker(self.registry, updates_every)
         self._pending_cuts: List[Dict[str, Any]] = []
@@ -113,16 +131,26 @@ class Watcher:
         self._handles: List[Any] = []
         self._scaler: Optional[ScalerTap] = None
         directory = spool_dir or os.path.join(tempfile.gettempdir(), "gradflow-spool")
-        spool = Spool(os.path.join(directory, f"{run_id}.{os.getpid()}.ndjson"), spool_max_bytes)
+        # Each rank spools to a file of its own.
+        who = f"rank{self.rank}." if self.rank is not None else ""
+        spool = Spool(
+            os.path.join(directory, f"{run_id}.{who}{os.getpid()}.ndjson"), spool_max_bytes
+        )
+        # In a multi-rank run only rank 0 reads and shows the run's alerts.
+        lead = self.rank in (None, 0)
         self.reporter = Reporter(
             [Client(url, token) for url in self.servers],
             run_id,
             body,
             spool,
-            self._alerts if on_alert is not None else None,
+            self._alerts if on_alert is not None and lead else None,
             queue_size=queue_size,
+            # Every rank registers the same body but for its rank and host: until the
+            # server compares ranks' registrations without them, a 409 on those is
+            # expected.
+            quiet_conflicts=("rank", "host") if self.multi_rank else (),
         )
-        if generated_id:
+        if generated_id and lead:
             say(f"run id {run_id} (set GRADFLOW_RUN_ID or run_id= to choose one)")
         # Registration-time verdicts (a GradScaler over bf16 parameters) come before the
         # first step: register now, read the run's alerts, show them.
@@ -231,6 +259,11 @@ class Watcher:
     ) -> None:
         if self._closed:
             return
+        # The wall clock between optimizer steps (gf.step follows each one): what
+        # shows a straggler among ranks. The first step has no previous one.
+        now = time.monotonic()
+        step_time = None if self._last_step_end is None else now - self._last_step_end
+        self._last_step_end = now
         if step is not None:
             self._step = int(step)
         self._check_amend()
@@ -241,6 +274,7 @@ class Watcher:
                 self._scaler.take() if self._scaler is not None else None,
                 dict(metrics) if metrics else None,
                 self.updates.take(),
+                step_time,
             )
         else:
             self.measurer.reset()
@@ -267,6 +301,7 @@ class Watcher:
         scaler_state: Any,
         metrics: Optional[Dict[str, Any]],
         updates: Any,
+        step_time: Optional[float] = None,
     ) -> None:
         """This step's record, with the amendment and graph cuts waiting for it, handed
         to the reporter thread."""
@@ -275,6 +310,11 @@ class Watcher:
             self._step, loss, scaler_state, self.registry.lrs(), amend, metrics, updates
         )
         pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
+        if self.rank is not None:
+            # v1.4 fields only in a multi-rank run: a single process's records stay
+            # what a v1.3 server accepts.
+            pending.rank = self.rank
+            pending.step_time = step_time
         self.reporter.submit(pending)
 
     def alerts(self) -> List[Dict[str, Any]]:
@@ -323,11 +363,11 @@ class Watcher:
                 if r.rejected:
                     parts.append(f"{r.rejected} refused by the server")
                 say(
-                    f"run {self.run_id}: delivered {r.delivered} steps ({where}); "
+                    f"{self._label}: delivered {r.delivered} steps ({where}); "
                     f"NOT delivered: {', '.join(parts) or r.broken}"
                 )
             elif r.switches:
-                say(f"run {self.run_id}: delivered all {r.delivered} steps ({where})")
+                say(f"{self._label}: delivered all {r.delivered} steps ({where})")
         except Exception as exc:
             swallow("gf.close", exc)
         # The run is over: a critical alert is not raised from close.
@@ -354,19 +394,19 @@ def _close_at_exit(ref: Any) -> None:
         watcher.close()
 
 
-def _distributed() -> tuple:
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None, None
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _sharded(model: nn.Module) -> Optional[str]:
+def _partitioned(model: nn.Module) -> Optional[str]:
+    """Why the model cannot be watched: parameters DeepSpeed ZeRO partitions (their
+    gradients are gone once its engine has stepped)."""
     for name, p in model.named_parameters():
-        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
-            return f"{name} is a DTensor (FSDP2 / tensor parallel)"
         if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
-            return f"{name} is partitioned by DeepSpeed ZeRO"
+            return f"{name} is partitioned by DeepSpeed ZeRO, which is not supported yet"
+    return None
+
+
+def _first_sharded(model: nn.Module) -> Optional[str]:
+    for name, p in model.named_parameters():
+        if _ranks.is_dtensor(p):
+            return name
     return None
 
 
@@ -395,31 +435,39 @@ def watch(
 ) -> Any:
     """Watches a training run and reports it to a gradflow server.
 
-    Returns a :class:`Watcher` (or a no-op object when ``GRADFLOW_DISABLED=1``, on
-    ranks other than 0 under torch.distributed, or when the model is sharded across
-    ranks, which is not supported yet). Never raises for gradflow's own failures;
-    with ``on_alert="raise"`` a critical registration-time alert raises
-    :class:`gradflow.TrainingAlert` here.
+    Under ``torch.distributed`` with more than one rank, call it on every rank: each
+    rank reports its own record (the gradients it holds: the whole of a replicated
+    parameter, its shard of an FSDP2 one) and the server combines them; see
+    :mod:`gradflow.ranks` for how the ranks agree on the run id. With ``rank=k`` only
+    rank ``k`` reports, as a single view of the job (not for sharded models).
+
+    Returns a :class:`Watcher`, or a no-op object when ``GRADFLOW_DISABLED=1``, on a
+    rank that ``rank=`` leaves out, or for a model DeepSpeed ZeRO partitions. Never
+    raises for gradflow's own failures; with ``on_alert="raise"`` a critical
+    registration-time alert raises :class:`gradflow.TrainingAlert` here.
     """
     if _env.disabled():
         return NoopWatcher()
     try:
-        dist_rank, world_size = _distributed()
-        report_rank = 0 if rank is None else rank
-        if dist_rank is not None and dist_rank != report_rank:
+        here = _ranks.current()
+        if here is not None and rank is not None and here.rank != rank:
             return NoopWatcher()
+        alone = here is not None and rank is not None and here.world_size > 1
         inner = layout.unwrap_model(model)
-        sharded = _sharded(inner)
-        if sharded is not None:
+        refused = _partitioned(inner)
+        if refused is None and alone:
+            sharded = _first_sharded(inner)
+            if sharded is not None:
+                refused = (
+                    f"rank={rank} reports one rank alone, but {sharded} is sharded across "
+                    "ranks (a DTensor): leave rank= out so that every rank reports its shard"
+                )
+        if refused is not None:
             warnings.warn(
-                f"gradflow: {sharded}. Parameters sharded across ranks are not supported yet: "
-                "reporting a local shard as the whole tensor would give wrong norms, so this "
-                "run is not watched.",
-                GradflowWarning,
-                stacklevel=2,
+                f"gradflow: {refused}; this run is not watched.", GradflowWarning, stacklevel=2
             )
             return NoopWatcher()
-        chosen_id, generated = _env.run_id(run_id, name)
+        chosen_id, generated = _ranks.agree_run_id(run_id, name, None if alone else here)
         return Watcher(
             model,
             optimizer,
@@ -435,8 +483,8 @@ def watch(
             detectors=detectors,
             train=train,
             config=config,
-            rank=dist_rank,
-            world_size=world_size,
+            ranks=here,
+            report_alone=alone,
             queue_size=queue_size,
             close_timeout=close_timeout
             if close_timeout is not None

@@ -1,0 +1,143 @@
+"""One rank of a multi-rank training job, for tests/test_multirank.py: started by
+``torchrun`` (CPU, gloo), it trains a tiny model under DistributedDataParallel or
+FSDP2 (``fully_shard``, also as HSDP) with ``gradflow.watch`` on every rank, then writes what it
+was (rank, run id, spool) to ``--out``. The test trains the same model in one
+process on the same data (``Tiny``, ``batch``) and compares.
+
+Each step's global batch is the same 8 rows whatever the world size; rank r trains on
+its contiguous share of them, so the averaged gradients are the single process's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Tuple
+
+import torch
+from torch import nn
+
+VOCAB = 13
+HIDDEN = 10
+WIDE = 12
+CLASSES = 5  # over 4 ranks, FSDP2 shards 5 rows as 2, 2, 1 and 0: an empty shard
+ROWS = 8
+LR = 1e-2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, WIDE)
+        self.ln = nn.LayerNorm(WIDE)
+        self.down = nn.Linear(WIDE, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.ln(self.up(x))))
+
+
+class Tiny(nn.Module):
+    """Embedding, a residual block with a LayerNorm, an RMSNorm, a head and a norm
+    over the logits (5 elements: a shard of it is empty on one rank of four)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.block = Block()
+        self.norm = nn.RMSNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+        self.out_norm = nn.LayerNorm(CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).mean(1)
+        x = x + self.block(x)
+        return self.out_norm(self.head(self.norm(x)))
+
+
+def batch(step: int, rank: int = 0, world_size: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s share of step `step`'s global batch (all of it for one process)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (ROWS, 6), generator=g)
+    target = torch.randint(0, CLASSES, (ROWS,), generator=g)
+    share = ROWS // world_size
+    rows = slice(rank * share, (rank + 1) * share)
+    return tokens[rows], target[rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--wrap", choices=["ddp", "fsdp", "hsdp"], required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--name", default="multirank")
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--nan", default=None, help="STEP:RANK: a NaN in that rank's head.weight gradient"
+    )
+    parser.add_argument(
+        "--no-elastic-id",
+        action="store_true",
+        help="hide torchrun's run id, so that the ranks agree on one by broadcast",
+    )
+    args = parser.parse_args()
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = Tiny()
+    if args.wrap == "ddp":
+        wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if args.wrap == "hsdp":  # two replicas, each sharded over half the ranks
+            shape = (2, world_size // 2)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,))
+        fully_shard(model.block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped = model
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if args.no_elastic_id:
+        os.environ["TORCHELASTIC_RUN_ID"] = "none"  # what torchrun sets for a static rendezvous
+    nan_step, nan_rank = (int(x) for x in args.nan.split(":")) if args.nan else (-1, -1)
+
+    import gradflow
+
+    gf = gradflow.watch(wrapped, optimizer, name=args.name, on_alert=None)
+    print(f"rank {rank}: watching run {gf.run_id} ({type(gf).__name__})", flush=True)
+    for step in range(args.steps):
+        tokens, target = batch(step, rank, world_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(wrapped(tokens), target)
+        loss.backward()
+        if step == nan_step and rank == nan_rank:
+            grad = model.head.weight.grad
+            held = getattr(grad, "_local_tensor", grad)
+            held.view(-1)[0] = float("nan")
+        optimizer.step()
+        gf.step(loss=loss)
+    gf.close()
+    spool = getattr(getattr(gf, "reporter", None), "spool", None)
+    Path(args.out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "world_size": world_size,
+                "run_id": gf.run_id,
+                "elastic_id": elastic,
+                "spool": getattr(spool, "path", None),
+            }
+        )
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
