@@ -77,6 +77,9 @@ def main() -> None:
         "--nan", default=None, help="STEP:RANK: a NaN in that rank's head.weight gradient"
     )
     parser.add_argument(
+        "--report-rank", type=int, default=None, help="rank= for gradflow.watch: that rank alone"
+    )
+    parser.add_argument(
         "--no-elastic-id",
         action="store_true",
         help="hide torchrun's run id, so that the ranks agree on one by broadcast",
@@ -110,7 +113,7 @@ def main() -> None:
 
     import gradflow
 
-    gf = gradflow.watch(wrapped, optimizer, name=args.name, on_alert=None)
+    gf = gradflow.watch(wrapped, optimizer, name=args.name, on_alert=None, rank=args.report_rank)
     print(f"rank {rank}: watching run {gf.run_id} ({type(gf).__name__})", flush=True)
     for step in range(args.steps):
         tokens, target = batch(step, rank, world_size)
@@ -124,6 +127,20 @@ def main() -> None:
         optimizer.step()
         gf.step(loss=loss)
     gf.close()
+    if args.report_rank is not None:
+        # One rank alone cannot stand for a sharded model: watch says so and declines.
+        import warnings
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        sharded = Tiny()
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (world_size,)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            other = gradflow.watch(sharded, rank=args.report_rank)
+        said = [str(w.message) for w in caught if w.category is gradflow.GradflowWarning]
+        print(f"rank {rank}: sharded model with rank=: {type(other).__name__} {said}", flush=True)
     spool = getattr(getattr(gf, "reporter", None), "spool", None)
     Path(args.out, f"rank{rank}.json").write_text(
         json.dumps(

@@ -342,3 +342,26 @@ def test_multirank_hsdp_counts_one_replica_s_shards(tmp_path):
         assert sums[0] != sums[1]
     check_against_one_process(records, registrations, steps)
     print(f"HSDP, 4 ranks: {took:.1f} s")
+
+
+def test_multirank_rank_argument_keeps_one_rank_reporting_alone(gradflow_server, tmp_path):
+    """rank=1: rank 1 alone reports, as a single view of the job (no world_size in
+    its registration, no v1.4 field in its records); for a sharded model it declines."""
+    run_id = new_run_id("mr-alone")
+    output, ranks, _ = torchrun(
+        2,
+        tmp_path,
+        *("--wrap", "ddp", "--steps", "3", "--report-rank", "1"),
+        server=gradflow_server.url,
+        run_id=run_id,
+    )
+    assert "rank 0: watching run None (NoopWatcher)" in output
+    assert f"rank 1: watching run {run_id} (Watcher)" in output
+    run = gradflow_server.run(run_id)
+    assert "world_size" not in run and "rank" not in run
+    assert run["config"]["reporting_rank"] == 1 and run["config"]["world_size"] == 2
+    assert all("layout" not in p for p in run["params"])
+    assert run["step_count"] == 3
+    assert "rank 0: sharded model with rank=: NoopWatcher []" in output
+    assert "rank 1: sharded model with rank=: NoopWatcher [" in output
+    assert "leave rank= out so that every rank reports its shard" in output
