@@ -254,8 +254,10 @@ def test_raise_mode_raises_a_critical_alert_from_step(gradflow_server):
         on_alert="raise",
     )
     with pytest.raises(gradflow.TrainingAlert) as raised:
-        # Alerts are read in the background: give them a few steps to arrive.
-        for _ in range(200):
+        # Alerts are read in the background, once a second: train until one arrives
+        # (200 steps of this model can take less than that on an idle machine).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
             train(model, optimizer, gf, 1)
     gf.close()
     assert raised.value.kind == "grad_stuck_zero"
