@@ -1,4 +1,5 @@
 // The migrations are embedded with `sqlx::migrate!`; rebuild when they change.
 fn main() {
-    println!("cargo:rerun-if-changed=../migrations");
+    println!("cargo:rerun-if-changed=../migrations/sqlite");
+    println!("cargo:rerun-if-changed=../migrations/postgres");
 }

@@ -7,13 +7,15 @@
 //! Run: `cargo bench -p gradflow-server --bench chart_render`
 //! (`GRADFLOW_BENCH_STEPS` shortens the run for a smoke test).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use gradflow_protocol::{Float, ModuleStep, RunId, RunRegistration, StepRecord};
 use gradflow_server::charts::{self, ChartKind, Format};
 use gradflow_server::detect::{Detection, Thresholds};
-use gradflow_server::store::columns::SeriesKind;
-use gradflow_server::store::{SeriesRequest, Store, SyncMode};
+use gradflow_server::ingest::Ingest;
+use gradflow_server::model::series_kind::SeriesKind;
+use gradflow_server::store::{DatabaseUrl, SeriesRequest, Store, StoreConfig, SyncMode};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -62,13 +64,19 @@ async fn main() {
         enabled: false,
         thresholds: Thresholds::default(),
     };
-    let store = Store::open(&dir.path().join("bench.db"), SyncMode::Normal, detection)
+    let store = Arc::new(
+        Store::open(&StoreConfig {
+            database: DatabaseUrl::Sqlite(dir.path().join("bench.db")),
+            sync: SyncMode::Normal,
+        })
         .await
-        .unwrap();
+        .unwrap(),
+    );
+    let ingest = Ingest::standalone(store.clone(), detection);
     let run = RunId::parse("bench").unwrap();
     let registration: RunRegistration =
         serde_json::from_value(serde_json::json!({"params": []})).unwrap();
-    store.register_run(&run, registration).await.unwrap();
+    ingest.register_run(&run, registration).await.unwrap();
     // Uniform on [0, 1), from a fixed seed so every run sees the same data.
     let mut rng = StdRng::seed_from_u64(0x2545_f491_4f6c_dd1du64);
     let mut noise = move || rng.gen_range(0.0..1.0);
@@ -76,7 +84,7 @@ async fn main() {
     let mut first = 0;
     while first < steps {
         let last = (first + BATCH).min(steps);
-        store
+        ingest
             .ingest(&run, &batch(first, last, &mut noise))
             .await
             .unwrap();

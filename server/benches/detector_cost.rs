@@ -1,15 +1,17 @@
-//! What the detectors add to ingestion: `Store::ingest` of the same batches with
+//! What the detectors add to ingestion: `Ingest::ingest` of the same batches with
 //! detectors on and off, interleaved in one process, fresh database each run; the
 //! median of each and their ratio. JSON parsing is left out, which makes the
 //! detectors' share look larger than it is over HTTP.
 //!
 //! Run: `cargo bench -p gradflow-server --bench detector_cost`
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use gradflow_protocol::{RunId, RunRegistration, StepRecord};
 use gradflow_server::detect::{Detection, DetectorSet, RunContext, Thresholds};
-use gradflow_server::store::{Store, SyncMode};
+use gradflow_server::ingest::Ingest;
+use gradflow_server::store::{DatabaseUrl, Store, StoreConfig, SyncMode};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -63,14 +65,20 @@ async fn ingest_seconds(enabled: bool, batches: &[Vec<StepRecord>]) -> f64 {
         enabled,
         thresholds: Thresholds::default(),
     };
-    let store = Store::open(&dir.path().join("bench.db"), SyncMode::Full, detection)
+    let store = Arc::new(
+        Store::open(&StoreConfig {
+            database: DatabaseUrl::Sqlite(dir.path().join("bench.db")),
+            sync: SyncMode::Full,
+        })
         .await
-        .unwrap();
+        .unwrap(),
+    );
+    let ingest = Ingest::standalone(store.clone(), detection);
     let run = RunId::parse("bench").unwrap();
-    store.register_run(&run, registration()).await.unwrap();
+    ingest.register_run(&run, registration()).await.unwrap();
     let start = Instant::now();
     for batch in batches {
-        store.ingest(&run, batch).await.unwrap();
+        ingest.ingest(&run, batch).await.unwrap();
     }
     let seconds = start.elapsed().as_secs_f64();
     store.close().await.unwrap();

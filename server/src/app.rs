@@ -40,6 +40,7 @@ pub fn app(state: AppState) -> Router {
         ));
     let app = Router::new()
         .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
         .route("/metrics", get(metrics::serve_metrics))
         .nest("/api/v1", api)
         .merge(crate::pages::routes())

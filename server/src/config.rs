@@ -8,11 +8,11 @@ use clap::Parser;
 use gradflow_protocol::{AlertSeverity, Webhook, WebhookFormat};
 
 use crate::detect::{Detection, Thresholds};
-use crate::store::SyncMode;
+use crate::store::{DatabaseUrl, StoreConfig, SyncMode};
 use crate::webhooks::WebhookSettings;
 
 /// gradflow-server: stores gradient-flow telemetry from instrumented trainers in
-/// SQLite and serves it back over HTTP (protocol v1 under /api/v1).
+/// SQLite or PostgreSQL and serves it back over HTTP (protocol v1 under /api/v1).
 #[derive(Debug, Clone, Parser)]
 #[command(name = "gradflow-server", version, about, long_about = None)]
 pub struct ServerConfig {
@@ -20,9 +20,22 @@ pub struct ServerConfig {
     #[arg(long, env = "GRADFLOW_LISTEN", default_value = "127.0.0.1:7070")]
     pub listen: String,
 
-    /// SQLite database file; created (with its WAL) if missing.
+    /// SQLite database file; created (with its WAL) if missing. `--database` takes
+    /// precedence.
     #[arg(long, env = "GRADFLOW_DB", default_value = "./gradflow.db")]
     pub db: PathBuf,
+
+    /// Where the data lives: `postgres://user:password@host:port/db` for a
+    /// PostgreSQL database (several servers may share one), or a SQLite file's path
+    /// (`sqlite://path` or a bare path). Without it, `--db`.
+    #[arg(long, env = "GRADFLOW_DATABASE_URL", value_parser = DatabaseUrl::parse, hide_env_values = true)]
+    pub database: Option<DatabaseUrl>,
+
+    /// Runs whose ingest state (column dictionary, detectors, open alerts) a server
+    /// keeps in memory; the least recently used is read back from the database when
+    /// its next batch comes.
+    #[arg(long, env = "GRADFLOW_CACHED_RUNS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub cached_runs: u32,
 
     /// Token every write (PUT, POST, DELETE) must present as `Authorization: Bearer
     /// <token>`; without it, writes are open to whoever can reach the address.
@@ -45,9 +58,10 @@ pub struct ServerConfig {
     #[arg(long, env = "GRADFLOW_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
 
-    /// When a commit reaches the disk: `full` fsyncs every batch (survives a power
-    /// cut), `normal` only at checkpoints (survives a killed server).
-    #[arg(long, env = "GRADFLOW_SYNC", value_enum, default_value = "full")]
+    /// When a SQLite commit reaches the disk: `full` fsyncs every batch (survives a
+    /// power cut), `normal` only at checkpoints (survives a killed server).
+    /// PostgreSQL follows its own `synchronous_commit`.
+    #[arg(long, env = "GRADFLOW_SYNC", default_value = "full", value_parser = parse_sync)]
     pub sync: SyncMode,
 
     /// grad_stuck_zero opens after this many consecutive steps with a gradient norm of
@@ -162,6 +176,14 @@ impl WebhookFlags {
     }
 }
 
+fn parse_sync(text: &str) -> Result<SyncMode, String> {
+    match text {
+        "full" => Ok(SyncMode::Full),
+        "normal" => Ok(SyncMode::Normal),
+        _ => Err(format!("{text:?} is not a sync mode: full or normal")),
+    }
+}
+
 fn parse_webhook_url(url: &str) -> Result<String, String> {
     gradflow_protocol::check_webhook_url(url)?;
     Ok(url.to_owned())
@@ -175,6 +197,21 @@ fn parse_positive_secs(text: &str) -> Result<f64, String> {
 }
 
 impl ServerConfig {
+    /// The database these flags name: `--database`, else `--db`.
+    pub fn database_url(&self) -> DatabaseUrl {
+        self.database
+            .clone()
+            .unwrap_or_else(|| DatabaseUrl::Sqlite(self.db.clone()))
+    }
+
+    /// How to open the store.
+    pub fn store(&self) -> StoreConfig {
+        StoreConfig {
+            database: self.database_url(),
+            sync: self.sync,
+        }
+    }
+
     /// The detector settings these flags ask for.
     pub fn detection(&self) -> Detection {
         Detection {

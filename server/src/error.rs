@@ -69,6 +69,9 @@ impl From<StoreError> for ApiError {
             StoreError::Conflict { path, message } => {
                 ApiError::new(StatusCode::CONFLICT, "conflict", message).with_path(path)
             }
+            StoreError::Stale => ApiError::from(StoreError::Unavailable(
+                "the run moved on while the request was handled".to_owned(),
+            )),
             StoreError::Unavailable(detail) => {
                 tracing::warn!(error = %detail, "storage unavailable");
                 ApiError::new(

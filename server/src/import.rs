@@ -13,7 +13,10 @@ use anyhow::{Context, bail};
 use gradflow_protocol::{RunId, RunRegistration, parse_steps_ndjson, validate_batch};
 use serde::Deserialize;
 
+use std::sync::Arc;
+
 use crate::config::ServerConfig;
+use crate::ingest::Ingest;
 use crate::store::Store;
 
 /// Records per ingest transaction (the spool may hold a whole run).
@@ -100,8 +103,10 @@ pub async fn import(config: &ServerConfig, options: &ImportOptions) -> anyhow::R
     for chunk in records.chunks(BATCH) {
         validate_batch(chunk).map_err(|e| anyhow::anyhow!("{}: {e}", options.spool.display()))?;
     }
-    let store = Store::open(&config.db, config.sync, config.detection()).await?;
-    store
+    let store = Arc::new(Store::open(&config.store()).await?);
+    store.wait_ready().await?;
+    let ingest = Ingest::standalone(store.clone(), config.detection());
+    ingest
         .register_run(&run_id, registration)
         .await
         .with_context(|| format!("registering {}", run_id.as_str()))?;
@@ -112,11 +117,12 @@ pub async fn import(config: &ServerConfig, options: &ImportOptions) -> anyhow::R
         last_step: None,
     };
     for chunk in records.chunks(BATCH) {
-        let outcome = store.ingest(&run_id, chunk).await?;
+        let outcome = ingest.ingest(&run_id, chunk).await?;
         imported.accepted += outcome.accepted as u64;
         imported.duplicates += outcome.duplicates as u64;
         imported.last_step = outcome.last_step.or(imported.last_step);
     }
+    store.close().await?;
     Ok(imported)
 }
 
@@ -126,7 +132,7 @@ pub async fn run(config: &ServerConfig, options: &ImportOptions) -> anyhow::Resu
         "imported {} step records into run {} in {} ({} already there); last step {}",
         done.accepted,
         done.run_id,
-        config.db.display(),
+        config.database_url().display(),
         done.duplicates,
         done.last_step
             .map_or_else(|| "none".to_owned(), |s| s.to_string()),

@@ -1,11 +1,13 @@
 //! gradflow-server: receives gradient-flow telemetry from instrumented trainers,
-//! stores it in SQLite and serves it back.
+//! stores it (SQLite embedded, or PostgreSQL shared by several servers) and serves
+//! it back.
 //!
 //! The data path: a trainer sends step records (docs/PROTOCOL.md, parsed and validated by
-//! `gradflow-protocol`) → [`routes`] reads the body ([`body`]) → [`store`] flattens each
-//! record into a row of its run's columns and commits the batch with its rollups in
-//! one transaction → reads come back through [`store`] and the downsampler in
-//! [`series`].
+//! `gradflow-protocol`) → [`routes`] reads the body ([`body`]) → [`ingest`] prepares the
+//! batch (flattening each record into a row of its run's columns, rollups, the
+//! detectors' verdicts) → [`store`] commits it in one transaction (SQLite or
+//! PostgreSQL) → [`events`] announces it → reads come back through [`store`] and
+//! the downsampler in [`series`].
 //!
 //! # Layout
 //!
@@ -19,9 +21,14 @@
 //! - [`api_types`]: the response bodies and error answers the handlers document.
 //! - [`body`]: content types, gzip and size limits of request bodies.
 //! - [`error`]: [`error::ApiError`], the JSON error body.
-//! - [`store`]: everything that touches SQLite.
+//! - [`ingest`]: what a registration and a batch mean: run state, detectors, alert
+//!   episodes, kept right when several servers share a database.
+//! - [`events`]: the live events of every commit, on every server.
+//! - [`store`]: all SQL, for SQLite and PostgreSQL.
 //! - [`series`]: pure downsampling and read planning.
 //! - [`detect`]: the streaming detectors, pure: records in, alert transitions out.
+//! - [`model`]: the vocabulary every layer shares (alerts, stored values, series
+//!   kinds), importing nothing of the server.
 //! - [`charts`]: charts drawn with plotters from the store's rollups.
 //! - [`metrics`]: the server's own metrics for Prometheus (served by
 //!   `routes::metrics`).
@@ -37,8 +44,11 @@ pub mod config;
 pub mod demo;
 pub mod detect;
 pub mod error;
+pub mod events;
 pub mod import;
+pub mod ingest;
 pub mod metrics;
+pub mod model;
 pub mod openapi;
 pub mod pages;
 pub mod retention;

@@ -11,8 +11,8 @@ use gradflow_server::startup::{Application, shutdown_signal, survive_file_size_l
 use tracing_subscriber::EnvFilter;
 
 /// gradflow-server: stores gradient-flow telemetry from instrumented trainers in
-/// SQLite, diagnoses it, and serves it back over HTTP (protocol v1 under /api/v1) and
-/// as a dashboard.
+/// SQLite or PostgreSQL, diagnoses it, and serves it back over HTTP (protocol v1
+/// under /api/v1) and as a dashboard.
 #[derive(Debug, Parser)]
 #[command(name = "gradflow-server", version, about, long_about = None)]
 struct Cli {
@@ -28,7 +28,8 @@ enum Command {
     /// scenario, one after another; prints the dashboard's address.
     Demo(DemoOptions),
     /// Load a client's undelivered spool (NDJSON step records) and its registration
-    /// into the database (--db), through the same checks and detectors as the API.
+    /// into the database (--database or --db), through the same checks and detectors
+    /// as the API.
     Import(ImportOptions),
 }
 
@@ -62,7 +63,7 @@ async fn run(config: ServerConfig) -> anyhow::Result<()> {
     let app = Application::build(&config).await?;
     tracing::info!(
         address = %app.address(),
-        db = %config.db.display(),
+        database = %config.database_url().display(),
         ingest_token = config.ingest_token.is_some(),
         read_token = config.read_token.is_some(),
         "gradflow-server listening"

@@ -6,8 +6,9 @@ use axum::Json;
 use utoipa::OpenApi;
 
 use crate::api_types::*;
+use crate::ingest::IngestOutcome;
+use crate::store::RunStatus;
 use crate::store::alerts::{Alert, OpenAlertCounts};
-use crate::store::{IngestOutcome, RunStatus};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -17,6 +18,7 @@ use crate::store::{IngestOutcome, RunStatus};
     ),
     paths(
         crate::routes::health::healthz,
+        crate::routes::health::readyz,
         crate::routes::metrics::serve_metrics,
         openapi_json,
         crate::routes::runs::register_run,

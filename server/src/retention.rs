@@ -5,17 +5,27 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
+
 use crate::store::{Store, now_seconds};
 
 /// How often expired runs are looked for.
 const EVERY: Duration = Duration::from_secs(3600);
+/// How soon a failed round (the database unreachable, say) is tried again.
+const RETRY: Duration = Duration::from_secs(60);
 
-/// Expires runs older than `days`, now and every hour, for as long as the server runs.
-pub async fn run(store: Arc<Store>, days: u32) {
+/// Expires runs older than `days`, now and every hour, until `shutdown` turns true.
+/// With several servers on one database, one at a time does it (the store's
+/// `exclusively`), and the others find nothing left to expire.
+pub async fn run(store: Arc<Store>, days: u32, mut shutdown: watch::Receiver<bool>) {
     let max_age = f64::from(days) * 86_400.0;
     let mut ticks = tokio::time::interval(EVERY);
     loop {
-        ticks.tick().await; // the first tick is immediate
+        // The first tick is immediate.
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
         match store.expire_runs(now_seconds() - max_age).await {
             Ok(deleted) if !deleted.is_empty() => {
                 let steps: u64 = deleted.iter().map(|(_, steps)| steps).sum();
@@ -27,7 +37,10 @@ pub async fn run(store: Arc<Store>, days: u32) {
                 );
             }
             Ok(_) => {}
-            Err(error) => tracing::warn!(%error, "retention: could not expire runs; will retry"),
+            Err(error) => {
+                tracing::warn!(%error, "retention: could not expire runs; retrying in a minute");
+                ticks.reset_after(RETRY);
+            }
         }
     }
 }

@@ -6,7 +6,7 @@
 //! of its bucket, so it survives any reduction; a NaN replaces the bucket's minimum,
 //! because a non-finite reading matters more than a dip.
 
-use crate::store::codec::Cell;
+use crate::model::cell::Cell;
 
 /// Where the values of a step range come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,4 +1,5 @@
-//! Wiring: opens the store, binds the listener, serves until told to stop.
+//! Wiring: opens the store, starts the event bus and the ingest service, binds the
+//! listener, serves until told to stop.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -8,6 +9,8 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 
 use crate::config::ServerConfig;
+use crate::events::EventBus;
+use crate::ingest::Ingest;
 use crate::state::{ApiSettings, AppState};
 use crate::store::Store;
 
@@ -22,7 +25,7 @@ pub struct Application {
 
 impl Application {
     pub async fn build(config: &ServerConfig) -> anyhow::Result<Application> {
-        let store = Store::open(&config.db, config.sync, config.detection()).await?;
+        let store = Arc::new(Store::open(&config.store()).await?);
         let listener = TcpListener::bind(&config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
@@ -31,10 +34,19 @@ impl Application {
             warn_if_open(address, config);
         }
         let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
+        let events = EventBus::start(store.clone(), shutdown_rx.clone());
+        let ingest = Arc::new(Ingest::new(
+            store.clone(),
+            events.clone(),
+            config.detection(),
+            config.cached_runs as usize,
+        ));
         let state = AppState {
             shutdown: shutdown_rx,
             metrics: Arc::new(crate::metrics::Metrics::new()),
-            store: Arc::new(store),
+            store,
+            ingest,
+            events,
             settings: Arc::new(ApiSettings {
                 ingest_token: config.ingest_token.clone(),
                 read_token: config.read_token.clone(),
@@ -54,6 +66,14 @@ impl Application {
             webhooks: config.webhooks.settings(),
             shutdown,
         })
+    }
+
+    /// Waits until the database answers and is migrated (PostgreSQL comes up in the
+    /// background; SQLite is ready once built).
+    pub async fn wait_ready(&self) {
+        while self.state.store.ready().await.is_err() || !self.state.events.hearing() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
     }
 
     pub fn address(&self) -> SocketAddr {
@@ -76,11 +96,20 @@ impl Application {
             shutdown: stop_streams,
         } = self;
         let store = state.store.clone();
-        if let Some(days) = retain_days {
-            tokio::spawn(crate::retention::run(store.clone(), days));
-        }
-        let sender =
-            crate::webhooks::start(store.clone(), webhooks, stop_streams.subscribe()).await?;
+        let retention = retain_days.map(|days| {
+            tokio::spawn(crate::retention::run(
+                store.clone(),
+                days,
+                stop_streams.subscribe(),
+            ))
+        });
+        let sender = crate::webhooks::start(
+            store.clone(),
+            state.events.clone(),
+            webhooks,
+            stop_streams.subscribe(),
+        )
+        .await;
         let shutdown = async move {
             shutdown.await;
             let _ = stop_streams.send(true);
@@ -91,7 +120,10 @@ impl Application {
             .context("serving HTTP")?;
         // Not waited for: a receiver that hangs must not hold the shutdown up. An
         // attempt cut short stays pending and is sent again after a restart.
-        sender.abort();
+        sender.stop().await;
+        if let Some(retention) = retention {
+            retention.abort();
+        }
         store.close().await
     }
 }

@@ -1,16 +1,23 @@
-//! What every handler can reach: the store, the request-handling settings, the
-//! shutdown signal, the metrics and the in-flight permits. Below the routes and pages
-//! that take it, so they and the middleware import it, never each other.
+//! What every handler can reach: the store, the ingest service, the event bus, the
+//! request-handling settings, the shutdown signal, the metrics and the in-flight
+//! permits. Below the routes and pages that take it, so they and the middleware
+//! import it, never each other.
 
 use std::sync::Arc;
 
+use crate::events::EventBus;
+use crate::ingest::Ingest;
 use crate::metrics::Metrics;
 use crate::store::Store;
 
 /// What every handler can reach.
 #[derive(Clone)]
 pub struct AppState {
+    /// Reads, and the writes that are not batches.
     pub store: Arc<Store>,
+    /// Registrations and batches.
+    pub ingest: Arc<Ingest>,
+    pub events: Arc<EventBus>,
     pub settings: Arc<ApiSettings>,
     /// Turns true when the server begins to shut down (ends event streams).
     pub shutdown: tokio::sync::watch::Receiver<bool>,

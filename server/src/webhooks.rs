@@ -20,9 +20,9 @@ use gradflow_protocol::{AlertSeverity, Webhook, WebhookFormat};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, watch};
 
-use crate::store::events::Event;
+use crate::events::{Event, EventBus};
 use crate::store::webhooks::{Attempt, DueDelivery, parse_format};
-use crate::store::{Store, now_seconds};
+use crate::store::{Dialect, Store, now_seconds};
 
 /// The longest wait between two attempts of one delivery.
 const MAX_BACKOFF: Duration = Duration::from_secs(600);
@@ -50,35 +50,105 @@ pub struct WebhookSettings {
     pub public_url: Option<String>,
 }
 
-/// Records the server's receivers and starts the sender. It stops when `shutdown`
-/// turns true.
+/// Records the server's receivers and starts the sender, which sends what falls due
+/// until `shutdown` turns true. The receivers are recorded before this returns when
+/// the database is up, so no alert of the first batches misses them; a database not
+/// up yet (PostgreSQL starting) gets them as soon as it is.
 pub async fn start(
     store: Arc<Store>,
+    events: Arc<EventBus>,
     settings: WebhookSettings,
     shutdown: watch::Receiver<bool>,
-) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    store.set_server_webhooks(&settings.webhooks).await?;
+) -> SenderHandle {
+    let recorded = store.ready().await.is_ok()
+        && match store.set_server_webhooks(&settings.webhooks).await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, "webhook sender: cannot record the server's webhooks yet; retrying");
+                false
+            }
+        };
+    if recorded && store.dialect() == Dialect::Sqlite {
+        // One server uses a SQLite file at a time: a claim left in it is the
+        // previous server's, cut short by a crash.
+        if let Err(error) = store.release_claims(None).await {
+            tracing::warn!(%error, "webhook sender: cannot release old claims");
+        }
+    }
+    let claimant = claimant();
     let client = reqwest::Client::builder()
         .timeout(ATTEMPT_TIMEOUT)
         .user_agent(concat!("gradflow-server/", env!("CARGO_PKG_VERSION")))
-        .build()?;
+        .build()
+        .expect("a client with a timeout and a user agent builds");
     let sender = Sender {
-        store,
+        store: store.clone(),
         settings,
         client,
+        claimant: claimant.clone(),
     };
-    Ok(tokio::spawn(sender.run(shutdown)))
+    SenderHandle {
+        task: tokio::spawn(sender.run(events, recorded, shutdown)),
+        store,
+        claimant,
+    }
+}
+
+/// The running sender.
+pub struct SenderHandle {
+    task: tokio::task::JoinHandle<()>,
+    store: Arc<Store>,
+    claimant: String,
+}
+
+impl SenderHandle {
+    /// Stops the sender without waiting for attempts in flight (a receiver that
+    /// hangs must not hold the shutdown up), and hands back what it had claimed: a
+    /// delivery cut short stays pending, for another replica or the next start.
+    pub async fn stop(self) {
+        self.task.abort();
+        if let Err(error) = self.store.release_claims(Some(&self.claimant)).await {
+            tracing::warn!(%error, "webhook sender: cannot release its claims; they expire by themselves");
+        }
+    }
+}
+
+/// A name for this server's claims, unique among the replicas of a database: its
+/// host, its process and a per-process random number.
+fn claimant() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "gradflow".to_owned());
+    let mut nonce = std::collections::hash_map::RandomState::new().build_hasher();
+    nonce.write_u32(std::process::id());
+    format!("{host}:{}:{:016x}", std::process::id(), nonce.finish())
 }
 
 struct Sender {
     store: Arc<Store>,
     settings: WebhookSettings,
     client: reqwest::Client,
+    /// Who this server is, in the claims it makes.
+    claimant: String,
 }
 
 impl Sender {
-    async fn run(self, mut shutdown: watch::Receiver<bool>) {
-        let mut events = self.store.subscribe();
+    async fn run(self, bus: Arc<EventBus>, recorded: bool, mut shutdown: watch::Receiver<bool>) {
+        let mut events = bus.subscribe();
+        // The server's receivers replace the ones the last start recorded; until the
+        // database takes the write (PostgreSQL still coming up), try again.
+        if !recorded {
+            while let Err(error) = self
+                .store
+                .set_server_webhooks(&self.settings.webhooks)
+                .await
+            {
+                tracing::debug!(%error, "webhook sender: cannot record the server's webhooks yet");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                }
+            }
+        }
         let mut last_prune = tokio::time::Instant::now();
         loop {
             if *shutdown.borrow() {
@@ -109,7 +179,10 @@ impl Sender {
     /// Sends every delivery due now.
     async fn send_due(&self) -> anyhow::Result<()> {
         loop {
-            let due = self.store.due_deliveries(now_seconds(), CLAIM).await?;
+            let due = self
+                .store
+                .claim_due_deliveries(&self.claimant, now_seconds(), CLAIM)
+                .await?;
             if due.is_empty() {
                 return Ok(());
             }

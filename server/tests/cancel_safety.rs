@@ -9,9 +9,10 @@ use std::pin::pin;
 use std::task::{Context, Waker};
 use std::time::Duration;
 
+mod common;
+
 use gradflow_protocol::{RunId, RunRegistration, StepRecord, parse_steps_json};
 use gradflow_server::detect::Detection;
-use gradflow_server::store::{Store, SyncMode};
 use serde_json::{Value, json};
 
 fn batch(from: u64, to: u64) -> Vec<StepRecord> {
@@ -40,29 +41,23 @@ async fn poll_then_drop(future: impl Future, polls: usize) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_batch_at_any_await_point_leaves_the_run_consistent() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(
-        &dir.path().join("g.db"),
-        SyncMode::Full,
-        Detection::default(),
-    )
-    .await
-    .unwrap();
+    let test = common::TestStore::open(Detection::default()).await;
+    let (store, ingest) = (&test.store, &test.ingest);
     let run = RunId::parse("r").unwrap();
     let registration: RunRegistration = serde_json::from_value(json!({"params": []})).unwrap();
-    store.register_run(&run, registration).await.unwrap();
+    ingest.register_run(&run, registration).await.unwrap();
 
     let mut next = 0u64;
     let mut finished_early = 0;
     for polls in 1..60 {
         let first = batch(next, next + 20);
-        if poll_then_drop(store.ingest(&run, &first), polls).await {
+        if poll_then_drop(ingest.ingest(&run, &first), polls).await {
             finished_early += 1;
         }
         // The same steps again and one more: the store must know exactly what the
         // dropped attempt left behind.
         let again = batch(next, next + 21);
-        let outcome = store
+        let outcome = ingest
             .ingest(&run, &again)
             .await
             .unwrap_or_else(|e| panic!("after a drop at poll {polls}: {e}"));

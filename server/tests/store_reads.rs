@@ -1,10 +1,12 @@
 //! Reading every subject of a kind in one pass gives exactly what reading each
 //! subject on its own gives, raw or reduced, across rollup chunks and ragged ends.
 
+mod common;
+
 use gradflow_protocol::{RunId, RunRegistration, StepRecord};
 use gradflow_server::detect::{Detection, Thresholds};
-use gradflow_server::store::columns::SeriesKind;
-use gradflow_server::store::{SeriesRequest, Store, SyncMode};
+use gradflow_server::model::series_kind::SeriesKind;
+use gradflow_server::store::SeriesRequest;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -15,17 +17,15 @@ const STEPS: u64 = 9_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_pass_matches_one_series_at_a_time() {
-    let dir = tempfile::tempdir().unwrap();
     let detection = Detection {
         enabled: false,
         thresholds: Thresholds::default(),
     };
-    let store = Store::open(&dir.path().join("g.db"), SyncMode::Normal, detection)
-        .await
-        .unwrap();
+    let test = common::TestStore::open(detection).await;
+    let (store, ingest) = (&test.store, &test.ingest);
     let run = RunId::parse("r").unwrap();
     let registration: RunRegistration = serde_json::from_value(json!({"params": []})).unwrap();
-    store.register_run(&run, registration).await.unwrap();
+    ingest.register_run(&run, registration).await.unwrap();
     // Uniform on [0, 1), from a fixed seed so every run sees the same data.
     let mut rng = StdRng::seed_from_u64(0x9e37_79b9_7f4a_7c15u64);
     let mut noise = move || rng.gen_range(0.0..1.0);
@@ -50,7 +50,7 @@ async fn one_pass_matches_one_series_at_a_time() {
         })
         .collect();
     for batch in records.chunks(500) {
-        store.ingest(&run, batch).await.unwrap();
+        ingest.ingest(&run, batch).await.unwrap();
     }
 
     for (from, to, max_points) in [
@@ -80,7 +80,7 @@ async fn one_pass_matches_one_series_at_a_time() {
                 .await
                 .unwrap();
             // NaN != NaN: compare the bits.
-            let bits = |p: &[(u64, gradflow_server::store::codec::Cell)]| {
+            let bits = |p: &[(u64, gradflow_server::model::cell::Cell)]| {
                 p.iter().map(|(s, c)| (*s, c.to_bits())).collect::<Vec<_>>()
             };
             assert_eq!(

@@ -1,6 +1,8 @@
 //! Helpers for the end-to-end tests and the load generator: the real binaries,
 //! started as a user would.
 
+pub mod postgres;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};

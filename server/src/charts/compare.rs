@@ -8,7 +8,7 @@ use std::collections::HashSet;
 
 use gradflow_protocol::{Role, RunId};
 
-use crate::store::columns::SeriesKind;
+use crate::model::series_kind::SeriesKind;
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
 
 use super::data::{Axis, LineChart, Window, line_of};

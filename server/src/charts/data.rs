@@ -5,9 +5,9 @@ use gradflow_protocol::{Dtype, RunId};
 
 use crate::detect::precision::{describe_magnitude, smallest_change};
 use crate::detect::{AlertKind, sci};
+use crate::model::cell::{Cell, widen_for_display};
+use crate::model::series_kind::SeriesKind;
 use crate::store::alerts::AlertFilter;
-use crate::store::codec::{Cell, widen_for_display};
-use crate::store::columns::SeriesKind;
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
 
 use super::ChartKind;

@@ -47,8 +47,8 @@ pub mod vanishing;
 
 use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
+pub use crate::model::alert::{AlertKind, Opened, Severity, Transition};
 pub use context::RunContext;
 
 #[cfg(test)]
@@ -161,128 +161,6 @@ impl Default for Detection {
             thresholds: Thresholds::default(),
         }
     }
-}
-
-/// The kinds of docs/PROTOCOL.md's alert table, then the ones gradflow adds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AlertKind {
-    GradStuckZero,
-    NormWeightFrozen,
-    ScalerBf16Incompatible,
-    ScalerOverflowStreak,
-    GradNonfinite,
-    LossNonfinite,
-    DtypeMismatch,
-    ParamNotInOptimizer,
-    GradExplosion,
-    GradVanishing,
-    UnusedParameters,
-    LossDivergence,
-    GroupNotTraining,
-    GradsNotZeroed,
-    FirstStepHint,
-    UpdateRoundedAway,
-}
-
-impl AlertKind {
-    pub const ALL: [AlertKind; 16] = [
-        AlertKind::GradStuckZero,
-        AlertKind::NormWeightFrozen,
-        AlertKind::ScalerBf16Incompatible,
-        AlertKind::ScalerOverflowStreak,
-        AlertKind::GradNonfinite,
-        AlertKind::LossNonfinite,
-        AlertKind::DtypeMismatch,
-        AlertKind::ParamNotInOptimizer,
-        AlertKind::GradExplosion,
-        AlertKind::GradVanishing,
-        AlertKind::UnusedParameters,
-        AlertKind::LossDivergence,
-        AlertKind::GroupNotTraining,
-        AlertKind::GradsNotZeroed,
-        AlertKind::FirstStepHint,
-        AlertKind::UpdateRoundedAway,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AlertKind::GradStuckZero => "grad_stuck_zero",
-            AlertKind::NormWeightFrozen => "norm_weight_frozen",
-            AlertKind::ScalerBf16Incompatible => "scaler_bf16_incompatible",
-            AlertKind::ScalerOverflowStreak => "scaler_overflow_streak",
-            AlertKind::GradNonfinite => "grad_nonfinite",
-            AlertKind::LossNonfinite => "loss_nonfinite",
-            AlertKind::DtypeMismatch => "dtype_mismatch",
-            AlertKind::ParamNotInOptimizer => "param_not_in_optimizer",
-            AlertKind::GradExplosion => "grad_explosion",
-            AlertKind::GradVanishing => "grad_vanishing",
-            AlertKind::UnusedParameters => "unused_parameters",
-            AlertKind::LossDivergence => "loss_divergence",
-            AlertKind::GroupNotTraining => "group_not_training",
-            AlertKind::GradsNotZeroed => "grads_not_zeroed",
-            AlertKind::FirstStepHint => "first_step_hint",
-            AlertKind::UpdateRoundedAway => "update_rounded_away",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<AlertKind> {
-        AlertKind::ALL.into_iter().find(|k| k.as_str() == text)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Severity {
-    Critical,
-    Warning,
-    Info,
-}
-
-impl Severity {
-    pub const ALL: [Severity; 3] = [Severity::Critical, Severity::Warning, Severity::Info];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Severity::Critical => "critical",
-            Severity::Warning => "warning",
-            Severity::Info => "info",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<Severity> {
-        Severity::ALL.into_iter().find(|s| s.as_str() == text)
-    }
-}
-
-/// A new episode: everything an alert says when it opens.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Opened {
-    pub kind: AlertKind,
-    pub subject: String,
-    pub severity: Severity,
-    /// The first step of the episode (the first of the N zero steps); `None` for
-    /// registration checks.
-    pub first_step: Option<u64>,
-    /// The step that completed the threshold and opened the alert.
-    pub step: Option<u64>,
-    pub title: String,
-    pub detail: String,
-    pub fix: String,
-    pub evidence: Value,
-}
-
-/// What a detector decided on one input.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Transition {
-    Open(Opened),
-    /// The episode of `kind` on `subject` ended at `step`, the first step where the
-    /// condition no longer held.
-    Resolve {
-        kind: AlertKind,
-        subject: String,
-        step: u64,
-    },
 }
 
 /// Every streaming detector's state for one run. Serialized with the run (as JSON)

@@ -3,7 +3,7 @@
 use maud::{DOCTYPE, Markup, html};
 
 use super::assets;
-use crate::store::codec::{Cell, widen_for_display};
+use crate::model::cell::{Cell, widen_for_display};
 
 /// A whole page: `title` in the tab, `page` names the script's behaviour
 /// (`data-page` on `<body>`), `body` inside `<main>`.
@@ -47,7 +47,7 @@ pub fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

@@ -18,11 +18,11 @@ use super::{PageError, page_response};
 use crate::charts::ChartKind;
 use crate::detect::step_range;
 use crate::error::ApiError;
+use crate::model::cell::Cell;
+use crate::model::series_kind::SeriesKind;
 use crate::routes::extract::check_step_range;
 use crate::state::AppState;
 use crate::store::alerts::{Alert, AlertFilter, OpenAlertCounts};
-use crate::store::codec::Cell;
-use crate::store::columns::SeriesKind;
 use crate::store::{LatestValues, StoredRun, now_seconds};
 
 /// The step range, as the form sends it: an emptied field arrives as `""`.

@@ -6,7 +6,7 @@
 //!   needs `Authorization: Bearer <token>` or the login cookie that `POST /login`
 //!   sets. The ingest token is accepted for reads too: whoever may write may read.
 //!
-//! Without a token its side is open. `/healthz`, `/static/*` and `/login` are always
+//! Without a token its side is open. `/healthz`, `/readyz`, `/static/*` and `/login` are always
 //! open: a health check needs no secret, and the login page must be reachable.
 //! Every comparison is constant-time, so response timing does not reveal how much of
 //! a guess was right.
@@ -106,7 +106,7 @@ fn is_read(method: &Method) -> bool {
 }
 
 fn always_open(path: &str) -> bool {
-    path == "/healthz" || path == "/login" || path.starts_with("/static/")
+    path == "/healthz" || path == "/readyz" || path == "/login" || path.starts_with("/static/")
 }
 
 /// Dashboard pages, which a person opens in a browser.

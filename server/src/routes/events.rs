@@ -36,7 +36,7 @@ pub async fn stream_events(
         }
         None => None,
     };
-    let receiver = state.store.subscribe();
+    let receiver = state.events.subscribe();
     let events = futures_util::stream::unfold(receiver, move |mut receiver| {
         let run_id = run_id.clone();
         async move {

@@ -47,7 +47,7 @@ pub async fn register_run(
     })
     .await
     .map_err(|e| crate::store::StoreError::Internal(e.into()))??;
-    let (run, created) = state.store.register_run(&run_id, registration).await?;
+    let (run, created) = state.ingest.register_run(&run_id, registration).await?;
     let status = if created {
         StatusCode::CREATED
     } else {

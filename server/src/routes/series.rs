@@ -13,10 +13,10 @@ use serde_json::Value;
 use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::api_types::{Series, SeriesPoint};
 use crate::error::ApiError;
+use crate::model::cell::{Cell, widen_for_display};
+use crate::model::series_kind::SeriesKind;
 use crate::state::AppState;
 use crate::store::SeriesRequest;
-use crate::store::codec::{Cell, widen_for_display};
-use crate::store::columns::SeriesKind;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

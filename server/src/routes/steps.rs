@@ -9,8 +9,9 @@ use gradflow_protocol::{parse_steps_json, parse_steps_ndjson};
 use super::extract::RunIdParam;
 use crate::body::{self, BodyFormat};
 use crate::error::ApiError;
+use crate::ingest::IngestOutcome;
 use crate::state::AppState;
-use crate::store::{IngestOutcome, StoreError};
+use crate::store::StoreError;
 
 /// Stores a batch of step records (a JSON array, or NDJSON), all or nothing.
 #[utoipa::path(post, path = "/api/v1/runs/{run_id}/steps", tag = "steps",
@@ -18,7 +19,7 @@ use crate::store::{IngestOutcome, StoreError};
     request_body(description = "Step records, steps strictly increasing: a JSON array, or NDJSON (application/x-ndjson, one record a line); may be gzip-compressed",
         content((Vec<gradflow_protocol::StepRecord> = "application/json"), (gradflow_protocol::StepRecord = "application/x-ndjson"))),
     responses(
-        (status = 200, description = "Stored and committed (all or nothing)", body = crate::store::IngestOutcome),
+        (status = 200, description = "Stored and committed (all or nothing)", body = crate::ingest::IngestOutcome),
         (status = 400, response = crate::api_types::BadRequest), (status = 401, response = crate::api_types::Unauthorized), (status = 404, response = crate::api_types::RunNotFound),
         (status = 413, response = crate::api_types::TooLarge),
         (status = 415, response = crate::api_types::Unsupported),
@@ -53,8 +54,8 @@ pub async fn ingest_steps(
     // completes with the run's cached state updated after it, or fails and leaves
     // both as they were. Cancelled half-way, the database could hold a batch the
     // cache does not know of.
-    let store = state.store.clone();
-    let outcome = tokio::spawn(async move { store.ingest(&run_id, &records).await })
+    let ingest = state.ingest.clone();
+    let outcome = tokio::spawn(async move { ingest.ingest(&run_id, &records).await })
         .await
         .map_err(|e| StoreError::Internal(e.into()))??;
     state.metrics.batch_stored(

@@ -1,16 +1,14 @@
-//! Alerts as stored: written by the ingest and registration transactions from the
+//! Alerts as stored: written by the batch and registration transactions from the
 //! detectors' transitions (each queueing its webhook notifications in the same
 //! transaction), read back with filters.
 
 use std::collections::HashMap;
 
-use anyhow::Context;
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::SqliteConnection;
 
-use super::{Store, StoreError, StoreResult, now_seconds};
-use crate::detect::{AlertKind, Opened, Severity};
+use super::{Store, StoreError, StoreResult, Tx, now_seconds, on_tx, with_reader};
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 /// An alert as the API shows it (docs/PROTOCOL.md's alert object), decoded straight from
 /// its row.
@@ -92,147 +90,133 @@ impl OpenAlertCounts {
     }
 }
 
-/// The open episode of a (kind, subject), as the writer tracks it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct OpenEpisode {
-    pub id: i64,
-    pub last_step: Option<u64>,
-}
-
-pub(super) type OpenEpisodes = HashMap<(AlertKind, String), OpenEpisode>;
-
 /// Inserts a newly opened alert; returns its id.
-pub(super) async fn insert_opened(
-    conn: &mut SqliteConnection,
-    run: i64,
-    opened: &Opened,
-) -> StoreResult<i64> {
-    let evidence = serde_json::to_string(&opened.evidence).context("encoding evidence")?;
+pub(super) async fn insert_opened(tx: &mut Tx, run: i64, opened: &Opened) -> StoreResult<i64> {
     let step = opened.step.map(|s| s as i64);
-    let id = sqlx::query_scalar(
-        "INSERT INTO alerts (run, kind, severity, subject, status, first_step, opened_step, \
-         last_step, title, detail, fix, evidence, opened_at) \
-         VALUES (?, ?, ?, ?, 'open', ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-    )
-    .bind(run)
-    .bind(opened.kind.as_str())
-    .bind(opened.severity.as_str())
-    .bind(&opened.subject)
-    .bind(opened.first_step.map(|s| s as i64))
-    .bind(step)
-    .bind(step)
-    .bind(&opened.title)
-    .bind(&opened.detail)
-    .bind(&opened.fix)
-    .bind(evidence)
-    .bind(now_seconds())
-    .fetch_one(&mut *conn)
-    .await?;
-    Ok(id)
+    Ok(on_tx!(tx, |c| {
+        sqlx::query_scalar(
+            "INSERT INTO alerts (run, kind, severity, subject, status, first_step, opened_step, \
+             last_step, title, detail, fix, evidence, opened_at) \
+             VALUES ($1, $2, $3, $4, 'open', $5, $6, $6, $7, $8, $9, $10, $11) RETURNING id",
+        )
+        .bind(run)
+        .bind(opened.kind.as_str())
+        .bind(opened.severity.as_str())
+        .bind(&opened.subject)
+        .bind(opened.first_step.map(|s| s as i64))
+        .bind(step)
+        .bind(&opened.title)
+        .bind(&opened.detail)
+        .bind(&opened.fix)
+        .bind(sqlx::types::Json(&opened.evidence))
+        .bind(now_seconds())
+        .fetch_one(&mut *c)
+        .await?
+    }))
 }
 
-/// Marks an episode resolved at `step`, with `last_step` the last step it held on.
+/// Marks alert `id` resolved at `step`, with `last_step` the last step it held on.
 pub(super) async fn resolve(
-    conn: &mut SqliteConnection,
-    episode: OpenEpisode,
+    tx: &mut Tx,
+    id: i64,
     step: u64,
+    last_step: Option<u64>,
 ) -> StoreResult<()> {
-    sqlx::query(
-        "UPDATE alerts SET status = 'resolved', resolved_step = ?, last_step = ?, resolved_at = ? \
-         WHERE id = ?",
-    )
-    .bind(step as i64)
-    .bind(episode.last_step.map(|s| s as i64))
-    .bind(now_seconds())
-    .bind(episode.id)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
-/// One alert by id, on the writer's connection (inside its transaction).
-pub(super) async fn read_one(conn: &mut SqliteConnection, id: i64) -> StoreResult<Option<Alert>> {
-    Ok(sqlx::query_as(&format!(
-        "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run WHERE a.id = ?"
-    ))
-    .bind(id)
-    .fetch_optional(conn)
-    .await?)
-}
-
-/// Moves an open episode's `last_step` forward.
-pub(super) async fn extend(conn: &mut SqliteConnection, episode: OpenEpisode) -> StoreResult<()> {
-    sqlx::query("UPDATE alerts SET last_step = ? WHERE id = ?")
-        .bind(episode.last_step.map(|s| s as i64))
-        .bind(episode.id)
-        .execute(conn)
+    on_tx!(tx, |c| {
+        sqlx::query(
+            "UPDATE alerts SET status = 'resolved', resolved_step = $1, last_step = $2, \
+             resolved_at = $3 WHERE id = $4",
+        )
+        .bind(step as i64)
+        .bind(last_step.map(|s| s as i64))
+        .bind(now_seconds())
+        .bind(id)
+        .execute(&mut *c)
         .await?;
+    });
     Ok(())
 }
 
-/// The open episodes of a run, for the writer's state after a restart.
-pub(super) async fn load_open(conn: &mut SqliteConnection, run: i64) -> StoreResult<OpenEpisodes> {
-    let rows: Vec<(i64, String, String, Option<i64>)> = sqlx::query_as(
-        "SELECT id, kind, subject, last_step FROM alerts WHERE run = ? AND status = 'open'",
-    )
-    .bind(run)
-    .fetch_all(conn)
-    .await?;
-    let mut open = OpenEpisodes::new();
-    for (id, kind, subject, last_step) in rows {
-        let kind =
-            AlertKind::parse(&kind).with_context(|| format!("unknown alert kind {kind:?}"))?;
-        open.insert(
-            (kind, subject),
-            OpenEpisode {
-                id,
-                last_step: last_step.map(|s| s as u64),
-            },
-        );
-    }
-    Ok(open)
+/// One alert by id, inside a transaction.
+pub(super) async fn read_one(tx: &mut Tx, id: i64) -> StoreResult<Option<Alert>> {
+    Ok(on_tx!(tx, |c| {
+        sqlx::query_as(&format!(
+            "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run WHERE a.id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&mut *c)
+        .await?
+    }))
+}
+
+/// Moves an open alert's `last_step` forward.
+pub(super) async fn extend(tx: &mut Tx, id: i64, last_step: Option<u64>) -> StoreResult<()> {
+    on_tx!(tx, |c| {
+        sqlx::query("UPDATE alerts SET last_step = $1 WHERE id = $2")
+            .bind(last_step.map(|s| s as i64))
+            .bind(id)
+            .execute(&mut *c)
+            .await?;
+    });
+    Ok(())
 }
 
 impl Store {
     /// Alerts matching `filter`, oldest `first_step` first (registration alerts, which
     /// have none, before all others).
     pub async fn alerts(&self, filter: &AlertFilter) -> StoreResult<Vec<Alert>> {
+        self.check_ready()?;
         if let Some(run_id) = &filter.run_id {
-            let exists: Option<i64> = sqlx::query_scalar("SELECT id FROM runs WHERE run_id = ?")
-                .bind(run_id)
-                .fetch_optional(&self.read)
-                .await?;
-            if exists.is_none() {
-                return Err(StoreError::RunNotFound(run_id.clone()));
-            }
+            self.require_run(run_id).await?;
         }
         let sql = format!(
             "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run \
-             WHERE (?1 IS NULL OR r.run_id = ?1) AND (?2 IS NULL OR a.status = ?2) \
-             AND (?3 IS NULL OR a.kind = ?3) AND (?4 IS NULL OR a.severity = ?4) \
+             WHERE (CAST($1 AS TEXT) IS NULL OR r.run_id = $1) \
+             AND (CAST($2 AS TEXT) IS NULL OR a.status = $2) \
+             AND (CAST($3 AS TEXT) IS NULL OR a.kind = $3) \
+             AND (CAST($4 AS TEXT) IS NULL OR a.severity = $4) \
              ORDER BY a.first_step IS NOT NULL, a.first_step, a.id"
         );
-        Ok(sqlx::query_as(&sql)
-            .bind(filter.run_id.as_deref())
-            .bind(
-                filter
-                    .open
-                    .map(|open| if open { "open" } else { "resolved" }),
-            )
-            .bind(filter.kind.map(AlertKind::as_str))
-            .bind(filter.severity.map(Severity::as_str))
-            .fetch_all(&self.read)
-            .await?)
+        Ok(with_reader!(self, |pool| {
+            sqlx::query_as(&sql)
+                .bind(filter.run_id.as_deref())
+                .bind(
+                    filter
+                        .open
+                        .map(|open| if open { "open" } else { "resolved" }),
+                )
+                .bind(filter.kind.map(AlertKind::as_str))
+                .bind(filter.severity.map(Severity::as_str))
+                .fetch_all(pool)
+                .await?
+        }))
+    }
+
+    /// `RunNotFound` unless `run_id` is registered.
+    pub(super) async fn require_run(&self, run_id: &str) -> StoreResult<()> {
+        let exists: Option<i64> = with_reader!(self, |pool| {
+            sqlx::query_scalar("SELECT id FROM runs WHERE run_id = $1")
+                .bind(run_id)
+                .fetch_optional(pool)
+                .await?
+        });
+        match exists {
+            Some(_) => Ok(()),
+            None => Err(StoreError::RunNotFound(run_id.to_owned())),
+        }
     }
 
     /// One alert by id.
     pub async fn alert(&self, id: i64) -> StoreResult<Option<Alert>> {
-        Ok(sqlx::query_as(&format!(
-            "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run WHERE a.id = ?"
-        ))
-        .bind(id)
-        .fetch_optional(&self.read)
-        .await?)
+        self.check_ready()?;
+        Ok(with_reader!(self, |pool| {
+            sqlx::query_as(&format!(
+                "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run WHERE a.id = $1"
+            ))
+            .bind(id)
+            .fetch_optional(pool)
+            .await?
+        }))
     }
 
     /// Open alerts by severity, for every run that has any (or only `run_id`'s).
@@ -240,14 +224,17 @@ impl Store {
         &self,
         run_id: Option<&str>,
     ) -> StoreResult<HashMap<String, OpenAlertCounts>> {
-        let rows: Vec<(String, String, i64)> = sqlx::query_as(
-            "SELECT r.run_id, a.severity, count(*) FROM alerts a JOIN runs r ON r.id = a.run \
-             WHERE a.status = 'open' AND (?1 IS NULL OR r.run_id = ?1) \
-             GROUP BY r.run_id, a.severity",
-        )
-        .bind(run_id)
-        .fetch_all(&self.read)
-        .await?;
+        self.check_ready()?;
+        let rows: Vec<(String, String, i64)> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT r.run_id, a.severity, count(*) FROM alerts a JOIN runs r ON r.id = a.run \
+                 WHERE a.status = 'open' AND (CAST($1 AS TEXT) IS NULL OR r.run_id = $1) \
+                 GROUP BY r.run_id, a.severity",
+            )
+            .bind(run_id)
+            .fetch_all(pool)
+            .await?
+        });
         let mut counts: HashMap<String, OpenAlertCounts> = HashMap::new();
         for (run_id, severity, n) in rows {
             counts.entry(run_id).or_default().add(&severity, n as u64);
@@ -257,12 +244,15 @@ impl Store {
 
     /// Open alerts across all runs by (kind, severity), for the server's metrics.
     pub async fn open_alerts_by_kind(&self) -> StoreResult<Vec<(String, String, u64)>> {
-        let rows: Vec<(String, String, i64)> = sqlx::query_as(
-            "SELECT kind, severity, count(*) FROM alerts WHERE status = 'open' \
-             GROUP BY kind, severity ORDER BY kind, severity",
-        )
-        .fetch_all(&self.read)
-        .await?;
+        self.check_ready()?;
+        let rows: Vec<(String, String, i64)> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT kind, severity, count(*) FROM alerts WHERE status = 'open' \
+                 GROUP BY kind, severity ORDER BY kind, severity",
+            )
+            .fetch_all(pool)
+            .await?
+        });
         Ok(rows
             .into_iter()
             .map(|(kind, severity, n)| (kind, severity, n as u64))

@@ -26,81 +26,12 @@
 
 use anyhow::{Context, bail};
 
-/// Not reported this step.
-pub const ABSENT_BITS: u32 = 0x7FC0_A65E;
-/// Reported as `null`.
-pub const NULL_BITS: u32 = 0x7FC0_0E11;
+pub use crate::model::cell::{ABSENT_BITS, Cell, NULL_BITS, to_stored_f32, widen_for_display};
+
 const FORMAT_SHUFFLED_ZSTD: u8 = 1;
 const HEADER_LEN: usize = 5;
 /// zstd level 1: the faster levels already reach nearly all the gain on shuffled floats.
 const ZSTD_LEVEL: i32 = 1;
-
-/// One stored value.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Cell {
-    Absent,
-    Null,
-    Value(f32),
-}
-
-impl Cell {
-    pub fn from_bits(bits: u32) -> Cell {
-        match bits {
-            ABSENT_BITS => Cell::Absent,
-            NULL_BITS => Cell::Null,
-            _ => Cell::Value(f32::from_bits(bits)),
-        }
-    }
-
-    pub fn to_bits(self) -> u32 {
-        match self {
-            Cell::Absent => ABSENT_BITS,
-            Cell::Null => NULL_BITS,
-            Cell::Value(v) => v.to_bits(),
-        }
-    }
-
-    /// The cell for a wire value: `None` is null, anything else a number.
-    pub fn from_wire(value: Option<f64>) -> Cell {
-        match value {
-            None => Cell::Null,
-            Some(v) => Cell::Value(to_stored_f32(v)),
-        }
-    }
-}
-
-/// `f64` → `f32`, saturating instead of flushing to 0 or overflowing to infinity, and
-/// canonicalising NaN (so a NaN never collides with the marker payloads).
-pub fn to_stored_f32(value: f64) -> f32 {
-    if value.is_nan() {
-        return f32::NAN;
-    }
-    if value.is_infinite() || value == 0.0 {
-        return value as f32;
-    }
-    let narrowed = value as f32;
-    if narrowed.is_infinite() {
-        f32::MAX.copysign(narrowed)
-    } else if narrowed == 0.0 {
-        f32::from_bits(1).copysign(value as f32)
-    } else {
-        narrowed
-    }
-}
-
-/// The `f64` a stored `f32` stands for: the shortest decimal that reads back as the
-/// same `f32`, so `3e-4` is served as `0.0003`, not `0.000300000014249235`. Whole
-/// numbers widen exactly (`21474836480` bytes stays `21474836480`, where the shortest
-/// decimal would be `21474836000`).
-pub fn widen_for_display(value: f32) -> f64 {
-    if !value.is_finite() || value.fract() == 0.0 {
-        return value as f64;
-    }
-    value
-        .to_string()
-        .parse::<f64>()
-        .expect("Rust prints f32 as a parsable decimal")
-}
 
 /// Packs cells (as bits) into a blob.
 pub fn encode(
@@ -227,25 +158,6 @@ mod tests {
         let nan = Cell::from_wire(Some(f64::NAN));
         assert!(matches!(nan, Cell::Value(v) if v.is_nan()));
         assert!(matches!(Cell::from_bits(nan.to_bits()), Cell::Value(v) if v.is_nan()));
-    }
-
-    #[test]
-    fn narrowing_keeps_zero_and_finiteness() {
-        assert_eq!(to_stored_f32(1e-300), f32::from_bits(1));
-        assert_eq!(to_stored_f32(-1e-300), -f32::from_bits(1));
-        assert_eq!(to_stored_f32(1e300), f32::MAX);
-        assert_eq!(to_stored_f32(-1e300), -f32::MAX);
-        assert_eq!(to_stored_f32(0.0), 0.0);
-        assert_eq!(to_stored_f32(f64::INFINITY), f32::INFINITY);
-        assert!(to_stored_f32(-f64::NAN).is_nan());
-        assert_eq!(to_stored_f32(-f64::NAN).to_bits(), f32::NAN.to_bits());
-    }
-
-    #[test]
-    fn widening_serves_the_decimal_that_was_sent() {
-        for sent in [3e-4, 4.7711, 0.95, 65536.0, 1.2e-5, 21474836480.0, 1e10] {
-            assert_eq!(widen_for_display(to_stored_f32(sent)), sent);
-        }
     }
 
     #[test]

@@ -14,96 +14,7 @@
 // with big batches anyway.
 use rustc_hash::FxHashMap as HashMap;
 
-/// What a column holds. The string form is stored in the `columns` table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SeriesKind {
-    Loss,
-    Lr,
-    ScalerScale,
-    ScalerGrowthTracker,
-    FoundInf,
-    StepSkipped,
-    ModuleGradNorm,
-    HookHits,
-    GroupGradNorm,
-    ParamGradNorm,
-    UpdateNorm,
-    Drift,
-    ParamMean,
-    Metric,
-    GpuMemoryUsedBytes,
-    GpuMemoryTotalBytes,
-    GpuUtilizationPct,
-    GpuTemperatureC,
-    GpuPowerW,
-    DroppedSteps,
-    IntendedUpdateNorm,
-    IntendedUpdateMaxUlp,
-    IntendedNonzero,
-    RoundedAway,
-}
-
-impl SeriesKind {
-    pub const ALL: [SeriesKind; 24] = [
-        SeriesKind::Loss,
-        SeriesKind::Lr,
-        SeriesKind::ScalerScale,
-        SeriesKind::ScalerGrowthTracker,
-        SeriesKind::FoundInf,
-        SeriesKind::StepSkipped,
-        SeriesKind::ModuleGradNorm,
-        SeriesKind::HookHits,
-        SeriesKind::GroupGradNorm,
-        SeriesKind::ParamGradNorm,
-        SeriesKind::UpdateNorm,
-        SeriesKind::Drift,
-        SeriesKind::ParamMean,
-        SeriesKind::Metric,
-        SeriesKind::GpuMemoryUsedBytes,
-        SeriesKind::GpuMemoryTotalBytes,
-        SeriesKind::GpuUtilizationPct,
-        SeriesKind::GpuTemperatureC,
-        SeriesKind::GpuPowerW,
-        SeriesKind::DroppedSteps,
-        SeriesKind::IntendedUpdateNorm,
-        SeriesKind::IntendedUpdateMaxUlp,
-        SeriesKind::IntendedNonzero,
-        SeriesKind::RoundedAway,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SeriesKind::Loss => "loss",
-            SeriesKind::Lr => "lr",
-            SeriesKind::ScalerScale => "scaler_scale",
-            SeriesKind::ScalerGrowthTracker => "scaler_growth_tracker",
-            SeriesKind::FoundInf => "found_inf",
-            SeriesKind::StepSkipped => "step_skipped",
-            SeriesKind::ModuleGradNorm => "module_grad_norm",
-            SeriesKind::HookHits => "hook_hits",
-            SeriesKind::GroupGradNorm => "group_grad_norm",
-            SeriesKind::ParamGradNorm => "param_grad_norm",
-            SeriesKind::UpdateNorm => "update_norm",
-            SeriesKind::Drift => "drift",
-            SeriesKind::ParamMean => "param_mean",
-            SeriesKind::Metric => "metric",
-            SeriesKind::GpuMemoryUsedBytes => "gpu_memory_used_bytes",
-            SeriesKind::GpuMemoryTotalBytes => "gpu_memory_total_bytes",
-            SeriesKind::GpuUtilizationPct => "gpu_utilization_pct",
-            SeriesKind::GpuTemperatureC => "gpu_temperature_c",
-            SeriesKind::GpuPowerW => "gpu_power_w",
-            SeriesKind::DroppedSteps => "dropped_steps",
-            SeriesKind::IntendedUpdateNorm => "intended_update_norm",
-            SeriesKind::IntendedUpdateMaxUlp => "intended_update_max_ulp",
-            SeriesKind::IntendedNonzero => "intended_nonzero",
-            SeriesKind::RoundedAway => "rounded_away",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<SeriesKind> {
-        SeriesKind::ALL.into_iter().find(|k| k.as_str() == text)
-    }
-}
+pub use crate::model::series_kind::SeriesKind;
 
 /// A run's columns: (kind, subject) → position.
 #[derive(Debug, Clone, Default)]
@@ -198,14 +109,6 @@ impl<'a> ColumnAssigner<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kinds_round_trip_through_their_names() {
-        for kind in SeriesKind::ALL {
-            assert_eq!(SeriesKind::parse(kind.as_str()), Some(kind));
-        }
-        assert_eq!(SeriesKind::parse("nope"), None);
-    }
 
     #[test]
     fn an_assigner_extends_without_touching_the_base() {

@@ -1,7 +1,16 @@
-//! All SQL lives here. The store owns the SQLite file: one writer connection behind
-//! an async mutex (SQLite allows one writer at a time anyway, and serialising batches
-//! here makes duplicate detection and column assignment race-free), and a pool of
-//! readers that WAL mode lets run beside it.
+//! All SQL lives here, for both databases gradflow runs on: SQLite (the embedded
+//! default, one file) and PostgreSQL (one database several server replicas share).
+//! The store only persists and reads; what a batch means (run state, detectors,
+//! alert episodes, events) is the ingest service's (`crate::ingest`).
+//!
+//! The SQL is written once wherever the two dialects agree, which is nearly
+//! everywhere: `$1`-style placeholders (SQLite reads them too), `RETURNING`,
+//! `ON CONFLICT … DO UPDATE`, `CAST(… AS TEXT)` for typed NULL parameters, `BIGINT`
+//! and `DOUBLE PRECISION` values. The macros [`with_reader!`] and [`on_tx!`] run one
+//! body against whichever backend is open; the few places the dialects differ ask
+//! [`Dialect`]. Backend specifics (connecting, migrations, error classes, SQLite's
+//! pragmas, PostgreSQL's row locks and notifications) live in `sqlite` and
+//! `postgres`.
 //!
 //! # Layout
 //!
@@ -9,58 +18,120 @@
 //! - [`columns`]: the per-run column dictionary (which blob position holds what).
 //! - [`flatten`]: a step record → a row of cells, deriving group norms.
 //! - [`rollup`]: per-bucket extremes that keep long-range reads fast.
-//! - [`alerts`]: alerts as stored, written from detector transitions.
-//! - [`events`]: what is announced after each commit.
-//! - `runs`: registration, listing, reading and deleting runs.
-//! - `ingest`: the all-or-nothing batch transaction.
-//! - `read`: series reads over raw rows and rollups.
+//! - [`alerts`]: alerts as stored and read.
 //! - [`webhooks`]: webhook receivers and the delivery queue.
+//! - [`notify`]: what a commit announces to every replica.
+//! - `runs`: registering, listing, reading and deleting runs.
+//! - `write`: a batch's rows written in one transaction ([`BatchWrite`]).
+//! - `load`: what ingest needs to know of a run, read back.
+//! - `read`: series reads over raw rows and rollups.
+//! - `sqlite`, `postgres`: opening each database and what only it has.
 
 pub mod alerts;
+pub mod block;
 pub mod codec;
 pub mod columns;
-pub mod events;
 pub mod flatten;
-mod ingest;
+mod load;
+pub mod notify;
+mod postgres;
 mod read;
 pub mod rollup;
 mod runs;
+mod sqlite;
 pub mod webhooks;
+mod write;
 
-use std::collections::HashMap;
-
-use rustc_hash::{FxHashMap, FxHashSet};
-use std::path::Path;
-use std::str::FromStr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::path::PathBuf;
 
 use anyhow::Context;
-use gradflow_protocol::{Amendment, InvalidBody, RunRegistration};
-use sqlx::sqlite::{
-    SqliteAutoVacuum, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteSynchronous,
-};
-use sqlx::{Connection, SqliteConnection};
-use tokio::sync::{Mutex, broadcast};
+use gradflow_protocol::InvalidBody;
 
-pub use ingest::IngestOutcome;
+pub use load::{LoadedRun, RunHead};
 pub use read::{LatestValues, SeriesData, SeriesRequest};
-pub use runs::{RunStatus, RunSummary, STALE_AFTER_SECONDS, StoredRun};
+pub use runs::{NewRun, Registered, RunStatus, RunSummary, STALE_AFTER_SECONDS, StoredRun};
+pub use write::{AlertOp, AlertRef, BatchWrite, NewColumn, Progress, RollupRow, StepRow, Written};
 
-use crate::detect::{Detection, DetectorSet, RunContext, Thresholds};
-use alerts::OpenEpisodes;
-use columns::{ColumnDictionary, SeriesKind};
-use events::Event;
+/// Where the data lives, as given by `--database` (or `--db`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DatabaseUrl {
+    /// A SQLite file: a path, or `sqlite://path`.
+    Sqlite(PathBuf),
+    /// A PostgreSQL database: `postgres://user:password@host:port/db?…`.
+    Postgres(String),
+}
 
-/// When a commit reaches the disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+impl DatabaseUrl {
+    /// Reads `--database`: `postgres://` and `postgresql://` URLs are PostgreSQL,
+    /// `sqlite://path` and anything else a SQLite file's path.
+    pub fn parse(text: &str) -> Result<DatabaseUrl, String> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Err("the database URL is empty".to_owned());
+        }
+        if text.starts_with("postgres://") || text.starts_with("postgresql://") {
+            // Parsed for real here, so a malformed URL is refused at start with what is
+            // wrong, not at the first connection attempt.
+            text.parse::<sqlx::postgres::PgConnectOptions>()
+                .map_err(|e| format!("{}: {e}", redact_password(text)))?;
+            return Ok(DatabaseUrl::Postgres(text.to_owned()));
+        }
+        if let Some(path) = text.strip_prefix("sqlite://") {
+            return Ok(DatabaseUrl::Sqlite(PathBuf::from(path)));
+        }
+        if let Some((scheme, _)) = text.split_once("://") {
+            return Err(format!(
+                "unsupported database URL scheme {scheme:?}: use postgres://… for PostgreSQL, \
+                 or a file path (or sqlite://path) for SQLite"
+            ));
+        }
+        Ok(DatabaseUrl::Sqlite(PathBuf::from(text)))
+    }
+
+    /// The URL as it may be logged: a password is replaced by `***`.
+    pub fn display(&self) -> String {
+        match self {
+            DatabaseUrl::Sqlite(path) => path.display().to_string(),
+            DatabaseUrl::Postgres(url) => redact_password(url),
+        }
+    }
+
+    pub fn is_postgres(&self) -> bool {
+        matches!(self, DatabaseUrl::Postgres(_))
+    }
+}
+
+/// `postgres://user:secret@host/db` → `postgres://user:***@host/db`.
+fn redact_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((credentials, host)) => match credentials.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}{tail}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+/// When a SQLite commit reaches the disk (PostgreSQL follows its own
+/// `synchronous_commit`, which defaults to every commit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SyncMode {
     /// fsync the WAL on every commit: an acknowledged batch survives a power cut.
     Full,
     /// fsync only at checkpoints: an acknowledged batch survives a killed server but
     /// not a power cut.
     Normal,
+}
+
+/// How to open the store.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub database: DatabaseUrl,
+    pub sync: SyncMode,
 }
 
 /// What a store operation can fail with, each mapped to one HTTP answer.
@@ -72,321 +143,306 @@ pub enum StoreError {
     Invalid(InvalidBody),
     #[error("{message}")]
     Conflict { path: String, message: String },
-    /// The database cannot take writes right now (disk full, locked, read-only):
-    /// the request may be retried.
+    /// The database cannot take writes right now (disk full, locked, read-only,
+    /// unreachable, restarting): the request may be retried.
     #[error("storage unavailable: {0}")]
     Unavailable(String),
+    /// A batch was prepared against a run state that another writer has moved on
+    /// since; the ingest service reloads and prepares it again.
+    #[error("the run moved on while the batch was prepared")]
+    Stale,
     #[error(transparent)]
     Internal(#[from] anyhow::Error),
 }
 
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
-        // SQLite's primary result codes for conditions that pass: BUSY, LOCKED,
-        // READONLY, IOERR, FULL, CANTOPEN.
-        const TRANSIENT: [i64; 6] = [5, 6, 8, 10, 13, 14];
-        let code = error
-            .as_database_error()
-            .and_then(|e| e.code())
-            .and_then(|c| c.parse::<i64>().ok());
-        match code {
-            Some(code) if TRANSIENT.contains(&(code & 0xff)) => {
-                StoreError::Unavailable(error.to_string())
-            }
-            _ => StoreError::Internal(anyhow::Error::new(error)),
+        if is_transient(&error) {
+            StoreError::Unavailable(error.to_string())
+        } else {
+            StoreError::Internal(anyhow::Error::new(error))
         }
+    }
+}
+
+/// Whether an error passes with time: the database is busy, full, read-only,
+/// restarting or out of reach, rather than the request being wrong.
+fn is_transient(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(database) => {
+            if let Some(pg) = database.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+                postgres::is_transient_sqlstate(pg.code())
+            } else {
+                sqlite::is_transient_code(database.code().as_deref())
+            }
+        }
+        _ => false,
     }
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
-/// The SQLite-backed store.
+/// Which SQL dialect a statement is for, where the two differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    Sqlite,
+    Postgres,
+}
+
+impl Dialect {
+    /// `a <op> b` true when both are NULL or equal.
+    pub fn is_same(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "IS",
+            Dialect::Postgres => "IS NOT DISTINCT FROM",
+        }
+    }
+
+    /// Locks the rows a `SELECT` returns for the transaction, skipping rows another
+    /// transaction holds (PostgreSQL); SQLite has one writer and needs nothing.
+    pub fn skip_locked(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "",
+            Dialect::Postgres => " FOR UPDATE SKIP LOCKED",
+        }
+    }
+}
+
+/// The open database.
+pub(crate) enum Db {
+    Sqlite(sqlite::SqliteDb),
+    Postgres(postgres::PgDb),
+}
+
+/// A write transaction on either database; dropped without [`Tx::commit`], it
+/// rolls back.
+pub(crate) enum Tx {
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+}
+
+impl Tx {
+    pub(crate) async fn commit(self) -> StoreResult<()> {
+        match self {
+            Tx::Sqlite(tx) => tx.commit().await?,
+            Tx::Postgres(tx) => tx.commit().await?,
+        }
+        Ok(())
+    }
+
+    pub(crate) fn dialect(&self) -> Dialect {
+        match self {
+            Tx::Sqlite(_) => Dialect::Sqlite,
+            Tx::Postgres(_) => Dialect::Postgres,
+        }
+    }
+}
+
+/// Runs `$body` with `$c` bound to the connection of the transaction `$tx`
+/// (`&mut Tx`), whichever database it is on: the body is compiled once per backend.
+macro_rules! on_tx {
+    ($tx:expr, |$c:ident| $body:expr) => {
+        match $tx {
+            $crate::store::Tx::Sqlite(t) => {
+                let $c: &mut sqlx::SqliteConnection = &mut **t;
+                $body
+            }
+            $crate::store::Tx::Postgres(t) => {
+                let $c: &mut sqlx::PgConnection = &mut **t;
+                $body
+            }
+        }
+    };
+}
+
+/// Runs `$body` with `$c` bound to the pool that serves reads of `$store`.
+macro_rules! with_reader {
+    ($store:expr, |$c:ident| $body:expr) => {
+        match &$store.db {
+            $crate::store::Db::Sqlite(db) => {
+                let $c = &db.read;
+                $body
+            }
+            $crate::store::Db::Postgres(db) => {
+                let $c = &db.pool;
+                $body
+            }
+        }
+    };
+}
+
+pub(crate) use {on_tx, with_reader};
+
+/// The store: one database, SQLite or PostgreSQL.
 pub struct Store {
-    read: SqlitePool,
-    writer: Mutex<Writer>,
-    /// How the writer connection is opened, again when it must be replaced.
-    write_options: SqliteConnectOptions,
-    events: broadcast::Sender<Event>,
-    detection: Detection,
-}
-
-/// Everything only the writer touches.
-struct Writer {
-    conn: SqliteConnection,
-    /// Per-run state needed to ingest, loaded on first use and kept in step with
-    /// what is committed (updated only after a commit succeeds).
-    runs: HashMap<String, RunState>,
-    compressor: zstd::bulk::Compressor<'static>,
-    decompressor: zstd::bulk::Decompressor<'static>,
-}
-
-/// What ingesting into a run needs to know without a query.
-#[derive(Debug, Clone)]
-struct RunState {
-    key: i64,
-    last_step: Option<u64>,
-    columns: ColumnDictionary,
-    /// The registration in force and what is derived from it. Shared, since a batch
-    /// that amends it keeps the one in force before the amendment for the records
-    /// before it.
-    registry: Arc<Registry>,
-    detectors: DetectorSet,
-    /// The run's open alert episodes.
-    open: OpenEpisodes,
-    /// Set while a batch's COMMIT is in flight and until the state above follows it.
-    /// A batch whose future is dropped there (its request cancelled) may or may not
-    /// have committed; the next batch of the run then reloads the state from what
-    /// the database holds instead of trusting this copy.
-    commit_in_doubt: bool,
-}
-
-/// A registration in force (as first sent, with every amendment up to some step
-/// applied) and the lookups ingest derives from it.
-#[derive(Debug)]
-struct Registry {
-    registration: RunRegistration,
-    /// Parameter names: a step may only report these.
-    params: FxHashSet<String>,
-    /// Module → group, from the parameters.
-    module_groups: FxHashMap<String, String>,
-    /// What the detectors know of the run.
-    context: Arc<RunContext>,
-}
-
-impl Registry {
-    fn new(registration: RunRegistration, thresholds: Thresholds) -> Registry {
-        Registry {
-            params: registration.params.iter().map(|p| p.name.clone()).collect(),
-            module_groups: registration
-                .params
-                .iter()
-                .map(|p| (p.module_name().to_owned(), p.group_name().to_owned()))
-                .collect(),
-            context: Arc::new(RunContext::new(&registration, thresholds)),
-            registration,
-        }
-    }
-
-    /// This registration with `amendment` applied (the protocol's defaults written
-    /// out, as for a registration).
-    fn amended(&self, amendment: &Amendment, thresholds: Thresholds) -> Registry {
-        let mut registration = self.registration.clone();
-        registration.amend(amendment);
-        Registry::new(registration.normalized(), thresholds)
-    }
-}
-
-impl RunState {
-    fn new(key: i64, registration: &RunRegistration, thresholds: Thresholds) -> RunState {
-        RunState {
-            key,
-            last_step: None,
-            columns: ColumnDictionary::default(),
-            registry: Arc::new(Registry::new(registration.clone(), thresholds)),
-            detectors: DetectorSet::default(),
-            open: OpenEpisodes::new(),
-            commit_in_doubt: false,
-        }
-    }
+    pub(crate) db: Db,
 }
 
 impl Store {
-    /// Opens (creating if missing) the database at `path` and applies the migrations.
-    /// `detection` says whether the detectors run, and their server-wide thresholds
-    /// (runs may override them).
-    pub async fn open(path: &Path, sync: SyncMode, detection: Detection) -> anyhow::Result<Store> {
-        let url = format!("sqlite://{}", path.display());
-        let options = SqliteConnectOptions::from_str(&url)
-            .with_context(|| format!("parsing database path {}", path.display()))?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(match sync {
-                SyncMode::Full => SqliteSynchronous::Full,
-                SyncMode::Normal => SqliteSynchronous::Normal,
-            })
-            // Takes effect only when the file is created; retention frees pages with
-            // incremental vacuum instead of rewriting the whole file.
-            .auto_vacuum(SqliteAutoVacuum::Incremental)
-            .page_size(16384)
-            .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(5))
-            .pragma("cache_size", "-65536"); // 64 MiB per connection
-        let mut conn = SqliteConnection::connect_with(&options)
-            .await
-            .with_context(|| format!("opening database {}", path.display()))?;
-        let write_options = options.clone();
-        sqlx::migrate!("../migrations")
-            .run(&mut conn)
-            .await
-            .with_context(|| format!("applying migrations to {}", path.display()))?;
-        // Readers set nothing that writes: setting journal_mode or auto_vacuum on a
-        // new connection needs the write lock, so a reader opened while the database
-        // is locked, read-only or on a full disk would fail, and reads must go on
-        // while writes cannot.
-        let read_options = SqliteConnectOptions::from_str(&url)
-            .with_context(|| format!("parsing database path {}", path.display()))?
-            .read_only(true)
-            .busy_timeout(Duration::from_secs(5))
-            .pragma("cache_size", "-65536");
-        let read = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(read_options)
-            .await
-            .with_context(|| format!("opening read connections to {}", path.display()))?;
-        Ok(Store {
-            read,
-            write_options,
-            events: broadcast::channel(EVENT_BUFFER).0,
-            detection,
-            writer: Mutex::new(Writer {
-                conn,
-                runs: HashMap::new(),
-                compressor: codec::compressor()?,
-                decompressor: codec::decompressor()?,
-            }),
+    /// Opens the database and applies its migrations. SQLite is opened (and created)
+    /// at once, so a path that cannot be opened is an error here. PostgreSQL is
+    /// reached in the background, with backoff, so a server started before its
+    /// database comes up serves `503` (and `/readyz` says not ready) until it can.
+    pub async fn open(config: &StoreConfig) -> anyhow::Result<Store> {
+        let db = match &config.database {
+            DatabaseUrl::Sqlite(path) => Db::Sqlite(
+                sqlite::SqliteDb::open(path, config.sync)
+                    .await
+                    .with_context(|| format!("opening the SQLite database {}", path.display()))?,
+            ),
+            DatabaseUrl::Postgres(url) => Db::Postgres(postgres::PgDb::open(url)?),
+        };
+        Ok(Store { db })
+    }
+
+    /// Which database this is.
+    pub fn dialect(&self) -> Dialect {
+        match &self.db {
+            Db::Sqlite(_) => Dialect::Sqlite,
+            Db::Postgres(_) => Dialect::Postgres,
+        }
+    }
+
+    /// Whether the database is reachable and migrated: a round trip to it.
+    pub async fn ready(&self) -> StoreResult<()> {
+        self.check_ready()?;
+        with_reader!(self, |pool| {
+            sqlx::query("SELECT 1").execute(pool).await?;
+        });
+        Ok(())
+    }
+
+    /// Waits (up to a minute) for [`Store::ready`], for tools that run against the
+    /// database once, such as `gradflow-server import`.
+    pub async fn wait_ready(&self) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            match self.ready().await {
+                Ok(()) => return Ok(()),
+                Err(error) if std::time::Instant::now() >= deadline => {
+                    return Err(anyhow::anyhow!(
+                        "the database is not ready after a minute: {error}"
+                    ));
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+            }
+        }
+    }
+
+    /// `Unavailable` until PostgreSQL has been reached and migrated.
+    fn check_ready(&self) -> StoreResult<()> {
+        match &self.db {
+            Db::Sqlite(_) => Ok(()),
+            Db::Postgres(db) => db.check_ready(),
+        }
+    }
+
+    /// Waits for the batch in flight and closes the database (checkpointing SQLite's
+    /// WAL into the main file). Takes `&self`: when the server stops, the last
+    /// connection task may still hold a handle on the store for a moment.
+    pub async fn close(&self) -> anyhow::Result<()> {
+        match &self.db {
+            Db::Sqlite(db) => db.close().await,
+            Db::Postgres(db) => {
+                db.close().await;
+                Ok(())
+            }
+        }
+    }
+
+    /// A write transaction.
+    pub(crate) async fn begin(&self) -> StoreResult<Tx> {
+        self.check_ready()?;
+        Ok(match &self.db {
+            Db::Sqlite(db) => Tx::Sqlite(db.write.begin().await?),
+            Db::Postgres(db) => Tx::Postgres(db.pool.begin().await?),
         })
     }
 
-    /// Waits for the batch in flight, checkpoints the WAL into the main file and
-    /// closes the readers. Takes `&self`: when the server stops, the last connection
-    /// task may still hold a handle on the store for a moment.
-    pub async fn close(&self) -> anyhow::Result<()> {
-        let mut writer = self.lock_writer().await?;
-        self.read.close().await;
-        sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
-            .execute(&mut writer.conn)
-            .await
-            .context("checkpointing the WAL")?;
-        Ok(())
-    }
-}
-
-impl Store {
-    /// The writer, on a connection whose state is known. A transaction that failed
-    /// on an I/O error (full disk, read-only file) can leave sqlx's transaction
-    /// bookkeeping out of step with SQLite: SQLite has rolled back, or still holds a
-    /// transaction its failed `ROLLBACK` could not end, while sqlx counts one open.
-    /// Its next `begin` would then be a `SAVEPOINT` inside it and its "commit" a
-    /// `RELEASE` that commits nothing: batches acknowledged and lost. So a writer
-    /// that still counts a transaction when no one holds one is replaced by a fresh
-    /// connection (closing the old one rolls back whatever it held), and the cached
-    /// per-run state is reloaded from what is committed.
-    async fn lock_writer(&self) -> StoreResult<tokio::sync::MutexGuard<'_, Writer>> {
-        let mut writer = self.writer.lock().await;
-        if writer.conn.is_in_transaction() {
-            let fresh = SqliteConnection::connect_with(&self.write_options)
-                .await
-                .map_err(|e| StoreError::Unavailable(format!("cannot reopen the database: {e}")))?;
-            tracing::warn!("replaced the database writer connection after a failed transaction");
-            let old = std::mem::replace(&mut writer.conn, fresh);
-            if let Err(error) = old.close().await {
-                tracing::debug!(%error, "closing the failed writer connection");
-            }
-            writer.runs.clear();
-        }
-        Ok(writer)
-    }
-}
-
-impl Store {
-    /// Bytes of the database file: its pages, free ones included (the write-ahead
-    /// log is not counted; it is folded in at checkpoints).
+    /// Bytes the database takes: the SQLite file's pages (free ones included; the
+    /// write-ahead log is folded in at checkpoints), or PostgreSQL's
+    /// `pg_database_size`.
     pub async fn database_bytes(&self) -> StoreResult<u64> {
-        let bytes: i64 = sqlx::query_scalar(
-            "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()",
-        )
-        .fetch_one(&self.read)
-        .await?;
+        self.check_ready()?;
+        let bytes: i64 =
+            match &self.db {
+                Db::Sqlite(db) => sqlx::query_scalar(
+                    "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()",
+                )
+                .fetch_one(&db.read)
+                .await?,
+                Db::Postgres(db) => {
+                    sqlx::query_scalar("SELECT pg_database_size(current_database())")
+                        .fetch_one(&db.pool)
+                        .await?
+                }
+            };
         Ok(bytes.max(0) as u64)
     }
 
     /// How many runs are stored.
     pub async fn run_count(&self) -> StoreResult<u64> {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM runs")
-            .fetch_one(&self.read)
-            .await?;
+        self.check_ready()?;
+        let n: i64 = with_reader!(self, |pool| {
+            sqlx::query_scalar("SELECT count(*) FROM runs")
+                .fetch_one(pool)
+                .await?
+        });
         Ok(n as u64)
     }
-}
 
-/// Events a slow listener may fall behind by before it misses some.
-const EVENT_BUFFER: usize = 4096;
-
-impl Store {
-    /// Subscribes to the events announced after each commit.
-    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
-        self.events.subscribe()
-    }
-
-    fn announce(&self, event: Event) {
-        // No listener is not an error.
-        let _ = self.events.send(event);
-    }
-}
-
-impl Writer {
-    /// The ingest state of `run_id`, loaded from the database on first use.
-    async fn run_state(
-        &mut self,
-        run_id: &str,
-        thresholds: Thresholds,
-    ) -> StoreResult<&mut RunState> {
-        if self
-            .runs
-            .get(run_id)
-            .is_none_or(|state| state.commit_in_doubt)
-        {
-            let state = load_run_state(&mut self.conn, run_id, thresholds).await?;
-            self.runs.insert(run_id.to_owned(), state);
+    /// Runs `work` while holding the database-wide lock named `name`, if no other
+    /// server holds it now: `None` when another replica is doing the same work
+    /// (retention, for one, runs on one replica at a time). SQLite has one server.
+    pub async fn exclusively<T>(
+        &self,
+        name: &str,
+        work: impl AsyncFnOnce() -> StoreResult<T>,
+    ) -> StoreResult<Option<T>> {
+        self.check_ready()?;
+        match &self.db {
+            Db::Sqlite(_) => Ok(Some(work().await?)),
+            Db::Postgres(db) => db.exclusively(name, work).await,
         }
-        Ok(self.runs.get_mut(run_id).expect("inserted above"))
     }
-}
-
-async fn load_run_state(
-    conn: &mut SqliteConnection,
-    run_id: &str,
-    thresholds: Thresholds,
-) -> StoreResult<RunState> {
-    let row: Option<(i64, String, Option<i64>)> =
-        sqlx::query_as("SELECT id, registration, last_step FROM runs WHERE run_id = ?")
-            .bind(run_id)
-            .fetch_optional(&mut *conn)
-            .await?;
-    let Some((key, registration, last_step)) = row else {
-        return Err(StoreError::RunNotFound(run_id.to_owned()));
-    };
-    let mut registration: RunRegistration = serde_json::from_str(&registration)
-        .with_context(|| format!("reading the stored registration of run {run_id}"))?;
-    for (_, amendment) in runs::load_amendments(&mut *conn, key).await? {
-        registration.amend(&amendment);
-    }
-    let mut state = RunState::new(key, &registration.normalized(), thresholds);
-    state.last_step = last_step.map(|s| s as u64);
-    let detectors: Option<String> =
-        sqlx::query_scalar("SELECT state FROM detector_state WHERE run = ?")
-            .bind(key)
-            .fetch_optional(&mut *conn)
-            .await?;
-    if let Some(detectors) = detectors {
-        state.detectors = serde_json::from_str(&detectors)
-            .with_context(|| format!("reading the detector state of run {run_id}"))?;
-    }
-    state.open = alerts::load_open(conn, key).await?;
-    let columns: Vec<(i64, String, String)> =
-        sqlx::query_as("SELECT col, kind, subject FROM columns WHERE run = ?")
-            .bind(key)
-            .fetch_all(&mut *conn)
-            .await?;
-    for (position, kind, subject) in columns {
-        let kind = SeriesKind::parse(&kind)
-            .with_context(|| format!("unknown column kind {kind:?} in run {run_id}"))?;
-        state.columns.restore(kind, &subject, position as u32);
-    }
-    Ok(state)
 }
 
 /// Seconds since the Unix epoch, as stored in `created_at` and `last_seen`.
 pub fn now_seconds() -> f64 {
     gradflow_protocol::Timestamp::now().unix_seconds()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_urls_pick_the_backend() {
+        assert_eq!(
+            DatabaseUrl::parse("./gradflow.db"),
+            Ok(DatabaseUrl::Sqlite("./gradflow.db".into()))
+        );
+        assert_eq!(
+            DatabaseUrl::parse("sqlite:///var/lib/g.db"),
+            Ok(DatabaseUrl::Sqlite("/var/lib/g.db".into()))
+        );
+        let pg = DatabaseUrl::parse("postgres://gf:secret@db:5432/gradflow").unwrap();
+        assert!(pg.is_postgres());
+        assert_eq!(pg.display(), "postgres://gf:***@db:5432/gradflow");
+        assert!(
+            DatabaseUrl::parse("postgresql://localhost/gradflow?sslmode=disable")
+                .unwrap()
+                .is_postgres()
+        );
+        let err = DatabaseUrl::parse("mysql://localhost/g").unwrap_err();
+        assert!(err.contains("unsupported database URL scheme"), "{err}");
+        assert!(DatabaseUrl::parse("  ").is_err());
+        let err = DatabaseUrl::parse("postgres://gf:secret@db:notaport/g").unwrap_err();
+        assert!(!err.contains("secret"), "{err}");
+    }
 }

@@ -11,7 +11,7 @@ use gradflow_protocol::RunId;
 use super::codec::{Cell, Packed, decompressor};
 use super::columns::SeriesKind;
 use super::rollup::{CHUNK_COLUMNS, ROLLUP_WIDTHS, decode_columns};
-use super::{Store, StoreError, StoreResult};
+use super::{Store, StoreError, StoreResult, with_reader};
 use crate::series::{MinMax, Source, plan};
 
 /// What to read: the first of `candidates` (kind, subject) the run has, over
@@ -54,14 +54,16 @@ impl Store {
         let (key, first, last) = self.run_extent(run_id).await?;
         let mut found = None;
         for (kind, subject) in &request.candidates {
-            let column: Option<i64> = sqlx::query_scalar(
-                "SELECT col FROM columns WHERE run = ? AND kind = ? AND subject = ?",
-            )
-            .bind(key)
-            .bind(kind.as_str())
-            .bind(subject)
-            .fetch_optional(&self.read)
-            .await?;
+            let column: Option<i64> = with_reader!(self, |pool| {
+                sqlx::query_scalar(
+                    "SELECT col FROM columns WHERE run = $1 AND kind = $2 AND subject = $3",
+                )
+                .bind(key)
+                .bind(kind.as_str())
+                .bind(subject)
+                .fetch_optional(pool)
+                .await?
+            });
             if let Some(column) = column {
                 found = Some((*kind, column as usize));
                 break;
@@ -134,13 +136,15 @@ impl Store {
         max_points: usize,
     ) -> StoreResult<Vec<(String, Vec<(u64, Cell)>)>> {
         let (key, first, last) = self.run_extent(run_id).await?;
-        let subjects: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT col, subject FROM columns WHERE run = ? AND kind = ? ORDER BY col",
-        )
-        .bind(key)
-        .bind(kind.as_str())
-        .fetch_all(&self.read)
-        .await?;
+        let subjects: Vec<(i64, String)> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT col, subject FROM columns WHERE run = $1 AND kind = $2 ORDER BY col",
+            )
+            .bind(key)
+            .bind(kind.as_str())
+            .fetch_all(pool)
+            .await?
+        });
         let columns: Vec<usize> = subjects.iter().map(|(c, _)| *c as usize).collect();
         let mut points: Vec<Vec<(u64, Cell)>> = vec![Vec::new(); columns.len()];
         let result = |points: Vec<Vec<(u64, Cell)>>| {
@@ -192,10 +196,13 @@ impl Store {
 
     /// The run's key and its first and last stored steps.
     async fn run_extent(&self, run_id: &RunId) -> StoreResult<(i64, Option<i64>, Option<i64>)> {
-        let run = sqlx::query_as("SELECT id, first_step, last_step FROM runs WHERE run_id = ?")
-            .bind(run_id.as_str())
-            .fetch_optional(&self.read)
-            .await?;
+        self.check_ready()?;
+        let run = with_reader!(self, |pool| {
+            sqlx::query_as("SELECT id, first_step, last_step FROM runs WHERE run_id = $1")
+                .bind(run_id.as_str())
+                .fetch_optional(pool)
+                .await?
+        });
         run.ok_or_else(|| StoreError::RunNotFound(run_id.as_str().to_owned()))
     }
 
@@ -211,13 +218,16 @@ impl Store {
         let Some(max_points) = max_points.filter(|m| to - from + 1 > *m as u64) else {
             return Ok(None);
         };
-        let rows: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM steps WHERE run = ? AND step BETWEEN ? AND ?")
-                .bind(key)
-                .bind(from as i64)
-                .bind(to as i64)
-                .fetch_one(&self.read)
-                .await?;
+        let rows: i64 = with_reader!(self, |pool| {
+            sqlx::query_scalar(
+                "SELECT count(*) FROM steps WHERE run = $1 AND step BETWEEN $2 AND $3",
+            )
+            .bind(key)
+            .bind(from as i64)
+            .bind(to as i64)
+            .fetch_one(pool)
+            .await?
+        });
         Ok((rows as u64 > max_points as u64).then_some(max_points))
     }
 
@@ -225,23 +235,26 @@ impl Store {
     /// modules: the order the trainer reports them in, which is model order).
     pub async fn subjects(&self, run_id: &RunId, kind: SeriesKind) -> StoreResult<Vec<String>> {
         let (key, _, _) = self.run_extent(run_id).await?;
-        Ok(sqlx::query_scalar(
-            "SELECT subject FROM columns WHERE run = ? AND kind = ? ORDER BY col",
-        )
-        .bind(key)
-        .bind(kind.as_str())
-        .fetch_all(&self.read)
-        .await?)
+        Ok(with_reader!(self, |pool| {
+            sqlx::query_scalar(
+                "SELECT subject FROM columns WHERE run = $1 AND kind = $2 ORDER BY col",
+            )
+            .bind(key)
+            .bind(kind.as_str())
+            .fetch_all(pool)
+            .await?
+        }))
     }
 
     /// The kinds of series a run has reported at least once.
     pub async fn series_kinds(&self, run_id: &RunId) -> StoreResult<HashSet<SeriesKind>> {
         let (key, _, _) = self.run_extent(run_id).await?;
-        let kinds: Vec<String> =
-            sqlx::query_scalar("SELECT DISTINCT kind FROM columns WHERE run = ?")
+        let kinds: Vec<String> = with_reader!(self, |pool| {
+            sqlx::query_scalar("SELECT DISTINCT kind FROM columns WHERE run = $1")
                 .bind(key)
-                .fetch_all(&self.read)
-                .await?;
+                .fetch_all(pool)
+                .await?
+        });
         Ok(kinds.iter().filter_map(|k| SeriesKind::parse(k)).collect())
     }
 
@@ -257,11 +270,12 @@ impl Store {
         let Some(last_step) = last_step else {
             return Ok(None);
         };
-        let columns: Vec<(i64, String, String)> =
-            sqlx::query_as("SELECT col, kind, subject FROM columns WHERE run = ? ORDER BY col")
+        let columns: Vec<(i64, String, String)> = with_reader!(self, |pool| {
+            sqlx::query_as("SELECT col, kind, subject FROM columns WHERE run = $1 ORDER BY col")
                 .bind(key)
-                .fetch_all(&self.read)
-                .await?;
+                .fetch_all(pool)
+                .await?
+        });
         let mut wanted: Vec<(usize, SeriesKind, String)> = columns
             .into_iter()
             .filter_map(|(column, kind, subject)| {
@@ -269,28 +283,30 @@ impl Store {
                 Some((column as usize, kind, subject))
             })
             .collect();
-        let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
-            "SELECT step, vals FROM steps WHERE run = ? ORDER BY step DESC LIMIT ?",
-        )
-        .bind(key)
-        .bind(LATEST_LOOKBACK)
-        .fetch(&self.read);
         let mut decompressor = decompressor()?;
         let mut values = HashMap::new();
-        while !wanted.is_empty()
-            && let Some((step, blob)) = rows.try_next().await?
-        {
-            let packed = Packed::decode(&blob, &mut decompressor)
-                .with_context(|| format!("decoding the values of step {step}"))?;
-            wanted.retain(|(column, kind, subject)| {
-                let cell = packed.cell(*column);
-                if cell == Cell::Absent {
-                    return true;
-                }
-                values.insert((*kind, subject.clone()), cell);
-                false
-            });
-        }
+        with_reader!(self, |pool| {
+            let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+                "SELECT step, vals FROM steps WHERE run = $1 ORDER BY step DESC LIMIT $2",
+            )
+            .bind(key)
+            .bind(LATEST_LOOKBACK)
+            .fetch(pool);
+            while !wanted.is_empty()
+                && let Some((step, blob)) = rows.try_next().await?
+            {
+                let packed = Packed::decode(&blob, &mut decompressor)
+                    .with_context(|| format!("decoding the values of step {step}"))?;
+                wanted.retain(|(column, kind, subject)| {
+                    let cell = packed.cell(*column);
+                    if cell == Cell::Absent {
+                        return true;
+                    }
+                    values.insert((*kind, subject.clone()), cell);
+                    false
+                });
+            }
+        });
         Ok(Some(LatestValues {
             step: last_step as u64,
             values,
@@ -320,24 +336,27 @@ impl Store {
         to: u64,
         mut sink: impl FnMut(usize, u64, Cell),
     ) -> StoreResult<()> {
-        let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
-            "SELECT step, vals FROM steps WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step",
-        )
-        .bind(key)
-        .bind(from as i64)
-        .bind(to as i64)
-        .fetch(&self.read);
         let mut decompressor = decompressor()?;
-        while let Some((step, blob)) = rows.try_next().await? {
-            let packed = Packed::decode(&blob, &mut decompressor)
-                .with_context(|| format!("decoding the values of step {step}"))?;
-            for (i, column) in columns.iter().enumerate() {
-                let cell = packed.cell(*column);
-                if cell != Cell::Absent {
-                    sink(i, step as u64, cell);
+        with_reader!(self, |pool| {
+            let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+                "SELECT step, vals FROM steps WHERE run = $1 AND step BETWEEN $2 AND $3 \
+                 ORDER BY step",
+            )
+            .bind(key)
+            .bind(from as i64)
+            .bind(to as i64)
+            .fetch(pool);
+            while let Some((step, blob)) = rows.try_next().await? {
+                let packed = Packed::decode(&blob, &mut decompressor)
+                    .with_context(|| format!("decoding the values of step {step}"))?;
+                for (i, column) in columns.iter().enumerate() {
+                    let cell = packed.cell(*column);
+                    if cell != Cell::Absent {
+                        sink(i, step as u64, cell);
+                    }
                 }
             }
-        }
+        });
         Ok(())
     }
 
@@ -378,28 +397,32 @@ impl Store {
                 .filter(|(_, c)| **c / CHUNK_COLUMNS == chunk)
                 .map(|(i, c)| (i, c % CHUNK_COLUMNS))
                 .collect();
-            let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
-                "SELECT bucket, summary FROM rollups WHERE run = ? AND width = ? AND chunk = ? \
-                 AND bucket BETWEEN ? AND ? ORDER BY bucket",
-            )
-            .bind(key)
-            .bind(width as i64)
-            .bind(chunk as i64)
-            .bind(first as i64)
-            .bind(last as i64)
-            .fetch(&self.read);
-            while let Some((bucket, blob)) = rows.try_next().await? {
-                let summaries = decode_columns(&blob, &mut decompressor)
-                    .with_context(|| format!("decoding rollup bucket {bucket} of width {width}"))?;
-                let start = bucket as u64 * width;
-                for (i, within) in &wanted {
-                    if let Some(summary) = summaries.get(*within) {
-                        for (offset, cell) in summary.points() {
-                            sink(*i, start + offset as u64, cell);
+            with_reader!(self, |pool| {
+                let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+                    "SELECT bucket, summary FROM rollups WHERE run = $1 AND width = $2 \
+                     AND chunk = $3 AND bucket BETWEEN $4 AND $5 ORDER BY bucket",
+                )
+                .bind(key)
+                .bind(width as i64)
+                .bind(chunk as i64)
+                .bind(first as i64)
+                .bind(last as i64)
+                .fetch(pool);
+                while let Some((bucket, blob)) = rows.try_next().await? {
+                    let summaries =
+                        decode_columns(&blob, &mut decompressor).with_context(|| {
+                            format!("decoding rollup bucket {bucket} of width {width}")
+                        })?;
+                    let start = bucket as u64 * width;
+                    for (i, within) in &wanted {
+                        if let Some(summary) = summaries.get(*within) {
+                            for (offset, cell) in summary.points() {
+                                sink(*i, start + offset as u64, cell);
+                            }
                         }
                     }
                 }
-            }
+            });
         }
         Ok(())
     }

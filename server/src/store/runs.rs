@@ -2,13 +2,12 @@
 
 use anyhow::Context;
 use gradflow_protocol::{Amendment, RunId, RunRegistration};
-use serde_json::Value;
-use sqlx::Connection;
 
-use super::alerts::{self, Alert, OpenEpisode};
-use super::events::{AlertAction, Event};
-use super::{RunState, Store, StoreError, StoreResult, Writer, now_seconds, webhooks};
-use crate::detect::registration;
+use super::notify::{self, Notice};
+use super::{
+    Db, Store, StoreError, StoreResult, Tx, alerts, now_seconds, on_tx, webhooks, with_reader,
+};
+use crate::model::alert::Opened;
 
 /// A run as stored: its registration (with the protocol's defaults written out) and
 /// where its stream stands.
@@ -100,126 +99,101 @@ type RunRow = (
 );
 
 const SELECT_RUN: &str = "SELECT run_id, registration, created_at, first_step, last_step, \
-                          last_seen, step_count, finished_at FROM runs WHERE run_id = ?";
+                          last_seen, step_count, finished_at FROM runs WHERE run_id = $1";
+
+/// A run to register: its normalized registration, that registration as stored
+/// (JSON), and the alerts the registration alone already proves.
+pub struct NewRun<'a> {
+    pub run_id: &'a str,
+    pub registration: &'a RunRegistration,
+    pub canonical: &'a str,
+    pub alerts: &'a [Opened],
+}
+
+/// What registering came to.
+#[derive(Debug)]
+pub enum Registered {
+    /// Registered now, under `key`, with the ids of its alerts.
+    New {
+        key: i64,
+        created_at: f64,
+        alert_ids: Vec<i64>,
+    },
+    /// The run already existed: as stored, its registration as first sent (no
+    /// amendments applied), for the caller to compare.
+    Existing(Box<StoredRun>),
+}
 
 impl Store {
-    /// Registers `run_id`. Idempotent: the same registration again returns the stored
-    /// run and `false`; a different one for an existing run is a conflict that names
-    /// the first field that differs.
-    pub async fn register_run(
-        &self,
-        run_id: &RunId,
-        registration: RunRegistration,
-    ) -> StoreResult<(StoredRun, bool)> {
-        let registration = registration.normalized();
-        let canonical =
-            serde_json::to_string(&registration).context("serializing a registration")?;
-        let mut writer = self.lock_writer().await?;
-        let existing: Option<RunRow> = sqlx::query_as(SELECT_RUN)
-            .bind(run_id.as_str())
-            .fetch_optional(&mut writer.conn)
-            .await?;
-        if let Some(row) = existing {
-            let stored = stored_run(row)?;
-            // Compared with the registration as first sent: a client that restarts
-            // and registers again with its original body is welcome.
-            if stored_canonical(&stored)? == canonical {
-                return Ok((self.run(run_id).await?, false));
-            }
-            let old = serde_json::to_value(&stored.registration).context("re-encoding")?;
-            let new = serde_json::to_value(&registration).context("re-encoding")?;
-            let path = first_difference(&old, &new, String::new()).unwrap_or_default();
-            return Err(StoreError::Conflict {
-                message: format!(
-                    "run {run_id} is already registered with a different body{}; to change \
-                     the registration while the run trains, send the change as an amendment \
-                     (`amend` in a step record, in force from that record's step); otherwise \
-                     register under a new run id, or DELETE the run first",
-                    if path.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (first difference at {path})")
-                    }
-                ),
-                path,
-            });
-        }
+    /// Registers a run unless one of its id exists (two replicas registering the
+    /// same run at once both end here: one inserts, the other finds it). The run's
+    /// webhooks and its registration alerts are written in the same transaction.
+    pub async fn insert_run(&self, run: NewRun<'_>) -> StoreResult<Registered> {
         let created_at = now_seconds();
-        let mut tx = writer.conn.begin().await?;
-        let key: i64 = sqlx::query_scalar(
-            "INSERT INTO runs (run_id, name, registration, created_at) VALUES (?, ?, ?, ?) \
-             RETURNING id",
-        )
-        .bind(run_id.as_str())
-        .bind(registration.name.as_deref())
-        .bind(&canonical)
-        .bind(created_at)
-        .fetch_one(&mut *tx)
-        .await?;
-        webhooks::add_run_targets(&mut tx, key, &registration.webhooks).await?;
-        // What the registration alone proves wrong is known before the first step.
-        let mut state = RunState::new(key, &registration, self.detection.thresholds);
-        let mut opened = Vec::new();
-        let checks = if self.detection.enabled {
-            registration::check(&state.registry.context)
-        } else {
-            Vec::new()
+        let mut tx = self.begin().await?;
+        let key: Option<i64> = on_tx!(&mut tx, |c| {
+            sqlx::query_scalar(
+                "INSERT INTO runs (run_id, name, registration, created_at) \
+                 VALUES ($1, $2, $3, $4) ON CONFLICT (run_id) DO NOTHING RETURNING id",
+            )
+            .bind(run.run_id)
+            .bind(run.registration.name.as_deref())
+            .bind(run.canonical)
+            .bind(created_at)
+            .fetch_optional(&mut *c)
+            .await?
+        });
+        let Some(key) = key else {
+            drop(tx);
+            return Ok(Registered::Existing(Box::new(
+                self.stored_run(run.run_id).await?,
+            )));
         };
-        for alert in checks {
-            let id = alerts::insert_opened(&mut tx, key, &alert).await?;
-            webhooks::enqueue_opened(&mut tx, key, id, &alert).await?;
-            state.open.insert(
-                (alert.kind, alert.subject.clone()),
-                OpenEpisode {
-                    id,
-                    last_step: None,
-                },
-            );
-            opened.push(Alert::from_opened(id, run_id.as_str(), &alert));
+        webhooks::add_run_targets(&mut tx, key, &run.registration.webhooks).await?;
+        let mut alert_ids = Vec::with_capacity(run.alerts.len());
+        for alert in run.alerts {
+            let id = alerts::insert_opened(&mut tx, key, alert).await?;
+            webhooks::enqueue_opened(&mut tx, key, run.run_id, id, alert).await?;
+            alert_ids.push(id);
         }
+        let notices: Vec<Notice> = alert_ids.iter().map(|&id| Notice::opened(id)).collect();
+        notify::send(&mut tx, &notices).await?;
         tx.commit().await?;
-        writer.runs.insert(run_id.as_str().to_owned(), state);
-        drop(writer);
-        tracing::info!(run_id = %run_id, params = registration.params.len(), alerts = opened.len(), "run registered");
-        for alert in opened {
-            tracing::warn!(run_id = %run_id, kind = %alert.kind, subject = %alert.subject, "alert opened: {}", alert.title);
-            self.announce(Event::Alert {
-                action: AlertAction::Opened,
-                alert: Box::new(alert),
-            });
-        }
-        Ok((
-            StoredRun {
-                run_id: run_id.as_str().to_owned(),
-                registration,
-                amendments: Vec::new(),
-                created_at,
-                first_step: None,
-                last_step: None,
-                last_seen: None,
-                step_count: 0,
-                finished_at: None,
-            },
-            true,
-        ))
+        Ok(Registered::New {
+            key,
+            created_at,
+            alert_ids,
+        })
     }
 
+    /// The run as stored, its registration as first sent.
+    async fn stored_run(&self, run_id: &str) -> StoreResult<StoredRun> {
+        let row: Option<RunRow> = with_reader!(self, |pool| {
+            sqlx::query_as(SELECT_RUN)
+                .bind(run_id)
+                .fetch_optional(pool)
+                .await?
+        });
+        match row {
+            Some(row) => stored_run(row),
+            None => Err(StoreError::RunNotFound(run_id.to_owned())),
+        }
+    }
+
+    /// The run with its registration in force: as first sent, with every
+    /// amendment applied.
     pub async fn run(&self, run_id: &RunId) -> StoreResult<StoredRun> {
-        let row: Option<RunRow> = sqlx::query_as(SELECT_RUN)
+        self.check_ready()?;
+        let mut run = self.stored_run(run_id.as_str()).await?;
+        let rows: Vec<(i64, String)> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT a.step, a.body FROM amendments a JOIN runs r ON r.id = a.run \
+                 WHERE r.run_id = $1 ORDER BY a.step",
+            )
             .bind(run_id.as_str())
-            .fetch_optional(&self.read)
-            .await?;
-        let mut run = match row {
-            Some(row) => stored_run(row)?,
-            None => return Err(StoreError::RunNotFound(run_id.as_str().to_owned())),
-        };
-        let rows: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT a.step, a.body FROM amendments a JOIN runs r ON r.id = a.run \
-             WHERE r.run_id = ? ORDER BY a.step",
-        )
-        .bind(run_id.as_str())
-        .fetch_all(&self.read)
-        .await?;
+            .fetch_all(pool)
+            .await?
+        });
         if !rows.is_empty() {
             run.amendments = decode_amendments(rows, run_id.as_str())?;
             for (_, amendment) in &run.amendments {
@@ -232,24 +206,29 @@ impl Store {
 
     /// Every run, newest first.
     pub async fn runs(&self) -> StoreResult<Vec<RunSummary>> {
-        Ok(sqlx::query_as(
-            "SELECT run_id, name, created_at, last_step, last_seen, step_count, finished_at \
-             FROM runs ORDER BY created_at DESC, id DESC",
-        )
-        .fetch_all(&self.read)
-        .await?)
+        self.check_ready()?;
+        Ok(with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT run_id, name, created_at, last_step, last_seen, step_count, finished_at \
+                 FROM runs ORDER BY created_at DESC, id DESC",
+            )
+            .fetch_all(pool)
+            .await?
+        }))
     }
 
     /// Marks the run finished now (again, if it was: a resumed run may finish twice).
     pub async fn finish_run(&self, run_id: &RunId) -> StoreResult<StoredRun> {
-        let mut writer = self.lock_writer().await?;
-        let updated = sqlx::query("UPDATE runs SET finished_at = ? WHERE run_id = ?")
-            .bind(now_seconds())
-            .bind(run_id.as_str())
-            .execute(&mut writer.conn)
-            .await?
-            .rows_affected();
-        drop(writer);
+        let mut tx = self.begin().await?;
+        let updated = on_tx!(&mut tx, |c| {
+            sqlx::query("UPDATE runs SET finished_at = $1 WHERE run_id = $2")
+                .bind(now_seconds())
+                .bind(run_id.as_str())
+                .execute(&mut *c)
+                .await?
+                .rows_affected()
+        });
+        tx.commit().await?;
         if updated == 0 {
             return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
         }
@@ -260,51 +239,74 @@ impl Store {
     /// Removes the run and everything of it, and gives the space back to the file
     /// system; returns how many steps went with it.
     pub async fn delete_run(&self, run_id: &RunId) -> StoreResult<u64> {
-        let mut writer = self.lock_writer().await?;
-        let row: Option<(i64, i64)> =
-            sqlx::query_as("SELECT id, step_count FROM runs WHERE run_id = ?")
+        let mut tx = self.begin().await?;
+        let row: Option<(i64, i64)> = on_tx!(&mut tx, |c| {
+            sqlx::query_as("SELECT id, step_count FROM runs WHERE run_id = $1")
                 .bind(run_id.as_str())
-                .fetch_optional(&mut writer.conn)
-                .await?;
+                .fetch_optional(&mut *c)
+                .await?
+        });
         let Some((key, step_count)) = row else {
             return Err(StoreError::RunNotFound(run_id.as_str().to_owned()));
         };
-        writer.delete_run(key, run_id.as_str()).await?;
-        writer.free_space().await;
+        delete_rows(&mut tx, key).await?;
+        tx.commit().await?;
+        self.free_space().await;
         tracing::info!(run_id = %run_id, steps = step_count, "run deleted");
         Ok(step_count as u64)
     }
 
     /// Retention: deletes every run with nothing received since `cutoff` (Unix
     /// seconds; the registration counts for a run without steps), then frees the
-    /// space. Returns the runs deleted with their step counts.
+    /// space. Returns the runs deleted with their step counts. With several
+    /// replicas, one of them does it at a time (the others find nothing left).
     pub async fn expire_runs(&self, cutoff: f64) -> StoreResult<Vec<(String, u64)>> {
-        let mut writer = self.lock_writer().await?;
-        let expired: Vec<(i64, String, i64)> = sqlx::query_as(
-            "SELECT id, run_id, step_count FROM runs \
-             WHERE coalesce(last_seen, created_at) < ? ORDER BY id",
-        )
-        .bind(cutoff)
-        .fetch_all(&mut writer.conn)
-        .await?;
-        let mut deleted = Vec::with_capacity(expired.len());
-        for (key, run_id, step_count) in expired {
-            writer.delete_run(key, &run_id).await?;
-            tracing::info!(run_id = %run_id, steps = step_count, "run expired (--retain-days)");
-            deleted.push((run_id, step_count as u64));
-        }
+        let deleted = self
+            .exclusively("retention", async || {
+                let expired: Vec<(i64, String, i64)> = with_reader!(self, |pool| {
+                    sqlx::query_as(
+                        "SELECT id, run_id, step_count FROM runs \
+                         WHERE coalesce(last_seen, created_at) < $1 ORDER BY id",
+                    )
+                    .bind(cutoff)
+                    .fetch_all(pool)
+                    .await?
+                });
+                let mut deleted = Vec::with_capacity(expired.len());
+                for (key, run_id, step_count) in expired {
+                    let mut tx = self.begin().await?;
+                    delete_rows(&mut tx, key).await?;
+                    tx.commit().await?;
+                    tracing::info!(run_id = %run_id, steps = step_count, "run expired (--retain-days)");
+                    deleted.push((run_id, step_count as u64));
+                }
+                Ok(deleted)
+            })
+            .await?
+            .unwrap_or_default();
         if !deleted.is_empty() {
-            writer.free_space().await;
+            self.free_space().await;
         }
         Ok(deleted)
     }
+
+    /// Gives the space of deleted rows back to the file system (SQLite;
+    /// PostgreSQL's autovacuum reuses it). Best effort.
+    async fn free_space(&self) {
+        if let Db::Sqlite(db) = &self.db {
+            db.free_space().await;
+        }
+    }
 }
 
-impl Writer {
-    /// Deletes run `key` and all of its rows in one transaction.
-    async fn delete_run(&mut self, key: i64, run_id: &str) -> StoreResult<()> {
-        let mut tx = self.conn.begin().await?;
+/// Deletes run `key` and all of its rows.
+async fn delete_rows(tx: &mut Tx, key: i64) -> StoreResult<()> {
+    on_tx!(tx, |c| {
+        // Children first: the foreign keys would cascade, but naming every table
+        // keeps the delete independent of how each database enforces them.
         for table in [
+            "webhook_deliveries",
+            "webhook_targets",
             "alerts",
             "detector_state",
             "rollups",
@@ -312,34 +314,17 @@ impl Writer {
             "columns",
             "amendments",
         ] {
-            sqlx::query(&format!("DELETE FROM {table} WHERE run = ?"))
+            sqlx::query(&format!("DELETE FROM {table} WHERE run = $1"))
                 .bind(key)
-                .execute(&mut *tx)
+                .execute(&mut *c)
                 .await?;
         }
-        sqlx::query("DELETE FROM runs WHERE id = ?")
+        sqlx::query("DELETE FROM runs WHERE id = $1")
             .bind(key)
-            .execute(&mut *tx)
+            .execute(&mut *c)
             .await?;
-        tx.commit().await?;
-        self.runs.remove(run_id);
-        Ok(())
-    }
-
-    /// Returns free pages to the file system: the database is created with
-    /// `auto_vacuum = INCREMENTAL`, so `incremental_vacuum` moves pages down and
-    /// truncates, and a checkpoint carries the smaller file out of the WAL. Best
-    /// effort: the pages stay reusable if it cannot run now (a reader holds the WAL).
-    async fn free_space(&mut self) {
-        for pragma in [
-            "PRAGMA incremental_vacuum",
-            "PRAGMA wal_checkpoint(TRUNCATE)",
-        ] {
-            if let Err(error) = sqlx::query(pragma).execute(&mut self.conn).await {
-                tracing::warn!(%error, pragma, "could not free the space of deleted runs yet");
-            }
-        }
-    }
+    });
+    Ok(())
 }
 
 fn stored_run(row: RunRow) -> StoreResult<StoredRun> {
@@ -370,15 +355,17 @@ fn stored_run(row: RunRow) -> StoreResult<StoredRun> {
 
 /// The amendments of run `key`, oldest first.
 pub(super) async fn load_amendments(
-    conn: &mut sqlx::SqliteConnection,
+    tx: &mut Tx,
     key: i64,
+    run_id: &str,
 ) -> StoreResult<Vec<(u64, Amendment)>> {
-    let rows: Vec<(i64, String)> =
-        sqlx::query_as("SELECT step, body FROM amendments WHERE run = ? ORDER BY step")
+    let rows: Vec<(i64, String)> = on_tx!(tx, |c| {
+        sqlx::query_as("SELECT step, body FROM amendments WHERE run = $1 ORDER BY step")
             .bind(key)
-            .fetch_all(conn)
-            .await?;
-    decode_amendments(rows, &format!("#{key}"))
+            .fetch_all(&mut *c)
+            .await?
+    });
+    decode_amendments(rows, run_id)
 }
 
 fn decode_amendments(rows: Vec<(i64, String)>, run: &str) -> StoreResult<Vec<(u64, Amendment)>> {
@@ -389,70 +376,4 @@ fn decode_amendments(rows: Vec<(i64, String)>, run: &str) -> StoreResult<Vec<(u6
             Ok((step as u64, amendment))
         })
         .collect()
-}
-
-fn stored_canonical(run: &StoredRun) -> StoreResult<String> {
-    Ok(serde_json::to_string(&run.registration).context("serializing a registration")?)
-}
-
-/// The path of the first place where two JSON values differ, in the protocol's path
-/// notation (`params[3].dtype`), or `None` when they are equal.
-fn first_difference(a: &Value, b: &Value, path: String) -> Option<String> {
-    let join = |key: &str| {
-        if path.is_empty() {
-            key.to_owned()
-        } else {
-            format!("{path}.{key}")
-        }
-    };
-    match (a, b) {
-        (Value::Object(x), Value::Object(y)) => {
-            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
-            keys.sort();
-            keys.dedup();
-            keys.into_iter()
-                .find_map(|key| match (x.get(key), y.get(key)) {
-                    (Some(u), Some(v)) => first_difference(u, v, join(key)),
-                    _ => Some(join(key)),
-                })
-        }
-        (Value::Array(x), Value::Array(y)) => {
-            let common = x
-                .iter()
-                .zip(y)
-                .enumerate()
-                .find_map(|(i, (u, v))| first_difference(u, v, format!("{path}[{i}]")));
-            common.or_else(|| {
-                (x.len() != y.len()).then(|| format!("{path}[{}]", x.len().min(y.len())))
-            })
-        }
-        _ => (a != b).then_some(path),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn first_difference_names_the_field() {
-        let a = json!({"params": [{"name": "a", "dtype": "f32"}], "name": "x"});
-        let b = json!({"params": [{"name": "a", "dtype": "bf16"}], "name": "x"});
-        assert_eq!(first_difference(&a, &a, String::new()), None);
-        assert_eq!(
-            first_difference(&a, &b, String::new()).as_deref(),
-            Some("params[0].dtype")
-        );
-        let c = json!({"params": [{"name": "a", "dtype": "f32"}, {"name": "b"}], "name": "x"});
-        assert_eq!(
-            first_difference(&a, &c, String::new()).as_deref(),
-            Some("params[1]")
-        );
-        let d = json!({"params": [{"name": "a", "dtype": "f32"}]});
-        assert_eq!(
-            first_difference(&a, &d, String::new()).as_deref(),
-            Some("name")
-        );
-    }
 }

@@ -1,22 +1,22 @@
 //! Webhook receivers and the delivery queue, as stored.
 //!
 //! A delivery row is written in the transaction that opens or resolves an alert
-//! (`enqueue_opened`, `enqueue_resolved`, called by the writer beside
+//! (`enqueue_opened`, `enqueue_resolved`, called by the batch write beside
 //! `alerts::insert_opened` and `alerts::resolve`), so an alert
 //! that committed is always notified, even across a crash, and a rolled-back one
 //! never is. The sender (`crate::webhooks`) claims due rows, POSTs them and records
-//! each attempt here. The queue is bounded: past [`MAX_PENDING`] waiting deliveries
+//! each attempt here; with several replicas on one database, a claim keeps two of
+//! them from sending the same delivery at once. The queue is bounded: past [`MAX_PENDING`] waiting deliveries
 //! the oldest is dropped (and says so in the log), so a receiver that is down for
 //! days cannot grow the database without end.
 
 use anyhow::Context;
 use gradflow_protocol::{AlertSeverity, Webhook, WebhookFormat, redact_webhook_url};
 use serde::Serialize;
-use sqlx::SqliteConnection;
 
 use super::alerts::Alert;
-use super::{Store, StoreError, StoreResult, now_seconds};
-use crate::detect::Opened;
+use super::{Store, StoreResult, Tx, now_seconds, on_tx, with_reader};
+use crate::model::alert::Opened;
 
 /// Most deliveries waiting at once; past it the oldest waiting one is dropped.
 pub const MAX_PENDING: i64 = 10_000;
@@ -147,22 +147,21 @@ fn thresholds_admitting(severity: &str) -> &'static [&'static str] {
 
 /// Adds a run's own receivers (from its registration).
 pub(super) async fn add_run_targets(
-    conn: &mut SqliteConnection,
+    tx: &mut Tx,
     run: i64,
     webhooks: &[Webhook],
 ) -> StoreResult<()> {
     for webhook in webhooks {
-        insert_target(conn, Some(run), webhook).await?;
+        insert_target(tx, Some(run), webhook).await?;
     }
     Ok(())
 }
 
-async fn insert_target(
-    conn: &mut SqliteConnection,
-    run: Option<i64>,
-    webhook: &Webhook,
-) -> StoreResult<()> {
-    sqlx::query("INSERT INTO webhook_targets (run, url, format, min_severity) VALUES (?, ?, ?, ?)")
+async fn insert_target(tx: &mut Tx, run: Option<i64>, webhook: &Webhook) -> StoreResult<()> {
+    on_tx!(tx, |c| {
+        sqlx::query(
+            "INSERT INTO webhook_targets (run, url, format, min_severity) VALUES ($1, $2, $3, $4)",
+        )
         .bind(run)
         .bind(&webhook.url)
         .bind(webhook.format.as_str())
@@ -172,95 +171,88 @@ async fn insert_target(
                 .unwrap_or(AlertSeverity::Warning)
                 .as_str(),
         )
-        .execute(conn)
+        .execute(&mut *c)
         .await?;
+    });
     Ok(())
 }
 
 /// Queues the notification of an alert just opened, to every receiver of its run
 /// that wants its severity.
 pub(super) async fn enqueue_opened(
-    conn: &mut SqliteConnection,
+    tx: &mut Tx,
     run: i64,
+    run_id: &str,
     id: i64,
     opened: &Opened,
 ) -> StoreResult<()> {
-    if !has_targets(conn, run).await? {
+    if !has_targets(tx, run).await? {
         return Ok(());
     }
-    let run_id: String = sqlx::query_scalar("SELECT run_id FROM runs WHERE id = ?")
-        .bind(run)
-        .fetch_one(&mut *conn)
-        .await?;
-    let alert = Alert::from_opened(id, &run_id, opened);
-    enqueue(conn, run, &alert, "opened").await
+    let alert = Alert::from_opened(id, run_id, opened);
+    enqueue(tx, run, &alert, "opened").await
 }
 
 /// Queues the notification of an alert just resolved (its row already updated).
-pub(super) async fn enqueue_resolved(conn: &mut SqliteConnection, id: i64) -> StoreResult<()> {
-    let run: i64 = sqlx::query_scalar("SELECT run FROM alerts WHERE id = ?")
-        .bind(id)
-        .fetch_one(&mut *conn)
-        .await?;
-    if !has_targets(conn, run).await? {
+pub(super) async fn enqueue_resolved(tx: &mut Tx, run: i64, id: i64) -> StoreResult<()> {
+    if !has_targets(tx, run).await? {
         return Ok(());
     }
-    let alert = super::alerts::read_one(conn, id)
+    let alert = super::alerts::read_one(tx, id)
         .await?
         .with_context(|| format!("alert {id} vanished while being resolved"))?;
-    enqueue(conn, run, &alert, "resolved").await
+    enqueue(tx, run, &alert, "resolved").await
 }
 
-async fn has_targets(conn: &mut SqliteConnection, run: i64) -> StoreResult<bool> {
-    let any: Option<i64> =
-        sqlx::query_scalar("SELECT 1 FROM webhook_targets WHERE run IS NULL OR run = ? LIMIT 1")
+async fn has_targets(tx: &mut Tx, run: i64) -> StoreResult<bool> {
+    let any: Option<i64> = on_tx!(tx, |c| {
+        sqlx::query_scalar("SELECT id FROM webhook_targets WHERE run IS NULL OR run = $1 LIMIT 1")
             .bind(run)
-            .fetch_optional(conn)
-            .await?;
+            .fetch_optional(&mut *c)
+            .await?
+    });
     Ok(any.is_some())
 }
 
-async fn enqueue(
-    conn: &mut SqliteConnection,
-    run: i64,
-    alert: &Alert,
-    action: &str,
-) -> StoreResult<()> {
+async fn enqueue(tx: &mut Tx, run: i64, alert: &Alert, action: &str) -> StoreResult<()> {
     let payload = serde_json::to_string(alert).context("encoding an alert for a webhook")?;
     let admitting = thresholds_admitting(&alert.severity);
     let now = now_seconds();
-    let added = sqlx::query(
-        "INSERT INTO webhook_deliveries (run, alert, action, url, format, payload, status, \
-         created_at, next_attempt_at) \
-         SELECT ?1, ?2, ?3, url, format, ?4, 'pending', ?5, ?5 FROM webhook_targets \
-         WHERE (run IS NULL OR run = ?1) AND min_severity IN (?6, ?7, ?8) ORDER BY id",
-    )
-    .bind(run)
-    .bind(alert.id)
-    .bind(action)
-    .bind(payload)
-    .bind(now)
-    .bind(admitting[0])
-    .bind(admitting.get(1).copied().unwrap_or(admitting[0]))
-    .bind(admitting.get(2).copied().unwrap_or(admitting[0]))
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
+    let added = on_tx!(tx, |c| {
+        sqlx::query(
+            "INSERT INTO webhook_deliveries (run, alert, action, url, format, payload, status, \
+             created_at, next_attempt_at) \
+             SELECT $1, $2, $3, url, format, $4, 'pending', $5, $5 FROM webhook_targets \
+             WHERE (run IS NULL OR run = $1) AND min_severity IN ($6, $7, $8) ORDER BY id",
+        )
+        .bind(run)
+        .bind(alert.id)
+        .bind(action)
+        .bind(payload)
+        .bind(now)
+        .bind(admitting[0])
+        .bind(admitting.get(1).copied().unwrap_or(admitting[0]))
+        .bind(admitting.get(2).copied().unwrap_or(admitting[0]))
+        .execute(&mut *c)
+        .await?
+        .rows_affected()
+    });
     if added == 0 {
         return Ok(());
     }
     // Bounded: the oldest waiting deliveries make room for the new ones.
-    let dropped = sqlx::query(
-        "UPDATE webhook_deliveries SET status = 'dropped', next_attempt_at = ?2, \
-         last_error = 'dropped unsent: more than ' || ?1 || ' deliveries were waiting' \
-         WHERE id IN (SELECT id FROM webhook_deliveries WHERE status = 'pending' \
-         ORDER BY id DESC LIMIT -1 OFFSET ?1)",
-    )
-    .bind(MAX_PENDING)
-    .bind(now)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
+    let dropped = on_tx!(tx, |c| {
+        sqlx::query(&format!(
+            "UPDATE webhook_deliveries SET status = 'dropped', next_attempt_at = $1, \
+             last_error = 'dropped unsent: more than {MAX_PENDING} deliveries were waiting' \
+             WHERE id IN (SELECT id FROM webhook_deliveries WHERE status = 'pending' \
+             ORDER BY id DESC LIMIT {ALL_ROWS} OFFSET {MAX_PENDING})"
+        ))
+        .bind(now)
+        .execute(&mut *c)
+        .await?
+        .rows_affected()
+    });
     if dropped > 0 {
         tracing::warn!(
             dropped,
@@ -270,15 +262,26 @@ async fn enqueue(
     Ok(())
 }
 
+/// A `LIMIT` both databases read as "no limit" before an `OFFSET`.
+const ALL_ROWS: i64 = i64::MAX;
+
+/// How long a claimed delivery is reserved for the server that claimed it: another
+/// replica may take it over after that, if the first died mid-attempt (an attempt
+/// itself gives up after 10 s).
+const CLAIM_SECONDS: f64 = 30.0;
+
 impl Store {
     /// Replaces the server's own receivers (`--webhook`, `--slack-webhook`) with
-    /// `webhooks`. Deliveries already queued keep their URL.
+    /// `webhooks`. Deliveries already queued keep their URL. Every replica of a
+    /// database shares the receivers, so replicas should be started with the same
+    /// flags.
     pub async fn set_server_webhooks(&self, webhooks: &[Webhook]) -> StoreResult<()> {
-        let mut writer = self.lock_writer().await?;
-        let mut tx = sqlx::Connection::begin(&mut writer.conn).await?;
-        sqlx::query("DELETE FROM webhook_targets WHERE run IS NULL")
-            .execute(&mut *tx)
-            .await?;
+        let mut tx = self.begin().await?;
+        on_tx!(&mut tx, |c| {
+            sqlx::query("DELETE FROM webhook_targets WHERE run IS NULL")
+                .execute(&mut *c)
+                .await?;
+        });
         for webhook in webhooks {
             insert_target(&mut tx, None, webhook).await?;
         }
@@ -286,30 +289,72 @@ impl Store {
         Ok(())
     }
 
-    /// Up to `limit` pending deliveries due by `now`, oldest first.
-    pub async fn due_deliveries(&self, now: f64, limit: u32) -> StoreResult<Vec<DueDelivery>> {
-        Ok(sqlx::query_as(
-            "SELECT id, url, format, action, payload, attempts FROM webhook_deliveries \
-             WHERE status = 'pending' AND next_attempt_at <= ? ORDER BY next_attempt_at, id \
-             LIMIT ?",
-        )
-        .bind(now)
-        .bind(limit)
-        .fetch_all(&self.read)
-        .await?)
+    /// Claims, for the server `claimant`, up to `limit` pending deliveries due by
+    /// `now`, oldest first: a claimed delivery is not handed to another replica for
+    /// [`CLAIM_SECONDS`] (or until released), so two servers on one database do not
+    /// both send it.
+    pub async fn claim_due_deliveries(
+        &self,
+        claimant: &str,
+        now: f64,
+        limit: u32,
+    ) -> StoreResult<Vec<DueDelivery>> {
+        let mut tx = self.begin().await?;
+        let dialect = tx.dialect();
+        let due: Vec<DueDelivery> = on_tx!(&mut tx, |c| {
+            sqlx::query_as(&format!(
+                "UPDATE webhook_deliveries \
+                 SET claimed_by = $3, claimed_until = $1 + {CLAIM_SECONDS} \
+                 WHERE id IN (SELECT id FROM webhook_deliveries \
+                 WHERE status = 'pending' AND next_attempt_at <= $1 \
+                 AND (claimed_until IS NULL OR claimed_until < $1) \
+                 ORDER BY next_attempt_at, id LIMIT $2{}) \
+                 RETURNING id, url, format, action, payload, attempts",
+                dialect.skip_locked()
+            ))
+            .bind(now)
+            .bind(i64::from(limit))
+            .bind(claimant)
+            .fetch_all(&mut *c)
+            .await?
+        });
+        tx.commit().await?;
+        Ok(due)
+    }
+
+    /// Releases the claims `claimant` still holds (a server stopping mid-attempt),
+    /// or every claim (`None`: SQLite at start, whose file one server uses at a
+    /// time, so any claim left is a dead server's).
+    pub async fn release_claims(&self, claimant: Option<&str>) -> StoreResult<()> {
+        let mut tx = self.begin().await?;
+        on_tx!(&mut tx, |c| {
+            sqlx::query(
+                "UPDATE webhook_deliveries SET claimed_by = NULL, claimed_until = NULL \
+                 WHERE claimed_by IS NOT NULL \
+                 AND (CAST($1 AS TEXT) IS NULL OR claimed_by = $1)",
+            )
+            .bind(claimant)
+            .execute(&mut *c)
+            .await?;
+        });
+        tx.commit().await?;
+        Ok(())
     }
 
     /// When the earliest pending delivery is due, if any is pending.
     pub async fn next_delivery_due(&self) -> StoreResult<Option<f64>> {
-        Ok(sqlx::query_scalar(
-            "SELECT min(next_attempt_at) FROM webhook_deliveries WHERE status = 'pending'",
-        )
-        .fetch_one(&self.read)
-        .await?)
+        self.check_ready()?;
+        Ok(with_reader!(self, |pool| {
+            sqlx::query_scalar(
+                "SELECT min(next_attempt_at) FROM webhook_deliveries WHERE status = 'pending'",
+            )
+            .fetch_one(pool)
+            .await?
+        }))
     }
 
-    /// Records an attempt of delivery `id`. A delivery no longer pending (dropped
-    /// meanwhile, or its run deleted) is left as it is.
+    /// Records an attempt of delivery `id`, and releases its claim. A delivery no
+    /// longer pending (dropped meanwhile, or its run deleted) is left as it is.
     pub async fn record_attempt(&self, id: i64, attempt: &Attempt) -> StoreResult<()> {
         let now = now_seconds();
         let (status, http, error, next, delivered) = match attempt {
@@ -339,62 +384,67 @@ impl Store {
                 None,
             ),
         };
-        let mut writer = self.lock_writer().await?;
-        sqlx::query(
-            "UPDATE webhook_deliveries SET status = ?, attempts = attempts + 1, \
-             last_attempt_at = ?, last_status = ?, last_error = ?, next_attempt_at = ?, \
-             delivered_at = ? WHERE id = ? AND status = 'pending'",
-        )
-        .bind(status.as_str())
-        .bind(now)
-        .bind(http.map(i64::from))
-        .bind(error)
-        .bind(next)
-        .bind(delivered)
-        .bind(id)
-        .execute(&mut writer.conn)
-        .await?;
+        let mut tx = self.begin().await?;
+        on_tx!(&mut tx, |c| {
+            sqlx::query(
+                "UPDATE webhook_deliveries SET status = $1, attempts = attempts + 1, \
+                 last_attempt_at = $2, last_status = $3, last_error = $4, next_attempt_at = $5, \
+                 delivered_at = $6, claimed_by = NULL, claimed_until = NULL \
+                 WHERE id = $7 AND status = 'pending'",
+            )
+            .bind(status.as_str())
+            .bind(now)
+            .bind(http.map(i64::from))
+            .bind(error)
+            .bind(next)
+            .bind(delivered)
+            .bind(id)
+            .execute(&mut *c)
+            .await?;
+        });
+        tx.commit().await?;
         Ok(())
     }
 
     /// Deletes all but the newest [`MAX_FINISHED`] finished deliveries.
     pub async fn prune_deliveries(&self) -> StoreResult<u64> {
-        let mut writer = self.lock_writer().await?;
-        Ok(sqlx::query(
-            "DELETE FROM webhook_deliveries WHERE id IN (SELECT id FROM webhook_deliveries \
-             WHERE status != 'pending' ORDER BY id DESC LIMIT -1 OFFSET ?)",
-        )
-        .bind(MAX_FINISHED)
-        .execute(&mut writer.conn)
-        .await?
-        .rows_affected())
+        let mut tx = self.begin().await?;
+        let pruned = on_tx!(&mut tx, |c| {
+            sqlx::query(&format!(
+                "DELETE FROM webhook_deliveries WHERE id IN (SELECT id FROM webhook_deliveries \
+                 WHERE status != 'pending' ORDER BY id DESC LIMIT {ALL_ROWS} OFFSET {MAX_FINISHED})"
+            ))
+            .execute(&mut *c)
+            .await?
+            .rows_affected()
+        });
+        tx.commit().await?;
+        Ok(pruned)
     }
 
     /// The delivery log, newest first.
     pub async fn deliveries(&self, filter: &DeliveryFilter) -> StoreResult<Vec<WebhookDelivery>> {
+        self.check_ready()?;
         if let Some(run_id) = &filter.run_id {
-            let exists: Option<i64> = sqlx::query_scalar("SELECT id FROM runs WHERE run_id = ?")
-                .bind(run_id)
-                .fetch_optional(&self.read)
-                .await?;
-            if exists.is_none() {
-                return Err(StoreError::RunNotFound(run_id.clone()));
-            }
+            self.require_run(run_id).await?;
         }
-        let mut rows: Vec<WebhookDelivery> = sqlx::query_as(
-            "SELECT d.id, r.run_id, d.alert AS alert_id, d.action, d.url, d.format, d.status, \
-             d.attempts, d.created_at, \
-             CASE WHEN d.status = 'pending' THEN d.next_attempt_at END AS next_attempt_at, \
-             d.last_attempt_at, d.last_status, d.last_error, d.delivered_at \
-             FROM webhook_deliveries d JOIN runs r ON r.id = d.run \
-             WHERE (?1 IS NULL OR r.run_id = ?1) AND (?2 IS NULL OR d.status = ?2) \
-             ORDER BY d.id DESC LIMIT ?3",
-        )
-        .bind(filter.run_id.as_deref())
-        .bind(filter.status.map(DeliveryStatus::as_str))
-        .bind(filter.limit)
-        .fetch_all(&self.read)
-        .await?;
+        let mut rows: Vec<WebhookDelivery> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT d.id, r.run_id, d.alert AS alert_id, d.action, d.url, d.format, d.status, \
+                 d.attempts, d.created_at, \
+                 CASE WHEN d.status = 'pending' THEN d.next_attempt_at END AS next_attempt_at, \
+                 d.last_attempt_at, d.last_status, d.last_error, d.delivered_at \
+                 FROM webhook_deliveries d JOIN runs r ON r.id = d.run \
+                 WHERE (CAST($1 AS TEXT) IS NULL OR r.run_id = $1) \
+                 AND (CAST($2 AS TEXT) IS NULL OR d.status = $2) \
+                 ORDER BY d.id DESC LIMIT $3",
+            )
+            .bind(filter.run_id.as_deref())
+            .bind(filter.status.map(DeliveryStatus::as_str))
+            .bind(i64::from(filter.limit))
+            .fetch_all(pool)
+            .await?
+        });
         for row in &mut rows {
             row.target = redact_webhook_url(&row.target);
         }

@@ -1,14 +1,17 @@
-//! A real server on `127.0.0.1:0` with its own temporary SQLite file and the real
-//! migrations, and a client to talk to it.
+//! A real server on `127.0.0.1:0` with its own database — a temporary SQLite file,
+//! or with `GRADFLOW_TEST_BACKEND=postgres` a fresh PostgreSQL database — and the
+//! real migrations, and a client to talk to it.
 
 #![allow(dead_code)] // each test binary uses its own part of the helpers
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
+use gradflow_e2e::postgres::{Backend, Postgres, test_backend};
 use gradflow_server::config::ServerConfig;
 use gradflow_server::startup::Application;
-use gradflow_server::store::SyncMode;
+use gradflow_server::store::{DatabaseUrl, SyncMode};
 use reqwest::{Client, Response};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -17,7 +20,12 @@ use tokio::task::JoinHandle;
 pub struct TestApp {
     pub base: String,
     pub client: Client,
+    /// The SQLite file (unused with PostgreSQL).
     pub db: PathBuf,
+    /// The database the server runs on.
+    pub database: DatabaseUrl,
+    /// The PostgreSQL server holding `database`, kept alive while the test runs.
+    pub postgres: Option<Arc<Postgres>>,
     dir: tempfile::TempDir,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<anyhow::Result<()>>>,
@@ -27,6 +35,8 @@ pub fn config(db: PathBuf) -> ServerConfig {
     ServerConfig {
         listen: "127.0.0.1:0".into(),
         db,
+        database: None,
+        cached_runs: 256,
         ingest_token: None,
         read_token: None,
         cors_origins: Vec::new(),
@@ -54,12 +64,36 @@ impl TestApp {
         let dir = tempfile::tempdir().expect("temporary directory");
         let db = dir.path().join("gradflow.db");
         let mut config = config(db.clone());
+        let postgres = match test_backend() {
+            Backend::Sqlite => None,
+            Backend::Postgres => {
+                let postgres = Postgres::shared()
+                    .expect("GRADFLOW_TEST_BACKEND=postgres, but no PostgreSQL could be had");
+                config.database = Some(DatabaseUrl::Postgres(postgres.create_database().await));
+                Some(postgres)
+            }
+        };
         adjust(&mut config);
-        Self::start(config, dir).await
+        Self::start(config, dir, postgres).await
     }
 
-    async fn start(config: ServerConfig, dir: tempfile::TempDir) -> TestApp {
+    /// Whether this test runs on PostgreSQL.
+    pub fn on_postgres(&self) -> bool {
+        self.database.is_postgres()
+    }
+
+    async fn start(
+        config: ServerConfig,
+        dir: tempfile::TempDir,
+        postgres: Option<Arc<Postgres>>,
+    ) -> TestApp {
         let app = Application::build(&config).await.expect("server builds");
+        let database = config.database_url();
+        if database.is_postgres() {
+            tokio::time::timeout(std::time::Duration::from_secs(60), app.wait_ready())
+                .await
+                .expect("the PostgreSQL database is ready within a minute");
+        }
         let base = format!("http://{}", app.address());
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(app.run_until(async {
@@ -69,6 +103,8 @@ impl TestApp {
             base,
             client: Client::new(),
             db: config.db,
+            database,
+            postgres,
             dir,
             shutdown: Some(tx),
             task: Some(task),
@@ -84,9 +120,12 @@ impl TestApp {
     pub async fn restart_with(mut self, adjust: impl FnOnce(&mut ServerConfig)) -> TestApp {
         self.stop().await;
         let mut config = config(self.db.clone());
+        if self.database.is_postgres() {
+            config.database = Some(self.database.clone());
+        }
         adjust(&mut config);
         let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
-        Self::start(config, dir).await
+        Self::start(config, dir, self.postgres.take()).await
     }
 
     pub async fn stop(&mut self) {
@@ -212,4 +251,45 @@ pub async fn error_of(response: Response) -> (u16, Value) {
         "error body shape: {body}"
     );
     (status, body["error"].clone())
+}
+
+/// A store and its ingest service on the test's database (SQLite or PostgreSQL, as
+/// for [`TestApp`]), without HTTP.
+pub struct TestStore {
+    pub store: std::sync::Arc<gradflow_server::store::Store>,
+    pub ingest: gradflow_server::ingest::Ingest,
+    _dir: tempfile::TempDir,
+    _postgres: Option<Arc<Postgres>>,
+}
+
+impl TestStore {
+    pub async fn open(detection: gradflow_server::detect::Detection) -> TestStore {
+        use gradflow_server::store::{Store, StoreConfig};
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let (database, postgres) = match test_backend() {
+            Backend::Sqlite => (DatabaseUrl::Sqlite(dir.path().join("g.db")), None),
+            Backend::Postgres => {
+                let postgres = Postgres::shared().expect("no PostgreSQL could be had");
+                let url = postgres.create_database().await;
+                (DatabaseUrl::Postgres(url), Some(postgres))
+            }
+        };
+        let store = Arc::new(
+            // Every commit synced, as a server runs by default.
+            Store::open(&StoreConfig {
+                database,
+                sync: SyncMode::Full,
+            })
+            .await
+            .expect("the store opens"),
+        );
+        store.wait_ready().await.expect("the database is ready");
+        let ingest = gradflow_server::ingest::Ingest::standalone(store.clone(), detection);
+        TestStore {
+            store,
+            ingest,
+            _dir: dir,
+            _postgres: postgres,
+        }
+    }
 }

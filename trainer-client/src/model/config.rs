@@ -40,19 +40,20 @@ impl Qwen2Config {
     /// Checks the shape is one the model can run.
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(
-            self.hidden_size % self.num_attention_heads == 0,
+            self.hidden_size.is_multiple_of(self.num_attention_heads),
             "hidden_size {} is not a multiple of num_attention_heads {}",
             self.hidden_size,
             self.num_attention_heads
         );
         anyhow::ensure!(
-            self.num_attention_heads % self.num_key_value_heads == 0,
+            self.num_attention_heads
+                .is_multiple_of(self.num_key_value_heads),
             "num_attention_heads {} is not a multiple of num_key_value_heads {}",
             self.num_attention_heads,
             self.num_key_value_heads
         );
         anyhow::ensure!(
-            self.head_dim() % 2 == 0,
+            self.head_dim().is_multiple_of(2),
             "head_dim {} must be even for RoPE",
             self.head_dim()
         );

@@ -1,0 +1,358 @@
+//! Preparing a batch: from a run's state and its new records to the rows to write
+//! and the state that follows once they are committed. Pure CPU work — flattening,
+//! compressing, rollups, the detectors — with no I/O, so it runs outside any
+//! transaction on SQLite and runs of different runs prepare in parallel.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use gradflow_protocol::{Amendment, InvalidBody, StepRecord};
+
+use super::IngestOutcome;
+use super::state::{Episode, Episodes, OpenBucket, Registry, RunState};
+use crate::detect::{Detection, DetectorSet, Thresholds, Transition};
+use crate::store::codec::{self, ABSENT_BITS};
+use crate::store::columns::ColumnAssigner;
+use crate::store::flatten::flatten;
+use crate::store::rollup::{BucketSummary, ROLLUP_WIDTHS};
+use crate::store::{
+    AlertOp, AlertRef, BatchWrite, NewColumn, Progress, RollupRow, StepRow, StoreError, StoreResult,
+};
+
+/// A batch ready to write, and the run's state once it is written.
+pub struct Prepared {
+    pub write: BatchWrite,
+    pub next: RunState,
+    pub outcome: IngestOutcome,
+}
+
+/// The zstd contexts a preparation reuses.
+pub struct Codec {
+    pub compressor: zstd::bulk::Compressor<'static>,
+    pub decompressor: zstd::bulk::Decompressor<'static>,
+}
+
+thread_local! {
+    /// One set of contexts per thread: preparing is synchronous, so a preparation
+    /// never shares its thread's contexts, and creating them per batch would cost
+    /// more than some small batches' compression.
+    static CODEC: std::cell::RefCell<Option<Codec>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `work` with this thread's zstd contexts.
+pub fn with_codec<T>(work: impl FnOnce(&mut Codec) -> StoreResult<T>) -> StoreResult<T> {
+    CODEC.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if cell.is_none() {
+            *cell = Some(Codec {
+                compressor: codec::compressor()?,
+                decompressor: codec::decompressor()?,
+            });
+        }
+        work(cell.as_mut().expect("created above"))
+    })
+}
+
+/// Prepares `records` (validated, steps strictly increasing) for the run of
+/// `state`. The records up to the run's last stored step are duplicates; `Ok(Err)`
+/// holds the outcome of a batch that is nothing but duplicates.
+pub fn prepare(
+    state: &RunState,
+    run_id: &str,
+    records: &[StepRecord],
+    detection: Detection,
+    codec: &mut Codec,
+) -> StoreResult<Result<Prepared, IngestOutcome>> {
+    let last_stored = state.head.last_step;
+    // Steps strictly increase within a batch, so the duplicates are a prefix.
+    let first_new = records
+        .iter()
+        .position(|r| last_stored.is_none_or(|last| r.step > last))
+        .unwrap_or(records.len());
+    let (duplicates, new) = records.split_at(first_new);
+    if new.is_empty() {
+        return Ok(Err(IngestOutcome {
+            accepted: 0,
+            duplicates: duplicates.len(),
+            last_step: last_stored,
+            values: 0,
+        }));
+    }
+    // The registration in force at each new record: v1.1 amendments take effect at
+    // the record that carries them. A duplicate's amendment was applied when it was
+    // first stored.
+    let registries = registries_in_force(state, new, first_new, detection.thresholds)?;
+
+    let mut assigner = ColumnAssigner::new(&state.columns);
+    let mut rows = Vec::with_capacity(new.len());
+    let mut cells_of = Vec::with_capacity(new.len());
+    for (record, registry) in new.iter().zip(&registries) {
+        let cells = flatten(record, &registry.module_groups, &mut assigner);
+        rows.push(StepRow {
+            step: record.step,
+            time: record.time.map(|t| t.unix_seconds()),
+            blob: codec::encode(&cells, &mut codec.compressor)?,
+        });
+        cells_of.push(cells);
+    }
+    let added = assigner.added();
+
+    let mut next = state.clone();
+    for (kind, subject, position) in &added {
+        next.columns.restore(*kind, subject, *position);
+    }
+    let mut rollups = Vec::new();
+    next.rollups = ROLLUP_WIDTHS
+        .iter()
+        .map(|&width| {
+            fold_rollups(
+                state.open_bucket(width),
+                width,
+                new,
+                &cells_of,
+                &mut rollups,
+                &mut codec.compressor,
+            )
+        })
+        .collect::<anyhow::Result<_>>()?;
+
+    let mut alerts = Vec::new();
+    if detection.enabled {
+        detect(
+            &mut next.detectors,
+            &mut next.open,
+            &state.registry,
+            new,
+            &registries,
+            &mut alerts,
+        );
+    }
+    for episode in next.open.values() {
+        alerts.push(AlertOp::Extend {
+            alert: episode.alert,
+            last_step: episode.last_step,
+        });
+    }
+    let last = new.last().expect("at least one new record").step;
+    next.head.last_step = Some(last);
+    next.registry = registries.last().expect("at least one new record").clone();
+
+    let amendments = new
+        .iter()
+        .filter_map(|r| r.amend.as_ref().map(|a| (r.step, a)))
+        .map(|(step, amendment)| {
+            Ok((
+                step,
+                serde_json::to_string(amendment).context("encoding an amendment")?,
+            ))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let outcome = IngestOutcome {
+        accepted: new.len(),
+        duplicates: duplicates.len(),
+        last_step: Some(last),
+        values: cells_of
+            .iter()
+            .map(|cells| cells.iter().filter(|c| **c != ABSENT_BITS).count())
+            .sum(),
+    };
+    let write = BatchWrite {
+        run_id: run_id.to_owned(),
+        key: state.head.key,
+        expected_last_step: last_stored,
+        progress: Progress {
+            first_step: new[0].step,
+            last_step: last,
+            steps: new.len() as u64,
+        },
+        amendments,
+        columns: added
+            .into_iter()
+            .map(|(kind, subject, position)| NewColumn {
+                position,
+                kind,
+                subject,
+            })
+            .collect(),
+        steps: rows,
+        rollups,
+        alerts,
+        detector_state: serde_json::to_string(&next.detectors)
+            .context("encoding detector state")?,
+    };
+    Ok(Ok(Prepared {
+        write,
+        next,
+        outcome,
+    }))
+}
+
+/// Runs the detectors over the new records in step order (each against the
+/// registration in force at it, amendments judged where they take effect), turning
+/// their transitions into alert operations and keeping the open episodes in step.
+fn detect(
+    detectors: &mut DetectorSet,
+    open: &mut Episodes,
+    before: &Arc<Registry>,
+    new: &[StepRecord],
+    registries: &[Arc<Registry>],
+    alerts: &mut Vec<AlertOp>,
+) {
+    let mut opened = 0;
+    let mut in_force = before;
+    for (record, registry) in new.iter().zip(registries) {
+        let mut transitions = Vec::new();
+        if !Arc::ptr_eq(in_force, registry) {
+            transitions = detectors.on_amendment(&in_force.context, &registry.context, record.step);
+            in_force = registry;
+        }
+        transitions.extend(detectors.on_step(&registry.context, record));
+        for transition in transitions {
+            match transition {
+                Transition::Open(alert) => {
+                    open.insert(
+                        (alert.kind, alert.subject.clone()),
+                        Episode {
+                            alert: AlertRef::New(opened),
+                            last_step: alert.step,
+                        },
+                    );
+                    opened += 1;
+                    alerts.push(AlertOp::Open(Box::new(alert)));
+                }
+                Transition::Resolve {
+                    kind,
+                    subject,
+                    step,
+                } => {
+                    if let Some(episode) = open.remove(&(kind, subject)) {
+                        alerts.push(AlertOp::Resolve {
+                            alert: episode.alert,
+                            step,
+                            last_step: episode.last_step,
+                        });
+                    }
+                }
+            }
+        }
+        for episode in open.values_mut() {
+            episode.last_step = Some(record.step);
+        }
+    }
+}
+
+/// Folds the new rows into the rollup buckets of one width, queues every bucket
+/// they touched for writing, and returns the bucket now growing.
+fn fold_rollups(
+    open: Option<&OpenBucket>,
+    width: u64,
+    records: &[StepRecord],
+    cells_of: &[Vec<u32>],
+    out: &mut Vec<RollupRow>,
+    compressor: &mut zstd::bulk::Compressor<'static>,
+) -> anyhow::Result<OpenBucket> {
+    let mut last = None;
+    let rows: Vec<(u64, &[u32])> = records
+        .iter()
+        .map(|r| r.step)
+        .zip(cells_of.iter().map(Vec::as_slice))
+        .collect();
+    for group in rows.chunk_by(|a, b| a.0 / width == b.0 / width) {
+        let bucket = group[0].0 / width;
+        // Only the bucket holding the run's previous last step can already exist:
+        // steps only grow.
+        let mut summary = match open {
+            Some(open) if open.bucket == bucket => open.summary.clone(),
+            _ => BucketSummary::default(),
+        };
+        for (step, cells) in group {
+            summary.add_row((step - bucket * width) as u16, cells);
+        }
+        for chunk in 0..summary.chunk_count() {
+            out.push(RollupRow {
+                width,
+                chunk: chunk as u32,
+                bucket,
+                blob: summary.encode_chunk(chunk, compressor)?,
+            });
+        }
+        last = Some(OpenBucket {
+            width,
+            bucket,
+            summary,
+        });
+    }
+    Ok(last.expect("at least one row"))
+}
+
+/// The registration in force at each of `new` (which starts at batch index
+/// `offset`), checking that the parameters each record reports are registered by
+/// then and that what an amendment says holds together. Shares the registry between
+/// records until an amendment changes it.
+fn registries_in_force(
+    state: &RunState,
+    new: &[StepRecord],
+    offset: usize,
+    thresholds: Thresholds,
+) -> StoreResult<Vec<Arc<Registry>>> {
+    let mut current = state.registry.clone();
+    let mut registries = Vec::with_capacity(new.len());
+    for (k, record) in new.iter().enumerate() {
+        let i = offset + k;
+        if let Some(amendment) = &record.amend {
+            let amended = current.amended(amendment, thresholds);
+            check_amendment(&amended, amendment, i)?;
+            current = Arc::new(amended);
+        }
+        for (j, param) in record.params.iter().enumerate() {
+            if !current.params.contains(&param.name) {
+                return Err(StoreError::Invalid(InvalidBody::new(
+                    format!("steps[{i}].params[{j}].name"),
+                    format!(
+                        "parameter {:?} is not in the run's registration at step {}: register \
+                         every parameter the model has in PUT /api/v1/runs/{{run_id}}, or add \
+                         it with an amendment (`amend`) in this or an earlier record",
+                        param.name, record.step
+                    ),
+                )));
+            }
+        }
+        registries.push(current.clone());
+    }
+    Ok(registries)
+}
+
+/// What an amendment says must hold together with the registration it amends: a
+/// parameter's optimizer group must exist, and the ranks it is sharded across must
+/// be ranks of the run.
+fn check_amendment(amended: &Registry, amendment: &Amendment, i: usize) -> StoreResult<()> {
+    let groups = amended
+        .registration
+        .optimizer
+        .as_ref()
+        .map(|o| o.param_groups.as_slice())
+        .unwrap_or_default();
+    for (j, param) in amendment.params.iter().enumerate() {
+        if let Some(group) = &param.param_group
+            && !groups.iter().any(|g| &g.name == group)
+        {
+            return Err(StoreError::Invalid(InvalidBody::new(
+                format!("steps[{i}].amend.params[{j}].param_group"),
+                format!(
+                    "parameter group {group:?} is neither in the registration nor in this \
+                     amendment's param_groups"
+                ),
+            )));
+        }
+    }
+    let world_size = amended.registration.world_size();
+    if let Some((j, k, message)) =
+        gradflow_protocol::shard_rank_outside(&amendment.params, world_size)
+    {
+        return Err(StoreError::Invalid(InvalidBody::new(
+            format!("steps[{i}].amend.params[{j}].shard_ranks[{k}]"),
+            message,
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,170 @@
+//! What the ingest service keeps in memory of a run between its batches: enough to
+//! prepare the next batch without reading the database — the column dictionary, the
+//! registration in force, the detectors' state, the open alert episodes and the
+//! rollup buckets still growing — and the head (key, last step) that says which
+//! stored state of the run it is.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::Context;
+use gradflow_protocol::{Amendment, RunRegistration};
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::detect::{DetectorSet, RunContext, Thresholds};
+use crate::model::alert::AlertKind;
+use crate::store::columns::ColumnDictionary;
+use crate::store::rollup::{BucketSummary, ROLLUP_WIDTHS};
+use crate::store::{AlertRef, LoadedRun, RunHead, StoreResult, Written};
+
+/// A run's ingest state, as of `head`.
+#[derive(Debug, Clone)]
+pub struct RunState {
+    pub head: RunHead,
+    pub columns: ColumnDictionary,
+    /// The registration in force and what is derived from it. Shared, since a batch
+    /// that amends it keeps the one in force before the amendment for the records
+    /// before it.
+    pub registry: Arc<Registry>,
+    pub detectors: DetectorSet,
+    /// The run's open alert episodes.
+    pub open: Episodes,
+    /// Per rollup width, the bucket holding the last step and its summary so far:
+    /// the only bucket of that width the next batch can add to.
+    pub rollups: Vec<OpenBucket>,
+}
+
+/// The growing bucket of one rollup width.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenBucket {
+    pub width: u64,
+    pub bucket: u64,
+    pub summary: BucketSummary,
+}
+
+/// An open alert episode: the alert, and the last step its condition held on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Episode {
+    pub alert: AlertRef,
+    pub last_step: Option<u64>,
+}
+
+/// The open episodes of a run by (kind, subject).
+pub type Episodes = HashMap<(AlertKind, String), Episode>;
+
+/// A registration in force (as first sent, with every amendment up to some step
+/// applied) and the lookups ingest derives from it.
+#[derive(Debug)]
+pub struct Registry {
+    pub registration: RunRegistration,
+    /// Parameter names: a step may only report these.
+    pub params: FxHashSet<String>,
+    /// Module → group, from the parameters.
+    pub module_groups: FxHashMap<String, String>,
+    /// What the detectors know of the run.
+    pub context: Arc<RunContext>,
+}
+
+impl Registry {
+    pub fn new(registration: RunRegistration, thresholds: Thresholds) -> Registry {
+        Registry {
+            params: registration.params.iter().map(|p| p.name.clone()).collect(),
+            module_groups: registration
+                .params
+                .iter()
+                .map(|p| (p.module_name().to_owned(), p.group_name().to_owned()))
+                .collect(),
+            context: Arc::new(RunContext::new(&registration, thresholds)),
+            registration,
+        }
+    }
+
+    /// This registration with `amendment` applied (the protocol's defaults written
+    /// out, as for a registration).
+    pub fn amended(&self, amendment: &Amendment, thresholds: Thresholds) -> Registry {
+        let mut registration = self.registration.clone();
+        registration.amend(amendment);
+        Registry::new(registration.normalized(), thresholds)
+    }
+}
+
+impl RunState {
+    /// The state of a run just registered under `key`.
+    pub fn new(key: i64, registration: &RunRegistration, thresholds: Thresholds) -> RunState {
+        RunState {
+            head: RunHead {
+                key,
+                last_step: None,
+            },
+            columns: ColumnDictionary::default(),
+            registry: Arc::new(Registry::new(registration.clone(), thresholds)),
+            detectors: DetectorSet::default(),
+            open: Episodes::new(),
+            rollups: Vec::new(),
+        }
+    }
+
+    /// The state as the database holds it.
+    pub fn from_loaded(
+        loaded: LoadedRun,
+        run_id: &str,
+        thresholds: Thresholds,
+        decompressor: &mut zstd::bulk::Decompressor<'_>,
+    ) -> StoreResult<RunState> {
+        let mut registration = loaded.registration;
+        for (_, amendment) in &loaded.amendments {
+            registration.amend(amendment);
+        }
+        let mut state = RunState::new(loaded.head.key, &registration.normalized(), thresholds);
+        state.head = loaded.head;
+        if let Some(detectors) = loaded.detector_state {
+            state.detectors = serde_json::from_str(&detectors)
+                .with_context(|| format!("reading the detector state of run {run_id}"))?;
+        }
+        for (id, kind, subject, last_step) in loaded.open_alerts {
+            let kind =
+                AlertKind::parse(&kind).with_context(|| format!("unknown alert kind {kind:?}"))?;
+            state.open.insert(
+                (kind, subject),
+                Episode {
+                    alert: AlertRef::Stored(id),
+                    last_step,
+                },
+            );
+        }
+        for (position, kind, subject) in loaded.columns {
+            state.columns.restore(kind, &subject, position);
+        }
+        if let Some(last) = state.head.last_step {
+            for width in ROLLUP_WIDTHS {
+                let mut summary = BucketSummary::default();
+                for (_, chunk, blob) in loaded.open_rollups.iter().filter(|r| r.0 == width) {
+                    summary
+                        .restore_chunk(*chunk as usize, blob, decompressor)
+                        .with_context(|| {
+                            format!("reading rollup bucket {} of width {width}", last / width)
+                        })?;
+                }
+                state.rollups.push(OpenBucket {
+                    width,
+                    bucket: last / width,
+                    summary,
+                });
+            }
+        }
+        Ok(state)
+    }
+
+    /// The growing bucket of `width`, if the run has one.
+    pub fn open_bucket(&self, width: u64) -> Option<&OpenBucket> {
+        self.rollups.iter().find(|b| b.width == width)
+    }
+
+    /// The alerts the batch opened now have ids: the episodes that named them by
+    /// their place in the batch name them by id.
+    pub fn settle(&mut self, written: &Written) {
+        for episode in self.open.values_mut() {
+            episode.alert = AlertRef::Stored(written.id(episode.alert));
+        }
+    }
+}

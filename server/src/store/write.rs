@@ -1,0 +1,246 @@
+//! A batch's rows, written in one transaction: a batch is stored whole or not at all.
+//!
+//! The ingest service prepares everything a batch changes — new columns, step rows,
+//! rollup buckets, alert transitions, the detectors' state, the run's progress — as
+//! a [`BatchWrite`], plain data, and [`Store::write_batch`] writes it in one
+//! transaction. A failure anywhere leaves the database as it was, and the commit
+//! makes the batch durable before the client hears `200`.
+//!
+//! The first statement moves the run's progress on, and only from the last step the
+//! batch was prepared against: if another writer got there first (a second replica,
+//! or an earlier request of the same run whose commit landed after it was given up
+//! on), nothing is written and the batch comes back [`StoreError::Stale`] to be
+//! prepared again on fresh state.
+
+use sqlx::QueryBuilder;
+
+use super::columns::SeriesKind;
+use super::load::RunLock;
+use super::notify::Notice;
+use super::{Store, StoreError, StoreResult, alerts, now_seconds, on_tx, webhooks};
+use crate::model::alert::Opened;
+
+/// Step rows written by one INSERT (four bound values each, far below both
+/// databases' limits on bound values).
+const STEP_ROWS_PER_INSERT: usize = 64;
+/// Rollup rows upserted by one statement.
+const ROLLUP_ROWS_PER_UPSERT: usize = 128;
+
+/// Everything one batch changes, ready to write.
+#[derive(Debug, Clone)]
+pub struct BatchWrite {
+    pub run_id: String,
+    /// The run's key.
+    pub key: i64,
+    /// The run's last stored step the batch was prepared against.
+    pub expected_last_step: Option<u64>,
+    pub progress: Progress,
+    /// v1.1 amendments, with the step each takes effect at (JSON bodies).
+    pub amendments: Vec<(u64, String)>,
+    pub columns: Vec<NewColumn>,
+    pub steps: Vec<StepRow>,
+    /// Rollup chunks to insert or replace.
+    pub rollups: Vec<RollupRow>,
+    /// Alert transitions, in the order they happened.
+    pub alerts: Vec<AlertOp>,
+    /// The detectors' state after the batch (JSON).
+    pub detector_state: String,
+}
+
+/// How the run's stream moves on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// The batch's first new step (the run's first, if it had none).
+    pub first_step: u64,
+    pub last_step: u64,
+    /// New steps stored.
+    pub steps: u64,
+}
+
+/// A column the batch adds to the run's dictionary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewColumn {
+    pub position: u32,
+    pub kind: SeriesKind,
+    pub subject: String,
+}
+
+/// One step's packed values.
+#[derive(Debug, Clone)]
+pub struct StepRow {
+    pub step: u64,
+    /// The client's timestamp, Unix seconds.
+    pub time: Option<f64>,
+    pub blob: Vec<u8>,
+}
+
+/// One chunk of one rollup bucket.
+#[derive(Debug, Clone)]
+pub struct RollupRow {
+    pub width: u64,
+    pub chunk: u32,
+    pub bucket: u64,
+    pub blob: Vec<u8>,
+}
+
+/// An alert a transition acts on: one already stored, or one this batch opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AlertRef {
+    Stored(i64),
+    /// The `n`-th [`AlertOp::Open`] of this batch.
+    New(usize),
+}
+
+/// One alert transition of the batch.
+#[derive(Debug, Clone)]
+pub enum AlertOp {
+    Open(Box<Opened>),
+    /// The episode ended at `step`; `last_step` is the last step it held on.
+    Resolve {
+        alert: AlertRef,
+        step: u64,
+        last_step: Option<u64>,
+    },
+    /// The episode still holds, through `last_step`.
+    Extend {
+        alert: AlertRef,
+        last_step: Option<u64>,
+    },
+}
+
+/// What the write assigned.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Written {
+    /// The ids of the alerts the batch opened, in the order of its `Open`s.
+    pub opened: Vec<i64>,
+    /// The ids of the alerts it resolved.
+    pub resolved: Vec<i64>,
+}
+
+impl Written {
+    pub fn id(&self, alert: AlertRef) -> i64 {
+        match alert {
+            AlertRef::Stored(id) => id,
+            AlertRef::New(n) => self.opened[n],
+        }
+    }
+}
+
+impl Store {
+    /// Writes `batch` and commits, in the transaction `lock` holds (PostgreSQL) or
+    /// a new one on the writer (SQLite).
+    pub async fn write_batch(&self, lock: RunLock, batch: &BatchWrite) -> StoreResult<Written> {
+        let mut tx = match lock.into_tx() {
+            Some(tx) => tx,
+            None => self.begin().await?,
+        };
+        let dialect = tx.dialect();
+        let advanced = on_tx!(&mut tx, |c| {
+            sqlx::query(&format!(
+                "UPDATE runs SET first_step = COALESCE(first_step, $2), last_step = $3, \
+                 last_seen = $4, step_count = step_count + $5 \
+                 WHERE id = $1 AND last_step {} $6",
+                dialect.is_same()
+            ))
+            .bind(batch.key)
+            .bind(batch.progress.first_step as i64)
+            .bind(batch.progress.last_step as i64)
+            .bind(now_seconds())
+            .bind(batch.progress.steps as i64)
+            .bind(batch.expected_last_step.map(|s| s as i64))
+            .execute(&mut *c)
+            .await?
+            .rows_affected()
+        });
+        if advanced == 0 {
+            return Err(StoreError::Stale);
+        }
+        on_tx!(&mut tx, |c| {
+            for (step, body) in &batch.amendments {
+                sqlx::query("INSERT INTO amendments (run, step, body) VALUES ($1, $2, $3)")
+                    .bind(batch.key)
+                    .bind(*step as i64)
+                    .bind(body)
+                    .execute(&mut *c)
+                    .await?;
+            }
+            for column in &batch.columns {
+                sqlx::query(
+                    "INSERT INTO columns (run, col, kind, subject) VALUES ($1, $2, $3, $4)",
+                )
+                .bind(batch.key)
+                .bind(column.position as i64)
+                .bind(column.kind.as_str())
+                .bind(&column.subject)
+                .execute(&mut *c)
+                .await?;
+            }
+            // Many rows per statement: with SQLite each statement is a round trip to
+            // sqlx's worker thread (two context switches), and full chunks share one
+            // statement text, which sqlx caches prepared.
+            for chunk in batch.steps.chunks(STEP_ROWS_PER_INSERT) {
+                let mut insert = QueryBuilder::new("INSERT INTO steps (run, step, time, vals) ");
+                insert.push_values(chunk, |mut values, row| {
+                    values
+                        .push_bind(batch.key)
+                        .push_bind(row.step as i64)
+                        .push_bind(row.time)
+                        .push_bind(row.blob.as_slice());
+                });
+                insert.build().execute(&mut *c).await?;
+            }
+            for chunk in batch.rollups.chunks(ROLLUP_ROWS_PER_UPSERT) {
+                let mut upsert =
+                    QueryBuilder::new("INSERT INTO rollups (run, width, chunk, bucket, summary) ");
+                upsert.push_values(chunk, |mut values, row| {
+                    values
+                        .push_bind(batch.key)
+                        .push_bind(row.width as i64)
+                        .push_bind(i64::from(row.chunk))
+                        .push_bind(row.bucket as i64)
+                        .push_bind(row.blob.as_slice());
+                });
+                upsert.push(
+                    " ON CONFLICT (run, width, chunk, bucket) DO UPDATE SET summary = excluded.summary",
+                );
+                upsert.build().execute(&mut *c).await?;
+            }
+        });
+        let mut written = Written::default();
+        for op in &batch.alerts {
+            match op {
+                AlertOp::Open(opened) => {
+                    let id = alerts::insert_opened(&mut tx, batch.key, opened).await?;
+                    webhooks::enqueue_opened(&mut tx, batch.key, &batch.run_id, id, opened).await?;
+                    written.opened.push(id);
+                }
+                AlertOp::Resolve {
+                    alert,
+                    step,
+                    last_step,
+                } => {
+                    let id = written.id(*alert);
+                    alerts::resolve(&mut tx, id, *step, *last_step).await?;
+                    webhooks::enqueue_resolved(&mut tx, batch.key, id).await?;
+                    written.resolved.push(id);
+                }
+                AlertOp::Extend { alert, last_step } => {
+                    alerts::extend(&mut tx, written.id(*alert), *last_step).await?;
+                }
+            }
+        }
+        on_tx!(&mut tx, |c| {
+            sqlx::query(
+                "INSERT INTO detector_state (run, state) VALUES ($1, $2) \
+                 ON CONFLICT (run) DO UPDATE SET state = excluded.state",
+            )
+            .bind(batch.key)
+            .bind(&batch.detector_state)
+            .execute(&mut *c)
+            .await?;
+        });
+        super::notify::send(&mut tx, &Notice::of_batch(batch, &written)).await?;
+        tx.commit().await?;
+        Ok(written)
+    }
+}
