@@ -13,7 +13,8 @@ CREATE TABLE runs (
     last_step    BIGINT,
     last_seen    DOUBLE PRECISION,              -- server clock of the last accepted batch
     step_count   BIGINT           NOT NULL DEFAULT 0,
-    finished_at  DOUBLE PRECISION
+    finished_at  DOUBLE PRECISION,
+    version      BIGINT           NOT NULL DEFAULT 0  -- batches that changed the run
 );
 
 CREATE INDEX runs_by_created_at ON runs (created_at);
@@ -29,27 +30,30 @@ CREATE TABLE columns (
     UNIQUE (run, kind, subject)
 );
 
--- One row per step: every value of the step packed into one compressed blob
--- (server/src/store/codec.rs). Already compressed, so PostgreSQL stores it out of
--- line as it is instead of trying to compress it again.
-CREATE TABLE steps (
-    run  BIGINT           NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
-    step BIGINT           NOT NULL,
-    time DOUBLE PRECISION,                      -- the client's timestamp, Unix seconds
-    vals BYTEA            NOT NULL,
-    PRIMARY KEY (run, step)
+-- Step values in blocks of 64 steps of one stream (server/src/store/block.rs):
+-- stream 0 holds the run's steps (combined across its ranks), stream r + 1 rank r's
+-- own records. Already compressed, so PostgreSQL stores them out of line as they are
+-- instead of trying to compress them again.
+CREATE TABLE blocks (
+    run    BIGINT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    stream BIGINT NOT NULL,
+    block  BIGINT NOT NULL,             -- first step / 64
+    mask   BIGINT NOT NULL,             -- bit i set: step 64·block + i is present
+    vals   BYTEA  NOT NULL,
+    PRIMARY KEY (run, stream, block)
 );
-ALTER TABLE steps ALTER COLUMN vals SET STORAGE EXTERNAL;
+ALTER TABLE blocks ALTER COLUMN vals SET STORAGE EXTERNAL;
 
--- Per bucket of `width` steps (64 and 4096), per chunk of 64 columns: extremes with
--- their offsets, first NaN, first null (server/src/store/rollup.rs).
+-- Per stream, per bucket of `width` steps (64 and 4096), per chunk of 64 columns:
+-- extremes with their offsets, first NaN, first null (server/src/store/rollup.rs).
 CREATE TABLE rollups (
     run     BIGINT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    stream  BIGINT NOT NULL,
     width   BIGINT NOT NULL,
     chunk   BIGINT NOT NULL,
     bucket  BIGINT NOT NULL,
     summary BYTEA  NOT NULL,
-    PRIMARY KEY (run, width, chunk, bucket)
+    PRIMARY KEY (run, stream, width, chunk, bucket)
 );
 ALTER TABLE rollups ALTER COLUMN summary SET STORAGE EXTERNAL;
 

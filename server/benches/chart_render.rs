@@ -113,6 +113,7 @@ async fn main() {
                 from: window.from,
                 to: window.to,
                 max_points: Some(max_points),
+                stream: gradflow_server::store::RUN_STREAM,
             };
             store.series(&run, &request).await.unwrap();
         }

@@ -75,6 +75,7 @@ async fn one_pass_matches_one_series_at_a_time() {
                         from,
                         to,
                         max_points: Some(max_points),
+                        stream: gradflow_server::store::RUN_STREAM,
                     },
                 )
                 .await

@@ -212,6 +212,7 @@ pub async fn gather(
                     from: window.from,
                     to: window.to,
                     max_points: Some(window.points.max(2)),
+                    stream: crate::store::RUN_STREAM,
                 },
             )
             .await?;

@@ -122,6 +122,7 @@ async fn read_with(
                 from: window.from,
                 to: window.to,
                 max_points: Some(window.points.max(2)),
+                stream: crate::store::RUN_STREAM,
             },
         )
         .await?;

@@ -1,7 +1,8 @@
 //! Preparing a batch: from a run's state and its new records to the rows to write
 //! and the state that follows once they are committed. Pure CPU work — flattening,
-//! compressing, rollups, the detectors — with no I/O, so it runs outside any
-//! transaction on SQLite and runs of different runs prepare in parallel.
+//! packing steps into blocks, rollups, the detectors — with no I/O, so it runs
+//! outside any transaction on SQLite and batches of different runs prepare in
+//! parallel.
 
 use std::sync::Arc;
 
@@ -9,14 +10,17 @@ use anyhow::Context;
 use gradflow_protocol::{Amendment, InvalidBody, StepRecord};
 
 use super::IngestOutcome;
-use super::state::{Episode, Episodes, OpenBucket, Registry, RunState};
+use super::state::{Episode, Episodes, OpenBucket, Registry, RunState, StreamTail};
 use crate::detect::{Detection, DetectorSet, Thresholds, Transition};
+use crate::model::series_kind::SeriesKind;
+use crate::store::block::{self, BlockRow, block_index};
 use crate::store::codec::{self, ABSENT_BITS};
 use crate::store::columns::ColumnAssigner;
 use crate::store::flatten::flatten;
 use crate::store::rollup::{BucketSummary, ROLLUP_WIDTHS};
 use crate::store::{
-    AlertOp, AlertRef, BatchWrite, NewColumn, Progress, RollupRow, StepRow, StoreError, StoreResult,
+    AlertOp, AlertRef, BatchWrite, BlockWrite, NewColumn, Progress, RUN_STREAM, RollupRow,
+    StoreError, StoreResult,
 };
 
 /// A batch ready to write, and the run's state once it is written.
@@ -63,7 +67,7 @@ pub fn prepare(
     detection: Detection,
     codec: &mut Codec,
 ) -> StoreResult<Result<Prepared, IngestOutcome>> {
-    let last_stored = state.head.last_step;
+    let last_stored = state.last_step;
     // Steps strictly increase within a batch, so the duplicates are a prefix.
     let first_new = records
         .iter()
@@ -84,37 +88,33 @@ pub fn prepare(
     let registries = registries_in_force(state, new, first_new, detection.thresholds)?;
 
     let mut assigner = ColumnAssigner::new(&state.columns);
-    let mut rows = Vec::with_capacity(new.len());
-    let mut cells_of = Vec::with_capacity(new.len());
-    for (record, registry) in new.iter().zip(&registries) {
-        let cells = flatten(record, &registry.module_groups, &mut assigner);
-        rows.push(StepRow {
+    let rows: Vec<StepCells> = new
+        .iter()
+        .zip(&registries)
+        .map(|(record, registry)| StepCells {
             step: record.step,
             time: record.time.map(|t| t.unix_seconds()),
-            blob: codec::encode(&cells, &mut codec.compressor)?,
-        });
-        cells_of.push(cells);
-    }
+            cells: flatten(record, &registry.module_groups, &mut assigner),
+        })
+        .collect();
     let added = assigner.added();
 
     let mut next = state.clone();
     for (kind, subject, position) in &added {
         next.columns.restore(*kind, subject, *position);
     }
+    let mut blocks = Vec::new();
     let mut rollups = Vec::new();
-    next.rollups = ROLLUP_WIDTHS
-        .iter()
-        .map(|&width| {
-            fold_rollups(
-                state.open_bucket(width),
-                width,
-                new,
-                &cells_of,
-                &mut rollups,
-                &mut codec.compressor,
-            )
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let tail = write_stream(
+        state.streams.get(&RUN_STREAM),
+        RUN_STREAM,
+        &rows,
+        next.columns.kinds(),
+        &mut blocks,
+        &mut rollups,
+        codec,
+    )?;
+    next.streams.insert(RUN_STREAM, tail);
 
     let mut alerts = Vec::new();
     if detection.enabled {
@@ -134,7 +134,8 @@ pub fn prepare(
         });
     }
     let last = new.last().expect("at least one new record").step;
-    next.head.last_step = Some(last);
+    next.last_step = Some(last);
+    next.head.version += 1;
     next.registry = registries.last().expect("at least one new record").clone();
 
     let amendments = new
@@ -151,18 +152,18 @@ pub fn prepare(
         accepted: new.len(),
         duplicates: duplicates.len(),
         last_step: Some(last),
-        values: cells_of
+        values: rows
             .iter()
-            .map(|cells| cells.iter().filter(|c| **c != ABSENT_BITS).count())
+            .map(|row| row.cells.iter().filter(|c| **c != ABSENT_BITS).count())
             .sum(),
     };
     let write = BatchWrite {
         run_id: run_id.to_owned(),
         key: state.head.key,
-        expected_last_step: last_stored,
+        expected_version: state.head.version,
         progress: Progress {
-            first_step: new[0].step,
-            last_step: last,
+            first_step: Some(new[0].step),
+            last_step: Some(last),
             steps: new.len() as u64,
         },
         amendments,
@@ -174,7 +175,7 @@ pub fn prepare(
                 subject,
             })
             .collect(),
-        steps: rows,
+        blocks,
         rollups,
         alerts,
         detector_state: serde_json::to_string(&next.detectors)
@@ -241,35 +242,116 @@ fn detect(
     }
 }
 
+/// One step of one stream, flattened.
+pub struct StepCells {
+    pub step: u64,
+    /// The client's timestamp, Unix seconds.
+    pub time: Option<f64>,
+    pub cells: Vec<u32>,
+}
+
+/// Adds `rows` (new steps, ascending, all after the stream's last) to `stream`:
+/// queues every block and rollup bucket they touch for writing — the stream's last
+/// block again whole when they extend it — and returns the stream's new tail.
+fn write_stream(
+    tail: Option<&StreamTail>,
+    stream: u32,
+    rows: &[StepCells],
+    families: &[Option<SeriesKind>],
+    blocks: &mut Vec<BlockWrite>,
+    rollups: &mut Vec<RollupRow>,
+    codec: &mut Codec,
+) -> StoreResult<StreamTail> {
+    let mut last_block = None;
+    for group in rows.chunk_by(|a, b| block_index(a.step) == block_index(b.step)) {
+        let index = block_index(group[0].step);
+        // Steps only grow: only the stream's last block can already hold some.
+        let stored = match tail {
+            Some(tail) if tail.block.0 == index => Some(
+                block::decode(&tail.block.1)
+                    .with_context(|| format!("decoding block {index} of stream {stream}"))?,
+            ),
+            _ => None,
+        };
+        let stored_cells: Vec<Vec<u32>> = stored.as_ref().map_or_else(Vec::new, |block| {
+            (0..block.len())
+                .map(|i| {
+                    (0..block.column_count())
+                        .map(|c| block.bits(i, c))
+                        .collect()
+                })
+                .collect()
+        });
+        let mut block_rows: Vec<BlockRow<'_>> = Vec::with_capacity(64);
+        if let Some(stored) = &stored {
+            for (i, cells) in stored_cells.iter().enumerate() {
+                block_rows.push(BlockRow {
+                    step: stored.steps()[i],
+                    time: stored.times()[i],
+                    cells,
+                });
+            }
+        }
+        block_rows.extend(group.iter().map(|row| BlockRow {
+            step: row.step,
+            time: row.time,
+            cells: &row.cells,
+        }));
+        let blob = block::encode(index, &block_rows, families)?;
+        let mask = block::peek(&blob)?.mask;
+        blocks.push(BlockWrite {
+            stream,
+            index,
+            mask,
+            blob: blob.clone(),
+        });
+        last_block = Some((index, blob));
+    }
+    let open = ROLLUP_WIDTHS
+        .iter()
+        .map(|&width| {
+            fold_rollups(
+                tail.and_then(|t| t.open_bucket(width)),
+                stream,
+                width,
+                rows,
+                rollups,
+                &mut codec.compressor,
+            )
+        })
+        .collect::<anyhow::Result<_>>()?;
+    Ok(StreamTail {
+        last_step: rows.last().expect("at least one row").step,
+        block: last_block.expect("at least one row"),
+        rollups: open,
+    })
+}
+
 /// Folds the new rows into the rollup buckets of one width, queues every bucket
 /// they touched for writing, and returns the bucket now growing.
 fn fold_rollups(
     open: Option<&OpenBucket>,
+    stream: u32,
     width: u64,
-    records: &[StepRecord],
-    cells_of: &[Vec<u32>],
+    rows: &[StepCells],
     out: &mut Vec<RollupRow>,
     compressor: &mut zstd::bulk::Compressor<'static>,
 ) -> anyhow::Result<OpenBucket> {
     let mut last = None;
-    let rows: Vec<(u64, &[u32])> = records
-        .iter()
-        .map(|r| r.step)
-        .zip(cells_of.iter().map(Vec::as_slice))
-        .collect();
-    for group in rows.chunk_by(|a, b| a.0 / width == b.0 / width) {
-        let bucket = group[0].0 / width;
-        // Only the bucket holding the run's previous last step can already exist:
+    for group in rows.chunk_by(|a, b| a.step / width == b.step / width) {
+        let bucket = group[0].step / width;
+        // Only the bucket holding the stream's previous last step can already exist:
         // steps only grow.
         let mut summary = match open {
             Some(open) if open.bucket == bucket => open.summary.clone(),
             _ => BucketSummary::default(),
         };
-        for (step, cells) in group {
-            summary.add_row((step - bucket * width) as u16, cells);
+        for row in group {
+            summary.add_row((row.step - bucket * width) as u16, &row.cells);
         }
         for chunk in 0..summary.chunk_count() {
             out.push(RollupRow {
+                stream,
                 width,
                 chunk: chunk as u32,
                 bucket,

@@ -1,10 +1,10 @@
 //! What the ingest service keeps in memory of a run between its batches: enough to
 //! prepare the next batch without reading the database — the column dictionary, the
-//! registration in force, the detectors' state, the open alert episodes and the
-//! rollup buckets still growing — and the head (key, last step) that says which
-//! stored state of the run it is.
+//! registration in force, the detectors' state, the open alert episodes, and each
+//! stream's last block and rollup buckets, the only ones still growing — and the head
+//! (key, version) that says which stored state of the run it is.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -21,6 +21,8 @@ use crate::store::{AlertRef, LoadedRun, RunHead, StoreResult, Written};
 #[derive(Debug, Clone)]
 pub struct RunState {
     pub head: RunHead,
+    /// The run's last step (of its stream 0).
+    pub last_step: Option<u64>,
     pub columns: ColumnDictionary,
     /// The registration in force and what is derived from it. Shared, since a batch
     /// that amends it keeps the one in force before the amendment for the records
@@ -29,9 +31,25 @@ pub struct RunState {
     pub detectors: DetectorSet,
     /// The run's open alert episodes.
     pub open: Episodes,
-    /// Per rollup width, the bucket holding the last step and its summary so far:
-    /// the only bucket of that width the next batch can add to.
+    /// Each stream's growing end.
+    pub streams: BTreeMap<u32, StreamTail>,
+}
+
+/// The end of one stream that the next batch can still add to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamTail {
+    pub last_step: u64,
+    /// The stream's last block as stored: (index, blob).
+    pub block: (u64, Vec<u8>),
+    /// Per rollup width, the bucket holding the last step and its summary so far.
     pub rollups: Vec<OpenBucket>,
+}
+
+impl StreamTail {
+    /// The growing bucket of `width`.
+    pub fn open_bucket(&self, width: u64) -> Option<&OpenBucket> {
+        self.rollups.iter().find(|b| b.width == width)
+    }
 }
 
 /// The growing bucket of one rollup width.
@@ -92,15 +110,13 @@ impl RunState {
     /// The state of a run just registered under `key`.
     pub fn new(key: i64, registration: &RunRegistration, thresholds: Thresholds) -> RunState {
         RunState {
-            head: RunHead {
-                key,
-                last_step: None,
-            },
+            head: RunHead { key, version: 0 },
+            last_step: None,
             columns: ColumnDictionary::default(),
             registry: Arc::new(Registry::new(registration.clone(), thresholds)),
             detectors: DetectorSet::default(),
             open: Episodes::new(),
-            rollups: Vec::new(),
+            streams: BTreeMap::new(),
         }
     }
 
@@ -117,6 +133,7 @@ impl RunState {
         }
         let mut state = RunState::new(loaded.head.key, &registration.normalized(), thresholds);
         state.head = loaded.head;
+        state.last_step = loaded.last_step;
         if let Some(detectors) = loaded.detector_state {
             state.detectors = serde_json::from_str(&detectors)
                 .with_context(|| format!("reading the detector state of run {run_id}"))?;
@@ -135,29 +152,42 @@ impl RunState {
         for (position, kind, subject) in loaded.columns {
             state.columns.restore(kind, &subject, position);
         }
-        if let Some(last) = state.head.last_step {
+        for (stream, index, blob) in loaded.open_blocks {
+            let header = crate::store::block::peek(&blob)
+                .with_context(|| format!("reading block {index} of stream {stream}"))?;
+            let Some(last) = crate::store::last_present(index, header.mask) else {
+                continue;
+            };
+            let mut rollups = Vec::new();
             for width in ROLLUP_WIDTHS {
                 let mut summary = BucketSummary::default();
-                for (_, chunk, blob) in loaded.open_rollups.iter().filter(|r| r.0 == width) {
+                for (_, _, chunk, blob) in loaded
+                    .open_rollups
+                    .iter()
+                    .filter(|r| r.0 == stream && r.1 == width)
+                {
                     summary
                         .restore_chunk(*chunk as usize, blob, decompressor)
                         .with_context(|| {
                             format!("reading rollup bucket {} of width {width}", last / width)
                         })?;
                 }
-                state.rollups.push(OpenBucket {
+                rollups.push(OpenBucket {
                     width,
                     bucket: last / width,
                     summary,
                 });
             }
+            state.streams.insert(
+                stream,
+                StreamTail {
+                    last_step: last,
+                    block: (index, blob),
+                    rollups,
+                },
+            );
         }
         Ok(state)
-    }
-
-    /// The growing bucket of `width`, if the run has one.
-    pub fn open_bucket(&self, width: u64) -> Option<&OpenBucket> {
-        self.rollups.iter().find(|b| b.width == width)
     }
 
     /// The alerts the batch opened now have ids: the episodes that named them by

@@ -199,6 +199,7 @@ pub async fn read_series(
         from,
         to,
         max_points: params.max_points,
+        stream: crate::store::RUN_STREAM,
     };
     let data = state.store.series(&run_id, &request).await?;
     let what = match subject_rule {

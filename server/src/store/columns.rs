@@ -16,16 +16,32 @@ use rustc_hash::FxHashMap as HashMap;
 
 pub use crate::model::series_kind::SeriesKind;
 
-/// A run's columns: (kind, subject) → position.
+/// A run's columns: (kind, subject) → position, and each position's kind.
 #[derive(Debug, Clone, Default)]
 pub struct ColumnDictionary {
     by_kind: HashMap<SeriesKind, HashMap<Box<str>, u32>>,
+    /// The kind of each position (`None` for a position not restored yet): what a
+    /// block groups its columns by.
+    kinds: Vec<Option<SeriesKind>>,
     len: u32,
 }
 
 impl ColumnDictionary {
     pub fn column_count(&self) -> u32 {
         self.len
+    }
+
+    /// Each position's kind, in column order.
+    pub fn kinds(&self) -> &[Option<SeriesKind>] {
+        &self.kinds
+    }
+
+    fn set_kind(&mut self, position: u32, kind: SeriesKind) {
+        let position = position as usize;
+        if self.kinds.len() <= position {
+            self.kinds.resize(position + 1, None);
+        }
+        self.kinds[position] = Some(kind);
     }
 
     pub fn get(&self, kind: SeriesKind, subject: &str) -> Option<u32> {
@@ -44,6 +60,7 @@ impl ColumnDictionary {
             previous.is_none(),
             "column {kind:?} {subject:?} added twice"
         );
+        self.set_kind(position, kind);
         self.len += 1;
         position
     }
@@ -54,6 +71,7 @@ impl ColumnDictionary {
             .entry(kind)
             .or_default()
             .insert(subject.into(), position);
+        self.set_kind(position, kind);
         self.len = self.len.max(position + 1);
     }
 }
@@ -71,6 +89,7 @@ impl<'a> ColumnAssigner<'a> {
     pub fn new(base: &'a ColumnDictionary) -> Self {
         let added = ColumnDictionary {
             by_kind: HashMap::default(),
+            kinds: Vec::new(),
             len: base.column_count(),
         };
         ColumnAssigner {

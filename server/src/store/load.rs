@@ -3,14 +3,14 @@
 //! With PostgreSQL, batches of one run may reach several replicas at once. Each
 //! batch therefore begins by locking the run's row (`SELECT … FOR UPDATE`): the
 //! replicas take turns on a run, while different runs ingest in parallel. Inside
-//! that transaction the run's head (key and last step) says whether a replica's
-//! cached state of the run is still current; when it is not, the state is read
-//! again in the same transaction, so no batch is ever prepared against a state
-//! another replica has moved on.
+//! that transaction the run's head (key and version, which every batch moves on)
+//! says whether a replica's cached state of the run is still current; when it is
+//! not, the state is read again in the same transaction, so no batch is ever
+//! prepared against a state another replica has moved on.
 //!
 //! SQLite has one server and one writer connection. Its batches are prepared
 //! outside any transaction, so that runs prepare in parallel, and the write checks
-//! that the run's last step is still the one the batch was prepared against.
+//! that the run's version is still the one the batch was prepared against.
 
 use anyhow::Context;
 use gradflow_protocol::{Amendment, RunRegistration};
@@ -19,11 +19,12 @@ use super::columns::SeriesKind;
 use super::rollup::ROLLUP_WIDTHS;
 use super::{Db, Store, StoreError, StoreResult, Tx, runs};
 
-/// A run's key and last stored step: which state of the run a batch builds on.
+/// A run's key and version: which state of the run a batch builds on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunHead {
     pub key: i64,
-    pub last_step: Option<u64>,
+    /// Batches that have changed the run.
+    pub version: i64,
 }
 
 /// The right to write a run's next batch.
@@ -49,6 +50,8 @@ impl RunLock {
 #[derive(Debug, Clone)]
 pub struct LoadedRun {
     pub head: RunHead,
+    /// The run's last step (of its stream 0).
+    pub last_step: Option<u64>,
     /// The registration as first sent (module and group written out).
     pub registration: RunRegistration,
     /// v1.1 amendments, oldest first.
@@ -59,9 +62,11 @@ pub struct LoadedRun {
     pub open_alerts: Vec<(i64, String, String, Option<u64>)>,
     /// The column dictionary: (position, kind, subject).
     pub columns: Vec<(u32, SeriesKind, String)>,
-    /// The rollup chunks of the bucket of each width that holds the last step:
-    /// (width, chunk, blob). Only those can still grow.
-    pub open_rollups: Vec<(u64, u32, Vec<u8>)>,
+    /// Each stream's last block: (stream, index, blob). Only it can still grow.
+    pub open_blocks: Vec<(u32, u64, Vec<u8>)>,
+    /// The rollup chunks of the bucket of each width that holds each stream's last
+    /// step: (stream, width, chunk, blob). Only those can still grow.
+    pub open_rollups: Vec<(u32, u64, u32, Vec<u8>)>,
 }
 
 impl Store {
@@ -75,20 +80,17 @@ impl Store {
             }),
             Db::Postgres(db) => {
                 let mut tx = db.pool.begin().await?;
-                let row: Option<(i64, Option<i64>)> =
-                    sqlx::query_as("SELECT id, last_step FROM runs WHERE run_id = $1 FOR UPDATE")
+                let row: Option<(i64, i64)> =
+                    sqlx::query_as("SELECT id, version FROM runs WHERE run_id = $1 FOR UPDATE")
                         .bind(run_id)
                         .fetch_optional(&mut *tx)
                         .await?;
-                let Some((key, last_step)) = row else {
+                let Some((key, version)) = row else {
                     return Err(StoreError::RunNotFound(run_id.to_owned()));
                 };
                 Ok(RunLock {
                     tx: Some(Tx::Postgres(tx)),
-                    head: Some(RunHead {
-                        key,
-                        last_step: last_step.map(|s| s as u64),
-                    }),
+                    head: Some(RunHead { key, version }),
                 })
             }
         }
@@ -113,23 +115,20 @@ impl Store {
 }
 
 async fn load(tx: &mut Tx, run_id: &str) -> StoreResult<LoadedRun> {
-    let row: Option<(i64, String, Option<i64>)> = super::on_tx!(tx, |c| {
-        sqlx::query_as("SELECT id, registration, last_step FROM runs WHERE run_id = $1")
+    let row: Option<(i64, i64, String, Option<i64>)> = super::on_tx!(tx, |c| {
+        sqlx::query_as("SELECT id, version, registration, last_step FROM runs WHERE run_id = $1")
             .bind(run_id)
             .fetch_optional(&mut *c)
             .await?
     });
-    let Some((key, registration, last_step)) = row else {
+    let Some((key, version, registration, last_step)) = row else {
         return Err(StoreError::RunNotFound(run_id.to_owned()));
     };
-    let head = RunHead {
-        key,
-        last_step: last_step.map(|s| s as u64),
-    };
+    let head = RunHead { key, version };
     let registration: RunRegistration = serde_json::from_str(&registration)
         .with_context(|| format!("reading the stored registration of run {run_id}"))?;
     let amendments = runs::load_amendments(tx, key, run_id).await?;
-    let (detector_state, open_alerts, columns, rollups) = super::on_tx!(tx, |c| {
+    let (detector_state, open_alerts, columns, blocks) = super::on_tx!(tx, |c| {
         let detector_state: Option<String> =
             sqlx::query_scalar("SELECT state FROM detector_state WHERE run = $1")
                 .bind(key)
@@ -146,27 +145,42 @@ async fn load(tx: &mut Tx, run_id: &str) -> StoreResult<LoadedRun> {
                 .bind(key)
                 .fetch_all(&mut *c)
                 .await?;
-        let mut rollups: Vec<(i64, i64, Vec<u8>)> = Vec::new();
-        if let Some(last) = head.last_step {
-            for width in ROLLUP_WIDTHS {
-                let chunks: Vec<(i64, Vec<u8>)> = sqlx::query_as(
-                    "SELECT chunk, summary FROM rollups WHERE run = $1 AND width = $2 \
-                     AND bucket = $3 ORDER BY chunk",
+        // Each stream's last block.
+        let blocks: Vec<(i64, i64, i64, Vec<u8>)> = sqlx::query_as(
+            "SELECT b.stream, b.block, b.mask, b.vals FROM blocks b \
+             WHERE b.run = $1 AND b.block = \
+             (SELECT max(l.block) FROM blocks l WHERE l.run = $1 AND l.stream = b.stream)",
+        )
+        .bind(key)
+        .fetch_all(&mut *c)
+        .await?;
+        (detector_state, open_alerts, columns, blocks)
+    });
+    let mut open_rollups = Vec::new();
+    for (stream, index, mask, _) in &blocks {
+        let Some(last) = last_present(*index as u64, *mask as u64) else {
+            continue;
+        };
+        for width in ROLLUP_WIDTHS {
+            let chunks: Vec<(i64, Vec<u8>)> = super::on_tx!(tx, |c| {
+                sqlx::query_as(
+                    "SELECT chunk, summary FROM rollups WHERE run = $1 AND stream = $2 \
+                     AND width = $3 AND bucket = $4 ORDER BY chunk",
                 )
                 .bind(key)
+                .bind(stream)
                 .bind(width as i64)
                 .bind((last / width) as i64)
                 .fetch_all(&mut *c)
-                .await?;
-                rollups.extend(
-                    chunks
-                        .into_iter()
-                        .map(|(chunk, blob)| (width as i64, chunk, blob)),
-                );
-            }
+                .await?
+            });
+            open_rollups.extend(
+                chunks
+                    .into_iter()
+                    .map(|(chunk, blob)| (*stream as u32, width, chunk as u32, blob)),
+            );
         }
-        (detector_state, open_alerts, columns, rollups)
-    });
+    }
     let columns = columns
         .into_iter()
         .map(|(position, kind, subject)| {
@@ -177,6 +191,7 @@ async fn load(tx: &mut Tx, run_id: &str) -> StoreResult<LoadedRun> {
         .collect::<StoreResult<Vec<_>>>()?;
     Ok(LoadedRun {
         head,
+        last_step: last_step.map(|s| s as u64),
         registration,
         amendments,
         detector_state,
@@ -185,9 +200,15 @@ async fn load(tx: &mut Tx, run_id: &str) -> StoreResult<LoadedRun> {
             .map(|(id, kind, subject, last)| (id, kind, subject, last.map(|s| s as u64)))
             .collect(),
         columns,
-        open_rollups: rollups
+        open_blocks: blocks
             .into_iter()
-            .map(|(width, chunk, blob)| (width as u64, chunk as u32, blob))
+            .map(|(stream, index, _, blob)| (stream as u32, index as u64, blob))
             .collect(),
+        open_rollups,
     })
+}
+
+/// The last present step of block `index` with `mask`.
+pub fn last_present(index: u64, mask: u64) -> Option<u64> {
+    (mask != 0).then(|| super::block::first_step(index) + 63 - u64::from(mask.leading_zeros()))
 }

@@ -47,10 +47,12 @@ use std::path::PathBuf;
 use anyhow::Context;
 use gradflow_protocol::InvalidBody;
 
-pub use load::{LoadedRun, RunHead};
-pub use read::{LatestValues, SeriesData, SeriesRequest};
+pub use load::{LoadedRun, RunHead, last_present};
+pub use read::{LatestValues, RUN_STREAM, SeriesData, SeriesRequest, rank_stream};
 pub use runs::{NewRun, Registered, RunStatus, RunSummary, STALE_AFTER_SECONDS, StoredRun};
-pub use write::{AlertOp, AlertRef, BatchWrite, NewColumn, Progress, RollupRow, StepRow, Written};
+pub use write::{
+    AlertOp, AlertRef, BatchWrite, BlockWrite, NewColumn, Progress, RollupRow, Written,
+};
 
 /// Where the data lives, as given by `--database` (or `--db`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -35,11 +35,17 @@ impl Notice {
     /// What a committed batch announces: its progress, then every alert it opened
     /// and resolved.
     pub fn of_batch(batch: &BatchWrite, written: &Written) -> Vec<Notice> {
-        let mut notices = vec![Notice::Step {
-            run_id: batch.run_id.clone(),
-            last_step: batch.progress.last_step,
-            accepted: batch.progress.steps as usize,
-        }];
+        let mut notices: Vec<Notice> = batch
+            .progress
+            .last_step
+            .filter(|_| batch.progress.steps > 0)
+            .map(|last_step| Notice::Step {
+                run_id: batch.run_id.clone(),
+                last_step,
+                accepted: batch.progress.steps as usize,
+            })
+            .into_iter()
+            .collect();
         notices.extend(written.opened.iter().map(|&id| Notice::opened(id)));
         notices.extend(written.resolved.iter().map(|&id| Notice::resolved(id)));
         notices

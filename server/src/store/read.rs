@@ -1,6 +1,9 @@
 //! Series reads. A range holding no more points than asked for is read from the step
-//! rows and returned whole; a longer one is covered by rollup buckets (raw rows only
+//! blocks and returned whole; a longer one is covered by rollup buckets (blocks only
 //! at its ragged ends) and reduced by the min/max downsampler.
+//!
+//! Every read is of one stream of the run: stream 0 holds the run's steps (for a
+//! multi-rank run, its ranks combined), stream `r + 1` rank `r`'s own records.
 
 use std::collections::{HashMap, HashSet};
 
@@ -8,20 +11,31 @@ use anyhow::Context;
 use futures_util::TryStreamExt;
 use gradflow_protocol::RunId;
 
-use super::codec::{Cell, Packed, decompressor};
+use super::block::{self, DecodedBlock, block_index};
+use super::codec::{ABSENT_BITS, Cell, decompressor};
 use super::columns::SeriesKind;
+use super::load::last_present;
 use super::rollup::{CHUNK_COLUMNS, ROLLUP_WIDTHS, decode_columns};
 use super::{Store, StoreError, StoreResult, with_reader};
 use crate::series::{MinMax, Source, plan};
 
+/// The stream that holds a run's steps (combined across ranks).
+pub const RUN_STREAM: u32 = 0;
+
+/// The stream of rank `rank`'s own records.
+pub fn rank_stream(rank: u32) -> u32 {
+    rank + 1
+}
+
 /// What to read: the first of `candidates` (kind, subject) the run has, over
-/// `from..=to`, reduced to at most `max_points` when given.
+/// `from..=to` of `stream`, reduced to at most `max_points` when given.
 #[derive(Debug, Clone)]
 pub struct SeriesRequest {
     pub candidates: Vec<(SeriesKind, String)>,
     pub from: u64,
     pub to: u64,
     pub max_points: Option<usize>,
+    pub stream: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -33,7 +47,7 @@ pub struct SeriesData {
 }
 
 /// How far back [`Store::latest_values`] looks for a series' latest value.
-pub const LATEST_LOOKBACK: i64 = 256;
+pub const LATEST_LOOKBACK: u64 = 256;
 
 /// The latest value of each series, by (kind, subject).
 #[derive(Debug, Clone, Default)]
@@ -51,7 +65,7 @@ impl LatestValues {
 
 impl Store {
     pub async fn series(&self, run_id: &RunId, request: &SeriesRequest) -> StoreResult<SeriesData> {
-        let (key, first, last) = self.run_extent(run_id).await?;
+        let key = self.run_key(run_id).await?;
         let mut found = None;
         for (kind, subject) in &request.candidates {
             let column: Option<i64> = with_reader!(self, |pool| {
@@ -74,17 +88,24 @@ impl Store {
             points: Vec::new(),
             downsampled: false,
         };
-        let (Some((kind, column)), Some(first), Some(last)) = (found, first, last) else {
+        let Some((kind, column)) = found else {
             return Ok(empty);
         };
-        let from = request.from.max(first as u64);
-        let to = request.to.min(last as u64);
+        let Some((first, last)) = self.stream_extent(key, request.stream).await? else {
+            return Ok(empty);
+        };
+        let from = request.from.max(first);
+        let to = request.to.min(last);
         if from > to {
             return Ok(empty);
         }
-        let Some(max_points) = self.reduction(key, from, to, request.max_points).await? else {
+        let stream = request.stream;
+        let Some(max_points) = self
+            .reduction(key, stream, from, to, request.max_points)
+            .await?
+        else {
             let mut points = Vec::new();
-            self.read_raw(key, column, from, to, |step, cell| {
+            self.read_raw_columns(key, stream, &[column], from, to, |_, step, cell| {
                 points.push((step, cell))
             })
             .await?;
@@ -103,16 +124,15 @@ impl Store {
             .filter(|w| *w <= minmax.bucket_width())
             .collect();
         for source in plan(from, to, &widths) {
+            let sink = |_: usize, step: u64, cell: Cell| minmax.add(step, cell);
             match source {
                 Source::Raw { from, to } => {
-                    self.read_raw(key, column, from, to, |step, cell| minmax.add(step, cell))
-                        .await?;
+                    self.read_raw_columns(key, stream, &[column], from, to, sink)
+                        .await?
                 }
                 Source::Rollup { width, first, last } => {
-                    self.read_rollups(key, column, width, (first, last), |step, cell| {
-                        minmax.add(step, cell)
-                    })
-                    .await?;
+                    self.read_rollup_columns(key, stream, &[column], width, (first, last), sink)
+                        .await?
                 }
             }
         }
@@ -123,10 +143,10 @@ impl Store {
         })
     }
 
-    /// Every subject of `kind` over `from..=to`, each reduced to at most `max_points`
-    /// like [`Store::series`], in order of first appearance: one pass over the rows and
-    /// rollups for all of them (a chart of 200 modules decompresses each rollup chunk
-    /// once, not once per module).
+    /// Every subject of `kind` over `from..=to` of the run's steps, each reduced to at
+    /// most `max_points` like [`Store::series`], in order of first appearance: one
+    /// pass over the blocks and rollups for all of them (a chart of 200 modules
+    /// decompresses each block and rollup chunk once, not once per module).
     pub async fn series_of_every_subject(
         &self,
         run_id: &RunId,
@@ -135,7 +155,8 @@ impl Store {
         to: u64,
         max_points: usize,
     ) -> StoreResult<Vec<(String, Vec<(u64, Cell)>)>> {
-        let (key, first, last) = self.run_extent(run_id).await?;
+        let key = self.run_key(run_id).await?;
+        let stream = RUN_STREAM;
         let subjects: Vec<(i64, String)> = with_reader!(self, |pool| {
             sqlx::query_as(
                 "SELECT col, subject FROM columns WHERE run = $1 AND kind = $2 ORDER BY col",
@@ -154,16 +175,19 @@ impl Store {
                 .zip(points)
                 .collect()
         };
-        let (Some(first), Some(last)) = (first, last) else {
+        let Some((first, last)) = self.stream_extent(key, stream).await? else {
             return Ok(result(points));
         };
-        let from = from.max(first as u64);
-        let to = to.min(last as u64);
+        let from = from.max(first);
+        let to = to.min(last);
         if from > to || columns.is_empty() {
             return Ok(result(points));
         }
-        let Some(max_points) = self.reduction(key, from, to, Some(max_points)).await? else {
-            self.read_raw_columns(key, &columns, from, to, |i, step, cell| {
+        let Some(max_points) = self
+            .reduction(key, stream, from, to, Some(max_points))
+            .await?
+        else {
+            self.read_raw_columns(key, stream, &columns, from, to, |i, step, cell| {
                 points[i].push((step, cell))
             })
             .await?;
@@ -183,10 +207,11 @@ impl Store {
             let sink = |i: usize, step: u64, cell: Cell| reducers[i].add(step, cell);
             match source {
                 Source::Raw { from, to } => {
-                    self.read_raw_columns(key, &columns, from, to, sink).await?
+                    self.read_raw_columns(key, stream, &columns, from, to, sink)
+                        .await?
                 }
                 Source::Rollup { width, first, last } => {
-                    self.read_rollup_columns(key, &columns, width, (first, last), sink)
+                    self.read_rollup_columns(key, stream, &columns, width, (first, last), sink)
                         .await?
                 }
             }
@@ -194,23 +219,51 @@ impl Store {
         Ok(result(reducers.into_iter().map(MinMax::finish).collect()))
     }
 
-    /// The run's key and its first and last stored steps.
-    async fn run_extent(&self, run_id: &RunId) -> StoreResult<(i64, Option<i64>, Option<i64>)> {
+    /// The run's key.
+    async fn run_key(&self, run_id: &RunId) -> StoreResult<i64> {
         self.check_ready()?;
-        let run = with_reader!(self, |pool| {
-            sqlx::query_as("SELECT id, first_step, last_step FROM runs WHERE run_id = $1")
+        let key: Option<i64> = with_reader!(self, |pool| {
+            sqlx::query_scalar("SELECT id FROM runs WHERE run_id = $1")
                 .bind(run_id.as_str())
                 .fetch_optional(pool)
                 .await?
         });
-        run.ok_or_else(|| StoreError::RunNotFound(run_id.as_str().to_owned()))
+        key.ok_or_else(|| StoreError::RunNotFound(run_id.as_str().to_owned()))
     }
 
-    /// `Some(max_points)` when `from..=to` holds more stored steps than `max_points`
-    /// and must be reduced; `None` when it is read whole.
+    /// The first and last stored step of a stream, from its first and last blocks'
+    /// masks; `None` while it has none.
+    async fn stream_extent(&self, key: i64, stream: u32) -> StoreResult<Option<(u64, u64)>> {
+        let ends: Vec<(i64, i64)> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT block, mask FROM blocks WHERE run = $1 AND stream = $2 AND block IN \
+                 ((SELECT min(block) FROM blocks WHERE run = $1 AND stream = $2), \
+                  (SELECT max(block) FROM blocks WHERE run = $1 AND stream = $2)) \
+                 ORDER BY block",
+            )
+            .bind(key)
+            .bind(i64::from(stream))
+            .fetch_all(pool)
+            .await?
+        });
+        let (Some(&(first_block, first_mask)), Some(&(last_block, last_mask))) =
+            (ends.first(), ends.last())
+        else {
+            return Ok(None);
+        };
+        let first =
+            block::first_step(first_block as u64) + u64::from((first_mask as u64).trailing_zeros());
+        let last = last_present(last_block as u64, last_mask as u64)
+            .context("a stored block with no step")?;
+        Ok(Some((first, last)))
+    }
+
+    /// `Some(max_points)` when `from..=to` of `stream` holds more stored steps than
+    /// `max_points` and must be reduced; `None` when it is read whole.
     async fn reduction(
         &self,
         key: i64,
+        stream: u32,
         from: u64,
         to: u64,
         max_points: Option<usize>,
@@ -218,23 +271,32 @@ impl Store {
         let Some(max_points) = max_points.filter(|m| to - from + 1 > *m as u64) else {
             return Ok(None);
         };
-        let rows: i64 = with_reader!(self, |pool| {
-            sqlx::query_scalar(
-                "SELECT count(*) FROM steps WHERE run = $1 AND step BETWEEN $2 AND $3",
+        // The blocks' masks say which steps are stored, without decompressing them.
+        let masks: Vec<(i64, i64)> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT block, mask FROM blocks WHERE run = $1 AND stream = $2 \
+                 AND block BETWEEN $3 AND $4",
             )
             .bind(key)
-            .bind(from as i64)
-            .bind(to as i64)
-            .fetch_one(pool)
+            .bind(i64::from(stream))
+            .bind(block_index(from) as i64)
+            .bind(block_index(to) as i64)
+            .fetch_all(pool)
             .await?
         });
-        Ok((rows as u64 > max_points as u64).then_some(max_points))
+        let rows: u64 = masks
+            .iter()
+            .map(|(index, mask)| {
+                u64::from(block::present_in(*index as u64, *mask as u64, from..=to))
+            })
+            .sum();
+        Ok((rows > max_points as u64).then_some(max_points))
     }
 
     /// The subjects a run has reported for `kind`, in order of first appearance (for
     /// modules: the order the trainer reports them in, which is model order).
     pub async fn subjects(&self, run_id: &RunId, kind: SeriesKind) -> StoreResult<Vec<String>> {
-        let (key, _, _) = self.run_extent(run_id).await?;
+        let key = self.run_key(run_id).await?;
         Ok(with_reader!(self, |pool| {
             sqlx::query_scalar(
                 "SELECT subject FROM columns WHERE run = $1 AND kind = $2 ORDER BY col",
@@ -248,7 +310,7 @@ impl Store {
 
     /// The kinds of series a run has reported at least once.
     pub async fn series_kinds(&self, run_id: &RunId) -> StoreResult<HashSet<SeriesKind>> {
-        let (key, _, _) = self.run_extent(run_id).await?;
+        let key = self.run_key(run_id).await?;
         let kinds: Vec<String> = with_reader!(self, |pool| {
             sqlx::query_scalar("SELECT DISTINCT kind FROM columns WHERE run = $1")
                 .bind(key)
@@ -266,8 +328,8 @@ impl Store {
         run_id: &RunId,
         kinds: &[SeriesKind],
     ) -> StoreResult<Option<LatestValues>> {
-        let (key, _, last_step) = self.run_extent(run_id).await?;
-        let Some(last_step) = last_step else {
+        let key = self.run_key(run_id).await?;
+        let Some((_, last_step)) = self.stream_extent(key, RUN_STREAM).await? else {
             return Ok(None);
         };
         let columns: Vec<(i64, String, String)> = with_reader!(self, |pool| {
@@ -283,76 +345,73 @@ impl Store {
                 Some((column as usize, kind, subject))
             })
             .collect();
-        let mut decompressor = decompressor()?;
+        let oldest = last_step.saturating_sub(LATEST_LOOKBACK - 1);
         let mut values = HashMap::new();
         with_reader!(self, |pool| {
             let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
-                "SELECT step, vals FROM steps WHERE run = $1 ORDER BY step DESC LIMIT $2",
+                "SELECT block, vals FROM blocks WHERE run = $1 AND stream = $2 \
+                 AND block >= $3 ORDER BY block DESC",
             )
             .bind(key)
-            .bind(LATEST_LOOKBACK)
+            .bind(i64::from(RUN_STREAM))
+            .bind(block_index(oldest) as i64)
             .fetch(pool);
             while !wanted.is_empty()
-                && let Some((step, blob)) = rows.try_next().await?
+                && let Some((index, blob)) = rows.try_next().await?
             {
-                let packed = Packed::decode(&blob, &mut decompressor)
-                    .with_context(|| format!("decoding the values of step {step}"))?;
-                wanted.retain(|(column, kind, subject)| {
-                    let cell = packed.cell(*column);
-                    if cell == Cell::Absent {
-                        return true;
+                let block = decode(index, &blob)?;
+                for position in (0..block.len()).rev() {
+                    if block.steps()[position] < oldest {
+                        break;
                     }
-                    values.insert((*kind, subject.clone()), cell);
-                    false
-                });
+                    wanted.retain(|(column, kind, subject)| {
+                        let cell = block.cell(position, *column);
+                        if cell == Cell::Absent {
+                            return true;
+                        }
+                        values.insert((*kind, subject.clone()), cell);
+                        false
+                    });
+                }
             }
         });
         Ok(Some(LatestValues {
-            step: last_step as u64,
+            step: last_step,
             values,
         }))
     }
 
-    /// Calls `sink` with every present cell of `column` in steps `from..=to`.
-    async fn read_raw(
-        &self,
-        key: i64,
-        column: usize,
-        from: u64,
-        to: u64,
-        mut sink: impl FnMut(u64, Cell),
-    ) -> StoreResult<()> {
-        self.read_raw_columns(key, &[column], from, to, |_, step, cell| sink(step, cell))
-            .await
-    }
-
     /// Calls `sink(i, step, cell)` with every present cell of `columns[i]` in steps
-    /// `from..=to`, decoding each row once for all the columns.
+    /// `from..=to` of `stream`, decoding each block once for all the columns.
     async fn read_raw_columns(
         &self,
         key: i64,
+        stream: u32,
         columns: &[usize],
         from: u64,
         to: u64,
         mut sink: impl FnMut(usize, u64, Cell),
     ) -> StoreResult<()> {
-        let mut decompressor = decompressor()?;
         with_reader!(self, |pool| {
             let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
-                "SELECT step, vals FROM steps WHERE run = $1 AND step BETWEEN $2 AND $3 \
-                 ORDER BY step",
+                "SELECT block, vals FROM blocks WHERE run = $1 AND stream = $2 \
+                 AND block BETWEEN $3 AND $4 ORDER BY block",
             )
             .bind(key)
-            .bind(from as i64)
-            .bind(to as i64)
+            .bind(i64::from(stream))
+            .bind(block_index(from) as i64)
+            .bind(block_index(to) as i64)
             .fetch(pool);
-            while let Some((step, blob)) = rows.try_next().await? {
-                let packed = Packed::decode(&blob, &mut decompressor)
-                    .with_context(|| format!("decoding the values of step {step}"))?;
+            while let Some((index, blob)) = rows.try_next().await? {
+                let block = decode(index, &blob)?;
                 for (i, column) in columns.iter().enumerate() {
-                    let cell = packed.cell(*column);
-                    if cell != Cell::Absent {
-                        sink(i, step as u64, cell);
+                    let Some(cells) = block.column(*column) else {
+                        continue;
+                    };
+                    for (step, bits) in block.steps().iter().zip(cells) {
+                        if (from..=to).contains(step) && *bits != ABSENT_BITS {
+                            sink(i, *step, Cell::from_bits(*bits));
+                        }
                     }
                 }
             }
@@ -360,27 +419,13 @@ impl Store {
         Ok(())
     }
 
-    /// Calls `sink` with the points summarising `column` in buckets `first..=last`.
-    async fn read_rollups(
-        &self,
-        key: i64,
-        column: usize,
-        width: u64,
-        buckets: (u64, u64),
-        mut sink: impl FnMut(u64, Cell),
-    ) -> StoreResult<()> {
-        self.read_rollup_columns(key, &[column], width, buckets, |_, step, cell| {
-            sink(step, cell)
-        })
-        .await
-    }
-
     /// Calls `sink(i, step, cell)` with the points summarising `columns[i]` in
-    /// buckets `first..=last`; every chunk a column lives in is decompressed once
-    /// per bucket, whatever the number of its columns asked for.
+    /// buckets `first..=last` of `stream`; every chunk a column lives in is
+    /// decompressed once per bucket, whatever the number of its columns asked for.
     async fn read_rollup_columns(
         &self,
         key: i64,
+        stream: u32,
         columns: &[usize],
         width: u64,
         (first, last): (u64, u64),
@@ -399,10 +444,11 @@ impl Store {
                 .collect();
             with_reader!(self, |pool| {
                 let mut rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
-                    "SELECT bucket, summary FROM rollups WHERE run = $1 AND width = $2 \
-                     AND chunk = $3 AND bucket BETWEEN $4 AND $5 ORDER BY bucket",
+                    "SELECT bucket, summary FROM rollups WHERE run = $1 AND stream = $2 \
+                     AND width = $3 AND chunk = $4 AND bucket BETWEEN $5 AND $6 ORDER BY bucket",
                 )
                 .bind(key)
+                .bind(i64::from(stream))
                 .bind(width as i64)
                 .bind(chunk as i64)
                 .bind(first as i64)
@@ -426,4 +472,9 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// A stored block, decoded.
+fn decode(index: i64, blob: &[u8]) -> StoreResult<DecodedBlock> {
+    Ok(block::decode(blob).with_context(|| format!("decoding block {index}"))?)
 }

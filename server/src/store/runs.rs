@@ -310,7 +310,7 @@ async fn delete_rows(tx: &mut Tx, key: i64) -> StoreResult<()> {
             "alerts",
             "detector_state",
             "rollups",
-            "steps",
+            "blocks",
             "columns",
             "amendments",
         ] {

@@ -22,7 +22,8 @@ use sqlx::sqlite::{
 };
 use sqlx::{Connection, SqliteConnection};
 
-use super::SyncMode;
+use super::columns::SeriesKind;
+use super::{SyncMode, block, codec};
 
 /// Readers open at once.
 const READERS: u32 = 4;
@@ -60,6 +61,9 @@ impl SqliteDb {
             .run(&mut conn)
             .await
             .with_context(|| format!("applying migrations to {}", path.display()))?;
+        convert_step_rows(&mut conn)
+            .await
+            .with_context(|| format!("moving the step rows of {} into blocks", path.display()))?;
         conn.close().await.ok();
         let write = SqlitePoolOptions::new()
             .max_connections(1)
@@ -144,6 +148,116 @@ impl SqliteDb {
             }
         }
     }
+}
+
+/// Steps converted at a time: a multiple of the block size.
+const RANGE_STEPS: i64 = 64 * 64;
+
+/// Moves what a database written before blocks holds in its `steps` table (one row
+/// per step, `codec.rs`) into blocks, run by run, each run in one transaction (so a
+/// server stopped half-way carries on where it stopped), then drops the table.
+async fn convert_step_rows(conn: &mut SqliteConnection) -> anyhow::Result<()> {
+    let legacy: Option<String> = sqlx::query_scalar(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'steps'",
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
+    if legacy.is_none() {
+        return Ok(());
+    }
+    let runs: Vec<i64> = sqlx::query_scalar("SELECT DISTINCT run FROM steps ORDER BY run")
+        .fetch_all(&mut *conn)
+        .await?;
+    if !runs.is_empty() {
+        tracing::info!(
+            runs = runs.len(),
+            "moving step rows into blocks (once, after an upgrade)"
+        );
+    }
+    let mut decompressor = codec::decompressor()?;
+    let mut converted = 0u64;
+    for run in runs {
+        let kinds: Vec<(i64, String)> =
+            sqlx::query_as("SELECT col, kind FROM columns WHERE run = $1")
+                .bind(run)
+                .fetch_all(&mut *conn)
+                .await?;
+        let mut families: Vec<Option<SeriesKind>> = Vec::new();
+        for (col, kind) in kinds {
+            let col = col as usize;
+            if families.len() <= col {
+                families.resize(col + 1, None);
+            }
+            families[col] = SeriesKind::parse(&kind);
+        }
+        let mut tx = conn.begin().await?;
+        // A range of blocks at a time, so a long run never sits in memory whole.
+        let mut from = 0i64;
+        loop {
+            let to = from + RANGE_STEPS;
+            let rows: Vec<(i64, Option<f64>, Vec<u8>)> = sqlx::query_as(
+                "SELECT step, time, vals FROM steps WHERE run = $1 AND step >= $2 \
+                 AND step < $3 ORDER BY step",
+            )
+            .bind(run)
+            .bind(from)
+            .bind(to)
+            .fetch_all(&mut *tx)
+            .await?;
+            let last: Option<i64> =
+                sqlx::query_scalar("SELECT max(step) FROM steps WHERE run = $1")
+                    .bind(run)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            let mut decoded = Vec::with_capacity(rows.len());
+            for (step, time, blob) in &rows {
+                let packed = codec::Packed::decode(blob, &mut decompressor)
+                    .with_context(|| format!("decoding step {step} of run #{run}"))?;
+                let cells: Vec<u32> = (0..packed.column_count()).map(|c| packed.bits(c)).collect();
+                decoded.push((*step as u64, *time, cells));
+            }
+            for group in decoded.chunk_by(|a, b| block::block_index(a.0) == block::block_index(b.0))
+            {
+                let index = block::block_index(group[0].0);
+                let block_rows: Vec<block::BlockRow<'_>> = group
+                    .iter()
+                    .map(|(step, time, cells)| block::BlockRow {
+                        step: *step,
+                        time: *time,
+                        cells,
+                    })
+                    .collect();
+                let blob = block::encode(index, &block_rows, &families)?;
+                let mask = block::peek(&blob)?.mask;
+                sqlx::query(
+                    "INSERT INTO blocks (run, stream, block, mask, vals) \
+                     VALUES ($1, 0, $2, $3, $4) ON CONFLICT (run, stream, block) \
+                     DO UPDATE SET mask = excluded.mask, vals = excluded.vals",
+                )
+                .bind(run)
+                .bind(index as i64)
+                .bind(mask as i64)
+                .bind(blob)
+                .execute(&mut *tx)
+                .await?;
+            }
+            converted += rows.len() as u64;
+            if last.is_none_or(|last| last < to) {
+                break;
+            }
+            from = to;
+        }
+        sqlx::query("DELETE FROM steps WHERE run = $1")
+            .bind(run)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+    }
+    sqlx::query("DROP TABLE steps").execute(&mut *conn).await?;
+    if converted > 0 {
+        tracing::info!(steps = converted, "moved step rows into blocks");
+    }
+    Ok(())
 }
 
 /// Whether a SQLite result code is a condition that passes: BUSY, LOCKED, READONLY,

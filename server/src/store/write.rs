@@ -1,12 +1,12 @@
 //! A batch's rows, written in one transaction: a batch is stored whole or not at all.
 //!
-//! The ingest service prepares everything a batch changes — new columns, step rows,
+//! The ingest service prepares everything a batch changes — new columns, step blocks,
 //! rollup buckets, alert transitions, the detectors' state, the run's progress — as
 //! a [`BatchWrite`], plain data, and [`Store::write_batch`] writes it in one
 //! transaction. A failure anywhere leaves the database as it was, and the commit
 //! makes the batch durable before the client hears `200`.
 //!
-//! The first statement moves the run's progress on, and only from the last step the
+//! The first statement moves the run's version on, and only from the version the
 //! batch was prepared against: if another writer got there first (a second replica,
 //! or an earlier request of the same run whose commit landed after it was given up
 //! on), nothing is written and the batch comes back [`StoreError::Stale`] to be
@@ -20,9 +20,9 @@ use super::notify::Notice;
 use super::{Store, StoreError, StoreResult, alerts, now_seconds, on_tx, webhooks};
 use crate::model::alert::Opened;
 
-/// Step rows written by one INSERT (four bound values each, far below both
+/// Block rows upserted by one statement (five bound values each, far below both
 /// databases' limits on bound values).
-const STEP_ROWS_PER_INSERT: usize = 64;
+const BLOCK_ROWS_PER_UPSERT: usize = 64;
 /// Rollup rows upserted by one statement.
 const ROLLUP_ROWS_PER_UPSERT: usize = 128;
 
@@ -32,13 +32,14 @@ pub struct BatchWrite {
     pub run_id: String,
     /// The run's key.
     pub key: i64,
-    /// The run's last stored step the batch was prepared against.
-    pub expected_last_step: Option<u64>,
+    /// The run's version the batch was prepared against.
+    pub expected_version: i64,
     pub progress: Progress,
     /// v1.1 amendments, with the step each takes effect at (JSON bodies).
     pub amendments: Vec<(u64, String)>,
     pub columns: Vec<NewColumn>,
-    pub steps: Vec<StepRow>,
+    /// Blocks to insert or replace (a block that grows is written again whole).
+    pub blocks: Vec<BlockWrite>,
     /// Rollup chunks to insert or replace.
     pub rollups: Vec<RollupRow>,
     /// Alert transitions, in the order they happened.
@@ -47,13 +48,15 @@ pub struct BatchWrite {
     pub detector_state: String,
 }
 
-/// How the run's stream moves on.
+/// How the run's steps (its stream 0) move on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
-    /// The batch's first new step (the run's first, if it had none).
-    pub first_step: u64,
-    pub last_step: u64,
-    /// New steps stored.
+    /// The batch's first new step of the run (`None`: the batch added none, as a
+    /// multi-rank batch may while its steps wait for other ranks).
+    pub first_step: Option<u64>,
+    /// The run's last step after the batch.
+    pub last_step: Option<u64>,
+    /// New steps of the run stored.
     pub steps: u64,
 }
 
@@ -65,18 +68,19 @@ pub struct NewColumn {
     pub subject: String,
 }
 
-/// One step's packed values.
+/// One block of one stream (`store::block`).
 #[derive(Debug, Clone)]
-pub struct StepRow {
-    pub step: u64,
-    /// The client's timestamp, Unix seconds.
-    pub time: Option<f64>,
+pub struct BlockWrite {
+    pub stream: u32,
+    pub index: u64,
+    pub mask: u64,
     pub blob: Vec<u8>,
 }
 
-/// One chunk of one rollup bucket.
+/// One chunk of one rollup bucket of one stream.
 #[derive(Debug, Clone)]
 pub struct RollupRow {
+    pub stream: u32,
     pub width: u64,
     pub chunk: u32,
     pub bucket: u64,
@@ -134,20 +138,19 @@ impl Store {
             Some(tx) => tx,
             None => self.begin().await?,
         };
-        let dialect = tx.dialect();
         let advanced = on_tx!(&mut tx, |c| {
-            sqlx::query(&format!(
-                "UPDATE runs SET first_step = COALESCE(first_step, $2), last_step = $3, \
-                 last_seen = $4, step_count = step_count + $5 \
-                 WHERE id = $1 AND last_step {} $6",
-                dialect.is_same()
-            ))
+            sqlx::query(
+                "UPDATE runs SET first_step = COALESCE(first_step, $2), \
+                 last_step = COALESCE($3, last_step), last_seen = $4, \
+                 step_count = step_count + $5, version = version + 1 \
+                 WHERE id = $1 AND version = $6",
+            )
             .bind(batch.key)
-            .bind(batch.progress.first_step as i64)
-            .bind(batch.progress.last_step as i64)
+            .bind(batch.progress.first_step.map(|s| s as i64))
+            .bind(batch.progress.last_step.map(|s| s as i64))
             .bind(now_seconds())
             .bind(batch.progress.steps as i64)
-            .bind(batch.expected_last_step.map(|s| s as i64))
+            .bind(batch.expected_version)
             .execute(&mut *c)
             .await?
             .rows_affected()
@@ -176,32 +179,40 @@ impl Store {
                 .await?;
             }
             // Many rows per statement: with SQLite each statement is a round trip to
-            // sqlx's worker thread (two context switches), and full chunks share one
-            // statement text, which sqlx caches prepared.
-            for chunk in batch.steps.chunks(STEP_ROWS_PER_INSERT) {
-                let mut insert = QueryBuilder::new("INSERT INTO steps (run, step, time, vals) ");
-                insert.push_values(chunk, |mut values, row| {
+            // sqlx's worker thread (two context switches).
+            for chunk in batch.blocks.chunks(BLOCK_ROWS_PER_UPSERT) {
+                let mut upsert =
+                    QueryBuilder::new("INSERT INTO blocks (run, stream, block, mask, vals) ");
+                upsert.push_values(chunk, |mut values, block| {
                     values
                         .push_bind(batch.key)
-                        .push_bind(row.step as i64)
-                        .push_bind(row.time)
-                        .push_bind(row.blob.as_slice());
+                        .push_bind(i64::from(block.stream))
+                        .push_bind(block.index as i64)
+                        .push_bind(block.mask as i64)
+                        .push_bind(block.blob.as_slice());
                 });
-                insert.build().execute(&mut *c).await?;
+                upsert.push(
+                    " ON CONFLICT (run, stream, block) \
+                     DO UPDATE SET mask = excluded.mask, vals = excluded.vals",
+                );
+                upsert.build().execute(&mut *c).await?;
             }
             for chunk in batch.rollups.chunks(ROLLUP_ROWS_PER_UPSERT) {
-                let mut upsert =
-                    QueryBuilder::new("INSERT INTO rollups (run, width, chunk, bucket, summary) ");
+                let mut upsert = QueryBuilder::new(
+                    "INSERT INTO rollups (run, stream, width, chunk, bucket, summary) ",
+                );
                 upsert.push_values(chunk, |mut values, row| {
                     values
                         .push_bind(batch.key)
+                        .push_bind(i64::from(row.stream))
                         .push_bind(row.width as i64)
                         .push_bind(i64::from(row.chunk))
                         .push_bind(row.bucket as i64)
                         .push_bind(row.blob.as_slice());
                 });
                 upsert.push(
-                    " ON CONFLICT (run, width, chunk, bucket) DO UPDATE SET summary = excluded.summary",
+                    " ON CONFLICT (run, stream, width, chunk, bucket) \
+                     DO UPDATE SET summary = excluded.summary",
                 );
                 upsert.build().execute(&mut *c).await?;
             }
