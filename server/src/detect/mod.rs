@@ -22,6 +22,9 @@
 //!   whose every intended update rounds away.
 //! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
+//! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
+//!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
+//!   `shard_reported_as_global`.
 //! - [`unused`]: `unused_parameters`, trainable modules no step ever reports.
 //! - [`registration`]: the checks made once, at registration (and again at each
 //!   amendment): `scaler_bf16_incompatible`, `dtype_mismatch`, `param_not_in_optimizer`,
@@ -38,6 +41,7 @@ pub mod grads_not_zeroed;
 pub mod loss_divergence;
 pub mod loss_nonfinite;
 pub mod precision;
+pub mod ranks;
 pub mod registration;
 pub mod scaler_overflow;
 pub mod stuck_zero;
@@ -180,6 +184,7 @@ pub struct DetectorSet {
     pub grads_not_zeroed: grads_not_zeroed::GradsNotZeroed,
     pub first_step: first_step::FirstStepHint,
     pub update_rounded_away: update_rounded_away::UpdateRoundedAway,
+    pub ranks: ranks::RankDetectors,
 }
 
 impl DetectorSet {

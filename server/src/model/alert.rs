@@ -24,10 +24,15 @@ pub enum AlertKind {
     GradsNotZeroed,
     FirstStepHint,
     UpdateRoundedAway,
+    RankMissing,
+    RankStraggler,
+    RankNonfinite,
+    ReplicaDivergence,
+    ShardReportedAsGlobal,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 16] = [
+    pub const ALL: [AlertKind; 21] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -44,6 +49,11 @@ impl AlertKind {
         AlertKind::GradsNotZeroed,
         AlertKind::FirstStepHint,
         AlertKind::UpdateRoundedAway,
+        AlertKind::RankMissing,
+        AlertKind::RankStraggler,
+        AlertKind::RankNonfinite,
+        AlertKind::ReplicaDivergence,
+        AlertKind::ShardReportedAsGlobal,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -64,6 +74,11 @@ impl AlertKind {
             AlertKind::GradsNotZeroed => "grads_not_zeroed",
             AlertKind::FirstStepHint => "first_step_hint",
             AlertKind::UpdateRoundedAway => "update_rounded_away",
+            AlertKind::RankMissing => "rank_missing",
+            AlertKind::RankStraggler => "rank_straggler",
+            AlertKind::RankNonfinite => "rank_nonfinite",
+            AlertKind::ReplicaDivergence => "replica_divergence",
+            AlertKind::ShardReportedAsGlobal => "shard_reported_as_global",
         }
     }
 
