@@ -14,10 +14,13 @@ CREATE TABLE runs (
     last_seen    DOUBLE PRECISION,              -- server clock of the last accepted batch
     step_count   BIGINT           NOT NULL DEFAULT 0,
     finished_at  DOUBLE PRECISION,
-    version      BIGINT           NOT NULL DEFAULT 0  -- batches that changed the run
+    version      BIGINT           NOT NULL DEFAULT 0, -- batches that changed the run
+    -- A multi-rank run: when its oldest step still waiting for ranks began to wait.
+    pending_since DOUBLE PRECISION
 );
 
 CREATE INDEX runs_by_created_at ON runs (created_at);
+CREATE INDEX runs_pending ON runs (pending_since) WHERE pending_since IS NOT NULL;
 
 -- The column dictionary: position `col` of a run's packed step values holds the
 -- series (`kind`, `subject`).

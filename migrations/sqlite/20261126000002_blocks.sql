@@ -32,3 +32,9 @@ ALTER TABLE rollups_by_stream RENAME TO rollups;
 -- the run against (its last step alone does not move with every batch of a
 -- multi-rank run).
 ALTER TABLE runs ADD COLUMN version INTEGER NOT NULL DEFAULT 0;
+
+-- A multi-rank run: when its oldest step still waiting for some ranks' records
+-- began to wait (server clock, Unix seconds); NULL when none waits. What the server
+-- looks for to complete steps whose ranks stopped reporting.
+ALTER TABLE runs ADD COLUMN pending_since REAL;
+CREATE INDEX runs_pending ON runs (pending_since) WHERE pending_since IS NOT NULL;

@@ -153,6 +153,9 @@ pub struct Deleted {
 pub struct Series {
     pub metric: String,
     pub subject: Option<String>,
+    /// v1.4: the rank whose own records these are; absent for the run's steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
     /// Whether `max_points` reduced it (min/max per bucket).
     pub downsampled: bool,
     pub points: Vec<SeriesPoint>,

@@ -31,6 +31,12 @@ pub struct ServerConfig {
     #[arg(long, env = "GRADFLOW_DATABASE_URL", value_parser = DatabaseUrl::parse, hide_env_values = true)]
     pub database: Option<DatabaseUrl>,
 
+    /// Seconds a step of a multi-rank run waits for its last ranks' records before it
+    /// is completed without them (and `rank_missing` opens). A rank more than 256
+    /// steps behind the others is not waited for either.
+    #[arg(long, env = "GRADFLOW_RANK_TIMEOUT_SECS", default_value_t = 60.0, value_parser = parse_positive_secs)]
+    pub rank_timeout_secs: f64,
+
     /// Runs whose ingest state (column dictionary, detectors, open alerts) a server
     /// keeps in memory; the least recently used is read back from the database when
     /// its next batch comes.
@@ -209,6 +215,15 @@ impl ServerConfig {
         StoreConfig {
             database: self.database_url(),
             sync: self.sync,
+        }
+    }
+
+    /// How the ingest service runs.
+    pub fn ingest(&self) -> crate::ingest::IngestSettings {
+        crate::ingest::IngestSettings {
+            detection: self.detection(),
+            cached_runs: self.cached_runs as usize,
+            rank_timeout: Duration::from_secs_f64(self.rank_timeout_secs),
         }
     }
 

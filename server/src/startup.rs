@@ -35,12 +35,7 @@ impl Application {
         }
         let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
         let events = EventBus::start(store.clone(), shutdown_rx.clone());
-        let ingest = Arc::new(Ingest::new(
-            store.clone(),
-            events.clone(),
-            config.detection(),
-            config.cached_runs as usize,
-        ));
+        let ingest = Arc::new(Ingest::new(store.clone(), events.clone(), config.ingest()));
         let state = AppState {
             shutdown: shutdown_rx,
             metrics: Arc::new(crate::metrics::Metrics::new()),
@@ -96,6 +91,10 @@ impl Application {
             shutdown: stop_streams,
         } = self;
         let store = state.store.clone();
+        let waiting = tokio::spawn(crate::ingest::complete_waiting_steps(
+            state.ingest.clone(),
+            stop_streams.subscribe(),
+        ));
         let retention = retain_days.map(|days| {
             tokio::spawn(crate::retention::run(
                 store.clone(),
@@ -124,6 +123,7 @@ impl Application {
         if let Some(retention) = retention {
             retention.abort();
         }
+        waiting.abort();
         store.close().await
     }
 }

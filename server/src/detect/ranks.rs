@@ -65,9 +65,11 @@ pub struct RankView {
     pub missing: Vec<(u32, Option<u64>)>,
     /// Each reporting rank's `step_time`, when it sent one.
     pub step_times: Vec<(u32, f64)>,
-    /// Ranks with a non-finite reading at this step, each with (up to a few of) the
-    /// subjects that were not finite.
+    /// Ranks with a non-finite reading at this step (the first few), each with (up
+    /// to a few of) the subjects that were not finite.
     pub nonfinite: Vec<(u32, Vec<String>)>,
+    /// How many ranks had one, listed or not.
+    pub nonfinite_count: u32,
     /// Replicated subjects whose ranks disagree.
     pub divergences: Vec<Divergence>,
     /// Replicated modules whose ranks each report part of the elements.
@@ -258,7 +260,7 @@ impl RankDetectors {
             });
         }
         // Only a strict subset of the reporting ranks says where it began.
-        let subset = !ranks.is_empty() && (ranks.len() as u32) < view.reported;
+        let subset = view.nonfinite_count > 0 && view.nonfinite_count < view.reported;
         if !subset {
             return;
         }
@@ -285,7 +287,7 @@ impl RankDetectors {
                      a rank's NaN reaches every rank at the next gradient all-reduce, so this \
                      step shows where it began: something only rank {rank} computed.",
                     view.step,
-                    ranks.len(),
+                    view.nonfinite_count,
                     view.reported,
                     name_list(&names, 5),
                     if others.is_empty() {
@@ -696,6 +698,7 @@ mod tests {
         let mut out = Vec::new();
         let mut v = view(30);
         v.nonfinite = vec![(1, vec!["loss".into(), "agent.head".into()])];
+        v.nonfinite_count = 1;
         detectors.on_step(&v, &mut out);
         assert_eq!(
             opened(&out),
@@ -705,6 +708,7 @@ mod tests {
         // The next step every rank is NaN: nothing new, rank 1 stays open.
         let mut v = view(31);
         v.nonfinite = (0..4).map(|r| (r, vec!["loss".into()])).collect();
+        v.nonfinite_count = 4;
         detectors.on_step(&v, &mut out);
         assert!(out.is_empty(), "{out:?}");
         detectors.on_step(&view(32), &mut out);
@@ -720,6 +724,7 @@ mod tests {
         let mut out = Vec::new();
         let mut v = view(5);
         v.nonfinite = (0..4).map(|r| (r, vec!["loss".into()])).collect();
+        v.nonfinite_count = 4;
         detectors.on_step(&v, &mut out);
         assert!(out.is_empty(), "{out:?}");
     }

@@ -11,6 +11,7 @@ use gradflow_protocol::{Amendment, InvalidBody, StepRecord};
 
 use super::IngestOutcome;
 use super::state::{Episode, Episodes, OpenBucket, Registry, RunState, StreamTail};
+use crate::detect::ranks::RankView;
 use crate::detect::{Detection, DetectorSet, Thresholds, Transition};
 use crate::model::series_kind::SeriesKind;
 use crate::store::block::{self, BlockRow, block_index};
@@ -116,23 +117,13 @@ pub fn prepare(
     )?;
     next.streams.insert(RUN_STREAM, tail);
 
-    let mut alerts = Vec::new();
-    if detection.enabled {
-        detect(
-            &mut next.detectors,
-            &mut next.open,
-            &state.registry,
-            new,
-            &registries,
-            &mut alerts,
-        );
-    }
-    for episode in next.open.values() {
-        alerts.push(AlertOp::Extend {
-            alert: episode.alert,
-            last_step: episode.last_step,
-        });
-    }
+    let alerts = detect(
+        detection.enabled,
+        &mut next.detectors,
+        &mut next.open,
+        &state.registry,
+        new.iter().zip(&registries).map(|(r, g)| (r, g, None)),
+    );
     let last = new.last().expect("at least one new record").step;
     next.last_step = Some(last);
     next.head.version += 1;
@@ -180,6 +171,7 @@ pub fn prepare(
         alerts,
         detector_state: serde_json::to_string(&next.detectors)
             .context("encoding detector state")?,
+        pending_since: None,
     };
     Ok(Ok(Prepared {
         write,
@@ -189,25 +181,30 @@ pub fn prepare(
 }
 
 /// Runs the detectors over the new records in step order (each against the
-/// registration in force at it, amendments judged where they take effect), turning
-/// their transitions into alert operations and keeping the open episodes in step.
-fn detect(
+/// registration in force at it, amendments judged where they take effect, and a
+/// multi-rank step's view of its ranks), turning their transitions into alert
+/// operations and keeping the open episodes in step; every episode still open is
+/// extended. With the detectors off, only that.
+pub fn detect<'a>(
+    enabled: bool,
     detectors: &mut DetectorSet,
     open: &mut Episodes,
-    before: &Arc<Registry>,
-    new: &[StepRecord],
-    registries: &[Arc<Registry>],
-    alerts: &mut Vec<AlertOp>,
-) {
+    before: &'a Arc<Registry>,
+    records: impl IntoIterator<Item = (&'a StepRecord, &'a Arc<Registry>, Option<&'a RankView>)>,
+) -> Vec<AlertOp> {
+    let mut alerts = Vec::new();
     let mut opened = 0;
     let mut in_force = before;
-    for (record, registry) in new.iter().zip(registries) {
+    for (record, registry, ranks) in records.into_iter().filter(|_| enabled) {
         let mut transitions = Vec::new();
         if !Arc::ptr_eq(in_force, registry) {
             transitions = detectors.on_amendment(&in_force.context, &registry.context, record.step);
             in_force = registry;
         }
         transitions.extend(detectors.on_step(&registry.context, record));
+        if let Some(view) = ranks {
+            detectors.ranks.on_step(view, &mut transitions);
+        }
         for transition in transitions {
             match transition {
                 Transition::Open(alert) => {
@@ -240,6 +237,13 @@ fn detect(
             episode.last_step = Some(record.step);
         }
     }
+    for episode in open.values() {
+        alerts.push(AlertOp::Extend {
+            alert: episode.alert,
+            last_step: episode.last_step,
+        });
+    }
+    alerts
 }
 
 /// One step of one stream, flattened.
@@ -253,7 +257,7 @@ pub struct StepCells {
 /// Adds `rows` (new steps, ascending, all after the stream's last) to `stream`:
 /// queues every block and rollup bucket they touch for writing — the stream's last
 /// block again whole when they extend it — and returns the stream's new tail.
-fn write_stream(
+pub fn write_stream(
     tail: Option<&StreamTail>,
     stream: u32,
     rows: &[StepCells],
@@ -386,28 +390,35 @@ fn registries_in_force(
             check_amendment(&amended, amendment, i)?;
             current = Arc::new(amended);
         }
-        for (j, param) in record.params.iter().enumerate() {
-            if !current.params.contains(&param.name) {
-                return Err(StoreError::Invalid(InvalidBody::new(
-                    format!("steps[{i}].params[{j}].name"),
-                    format!(
-                        "parameter {:?} is not in the run's registration at step {}: register \
-                         every parameter the model has in PUT /api/v1/runs/{{run_id}}, or add \
-                         it with an amendment (`amend`) in this or an earlier record",
-                        param.name, record.step
-                    ),
-                )));
-            }
-        }
+        check_params(&current, record, i)?;
         registries.push(current.clone());
     }
     Ok(registries)
 }
 
+/// Every parameter a record (at batch index `i`) reports must be in the
+/// registration in force at its step.
+pub fn check_params(registry: &Registry, record: &StepRecord, i: usize) -> StoreResult<()> {
+    for (j, param) in record.params.iter().enumerate() {
+        if !registry.params.contains(&param.name) {
+            return Err(StoreError::Invalid(InvalidBody::new(
+                format!("steps[{i}].params[{j}].name"),
+                format!(
+                    "parameter {:?} is not in the run's registration at step {}: register \
+                     every parameter the model has in PUT /api/v1/runs/{{run_id}}, or add it \
+                     with an amendment (`amend`) in this or an earlier record",
+                    param.name, record.step
+                ),
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// What an amendment says must hold together with the registration it amends: a
 /// parameter's optimizer group must exist, and the ranks it is sharded across must
 /// be ranks of the run.
-fn check_amendment(amended: &Registry, amendment: &Amendment, i: usize) -> StoreResult<()> {
+pub fn check_amendment(amended: &Registry, amendment: &Amendment, i: usize) -> StoreResult<()> {
     let groups = amended
         .registration
         .optimizer

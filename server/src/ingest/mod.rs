@@ -18,25 +18,34 @@
 //! - `state`: [`state::RunState`], what is kept of a run between its batches.
 //! - `cache`: the runs' states, bounded, one slot per run.
 //! - `batch`: preparing a batch (pure: flatten, compress, rollups, detectors).
+//! - `ranks`: preparing a batch of a multi-rank run: each rank's records into its
+//!   stream, and the steps all ranks have sent combined into the run's.
+//! - `combine`: how the ranks' records of one step become the run's.
 //! - `register`: registering a run, and comparing a registration sent again.
 
 mod batch;
 mod cache;
+mod combine;
+mod ranks;
 mod register;
 mod state;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use gradflow_protocol::{RunId, RunRegistration, StepRecord};
 use serde::Serialize;
 
 use self::batch::{prepare, with_codec};
 use self::cache::RunCache;
+use self::ranks::{Clock, prepare_ranks};
 use self::state::{Episode, RunState};
 use crate::detect::{Detection, registration};
 use crate::events::EventBus;
 use crate::store::notify::Notice;
-use crate::store::{AlertRef, NewRun, Registered, Store, StoreError, StoreResult, StoredRun};
+use crate::store::{
+    AlertRef, NewRun, Registered, Store, StoreError, StoreResult, StoredRun, now_seconds,
+};
 
 /// The answer to a batch, as docs/PROTOCOL.md words it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
@@ -53,6 +62,26 @@ pub struct IngestOutcome {
     pub values: usize,
 }
 
+/// Completes timed-out steps of multi-rank runs (see
+/// [`Ingest::complete_waiting_steps`]) until `shutdown` turns true, looking a few
+/// times per rank timeout.
+pub async fn complete_waiting_steps(
+    ingest: Arc<Ingest>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let every = (ingest.settings.rank_timeout / 4)
+        .clamp(Duration::from_millis(250), Duration::from_secs(15));
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
+        if let Err(error) = ingest.complete_waiting_steps().await {
+            tracing::warn!(%error, "cannot complete the steps waiting for ranks yet");
+        }
+    }
+}
+
 /// How often a batch is prepared again when the run moved on under it before it
 /// gives up (each retry reads the run's state afresh, so a second attempt fails
 /// only if another writer commits to the same run in between again).
@@ -61,24 +90,40 @@ const ATTEMPTS: usize = 3;
 pub struct Ingest {
     store: Arc<Store>,
     events: Arc<EventBus>,
-    detection: Detection,
+    settings: IngestSettings,
     runs: RunCache,
 }
 
+/// How the ingest service judges and keeps runs.
+#[derive(Debug, Clone, Copy)]
+pub struct IngestSettings {
+    /// Whether the detectors run, and their server-wide thresholds (runs may
+    /// override them).
+    pub detection: Detection,
+    /// How many runs' states to keep in memory.
+    pub cached_runs: usize,
+    /// How long a step of a multi-rank run waits for its last ranks before it is
+    /// completed without them.
+    pub rank_timeout: Duration,
+}
+
+impl IngestSettings {
+    pub fn new(detection: Detection) -> IngestSettings {
+        IngestSettings {
+            detection,
+            cached_runs: 256,
+            rank_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
 impl Ingest {
-    /// `detection` says whether the detectors run, and their server-wide thresholds
-    /// (runs may override them); `cached_runs` how many runs' states to keep.
-    pub fn new(
-        store: Arc<Store>,
-        events: Arc<EventBus>,
-        detection: Detection,
-        cached_runs: usize,
-    ) -> Ingest {
+    pub fn new(store: Arc<Store>, events: Arc<EventBus>, settings: IngestSettings) -> Ingest {
         Ingest {
             store,
             events,
-            detection,
-            runs: RunCache::new(cached_runs),
+            runs: RunCache::new(settings.cached_runs),
+            settings,
         }
     }
 
@@ -88,7 +133,7 @@ impl Ingest {
         // A closed shutdown channel: a PostgreSQL listener would stop at once.
         let (_, shutdown) = tokio::sync::watch::channel(true);
         let events = EventBus::start(store.clone(), shutdown);
-        Ingest::new(store, events, detection, 16)
+        Ingest::new(store, events, IngestSettings::new(detection))
     }
 
     pub fn store(&self) -> &Arc<Store> {
@@ -107,8 +152,8 @@ impl Ingest {
         let registration = registration.normalized();
         let canonical = serde_json::to_string(&registration)
             .map_err(|e| StoreError::Internal(anyhow::Error::new(e)))?;
-        let mut state = RunState::new(0, &registration, self.detection.thresholds);
-        let checks = if self.detection.enabled {
+        let mut state = RunState::new(0, &registration, self.settings.detection.thresholds);
+        let checks = if self.settings.detection.enabled {
             registration::check(&state.registry.context)
         } else {
             Vec::new()
@@ -164,6 +209,24 @@ impl Ingest {
         ))
     }
 
+    /// Completes the steps of multi-rank runs that have waited longer than the rank
+    /// timeout for ranks that stopped reporting (no record of theirs will come to
+    /// do it). Returns the runs that had such steps.
+    pub async fn complete_waiting_steps(&self) -> StoreResult<Vec<String>> {
+        let cutoff = now_seconds() - self.settings.rank_timeout.as_secs_f64();
+        let runs = self.store.runs_waiting_since(cutoff).await?;
+        for run_id in &runs {
+            let Ok(run) = RunId::parse(run_id) else {
+                continue;
+            };
+            match self.ingest(&run, &[]).await {
+                Ok(_) | Err(StoreError::RunNotFound(_)) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(runs)
+    }
+
     /// Stores a validated batch (steps strictly increasing) for `run_id`, all or
     /// nothing, and runs the detectors over its new records.
     pub async fn ingest(
@@ -188,14 +251,24 @@ impl Ingest {
                         RunState::from_loaded(
                             loaded,
                             run_id.as_str(),
-                            self.detection.thresholds,
+                            self.settings.detection.thresholds,
+                            now_seconds(),
                             &mut codec.decompressor,
                         )
                     })?
                 }
             };
+            let clock = Clock {
+                now: now_seconds(),
+                rank_timeout: self.settings.rank_timeout.as_secs_f64(),
+            };
+            let detection = self.settings.detection;
             let prepared = match with_codec(|codec| {
-                prepare(&state, run_id.as_str(), records, self.detection, codec)
+                if state.world_size > 1 {
+                    prepare_ranks(&state, run_id.as_str(), records, detection, clock, codec)
+                } else {
+                    prepare(&state, run_id.as_str(), records, detection, codec)
+                }
             }) {
                 Ok(Ok(prepared)) => prepared,
                 Ok(Err(duplicates)) => {

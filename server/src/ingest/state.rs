@@ -11,6 +11,7 @@ use anyhow::Context;
 use gradflow_protocol::{Amendment, RunRegistration};
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use super::combine::{Pending, PendingStep};
 use crate::detect::{DetectorSet, RunContext, Thresholds};
 use crate::model::alert::AlertKind;
 use crate::store::columns::ColumnDictionary;
@@ -33,6 +34,14 @@ pub struct RunState {
     pub open: Episodes,
     /// Each stream's growing end.
     pub streams: BTreeMap<u32, StreamTail>,
+    /// v1.4: ranks in the run (1 for a single process).
+    pub world_size: u32,
+    /// v1.4, multi-rank runs: the registration in force from each step on where it
+    /// changed (the first entry at step 0), since ranks send records of steps the
+    /// run has combined past and of steps it has not reached.
+    pub registries: BTreeMap<u64, Arc<Registry>>,
+    /// v1.4, multi-rank runs: steps some of whose ranks' records have arrived.
+    pub pending: Pending,
 }
 
 /// The end of one stream that the next batch can still add to.
@@ -81,11 +90,35 @@ pub struct Registry {
     pub module_groups: FxHashMap<String, String>,
     /// What the detectors know of the run.
     pub context: Arc<RunContext>,
+    /// v1.4: parameters laid out `sharded`, and the modules that own one.
+    pub sharded_params: FxHashSet<String>,
+    pub sharded_modules: FxHashSet<String>,
+    /// v1.4: each module's elements as registered (the sum of its parameters'
+    /// shapes), where every one of its parameters has a shape.
+    pub module_numel: FxHashMap<String, u64>,
 }
 
 impl Registry {
     pub fn new(registration: RunRegistration, thresholds: Thresholds) -> Registry {
+        let mut module_numel: FxHashMap<String, Option<u64>> = FxHashMap::default();
+        for param in &registration.params {
+            let total = module_numel
+                .entry(param.module_name().to_owned())
+                .or_insert(Some(0));
+            *total = total.zip(param.numel()).map(|(a, b)| a.saturating_add(b));
+        }
+        let sharded: Vec<&gradflow_protocol::ParamSpec> = registration
+            .params
+            .iter()
+            .filter(|p| p.layout() == gradflow_protocol::Layout::Sharded)
+            .collect();
         Registry {
+            sharded_params: sharded.iter().map(|p| p.name.clone()).collect(),
+            sharded_modules: sharded.iter().map(|p| p.module_name().to_owned()).collect(),
+            module_numel: module_numel
+                .into_iter()
+                .filter_map(|(module, numel)| Some((module, numel?)))
+                .collect(),
             params: registration.params.iter().map(|p| p.name.clone()).collect(),
             module_groups: registration
                 .params
@@ -109,29 +142,43 @@ impl Registry {
 impl RunState {
     /// The state of a run just registered under `key`.
     pub fn new(key: i64, registration: &RunRegistration, thresholds: Thresholds) -> RunState {
+        let registry = Arc::new(Registry::new(registration.clone(), thresholds));
         RunState {
+            world_size: registration.world_size(),
+            registries: BTreeMap::from([(0, registry.clone())]),
+            pending: Pending::new(),
             head: RunHead { key, version: 0 },
             last_step: None,
             columns: ColumnDictionary::default(),
-            registry: Arc::new(Registry::new(registration.clone(), thresholds)),
+            registry,
             detectors: DetectorSet::default(),
             open: Episodes::new(),
             streams: BTreeMap::new(),
         }
     }
 
-    /// The state as the database holds it.
+    /// The state as the database holds it; `now` (server clock) stands for when the
+    /// records of steps still waiting for ranks arrived.
     pub fn from_loaded(
         loaded: LoadedRun,
         run_id: &str,
         thresholds: Thresholds,
+        now: f64,
         decompressor: &mut zstd::bulk::Decompressor<'_>,
     ) -> StoreResult<RunState> {
+        let base = loaded.registration.clone().normalized();
         let mut registration = loaded.registration;
         for (_, amendment) in &loaded.amendments {
             registration.amend(amendment);
         }
         let mut state = RunState::new(loaded.head.key, &registration.normalized(), thresholds);
+        // Multi-rank runs keep the registration in force at each amendment's step.
+        let mut in_force = Arc::new(Registry::new(base, thresholds));
+        state.registries = BTreeMap::from([(0, in_force.clone())]);
+        for (step, amendment) in &loaded.amendments {
+            in_force = Arc::new(in_force.amended(amendment, thresholds));
+            state.registries.insert(*step, in_force.clone());
+        }
         state.head = loaded.head;
         state.last_step = loaded.last_step;
         if let Some(detectors) = loaded.detector_state {
@@ -187,7 +234,44 @@ impl RunState {
                 },
             );
         }
+        // What the ranks sent of steps not combined yet, folded again from their
+        // stored rows.
+        for (stream, index, blob) in &loaded.rank_blocks {
+            let block = crate::store::block::decode(blob)
+                .with_context(|| format!("reading block {index} of stream {stream}"))?;
+            let rank = stream - 1;
+            for (position, &step) in block.steps().iter().enumerate() {
+                if state.last_step.is_some_and(|last| step <= last) {
+                    continue;
+                }
+                let cells: Vec<u32> = (0..block.column_count())
+                    .map(|c| block.bits(position, c))
+                    .collect();
+                let registry = state.registry_at(step).clone();
+                state
+                    .pending
+                    .entry(step)
+                    .or_insert_with(|| PendingStep::new(now))
+                    .fold(
+                        rank,
+                        &cells,
+                        block.times()[position],
+                        &[],
+                        &state.columns,
+                        &registry,
+                    );
+            }
+        }
         Ok(state)
+    }
+
+    /// The registration in force at `step` (a multi-rank run's, by its amendments).
+    pub fn registry_at(&self, step: u64) -> &Arc<Registry> {
+        self.registries
+            .range(..=step)
+            .next_back()
+            .map(|(_, registry)| registry)
+            .unwrap_or(&self.registry)
     }
 
     /// The alerts the batch opened now have ids: the episodes that named them by

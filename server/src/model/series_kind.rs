@@ -28,10 +28,22 @@ pub enum SeriesKind {
     IntendedUpdateMaxUlp,
     IntendedNonzero,
     RoundedAway,
+    /// v1.4: a rank's own work on the step, seconds.
+    StepTime,
+    /// v1.4: gradient elements a rank holds of a module.
+    ModuleNumel,
+    /// v1.4: how many of those are NaN or infinite.
+    ModuleNonfinite,
+    /// v1.4: elements a rank holds of a parameter.
+    ParamNumel,
+    /// v1.2: whether the gradients were carried over an optimizer step (1 or 0).
+    GradsCarriedOver,
+    /// v1.2: the largest absolute input value of the step.
+    InputAbsmax,
 }
 
 impl SeriesKind {
-    pub const ALL: [SeriesKind; 24] = [
+    pub const ALL: [SeriesKind; 30] = [
         SeriesKind::Loss,
         SeriesKind::Lr,
         SeriesKind::ScalerScale,
@@ -56,6 +68,12 @@ impl SeriesKind {
         SeriesKind::IntendedUpdateMaxUlp,
         SeriesKind::IntendedNonzero,
         SeriesKind::RoundedAway,
+        SeriesKind::StepTime,
+        SeriesKind::ModuleNumel,
+        SeriesKind::ModuleNonfinite,
+        SeriesKind::ParamNumel,
+        SeriesKind::GradsCarriedOver,
+        SeriesKind::InputAbsmax,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -84,6 +102,12 @@ impl SeriesKind {
             SeriesKind::IntendedUpdateMaxUlp => "intended_update_max_ulp",
             SeriesKind::IntendedNonzero => "intended_nonzero",
             SeriesKind::RoundedAway => "rounded_away",
+            SeriesKind::StepTime => "step_time",
+            SeriesKind::ModuleNumel => "module_numel",
+            SeriesKind::ModuleNonfinite => "module_nonfinite",
+            SeriesKind::ParamNumel => "param_numel",
+            SeriesKind::GradsCarriedOver => "grads_carried_over",
+            SeriesKind::InputAbsmax => "input_absmax",
         }
     }
 

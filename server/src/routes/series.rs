@@ -1,5 +1,6 @@
-//! `GET /api/v1/runs/{run_id}/series?metric=&subject=&from_step=&to_step=&max_points=`,
-//! as JSON, or as CSV (`format=csv` or `Accept: text/csv`) for notebooks.
+//! `GET /api/v1/runs/{run_id}/series?metric=&subject=&from_step=&to_step=&max_points=&rank=`,
+//! as JSON, or as CSV (`format=csv` or `Accept: text/csv`) for notebooks. `rank`
+//! reads one rank's own records of a multi-rank run instead of the combined run.
 
 use axum::Json;
 use axum::extract::State;
@@ -28,6 +29,8 @@ pub struct SeriesParams {
     max_points: Option<usize>,
     /// `json` (the default) or `csv`.
     format: Option<String>,
+    /// One rank's own records (v1.4), instead of the run's combined steps.
+    rank: Option<u32>,
 }
 
 /// What the response is written as.
@@ -110,6 +113,11 @@ fn metric_kinds(metric: &str) -> Option<(Vec<SeriesKind>, Subject)> {
         "gpu_temperature_c" => (vec![GpuTemperatureC], Subject::Device),
         "gpu_power_w" => (vec![GpuPowerW], Subject::Device),
         "dropped_steps" => (vec![DroppedSteps], Subject::None),
+        "step_time" => (vec![StepTime], Subject::None),
+        "grads_carried_over" => (vec![GradsCarriedOver], Subject::None),
+        "input_absmax" => (vec![InputAbsmax], Subject::None),
+        "grad_nonfinite" => (vec![ModuleNonfinite], Subject::Required("a module")),
+        "grad_numel" => (vec![ModuleNumel], Subject::Required("a module")),
         _ => return None,
     };
     Some((kinds, subject))
@@ -119,18 +127,20 @@ const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_n
     param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, \
     scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, \
     gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, \
-    gpu_power_w, dropped_steps";
+    gpu_power_w, dropped_steps, step_time, grads_carried_over, input_absmax, grad_nonfinite, \
+    grad_numel";
 
 /// Reads one series; with `max_points`, a longer range is reduced to at most that
 /// many points by min/max per bucket, which keeps spikes and non-finite values.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/series", tag = "series",
     params(crate::api_types::RunIdPath,
-        ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w, dropped_steps"),
+        ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w, dropped_steps, step_time, grads_carried_over, input_absmax, grad_nonfinite, grad_numel"),
         ("subject" = Option<String>, Query, description = "A group or module (grad_norm), module (hook_hits), parameter, metrics name, device index, or an optimizer parameter group (lr)"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
         ("max_points" = Option<usize>, Query, description = "Reduce to at most this many points (min/max per bucket), at least 2"),
-        ("format" = Option<String>, Query, description = "json (default) or csv")),
+        ("format" = Option<String>, Query, description = "json (default) or csv"),
+        ("rank" = Option<u32>, Query, description = "A multi-rank run: this rank's own records instead of the combined steps")),
     responses(
         (status = 200, description = "The series", content(
             (crate::api_types::Series = "application/json"),
@@ -191,6 +201,20 @@ pub async fn read_series(
         ))
         .with_path("max_points"));
     }
+    let stream = match params.rank {
+        None => crate::store::RUN_STREAM,
+        Some(rank) => {
+            let world_size = state.store.run(&run_id).await?.registration.world_size();
+            if rank >= world_size {
+                return Err(ApiError::invalid_query(format!(
+                    "rank {rank} is not a rank of run {run_id}, which has {world_size} \
+                     (world_size)"
+                ))
+                .with_path("rank"));
+            }
+            crate::store::rank_stream(rank)
+        }
+    };
     let request = SeriesRequest {
         candidates: kinds
             .iter()
@@ -199,7 +223,7 @@ pub async fn read_series(
         from,
         to,
         max_points: params.max_points,
-        stream: crate::store::RUN_STREAM,
+        stream,
     };
     let data = state.store.series(&run_id, &request).await?;
     let what = match subject_rule {
@@ -235,6 +259,7 @@ pub async fn read_series(
     Ok(Json(Series {
         metric: params.metric,
         subject,
+        rank: params.rank,
         downsampled: data.downsampled,
         points,
     })

@@ -23,6 +23,8 @@ pub struct ColumnDictionary {
     /// The kind of each position (`None` for a position not restored yet): what a
     /// block groups its columns by.
     kinds: Vec<Option<SeriesKind>>,
+    /// The subject of each position.
+    subjects: Vec<Box<str>>,
     len: u32,
 }
 
@@ -36,12 +38,20 @@ impl ColumnDictionary {
         &self.kinds
     }
 
-    fn set_kind(&mut self, position: u32, kind: SeriesKind) {
+    /// What position `position` holds, when it is known.
+    pub fn entry(&self, position: usize) -> Option<(SeriesKind, &str)> {
+        let kind = (*self.kinds.get(position)?)?;
+        Some((kind, self.subjects.get(position).map_or("", |s| s)))
+    }
+
+    fn set_entry(&mut self, position: u32, kind: SeriesKind, subject: &str) {
         let position = position as usize;
         if self.kinds.len() <= position {
             self.kinds.resize(position + 1, None);
+            self.subjects.resize(position + 1, Box::from(""));
         }
         self.kinds[position] = Some(kind);
+        self.subjects[position] = subject.into();
     }
 
     pub fn get(&self, kind: SeriesKind, subject: &str) -> Option<u32> {
@@ -60,7 +70,7 @@ impl ColumnDictionary {
             previous.is_none(),
             "column {kind:?} {subject:?} added twice"
         );
-        self.set_kind(position, kind);
+        self.set_entry(position, kind, subject);
         self.len += 1;
         position
     }
@@ -71,7 +81,7 @@ impl ColumnDictionary {
             .entry(kind)
             .or_default()
             .insert(subject.into(), position);
-        self.set_kind(position, kind);
+        self.set_entry(position, kind, subject);
         self.len = self.len.max(position + 1);
     }
 }
@@ -90,6 +100,7 @@ impl<'a> ColumnAssigner<'a> {
         let added = ColumnDictionary {
             by_kind: HashMap::default(),
             kinds: Vec::new(),
+            subjects: Vec::new(),
             len: base.column_count(),
         };
         ColumnAssigner {

@@ -4,10 +4,10 @@
 
 use rustc_hash::FxHashMap as HashMap;
 
-use gradflow_protocol::{Float, StepRecord, default_group};
+use gradflow_protocol::{Float, GpuStat, ModuleStep, ParamStep, StepRecord, default_group};
 
-use super::codec::{ABSENT_BITS, Cell};
-use super::columns::{ColumnAssigner, SeriesKind};
+use super::codec::{ABSENT_BITS, Cell, widen_for_display};
+use super::columns::{ColumnAssigner, ColumnDictionary, SeriesKind};
 
 /// Flattens `record`; `module_groups` maps module names to their group, as the
 /// registration's parameters say (modules not in it fall in their name's first part).
@@ -83,9 +83,31 @@ pub fn flatten(
     //
     // Group norms: sqrt of the sum of squared module norms. A group none of whose
     // reported modules had a gradient is null; one with no reported module, absent.
+    if let Some(seconds) = record.step_time {
+        put(
+            columns,
+            SeriesKind::StepTime,
+            "",
+            Cell::from_wire(Some(seconds.get())),
+        );
+    }
+    if let Some(carried) = record.grads_carried_over {
+        put(columns, SeriesKind::GradsCarriedOver, "", flag(carried));
+    }
+    if let Some(absmax) = record.input_absmax {
+        put(
+            columns,
+            SeriesKind::InputAbsmax,
+            "",
+            Cell::from_wire(Some(absmax.get())),
+        );
+    }
+
     let mut groups: Vec<(&str, GroupNorm)> = Vec::new();
     for module in &record.modules {
-        let norm = wire(module.grad_norm);
+        // v1.4: a rank may send its partial sum of squares alone; its norm is the
+        // square root (the server adds squares across ranks).
+        let norm = wire(module.grad_norm).or_else(|| wire(module.grad_sumsq).map(f64::sqrt));
         put(
             columns,
             SeriesKind::ModuleGradNorm,
@@ -115,12 +137,30 @@ pub fn flatten(
             );
         }
     }
+    for (kind, field) in [
+        (
+            SeriesKind::ModuleNumel,
+            (|m| m.numel) as fn(&gradflow_protocol::ModuleStep) -> Option<u64>,
+        ),
+        (SeriesKind::ModuleNonfinite, |m| m.nonfinite),
+    ] {
+        for module in &record.modules {
+            if let Some(count) = field(module) {
+                put(
+                    columns,
+                    kind,
+                    &module.module,
+                    Cell::from_wire(Some(count as f64)),
+                );
+            }
+        }
+    }
     for (group, norm) in &groups {
         put(columns, SeriesKind::GroupGradNorm, group, norm.cell());
     }
 
     type ParamField = fn(&gradflow_protocol::ParamStep) -> Option<Float>;
-    let fields: [(SeriesKind, ParamField); 8] = [
+    let fields: [(SeriesKind, ParamField); 9] = [
         (SeriesKind::ParamGradNorm, |p| p.grad_norm),
         (SeriesKind::UpdateNorm, |p| p.update_norm),
         (SeriesKind::Drift, |p| p.drift),
@@ -135,6 +175,7 @@ pub fn flatten(
         (SeriesKind::RoundedAway, |p| {
             p.rounded_away.map(|n| Float(n as f64))
         }),
+        (SeriesKind::ParamNumel, |p| p.numel.map(|n| Float(n as f64))),
     ];
 
     for (kind, field) in fields {
@@ -179,6 +220,169 @@ pub fn flatten(
     }
 
     row.into_bits()
+}
+
+/// The step record a row of cells stands for: [`flatten`]'s inverse, for a row the
+/// server computed (a multi-rank step combined from its ranks' rows) that the
+/// detectors must see as a record. Group norms are left out (the detectors derive
+/// them from the modules); values come back as the `f32`s they were stored as.
+pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRecord {
+    let mut record = StepRecord {
+        step,
+        ..StepRecord::default()
+    };
+    let mut modules: Vec<ModuleStep> = Vec::new();
+    let mut module_at: HashMap<&str, usize> = HashMap::default();
+    let mut params: Vec<ParamStep> = Vec::new();
+    let mut param_at: HashMap<&str, usize> = HashMap::default();
+    let mut gpus: Vec<GpuStat> = Vec::new();
+    for (position, &bits) in cells.iter().enumerate() {
+        let cell = Cell::from_bits(bits);
+        if cell == Cell::Absent {
+            continue;
+        }
+        let Some((kind, subject)) = columns.entry(position) else {
+            continue;
+        };
+        let value = match cell {
+            Cell::Value(v) => Some(widen_for_display(v)),
+            _ => None,
+        };
+        let float = value.map(Float);
+        let count = value.map(|v| v as u64);
+        let mut module = |modules: &mut Vec<ModuleStep>| -> usize {
+            *module_at.entry(subject).or_insert_with(|| {
+                modules.push(ModuleStep {
+                    module: subject.to_owned(),
+                    ..ModuleStep::default()
+                });
+                modules.len() - 1
+            })
+        };
+        let mut param = |params: &mut Vec<ParamStep>| -> usize {
+            *param_at.entry(subject).or_insert_with(|| {
+                params.push(ParamStep {
+                    name: subject.to_owned(),
+                    ..ParamStep::default()
+                });
+                params.len() - 1
+            })
+        };
+        let scaler = &mut record.scaler;
+        match kind {
+            SeriesKind::Loss => record.loss = float,
+            SeriesKind::Lr if subject.is_empty() => record.lr = float,
+            SeriesKind::Lr => {
+                if let Some(lr) = float {
+                    record.lrs.insert(subject.to_owned(), lr);
+                }
+            }
+            SeriesKind::ScalerScale => scaler.get_or_insert_with(Default::default).scale = float,
+            SeriesKind::ScalerGrowthTracker => {
+                scaler.get_or_insert_with(Default::default).growth_tracker = count
+            }
+            SeriesKind::FoundInf => {
+                scaler.get_or_insert_with(Default::default).found_inf = value.map(|v| v != 0.0)
+            }
+            SeriesKind::StepSkipped => {
+                scaler.get_or_insert_with(Default::default).step_skipped = value.map(|v| v != 0.0)
+            }
+            SeriesKind::DroppedSteps => record.dropped_steps = count,
+            SeriesKind::StepTime => record.step_time = float,
+            SeriesKind::GradsCarriedOver => record.grads_carried_over = value.map(|v| v != 0.0),
+            SeriesKind::InputAbsmax => record.input_absmax = float,
+            SeriesKind::Metric => {
+                record.metrics.insert(subject.to_owned(), float);
+            }
+            SeriesKind::ModuleGradNorm => {
+                let i = module(&mut modules);
+                modules[i].grad_norm = float;
+            }
+            SeriesKind::HookHits => {
+                let i = module(&mut modules);
+                modules[i].hook_hits = count.map(|c| c as u32);
+            }
+            SeriesKind::ModuleNumel => {
+                let i = module(&mut modules);
+                modules[i].numel = count;
+            }
+            SeriesKind::ModuleNonfinite => {
+                let i = module(&mut modules);
+                modules[i].nonfinite = count;
+            }
+            SeriesKind::GroupGradNorm => {}
+            SeriesKind::ParamGradNorm => {
+                let i = param(&mut params);
+                params[i].grad_norm = float;
+            }
+            SeriesKind::UpdateNorm => {
+                let i = param(&mut params);
+                params[i].update_norm = float;
+            }
+            SeriesKind::Drift => {
+                let i = param(&mut params);
+                params[i].drift = float;
+            }
+            SeriesKind::ParamMean => {
+                let i = param(&mut params);
+                params[i].mean = float;
+            }
+            SeriesKind::IntendedUpdateNorm => {
+                let i = param(&mut params);
+                params[i].intended_update_norm = float;
+            }
+            SeriesKind::IntendedUpdateMaxUlp => {
+                let i = param(&mut params);
+                params[i].intended_update_max_ulp = float;
+            }
+            SeriesKind::IntendedNonzero => {
+                let i = param(&mut params);
+                params[i].intended_nonzero = count;
+            }
+            SeriesKind::RoundedAway => {
+                let i = param(&mut params);
+                params[i].rounded_away = count;
+            }
+            SeriesKind::ParamNumel => {
+                let i = param(&mut params);
+                params[i].numel = count;
+            }
+            SeriesKind::GpuMemoryUsedBytes
+            | SeriesKind::GpuMemoryTotalBytes
+            | SeriesKind::GpuUtilizationPct
+            | SeriesKind::GpuTemperatureC
+            | SeriesKind::GpuPowerW => {
+                let Ok(index) = subject.parse::<u32>() else {
+                    continue;
+                };
+                let gpu = match gpus.iter_mut().position(|g| g.index == index) {
+                    Some(i) => &mut gpus[i],
+                    None => {
+                        gpus.push(GpuStat {
+                            index,
+                            memory_used_bytes: None,
+                            memory_total_bytes: None,
+                            utilization_pct: None,
+                            temperature_c: None,
+                            power_w: None,
+                        });
+                        gpus.last_mut().expect("just pushed")
+                    }
+                };
+                match kind {
+                    SeriesKind::GpuMemoryUsedBytes => gpu.memory_used_bytes = count,
+                    SeriesKind::GpuMemoryTotalBytes => gpu.memory_total_bytes = count,
+                    SeriesKind::GpuUtilizationPct => gpu.utilization_pct = float,
+                    SeriesKind::GpuTemperatureC => gpu.temperature_c = float,
+                    _ => gpu.power_w = float,
+                }
+            }
+        }
+    }
+    record.modules = modules;
+    record.params = params;
+    record.gpu = gpus;
+    record
 }
 
 fn flag(on: bool) -> Cell {
@@ -254,6 +458,49 @@ mod tests {
             dictionary.push(kind, &subject);
         }
         (row, dictionary)
+    }
+
+    #[test]
+    fn a_row_reads_back_as_the_record_it_came_from() {
+        let sent = record(
+            r#"{"step": 7, "loss": 2.5, "lr": 0.25, "lrs": {"decay": 0.125},
+                "step_time": 0.5, "grads_carried_over": false, "input_absmax": 3.0,
+                "scaler": {"scale": 65536, "growth_tracker": 3, "found_inf": true, "step_skipped": true},
+                "modules": [{"module": "a.x", "grad_norm": 0.75, "hook_hits": 2, "numel": 64, "nonfinite": 0},
+                            {"module": "a.y", "grad_norm": null, "hook_hits": 0}],
+                "params": [{"name": "a.x.weight", "grad_norm": 0.5, "update_norm": 0.0625,
+                            "drift": 0.25, "mean": 1.0, "intended_update_norm": 0.125,
+                            "intended_update_max_ulp": 0.5, "intended_nonzero": 8,
+                            "rounded_away": 2, "numel": 16}],
+                "gpu": [{"index": 1, "memory_used_bytes": 1024, "utilization_pct": 50}],
+                "metrics": {"reward": 0.5, "missing": null},
+                "dropped_steps": 4}"#,
+        );
+        let base = ColumnDictionary::default();
+        let mut assigner = ColumnAssigner::new(&base);
+        let row = flatten(&sent, &HashMap::default(), &mut assigner);
+        let mut dictionary = ColumnDictionary::default();
+        for (kind, subject, _) in assigner.added() {
+            dictionary.push(kind, &subject);
+        }
+        let back = unflatten(7, &row, &dictionary);
+        assert_eq!(back, sent);
+    }
+
+    #[test]
+    fn a_partial_sum_alone_stands_for_its_norm() {
+        let (row, dict) = run(
+            r#"{"step": 1, "modules": [{"module": "a.x", "grad_sumsq": 6.25, "numel": 3}]}"#,
+            &HashMap::default(),
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::ModuleGradNorm, "a.x"),
+            Cell::Value(2.5)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::ModuleNumel, "a.x"),
+            Cell::Value(3.0)
+        );
     }
 
     #[test]

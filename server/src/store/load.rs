@@ -64,6 +64,10 @@ pub struct LoadedRun {
     pub columns: Vec<(u32, SeriesKind, String)>,
     /// Each stream's last block: (stream, index, blob). Only it can still grow.
     pub open_blocks: Vec<(u32, u64, Vec<u8>)>,
+    /// A multi-rank run's ranks' blocks from the one holding the step after the
+    /// run's last on: what they sent of steps not combined yet. (stream, index,
+    /// blob).
+    pub rank_blocks: Vec<(u32, u64, Vec<u8>)>,
     /// The rollup chunks of the bucket of each width that holds each stream's last
     /// step: (stream, width, chunk, blob). Only those can still grow.
     pub open_rollups: Vec<(u32, u64, u32, Vec<u8>)>,
@@ -181,6 +185,24 @@ async fn load(tx: &mut Tx, run_id: &str) -> StoreResult<LoadedRun> {
             );
         }
     }
+    let mut rank_blocks = Vec::new();
+    if registration.world_size() > 1 {
+        let from = last_step.map_or(0, |last| super::block::block_index(last as u64 + 1));
+        let rows: Vec<(i64, i64, Vec<u8>)> = super::on_tx!(tx, |c| {
+            sqlx::query_as(
+                "SELECT stream, block, vals FROM blocks WHERE run = $1 AND stream > 0 \
+                 AND block >= $2 ORDER BY block, stream",
+            )
+            .bind(key)
+            .bind(from as i64)
+            .fetch_all(&mut *c)
+            .await?
+        });
+        rank_blocks = rows
+            .into_iter()
+            .map(|(stream, index, blob)| (stream as u32, index as u64, blob))
+            .collect();
+    }
     let columns = columns
         .into_iter()
         .map(|(position, kind, subject)| {
@@ -205,6 +227,7 @@ async fn load(tx: &mut Tx, run_id: &str) -> StoreResult<LoadedRun> {
             .map(|(stream, index, _, blob)| (stream as u32, index as u64, blob))
             .collect(),
         open_rollups,
+        rank_blocks,
     })
 }
 

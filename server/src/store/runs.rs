@@ -217,6 +217,20 @@ impl Store {
         }))
     }
 
+    /// The multi-rank runs with a step that has waited for its ranks since before
+    /// `cutoff` (server clock).
+    pub async fn runs_waiting_since(&self, cutoff: f64) -> StoreResult<Vec<String>> {
+        self.check_ready()?;
+        Ok(with_reader!(self, |pool| {
+            sqlx::query_scalar(
+                "SELECT run_id FROM runs WHERE pending_since IS NOT NULL AND pending_since < $1",
+            )
+            .bind(cutoff)
+            .fetch_all(pool)
+            .await?
+        }))
+    }
+
     /// Marks the run finished now (again, if it was: a resumed run may finish twice).
     pub async fn finish_run(&self, run_id: &RunId) -> StoreResult<StoredRun> {
         let mut tx = self.begin().await?;

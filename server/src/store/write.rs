@@ -46,6 +46,9 @@ pub struct BatchWrite {
     pub alerts: Vec<AlertOp>,
     /// The detectors' state after the batch (JSON).
     pub detector_state: String,
+    /// A multi-rank run: when the oldest step still waiting for ranks began to
+    /// (server clock), `None` when none waits.
+    pub pending_since: Option<f64>,
 }
 
 /// How the run's steps (its stream 0) move on.
@@ -142,7 +145,7 @@ impl Store {
             sqlx::query(
                 "UPDATE runs SET first_step = COALESCE(first_step, $2), \
                  last_step = COALESCE($3, last_step), last_seen = $4, \
-                 step_count = step_count + $5, version = version + 1 \
+                 step_count = step_count + $5, version = version + 1, pending_since = $7 \
                  WHERE id = $1 AND version = $6",
             )
             .bind(batch.key)
@@ -151,6 +154,7 @@ impl Store {
             .bind(now_seconds())
             .bind(batch.progress.steps as i64)
             .bind(batch.expected_version)
+            .bind(batch.pending_since)
             .execute(&mut *c)
             .await?
             .rows_affected()

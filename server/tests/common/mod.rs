@@ -37,6 +37,7 @@ pub fn config(db: PathBuf) -> ServerConfig {
         db,
         database: None,
         cached_runs: 256,
+        rank_timeout_secs: 60.0,
         ingest_token: None,
         read_token: None,
         cors_origins: Vec::new(),
