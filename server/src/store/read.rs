@@ -293,6 +293,29 @@ impl Store {
         Ok((rows > max_points as u64).then_some(max_points))
     }
 
+    /// Each rank's last stored step of a multi-rank run, by rank (ranks that have
+    /// sent nothing are absent).
+    pub async fn rank_progress(&self, run_id: &RunId) -> StoreResult<Vec<(u32, u64)>> {
+        let key = self.run_key(run_id).await?;
+        let rows: Vec<(i64, i64, i64)> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT b.stream, b.block, b.mask FROM blocks b \
+                 WHERE b.run = $1 AND b.stream > 0 AND b.block = \
+                 (SELECT max(l.block) FROM blocks l WHERE l.run = $1 AND l.stream = b.stream) \
+                 ORDER BY b.stream",
+            )
+            .bind(key)
+            .fetch_all(pool)
+            .await?
+        });
+        Ok(rows
+            .into_iter()
+            .filter_map(|(stream, index, mask)| {
+                Some((stream as u32 - 1, last_present(index as u64, mask as u64)?))
+            })
+            .collect())
+    }
+
     /// The subjects a run has reported for `kind`, in order of first appearance (for
     /// modules: the order the trainer reports them in, which is model order).
     pub async fn subjects(&self, run_id: &RunId, kind: SeriesKind) -> StoreResult<Vec<String>> {
