@@ -3,6 +3,7 @@
 
 pub mod postgres;
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -89,11 +90,28 @@ impl ServerProcess {
 
     /// Starts the server on `db` listening on `listen`.
     pub fn start_at(db: &Path, listen: &str, extra_args: &[&str]) -> ServerProcess {
+        Self::spawn([OsStr::new("--db"), db.as_os_str()], listen, extra_args)
+    }
+
+    /// Starts the server on the database `url` names (`--database`: a
+    /// `postgres://` URL, or a SQLite file) listening on `listen`. It returns once the
+    /// server listens: PostgreSQL is reached in the background, so the server may
+    /// not be ready yet (`/readyz`).
+    pub fn start_on_database(url: &str, listen: &str, extra_args: &[&str]) -> ServerProcess {
+        Self::spawn(
+            [OsStr::new("--database"), OsStr::new(url)],
+            listen,
+            extra_args,
+        )
+    }
+
+    /// Starts the server with `database` (its flag and value), and waits until it
+    /// listens.
+    fn spawn(database: [&OsStr; 2], listen: &str, extra_args: &[&str]) -> ServerProcess {
         let mut child = Command::new(binary("gradflow-server"))
             .arg("--listen")
             .arg(listen)
-            .arg("--db")
-            .arg(db)
+            .args(database)
             .args(extra_args)
             .env("RUST_LOG", "gradflow_server=info")
             .stdout(Stdio::null())
