@@ -14,6 +14,6 @@ if [ ! -x "$tools/bin/hadolint" ] || [ ! -x "$tools/bin/check-jsonschema" ]; the
 fi
 
 "$tools/bin/check-jsonschema" --builtin-schema vendor.compose-spec \
-    docker-compose.yml docker-compose.cpu.yml
+    docker-compose.yml docker-compose.cpu.yml docker-compose.postgres.yml
 "$tools/bin/hadolint" server/Dockerfile trainer-client/Dockerfile
 echo "container files: ok"

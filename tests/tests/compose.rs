@@ -61,22 +61,33 @@ fn every_gradflow_variable_in_compose_is_read_by_its_binary() {
         let text = String::from_utf8(output.stdout).unwrap();
         text.split_whitespace().collect::<Vec<_>>().join(" ")
     };
-    let helps = [
-        ("server", help("gradflow-server")),
-        ("trainer", help("gradflow-trainer")),
+    let (server_help, trainer_help) = (help("gradflow-server"), help("gradflow-trainer"));
+    // The binary a service runs, by its name: `server`, or a replica `server-a`, …
+    let help_of = |service: &str| match service {
+        "trainer" => Some(&trainer_help),
+        "server" => Some(&server_help),
+        _ if service.starts_with("server-") => Some(&server_help),
+        _ => None,
+    };
+    let files = [
+        ("docker-compose.yml", &["server", "trainer"][..]),
+        ("docker-compose.cpu.yml", &["trainer"][..]),
+        (
+            "docker-compose.postgres.yml",
+            &["server-a", "server-b", "trainer"][..],
+        ),
     ];
-    for file in ["docker-compose.yml", "docker-compose.cpu.yml"] {
+    for (file, services) in files {
         let text = std::fs::read_to_string(root.join(file)).unwrap();
         let found = environment_by_service(&text);
-        assert!(
-            found.contains_key("trainer"),
-            "{file}: no trainer settings found"
+        assert_eq!(
+            found.keys().map(String::as_str).collect::<Vec<_>>(),
+            services,
+            "{file}: the services whose GRADFLOW_* settings were found"
         );
         for (service, variables) in found {
-            let (_, help) = helps
-                .iter()
-                .find(|(s, _)| *s == service)
-                .unwrap_or_else(|| panic!("{file}: unexpected service {service}"));
+            let help =
+                help_of(&service).unwrap_or_else(|| panic!("{file}: unexpected service {service}"));
             for variable in variables {
                 // `[env: NAME=value]`, or `[env: NAME]` for a hidden value.
                 assert!(
