@@ -28,8 +28,10 @@ pub struct ServerConfig {
     /// Where the data lives: `postgres://user:password@host:port/db` for a
     /// PostgreSQL database (several servers may share one), or a SQLite file's path
     /// (`sqlite://path` or a bare path). Without it, `--db`.
-    #[arg(long, env = "GRADFLOW_DATABASE_URL", value_parser = DatabaseUrl::parse, hide_env_values = true)]
-    pub database: Option<DatabaseUrl>,
+    // Read as text and checked after parsing, so that a refused URL is never echoed
+    // with its password (clap quotes the value it refuses).
+    #[arg(long, env = "GRADFLOW_DATABASE_URL", hide_env_values = true)]
+    pub database: Option<String>,
 
     /// Seconds a step of a multi-rank run waits for its last ranks' records before it
     /// is completed without them (and `rank_missing` opens). A rank more than 256
@@ -203,19 +205,22 @@ fn parse_positive_secs(text: &str) -> Result<f64, String> {
 }
 
 impl ServerConfig {
-    /// The database these flags name: `--database`, else `--db`.
-    pub fn database_url(&self) -> DatabaseUrl {
-        self.database
-            .clone()
-            .unwrap_or_else(|| DatabaseUrl::Sqlite(self.db.clone()))
+    /// The database these flags name: `--database`, else `--db`. The error says
+    /// what is wrong with the URL, its password hidden.
+    pub fn database_url(&self) -> anyhow::Result<DatabaseUrl> {
+        match &self.database {
+            Some(url) => DatabaseUrl::parse(url)
+                .map_err(|error| anyhow::anyhow!("--database (GRADFLOW_DATABASE_URL): {error}")),
+            None => Ok(DatabaseUrl::Sqlite(self.db.clone())),
+        }
     }
 
     /// How to open the store.
-    pub fn store(&self) -> StoreConfig {
-        StoreConfig {
-            database: self.database_url(),
+    pub fn store(&self) -> anyhow::Result<StoreConfig> {
+        Ok(StoreConfig {
+            database: self.database_url()?,
             sync: self.sync,
-        }
+        })
     }
 
     /// How the ingest service runs.

@@ -103,7 +103,7 @@ pub async fn import(config: &ServerConfig, options: &ImportOptions) -> anyhow::R
     for chunk in records.chunks(BATCH) {
         validate_batch(chunk).map_err(|e| anyhow::anyhow!("{}: {e}", options.spool.display()))?;
     }
-    let store = Arc::new(Store::open(&config.store()).await?);
+    let store = Arc::new(Store::open(&config.store()?).await?);
     store.wait_ready().await?;
     let ingest = Ingest::standalone(store.clone(), config.detection());
     ingest
@@ -132,7 +132,7 @@ pub async fn run(config: &ServerConfig, options: &ImportOptions) -> anyhow::Resu
         "imported {} step records into run {} in {} ({} already there); last step {}",
         done.accepted,
         done.run_id,
-        config.database_url().display(),
+        config.database_url()?.display(),
         done.duplicates,
         done.last_step
             .map_or_else(|| "none".to_owned(), |s| s.to_string()),

@@ -25,7 +25,7 @@ pub struct Application {
 
 impl Application {
     pub async fn build(config: &ServerConfig) -> anyhow::Result<Application> {
-        let store = Arc::new(Store::open(&config.store()).await?);
+        let store = Arc::new(Store::open(&config.store()?).await?);
         let listener = TcpListener::bind(&config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;

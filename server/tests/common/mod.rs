@@ -70,7 +70,7 @@ impl TestApp {
             Backend::Postgres => {
                 let postgres = Postgres::shared()
                     .expect("GRADFLOW_TEST_BACKEND=postgres, but no PostgreSQL could be had");
-                config.database = Some(DatabaseUrl::Postgres(postgres.create_database().await));
+                config.database = Some(postgres.create_database().await);
                 Some(postgres)
             }
         };
@@ -89,7 +89,7 @@ impl TestApp {
         postgres: Option<Arc<Postgres>>,
     ) -> TestApp {
         let app = Application::build(&config).await.expect("server builds");
-        let database = config.database_url();
+        let database = config.database_url().expect("a valid database URL");
         if database.is_postgres() {
             tokio::time::timeout(std::time::Duration::from_secs(60), app.wait_ready())
                 .await
@@ -122,7 +122,9 @@ impl TestApp {
         self.stop().await;
         let mut config = config(self.db.clone());
         if self.database.is_postgres() {
-            config.database = Some(self.database.clone());
+            if let DatabaseUrl::Postgres(url) = &self.database {
+                config.database = Some(url.clone());
+            }
         }
         adjust(&mut config);
         let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
