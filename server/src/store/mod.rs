@@ -35,6 +35,7 @@ pub mod flatten;
 mod load;
 pub mod notify;
 mod postgres;
+pub mod ranks_read;
 mod read;
 pub mod rollup;
 mod runs;
