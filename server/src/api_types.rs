@@ -194,3 +194,32 @@ impl ToSchema for SeriesPoint {}
 pub struct AlertList {
     pub alerts: Vec<Alert>,
 }
+
+/// `GET /api/v1/runs/{run_id}/ranks`: where each rank of a run stands.
+#[derive(Serialize, ToSchema)]
+pub struct RunRanks {
+    /// The run's ranks (`world_size` as registered; 1 for a single process).
+    pub world_size: u32,
+    /// The run's last step: for a multi-rank run, its last combined step.
+    #[schema(required = true)]
+    pub last_step: Option<u64>,
+    /// Every rank, `0` to `world_size - 1`, in order.
+    pub ranks: Vec<RankStanding>,
+}
+
+/// One rank of a run.
+#[derive(Serialize, ToSchema)]
+pub struct RankStanding {
+    pub rank: u32,
+    /// Its last stored step; null while it has sent nothing.
+    #[schema(required = true)]
+    pub last_step: Option<u64>,
+    /// Steps behind the most advanced rank; null while it has sent nothing.
+    #[schema(required = true)]
+    pub behind: Option<u64>,
+    /// Its latest `step_time`, in seconds; null when it sent none.
+    #[schema(required = true)]
+    pub step_time: Option<f64>,
+    /// The kinds of its open alerts (subject `rank N`), in the order they opened.
+    pub open_alerts: Vec<String>,
+}

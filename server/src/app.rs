@@ -10,7 +10,8 @@ use tower_http::trace::TraceLayer;
 
 use crate::error::ApiError;
 use crate::routes::{
-    alerts, auth, charts, cors, events, health, limits, metrics, runs, series, steps, webhooks,
+    alerts, auth, charts, cors, events, health, limits, metrics, ranks, runs, series, steps,
+    webhooks,
 };
 use crate::state::AppState;
 
@@ -27,6 +28,7 @@ pub fn app(state: AppState) -> Router {
         .route("/runs/{run_id}/steps", post(steps::ingest_steps))
         .route("/runs/{run_id}/finish", post(runs::finish_run))
         .route("/runs/{run_id}/series", get(series::read_series))
+        .route("/runs/{run_id}/ranks", get(ranks::list_ranks))
         .route("/runs/{run_id}/alerts", get(alerts::list_run_alerts))
         .route("/alerts", get(alerts::list_alerts))
         .route("/runs/{run_id}/charts/{file}", get(charts::render_chart))

@@ -28,6 +28,7 @@ use crate::store::alerts::{Alert, OpenAlertCounts};
         crate::routes::runs::delete_run,
         crate::routes::steps::ingest_steps,
         crate::routes::series::read_series,
+        crate::routes::ranks::list_ranks,
         crate::routes::alerts::list_alerts,
         crate::routes::alerts::list_run_alerts,
         crate::routes::charts::render_chart,
@@ -37,7 +38,7 @@ use crate::store::alerts::{Alert, OpenAlertCounts};
     ),
     components(
         responses(BadRequest, Unauthorized, RunNotFound, TooLarge, Unsupported, Unavailable),
-        schemas(ErrorBody, ErrorDetail, Health, RunView, AmendmentView, RunList, RunListItem, RunProgress, Deleted, Series, AlertList, Alert, OpenAlertCounts, IngestOutcome, RunStatus, crate::routes::webhooks::DeliveryList, crate::store::webhooks::WebhookDelivery)),
+        schemas(ErrorBody, ErrorDetail, Health, RunView, AmendmentView, RunList, RunListItem, RunProgress, Deleted, Series, RunRanks, RankStanding, AlertList, Alert, OpenAlertCounts, IngestOutcome, RunStatus, crate::routes::webhooks::DeliveryList, crate::store::webhooks::WebhookDelivery)),
     tags(
         (name = "runs", description = "Register, read, finish and delete runs"),
         (name = "steps", description = "Stream step records"),

@@ -24,6 +24,7 @@ const ENDPOINTS: &[(&str, &str)] = &[
     ("get", "/metrics"),
     ("get", "/api/v1/openapi.json"),
     ("get", "/api/v1/charts/{file}"),
+    ("get", "/api/v1/runs/{run_id}/ranks"),
 ];
 
 struct Document(Value);
@@ -169,6 +170,20 @@ async fn the_document_covers_the_protocol_and_real_responses_match_it() {
             .await;
         doc.check("get", "/api/v1/runs/{run_id}/series", status, &body);
     }
+    // Where each rank stands: a single process, and two ranks of which one has
+    // sent nothing (its fields null).
+    for rank in 0..2 {
+        let body = json!({"world_size": 2, "rank": rank, "params": []});
+        assert!(app.register("ddp", &body).await.status().is_success());
+    }
+    let records = json!([{"step": 0, "rank": 0, "loss": 1.0, "step_time": 0.1}]);
+    assert_eq!(app.post_steps("ddp", &records).await.status(), 200);
+    for run in ["run-a", "ddp", "ghost"] {
+        let (status, body) = app.get_json(&format!("/api/v1/runs/{run}/ranks")).await;
+        doc.check("get", "/api/v1/runs/{run_id}/ranks", status, &body);
+    }
+    let (_, ranks) = app.get_json("/api/v1/runs/ddp/ranks").await;
+    assert!(ranks["ranks"][1]["last_step"].is_null(), "{ranks}");
     let (status, body) = app.get_json("/api/v1/runs/run-a/series?metric=bogus").await;
     doc.check("get", "/api/v1/runs/{run_id}/series", status, &body);
     for query in ["run=run-a", "run=run-a&run=ghost"] {

@@ -11,7 +11,7 @@ use gradflow_protocol::{Role, RunId};
 use crate::model::series_kind::SeriesKind;
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
 
-use super::data::{Axis, LineChart, Window, line_of};
+use super::data::{Axis, LegendPlace, LineChart, Window, line_of};
 
 /// The fewest runs a comparison takes.
 pub const MIN_RUNS: usize = 2;
@@ -251,5 +251,7 @@ pub async fn gather(
         bands: Vec::new(),
         markers: Vec::new(),
         references: Vec::new(),
+        notes: Vec::new(),
+        legend: LegendPlace::Inside,
     })
 }

@@ -50,6 +50,19 @@ pub struct LineChart {
     pub markers: Vec<(String, Vec<u64>)>,
     /// Horizontal reference values on the primary axis, with their labels.
     pub references: Vec<(f64, String)>,
+    /// Legend entries with no line: what the chart leaves out, said where the
+    /// lines are named.
+    pub notes: Vec<String>,
+    pub legend: LegendPlace,
+}
+
+/// Where a line chart's legend goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegendPlace {
+    /// Over the plot's upper right corner: a few entries.
+    Inside,
+    /// Beside the plot, right of it: many entries, which would cover the lines.
+    Right,
 }
 
 /// One cell of the gradient-flow heatmap.
@@ -147,7 +160,9 @@ pub(super) fn line_of(label: &str, cells: Vec<(u64, Cell)>, null_as_zero: bool) 
     line
 }
 
-async fn bands(
+/// The episodes of `run`'s alerts of `kind` within `window`, each labelled with
+/// its kind and subject.
+pub(super) async fn bands(
     store: &Store,
     run: &RunId,
     kind: AlertKind,
@@ -218,6 +233,8 @@ pub async fn gather(
                 bands: bands(store, run, AlertKind::GradStuckZero, window).await?,
                 markers: Vec::new(),
                 references: Vec::new(),
+                notes: Vec::new(),
+                legend: LegendPlace::Inside,
             })
         }
         ChartKind::NormDrift => norm_drift(store, run, stored, window).await?,
@@ -251,6 +268,8 @@ pub async fn gather(
                     ("step skipped".into(), on(&skipped)),
                 ],
                 references: Vec::new(),
+                notes: Vec::new(),
+                legend: LegendPlace::Inside,
             })
         }
         ChartKind::Loss => {
@@ -279,6 +298,8 @@ pub async fn gather(
                 bands: bands(store, run, AlertKind::LossNonfinite, window).await?,
                 markers: Vec::new(),
                 references: Vec::new(),
+                notes: Vec::new(),
+                legend: LegendPlace::Inside,
             })
         }
         ChartKind::Gpu => {
@@ -316,6 +337,8 @@ pub async fn gather(
                 bands: Vec::new(),
                 markers: Vec::new(),
                 references: Vec::new(),
+                notes: Vec::new(),
+                legend: LegendPlace::Inside,
             })
         }
     })
@@ -474,6 +497,8 @@ async fn norm_drift(
         bands: bands(store, run, AlertKind::NormWeightFrozen, window).await?,
         markers: Vec::new(),
         references,
+        notes: Vec::new(),
+        legend: LegendPlace::Inside,
     }))
 }
 

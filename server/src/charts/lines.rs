@@ -13,7 +13,7 @@ use plotters::coord::Shift;
 use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 
-use super::data::{Axis, LineChart};
+use super::data::{Axis, LegendPlace, LineChart};
 use super::{
     BAND, FONT, LABEL_SIZE, NON_FINITE, PALETTE, TITLE_SIZE, plot_error, power_of_ten_label,
 };
@@ -92,6 +92,14 @@ impl Scale {
     }
 }
 
+/// The legend's sample (the stretch of line before each entry), its box's margin,
+/// and the gap between a legend beside the plot and the plot, in pixels.
+const LEGEND_SAMPLE_PX: u32 = 30;
+const LEGEND_MARGIN_PX: u32 = 10;
+const LEGEND_GAP_PX: u32 = 10;
+/// A row of a legend drawn beside the plot: the label font and some air.
+pub(super) const LEGEND_ROW_PX: u32 = LABEL_SIZE + 8;
+
 fn min_max(values: &[f64]) -> Option<(f64, f64)> {
     let mut it = values.iter().copied().filter(|v| v.is_finite());
     let first = it.next()?;
@@ -119,12 +127,28 @@ where
         .secondary
         .as_ref()
         .and_then(|axis| Scale::of(axis, None));
+    let secondary_px = if secondary.is_some() { 72 } else { 12 };
+    // A legend beside the plot gets its own room: its widest entry, the sample
+    // before it and the box's margins.
+    let legend_px = match chart.legend {
+        LegendPlace::Inside => 0,
+        LegendPlace::Right => {
+            let font = TextStyle::from((FONT, LABEL_SIZE).into_font());
+            let widest = legend_of(chart)
+                .iter()
+                .filter_map(|(label, _)| root.estimate_text_size(label, &font).ok())
+                .map(|(w, _)| w)
+                .max()
+                .unwrap_or(0);
+            widest + LEGEND_SAMPLE_PX + 2 * LEGEND_MARGIN_PX + LEGEND_GAP_PX
+        }
+    };
     let mut cc = ChartBuilder::on(root)
         .caption(&chart.title, (FONT, TITLE_SIZE))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(72)
-        .right_y_label_area_size(if secondary.is_some() { 72 } else { 12 })
+        .right_y_label_area_size(secondary_px + legend_px)
         .build_cartesian_2d(from..to, primary.lo..primary.hi)
         .map_err(plot_error)?
         .set_secondary_coord(from..to, secondary.map_or(0.0..1.0, |s| s.lo..s.hi));
@@ -204,12 +228,28 @@ where
             .iter()
             .map(|(s, v)| (*s, primary.map(*v)))
             .collect();
-        cc.draw_series(LineSeries::new(points, color.stroke_width(2)))
-            .map_err(plot_error)?
-            .label(line.label.as_str())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
-            });
+        // Past the palette's ten colours the lines are dashed, so that no two look
+        // the same (a chart of sixteen ranks).
+        if i < PALETTE.len() {
+            cc.draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .map_err(plot_error)?
+                .label(line.label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                });
+        } else {
+            cc.draw_series(DashedLineSeries::new(points, 7, 4, color.stroke_width(2)))
+                .map_err(plot_error)?
+                .label(line.label.as_str())
+                .legend(move |(x, y)| {
+                    plotters::element::DashedPathElement::new(
+                        vec![(x, y), (x + 16, y)],
+                        5,
+                        3,
+                        color.stroke_width(2),
+                    )
+                });
+        }
     }
     if let (Some(axis), Some(scale)) = (&chart.secondary, secondary) {
         for (i, line) in axis.lines.iter().enumerate() {
@@ -262,13 +302,204 @@ where
         .legend(move |(x, y)| TriangleMarker::new((x + 8, y), 5, color.filled()));
     }
 
-    cc.configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(RGBColor(160, 160, 160))
-        .label_font((FONT, LABEL_SIZE))
-        .draw()
+    match chart.legend {
+        LegendPlace::Inside => {
+            for note in &chart.notes {
+                cc.draw_series(std::iter::empty::<PathElement<(u64, f64)>>())
+                    .map_err(plot_error)?
+                    .label(note.as_str())
+                    .legend(EmptyElement::at);
+            }
+            cc.configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(RGBColor(160, 160, 160))
+                .label_font((FONT, LABEL_SIZE))
+                .draw()
+                .map_err(plot_error)?;
+        }
+        LegendPlace::Right => {
+            // plotters clips shapes to the plotting area, so a legend beside it is
+            // drawn here, on the whole chart, entry by entry.
+            let (xs, ys) = cc.plotting_area().get_pixel_range();
+            draw_legend_beside(
+                root,
+                chart,
+                (
+                    xs.end + secondary_px as i32 + LEGEND_GAP_PX as i32,
+                    ys.start,
+                ),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The sample drawn before a legend entry, as [`draw`] draws its series.
+#[derive(Debug, Clone, Copy)]
+enum Sample {
+    Line {
+        color: RGBColor,
+        width: u32,
+        dashed: bool,
+    },
+    Band,
+    NonFinite,
+    Marker(RGBColor),
+    /// A note: no sample.
+    Nothing,
+}
+
+/// The legend's entries with their samples, in the order [`draw`] adds them.
+fn legend_of(chart: &LineChart) -> Vec<(String, Sample)> {
+    let mut entries: Vec<(String, Sample)> = Vec::new();
+    let mut bands = BTreeSet::new();
+    for band in &chart.bands {
+        if bands.insert(band.label.as_str()) {
+            entries.push((format!("shaded: {}", band.label), Sample::Band));
+        }
+    }
+    for (i, (_, label)) in chart.references.iter().enumerate() {
+        let color = [BLACK, RGBColor(120, 120, 120)][i % 2];
+        entries.push((
+            label.clone(),
+            Sample::Line {
+                color,
+                width: 1,
+                dashed: false,
+            },
+        ));
+    }
+    for (i, line) in chart.primary.lines.iter().enumerate() {
+        entries.push((
+            line.label.clone(),
+            Sample::Line {
+                color: PALETTE[i % PALETTE.len()],
+                width: 2,
+                dashed: i >= PALETTE.len(),
+            },
+        ));
+    }
+    let first_secondary = chart.primary.lines.len();
+    for (i, line) in chart
+        .secondary
+        .iter()
+        .flat_map(|a| a.lines.iter())
+        .enumerate()
+    {
+        entries.push((
+            format!("{} (right axis)", line.label),
+            Sample::Line {
+                color: PALETTE[(i + first_secondary) % PALETTE.len()],
+                width: 2,
+                dashed: false,
+            },
+        ));
+    }
+    for line in chart
+        .primary
+        .lines
+        .iter()
+        .chain(chart.secondary.iter().flat_map(|a| a.lines.iter()))
+        .filter(|l| !l.nonfinite.is_empty())
+    {
+        entries.push((format!("{}: NaN/Inf", line.label), Sample::NonFinite));
+    }
+    for (i, (label, steps)) in chart.markers.iter().enumerate() {
+        if !steps.is_empty() {
+            let color = [BAND, RGBColor(255, 127, 14)][i % 2];
+            entries.push((label.clone(), Sample::Marker(color)));
+        }
+    }
+    for note in &chart.notes {
+        entries.push((note.clone(), Sample::Nothing));
+    }
+    entries
+}
+
+/// A legend box with its top left corner at `at` (pixels of `root`): a row per
+/// entry, its sample then its label, like plotters' own.
+fn draw_legend_beside<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &LineChart,
+    at: (i32, i32),
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let entries = legend_of(chart);
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let font = TextStyle::from((FONT, LABEL_SIZE).into_font());
+    let widest = entries
+        .iter()
+        .filter_map(|(label, _)| root.estimate_text_size(label, &font).ok())
+        .map(|(w, _)| w as i32)
+        .max()
+        .unwrap_or(0);
+    let (margin, sample, row) = (
+        LEGEND_MARGIN_PX as i32,
+        LEGEND_SAMPLE_PX as i32,
+        LEGEND_ROW_PX as i32,
+    );
+    let (x, y) = at;
+    let (width, height) = (
+        widest + sample + 2 * margin,
+        entries.len() as i32 * row + 2 * margin,
+    );
+    root.draw(&Rectangle::new(
+        [(x, y), (x + width, y + height)],
+        WHITE.mix(0.85).filled(),
+    ))
+    .map_err(plot_error)?;
+    root.draw(&Rectangle::new(
+        [(x, y), (x + width, y + height)],
+        RGBColor(160, 160, 160),
+    ))
+    .map_err(plot_error)?;
+    for (i, (label, kind)) in entries.iter().enumerate() {
+        let top = y + margin + i as i32 * row;
+        let (sx, sy) = (x + margin, top + row / 2);
+        match *kind {
+            Sample::Line {
+                color,
+                width,
+                dashed: false,
+            } => root.draw(&PathElement::new(
+                vec![(sx, sy), (sx + 16, sy)],
+                color.stroke_width(width),
+            )),
+            Sample::Line {
+                color,
+                width,
+                dashed: true,
+            } => root.draw(&plotters::element::DashedPathElement::new(
+                vec![(sx, sy), (sx + 16, sy)],
+                5,
+                3,
+                color.stroke_width(width),
+            )),
+            Sample::Band => root.draw(&Rectangle::new(
+                [(sx, sy - 5), (sx + 16, sy + 5)],
+                BAND.mix(0.3).filled(),
+            )),
+            Sample::NonFinite => {
+                root.draw(&Cross::new((sx + 8, sy), 5, NON_FINITE.stroke_width(2)))
+            }
+            Sample::Marker(color) => {
+                root.draw(&TriangleMarker::new((sx + 8, sy), 5, color.filled()))
+            }
+            Sample::Nothing => Ok(()),
+        }
         .map_err(plot_error)?;
+        root.draw(&Text::new(
+            label.clone(),
+            (x + margin + sample, top + (row - LABEL_SIZE as i32) / 2 - 1),
+            font.clone(),
+        ))
+        .map_err(plot_error)?;
+    }
     Ok(())
 }
 
@@ -303,30 +534,23 @@ struct LabelRows {
     plot_px: f64,
 }
 
+/// How many entries the chart's legend has.
+pub fn legend_entries(chart: &LineChart) -> usize {
+    legend_of(chart).len()
+}
+
 impl LabelRows {
     fn below_legend(chart: &LineChart, plot_px: u32) -> LabelRows {
-        let bands: BTreeSet<&str> = chart.bands.iter().map(|b| b.label.as_str()).collect();
-        let secondary = chart.secondary.as_ref().map_or(0, |a| a.lines.len());
-        let nonfinite = chart
-            .primary
-            .lines
-            .iter()
-            .chain(chart.secondary.iter().flat_map(|a| a.lines.iter()))
-            .filter(|l| !l.nonfinite.is_empty())
-            .count();
-        let markers = chart.markers.iter().filter(|(_, s)| !s.is_empty()).count();
-        let entries = bands.len()
-            + chart.references.len()
-            + chart.primary.lines.len()
-            + secondary
-            + nonfinite
-            + markers;
+        let entries = legend_entries(chart);
         // plotters' legend: a row per entry at the label font's size plus spacing,
         // inside a box with a margin.
         let row_px = f64::from(LABEL_SIZE) + 8.0;
         let legend_px = entries as f64 * row_px + 16.0;
         let plot_px = f64::from(plot_px.max(1));
-        let first_px = if legend_px + 3.0 * row_px < plot_px {
+        let first_px = if chart.legend == LegendPlace::Right {
+            // The legend is beside the plot: the labels start at its top.
+            4.0
+        } else if legend_px + 3.0 * row_px < plot_px {
             legend_px + 4.0
         } else {
             4.0
@@ -409,6 +633,8 @@ mod tests {
             }],
             markers: vec![],
             references: vec![],
+            notes: vec![],
+            legend: LegendPlace::Inside,
         };
         for width in [600, 1200] {
             let svg = render(&ChartData::Lines(chart.clone()), Format::Svg, width, 420).unwrap();
@@ -450,6 +676,8 @@ mod tests {
             }],
             markers: vec![],
             references: vec![],
+            notes: vec![],
+            legend: LegendPlace::Inside,
         };
         for (width, height) in [(600, 420), (1200, 420), (400, 300)] {
             let svg = render(&ChartData::Lines(chart.clone()), Format::Svg, width, height).unwrap();
@@ -468,6 +696,81 @@ mod tests {
                 "{width}×{height}: label at y {} under the legend ending at {bottom}",
                 attr(text, "y")
             );
+        }
+    }
+
+    #[test]
+    fn a_legend_beside_the_plot_holds_every_entry_inside_the_chart() {
+        let lines: Vec<Line> = (0..16)
+            .map(|r| Line {
+                label: format!("rank {r}"),
+                points: (0..50).map(|s| (s, 0.1 + r as f64 * 0.01)).collect(),
+                nonfinite: vec![],
+            })
+            .collect();
+        let chart = LineChart {
+            title: "t".into(),
+            from: 0,
+            to: 49,
+            primary: Axis {
+                label: "seconds".into(),
+                log: false,
+                lines,
+            },
+            secondary: None,
+            bands: vec![Band {
+                from: 10,
+                to: 49,
+                label: "rank_straggler: rank 15".into(),
+            }],
+            markers: vec![],
+            references: vec![],
+            notes: vec!["4 more ranks not drawn: 16–19".into()],
+            legend: LegendPlace::Right,
+        };
+        let height = 18 * LEGEND_ROW_PX + 140;
+        for width in [600, 1200] {
+            let svg = render(&ChartData::Lines(chart.clone()), Format::Svg, width, height).unwrap();
+            let svg = String::from_utf8(svg).unwrap();
+            let legend = svg
+                .split('<')
+                .find(|e| e.starts_with("rect") && e.contains("opacity=\"0.85\""))
+                .expect("the legend's box");
+            let (left, right) = (attr(legend, "x"), attr(legend, "x") + attr(legend, "width"));
+            let bottom = attr(legend, "y") + attr(legend, "height");
+            assert!(
+                right <= f64::from(width),
+                "{width}: the legend ends at x {right}"
+            );
+            assert!(
+                bottom <= f64::from(height),
+                "{width}: the legend ends at y {bottom}"
+            );
+            // Beside the plot: no line point lies under the box.
+            for element in svg.split('<').filter(|e| e.starts_with("polyline")) {
+                let start = element.find(" points=\"").unwrap() + 9;
+                let points = element[start..].split('"').next().unwrap();
+                if points.split_whitespace().count() > 2 {
+                    for point in points.split_whitespace() {
+                        let x: f64 = point.split(',').next().unwrap().parse().unwrap();
+                        assert!(
+                            x < left,
+                            "{width}: a line at x {x} under the legend at {left}"
+                        );
+                    }
+                }
+            }
+            for entry in [
+                "rank 0",
+                "rank 15",
+                "shaded: rank_straggler: rank 15",
+                "4 more ranks not drawn: 16–19",
+            ] {
+                assert!(
+                    svg.contains(&format!("\n{entry}\n")),
+                    "{width}: no {entry:?}"
+                );
+            }
         }
     }
 }

@@ -7,6 +7,8 @@
 //! - [`lines`]: line charts (group norms, norm drift, loss scale, loss, GPU).
 //! - [`grad_flow`]: the module × step heatmap that shows a cut graph at a glance.
 //! - [`compare`]: one metric of several runs, a line per run, drawn by [`lines`].
+//! - [`ranks`]: a multi-rank run's ranks (where each stands) and one metric per
+//!   rank, a line per rank, drawn by [`lines`].
 //!
 //! Shared sizes, fonts and colours live here. Drawing is CPU work: the handler runs
 //! it in `spawn_blocking`.
@@ -15,6 +17,7 @@ pub mod compare;
 pub mod data;
 pub mod grad_flow;
 pub mod lines;
+pub mod ranks;
 
 use std::sync::Once;
 

@@ -1,5 +1,6 @@
 //! `GET /api/v1/runs/{run_id}/charts/{chart}.svg` (and `.png`), with optional
-//! `from_step`, `to_step`, `width`, `height`; and `GET /api/v1/charts/compare.svg`
+//! `from_step`, `to_step`, `width`, `height` (and, for the `ranks` chart of one
+//! metric per rank, `metric` and `subject`); and `GET /api/v1/charts/compare.svg`
 //! (and `.png`), one metric of several runs (`run=a&run=b&metric=&subject=`).
 
 use axum::extract::{Path, RawQuery, State};
@@ -10,8 +11,10 @@ use serde::Deserialize;
 
 use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::charts::compare::{self, CompareMetric, ComparedRun, MAX_RUNS, MIN_RUNS};
+use crate::charts::ranks::{self, RankMetric, Ranks};
 use crate::charts::{self, ChartData, ChartKind, Format, MAX_SIDE, MIN_SIDE};
 use crate::error::ApiError;
+use crate::model::series_kind::SeriesKind;
 use crate::state::AppState;
 use crate::store::{Store, StoreError};
 
@@ -22,26 +25,33 @@ pub struct ChartParams {
     to_step: Option<u64>,
     width: Option<u32>,
     height: Option<u32>,
+    /// The `ranks` chart only: `step_time` (the default) or `grad_norm`.
+    metric: Option<String>,
+    /// The `ranks` chart's module, for `grad_norm`.
+    subject: Option<String>,
 }
 
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/charts/{file}", tag = "charts",
     params(crate::api_types::RunIdPath,
-        ("file" = String, Path, description = "grad-flow, group-grad-norms, norm-drift, scaler, loss or gpu, with .svg or .png"),
+        ("file" = String, Path, description = "grad-flow, group-grad-norms, norm-drift, scaler, loss, gpu or ranks (one metric per rank), with .svg or .png"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
         ("width" = Option<u32>, Query, description = "Pixels, 300 to 4000"),
-        ("height" = Option<u32>, Query, description = "Pixels, 300 to 4000")),
+        ("height" = Option<u32>, Query, description = "Pixels, 300 to 4000"),
+        ("metric" = Option<String>, Query, description = "ranks only: step_time (the default) or grad_norm, a line per rank (at most 16; the legend names the rest)"),
+        ("subject" = Option<String>, Query, description = "ranks only: the module, for grad_norm")),
     responses(
         (status = 200, description = "The chart", content((String = "image/svg+xml"), (Vec<u8> = "image/png"))),
         (status = 400, response = crate::api_types::BadRequest),
-        (status = 404, description = "Unknown run or chart", body = crate::api_types::ErrorBody)))]
+        (status = 404, description = "Unknown run, chart or subject", body = crate::api_types::ErrorBody)))]
 pub async fn render_chart(
     State(state): State<AppState>,
     RunIdParam(run_id): RunIdParam,
     Path((_, file)): Path<(String, String)>,
     ApiQuery(params): ApiQuery<ChartParams>,
 ) -> Result<Response, ApiError> {
-    let names: Vec<&str> = ChartKind::ALL.iter().map(|k| k.name()).collect();
+    let mut names: Vec<&str> = ChartKind::ALL.iter().map(|k| k.name()).collect();
+    names.push(RANKS_CHART);
     let unknown = || {
         ApiError::not_found(
             "unknown_chart",
@@ -57,9 +67,20 @@ pub async fn render_chart(
         "png" => Format::Png,
         _ => return Err(unknown()),
     };
-    let kind = ChartKind::parse(name).ok_or_else(unknown)?;
     check_size(params.width, params.height)?;
     check_step_range(params.from_step, params.to_step)?;
+    if name == RANKS_CHART {
+        return render_ranks(&state, &run_id, params, format).await;
+    }
+    let kind = ChartKind::parse(name).ok_or_else(unknown)?;
+    for (field, value) in [("metric", &params.metric), ("subject", &params.subject)] {
+        if value.is_some() {
+            return Err(ApiError::invalid_query(format!(
+                "{field} is a parameter of the {RANKS_CHART} chart only, not of {name}"
+            ))
+            .with_path(field));
+        }
+    }
     let width = params.width.unwrap_or(charts::DEFAULT_WIDTH);
     // About one point per pixel column of the plot; a heatmap cell every 3 pixels.
     let points = match kind {
@@ -74,6 +95,73 @@ pub async fn render_chart(
         _ => charts::DEFAULT_HEIGHT,
     });
     respond(data, format, width, height).await
+}
+
+/// The chart of one metric per rank: `ranks.svg`, `ranks.png`.
+pub const RANKS_CHART: &str = "ranks";
+
+/// One metric per rank of a run on one step axis: each rank's step time, or a
+/// module's gradient norm as each rank computed it.
+async fn render_ranks(
+    state: &AppState,
+    run_id: &RunId,
+    params: ChartParams,
+    format: Format,
+) -> Result<Response, ApiError> {
+    let metric = match params.metric.as_deref() {
+        None | Some("") => RankMetric::StepTime,
+        Some(name) => RankMetric::parse(name).ok_or_else(|| {
+            ApiError::invalid_query(format!(
+                "unknown metric {name:?} for the ranks chart: one of {}",
+                RankMetric::names()
+            ))
+            .with_path("metric")
+        })?,
+    };
+    let subject = match (metric, params.subject) {
+        (RankMetric::StepTime, None) => String::new(),
+        (RankMetric::StepTime, Some(_)) => {
+            return Err(ApiError::invalid_query(
+                "metric \"step_time\" is of the whole rank and takes no subject",
+            )
+            .with_path("subject"));
+        }
+        (RankMetric::GradNorm, None) => {
+            return Err(
+                ApiError::invalid_query("metric \"grad_norm\" needs a subject: a module")
+                    .with_path("subject"),
+            );
+        }
+        (RankMetric::GradNorm, Some(subject)) => subject,
+    };
+    let stored = state.store.run(run_id).await?;
+    if metric == RankMetric::GradNorm
+        && !state
+            .store
+            .subjects(run_id, SeriesKind::ModuleGradNorm)
+            .await?
+            .contains(&subject)
+    {
+        return Err(ApiError::not_found(
+            "unknown_subject",
+            format!("run {run_id} has reported no module named {subject:?}"),
+        )
+        .with_path("subject"));
+    }
+    let ranks = Ranks::of(&state.store, run_id, &stored).await?;
+    let width = params.width.unwrap_or(charts::DEFAULT_WIDTH);
+    let window = ranks::window(
+        &stored,
+        &ranks,
+        params.from_step,
+        params.to_step,
+        width as usize,
+    );
+    let chart = ranks::gather(&state.store, run_id, &ranks, metric, &subject, window).await?;
+    let height = params
+        .height
+        .unwrap_or_else(|| ranks::natural_height(&chart));
+    respond(ChartData::Lines(chart), format, width, height).await
 }
 
 fn check_size(width: Option<u32>, height: Option<u32>) -> Result<(), ApiError> {

@@ -6,6 +6,7 @@
 //! - [`runs`]: register, list, read and delete runs.
 //! - [`steps`]: `POST /api/v1/runs/{run_id}/steps`, the ingest path.
 //! - [`series`]: `GET /api/v1/runs/{run_id}/series`.
+//! - [`ranks`]: `GET /api/v1/runs/{run_id}/ranks`, where each rank of a run stands.
 //! - [`alerts`]: `GET /api/v1/alerts` and `GET /api/v1/runs/{run_id}/alerts`.
 //! - [`charts`]: `GET /api/v1/runs/{run_id}/charts/{chart}.svg|.png`, and
 //!   `GET /api/v1/charts/compare.svg|.png` (several runs side by side).
@@ -29,6 +30,7 @@ pub mod extract;
 pub mod health;
 pub mod limits;
 pub mod metrics;
+pub mod ranks;
 pub mod runs;
 pub mod series;
 pub mod steps;
