@@ -231,3 +231,136 @@ async fn a_finished_run_says_so_until_it_sends_again() {
         .unwrap();
     assert_eq!(missing.status(), 404);
 }
+
+/// A two-rank run named with markup: rank 1 straggles (a `rank_straggler` alert on
+/// `rank 1`), and one module's name is markup.
+async fn hostile_two_rank_run(app: &TestApp) {
+    for rank in 0..2 {
+        let status = app
+            .register(
+                "ddp",
+                &json!({"name": "<b>ddp</b>", "world_size": 2, "rank": rank,
+                    "params": [{"name": "shared.proj.weight", "shape": [8, 8]}]}),
+            )
+            .await
+            .status();
+        assert!(status.is_success(), "rank {rank}: {status}");
+    }
+    for rank in 0..2u32 {
+        let records: Vec<Value> = (0..30)
+            .map(|s| json!({"step": s, "rank": rank, "loss": 1.0,
+                "step_time": if rank == 1 { 0.35 } else { 0.1 },
+                "modules": [{"module": "shared.proj", "grad_norm": 0.5, "hook_hits": 1},
+                            {"module": "<img src=x onerror=alert(1)>", "grad_norm": 0.2, "hook_hits": 1}]}))
+            .collect();
+        assert_eq!(
+            app.post_steps("ddp", &Value::Array(records)).await.status(),
+            200
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_page_shows_each_rank_its_charts_and_alerts_escaped() {
+    let app = TestApp::spawn().await;
+    hostile_two_rank_run(&app).await;
+    // The run page leads there.
+    let (status, _, run_page) = get_page(&app, "/runs/ddp").await;
+    assert_eq!(status, 200);
+    assert!(
+        run_page.contains(r#"<a href="/runs/ddp/ranks">2 ranks, each on its own</a>"#),
+        "{run_page}"
+    );
+
+    let (status, headers, html) = get_page(&app, "/runs/ddp/ranks").await;
+    assert_eq!(status, 200);
+    assert!(content_type(&headers).starts_with("text/html"));
+    assert!(
+        headers["content-security-policy"]
+            .to_str()
+            .unwrap()
+            .contains("script-src 'self'")
+    );
+    assert!(
+        html.contains(r#"data-page="ranks" data-run-id="ddp""#),
+        "{html}"
+    );
+    // Back to the run, under its name (as text).
+    assert!(
+        html.contains(r#"<a href="/runs/ddp">&lt;b&gt;ddp&lt;/b&gt;</a>"#),
+        "{html}"
+    );
+    // A row per rank; the straggler's stands out, with its alert's title.
+    let (_, alerts) = app
+        .get_json("/api/v1/runs/ddp/alerts?kind=rank_straggler&status=open")
+        .await;
+    let alert = &alerts["alerts"][0];
+    assert_eq!(alert["subject"], "rank 1");
+    assert!(html.contains(r#"<tr data-rank="0">"#), "{html}");
+    let row = &html[html
+        .find(r#"<tr class="attention" data-rank="1">"#)
+        .expect("rank 1 stands out")..];
+    let row = &row[..row.find("</tr>").unwrap()];
+    assert!(row.contains("350.0 ms"), "{row}");
+    assert!(row.contains(alert["title"].as_str().unwrap()), "{row}");
+    // The alert's card, worded as the API words it.
+    assert!(html.contains(&format!(r#"data-alert-id="{}""#, alert["id"])));
+    assert!(html.contains(alert["fix"].as_str().unwrap()));
+    // Both charts, up to the last step, the first module chosen.
+    assert!(
+        html.contains(
+            r#"src="/api/v1/runs/ddp/charts/ranks.svg?metric=step_time&amp;to_step=29&amp;width=1200""#
+        ),
+        "{html}"
+    );
+    assert!(html.contains(
+        r#"src="/api/v1/runs/ddp/charts/ranks.svg?metric=grad_norm&amp;subject=shared.proj&amp;to_step=29&amp;width=1200""#
+    ));
+    // The module named with markup is offered as text, and drawn when chosen.
+    assert!(html.contains(r#"<option value="&lt;img src=x onerror=alert(1)&gt;">&lt;img src=x onerror=alert(1)&gt;</option>"#), "{html}");
+    assert!(!html.contains("<img src=x"));
+    assert!(!html.contains("<b>ddp"));
+    let (status, _, chosen) = get_page(
+        &app,
+        "/runs/ddp/ranks?module=%3Cimg+src%3Dx+onerror%3Dalert%281%29%3E",
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(
+        chosen.contains("subject=%3Cimg+src%3Dx+onerror%3Dalert%281%29%3E"),
+        "{chosen}"
+    );
+    assert!(chosen.contains(r#"<option value="&lt;img src=x onerror=alert(1)&gt;" selected>"#));
+    assert!(!chosen.contains("<img src=x"));
+    // A module the run never reported: said so, and the first one shown.
+    let (status, _, unknown) = get_page(&app, "/runs/ddp/ranks?module=%3Cscript%3E").await;
+    assert_eq!(status, 200);
+    assert!(
+        unknown.contains(
+            "This run has reported no module named “&lt;script&gt;”: showing shared.proj."
+        ),
+        "{unknown}"
+    );
+    assert!(!unknown.contains("<script>"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_page_of_a_single_process_and_of_no_run() {
+    let app = TestApp::spawn().await;
+    hostile_cut_run(&app).await;
+    let (_, _, run_page) = get_page(&app, "/runs/cut").await;
+    assert!(
+        !run_page.contains("/runs/cut/ranks"),
+        "a single process has no ranks to list"
+    );
+    let (status, _, html) = get_page(&app, "/runs/cut/ranks").await;
+    assert_eq!(status, 200);
+    assert!(html.contains("This run is a single process"), "{html}");
+    assert!(html.contains(r#"<tr data-rank="0">"#), "{html}");
+    let (status, _, html) = get_page(&app, "/runs/ghost/ranks").await;
+    assert_eq!(status, 404);
+    assert!(
+        html.contains("run &quot;ghost&quot; is not registered"),
+        "{html}"
+    );
+}

@@ -1,6 +1,8 @@
 // Drives Debian's headless Chromium through the dashboard of a running gradflow
 // server, as a person would, and fails on anything a person would notice: a missing
 // alert, a chart that does not load, a console error, a page that does not update.
+// It also makes a multi-rank run of its own (synthetic ranks over HTTP) for the
+// per-rank page.
 //
 // Run by tests/tests/dashboard.rs, which starts the server and the trainer first.
 // Environment:
@@ -319,6 +321,156 @@ await chartsLoaded();
 await shot(`run-${runId}-live.png`);
 // Now with an episode open at the last step, its label at the right edge.
 await checkChartLayout(`run-${runId}-live`);
+
+// ---- A multi-rank run, rank by rank ----
+step("a multi-rank run: its page links to its ranks, and the ranks page shows each rank");
+// Four synthetic ranks over HTTP: rank 2 straggles (its own work takes 3.5× the
+// others'), rank 3 lags twelve steps. shared.proj is replicated (the same norm on
+// every rank), sharded.mlp sharded (each rank its own part).
+const multi = "ranks-demo";
+const world = 4;
+for (let rank = 0; rank < world; rank++) {
+  await api(`/api/v1/runs/${multi}`, {
+    method: "PUT",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({
+      name: "four ranks",
+      world_size: world,
+      rank,
+      params: [
+        { name: "shared.proj.weight", shape: [8, 8] },
+        { name: "sharded.mlp.weight", shape: [16, 8], layout: "sharded" },
+      ],
+    }),
+  });
+}
+const rankRecord = (s, rank) => ({
+  step: s,
+  rank,
+  loss: 3 - s * 0.01,
+  step_time: (rank === 2 ? 0.35 : 0.1) + 0.01 * ((s * 7 + rank) % 5),
+  modules: [
+    { module: "shared.proj", grad_norm: 0.5 + 0.1 * Math.sin(s / 5), hook_hits: 1, numel: 64 },
+    { module: "sharded.mlp", grad_sumsq: (rank + 1) ** 2 * (1 + 0.2 * Math.cos(s / 7)), hook_hits: 1, numel: 128 / world },
+  ],
+});
+const sendRanks = async (from, to, ranks) => {
+  for (const rank of ranks) {
+    const records = [];
+    for (let s = from; s < to; s++) records.push(rankRecord(s, rank));
+    await api(`/api/v1/runs/${multi}/steps`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(records),
+    });
+  }
+};
+await sendRanks(0, 40, [0, 1, 2]);
+await sendRanks(0, 28, [3]);
+const [straggler] = (await api(`/api/v1/runs/${multi}/alerts?kind=rank_straggler&status=open`)).alerts;
+assert.ok(straggler, "rank 2's step times opened a rank_straggler alert");
+assert.equal(straggler.subject, "rank 2");
+
+await page.goto(`${base}/runs/${multi}`);
+await Promise.all([page.waitForURL(/\/runs\/ranks-demo\/ranks$/), page.locator("#ranks-link a").click()]);
+const standing = await api(`/api/v1/runs/${multi}/ranks`);
+const rows = await page.$$eval("#rank-rows tr", (trs) =>
+  trs.map((tr) => ({
+    rank: Number(tr.dataset.rank),
+    attention: tr.classList.contains("attention"),
+    cells: [...tr.querySelectorAll("td")].map((td) => td.innerText.trim()),
+  })),
+);
+assert.equal(rows.length, world, `a row per rank: ${JSON.stringify(rows)}`);
+for (const rank of standing.ranks) {
+  const row = rows[rank.rank];
+  assert.equal(row.rank, rank.rank);
+  assert.equal(row.cells[1], String(rank.last_step), `rank ${rank.rank}'s last step`);
+  assert.equal(row.cells[2], String(rank.behind), `rank ${rank.rank} behind`);
+  assert.equal(row.cells[3], `${(rank.step_time * 1000).toFixed(1)} ms`, `rank ${rank.rank}'s step time`);
+  assert.equal(row.attention, rank.open_alerts.length > 0, `rank ${rank.rank} stands out only with an alert`);
+}
+assert.equal(rows[3].cells[2], "12", "rank 3 lags twelve steps");
+assert.ok(rows[2].cells[4].includes(straggler.title), `the straggler's row names its alert: ${rows[2].cells[4]}`);
+const stragglerCard = page.locator(`#rank-alerts article[data-alert-id="${straggler.id}"]`);
+assert.equal(await stragglerCard.locator(".alert-title").innerText(), straggler.title);
+assert.equal(await stragglerCard.locator(".alert-detail").innerText(), straggler.detail);
+assert.equal(await stragglerCard.locator(".alert-fix").innerText(), `Fix: ${straggler.fix}`);
+const rankCharts = await chartsLoaded(2);
+assert.deepEqual(rankCharts.map((c) => c.id), ["chart-ranks-step-time", "chart-ranks-grad-norm"]);
+await shot("ranks.png");
+const ranksLayout = await checkChartLayout("ranks");
+// The step-time chart shades the straggler's episode beside its legend.
+assert.ok(ranksLayout[0].episodes > 0 && ranksLayout[0].legends > 0, JSON.stringify(ranksLayout));
+// A line per rank in each chart, and the straggler in its legend.
+const stepTimes = await page.getAttribute("#chart-ranks-step-time", "src");
+await chartPage.goto(base + stepTimes);
+const strokes = () =>
+  chartPage.evaluate(() => ({
+    texts: [...document.querySelectorAll("text")].map((t) => t.textContent.trim()),
+    lines: new Set(
+      [...document.querySelectorAll("polyline")]
+        .filter((l) => l.getAttribute("points").trim().split(/\s+/).length > 8)
+        .map((l) => l.getAttribute("stroke")),
+    ).size,
+  }));
+const stepDrawn = await strokes();
+assert.equal(stepDrawn.lines, world, `one line per rank: ${JSON.stringify(stepDrawn)}`);
+for (let rank = 0; rank < world; rank++) assert.ok(stepDrawn.texts.includes(`rank ${rank}`), `legend: ${stepDrawn.texts}`);
+assert.ok(stepDrawn.texts.includes("rank_straggler: rank 2"), `the episode's label: ${stepDrawn.texts}`);
+
+step("picking a module shows its gradient norm per rank");
+assert.equal(await page.inputValue('#rank-module-form select[name="module"]'), "shared.proj", "the first module is shown");
+const moduleBefore = await page.getAttribute("#chart-ranks-grad-norm", "src");
+await page.selectOption('#rank-module-form select[name="module"]', "sharded.mlp");
+await Promise.all([page.waitForURL(/module=sharded\.mlp/), page.locator("#rank-module-form button").click()]);
+assert.equal(await page.inputValue('#rank-module-form select[name="module"]'), "sharded.mlp", "the form keeps the module");
+const moduleAfter = await page.getAttribute("#chart-ranks-grad-norm", "src");
+assert.notEqual(moduleAfter, moduleBefore);
+assert.equal(new URL(base + moduleAfter).searchParams.get("subject"), "sharded.mlp");
+await chartsLoaded(2);
+await shot("ranks-module.png");
+await checkChartLayout("ranks-module");
+await chartPage.goto(base + moduleAfter);
+const sharded = await strokes();
+assert.ok(sharded.texts.some((t) => t.startsWith("Gradient norm of sharded.mlp per rank")), `title: ${sharded.texts}`);
+assert.equal(sharded.lines, world, `each rank's own shard, a line each: ${JSON.stringify(sharded)}`);
+
+step("the ranks page follows the ranks live, without a reload");
+await page.locator("#live-indicator.connected").waitFor();
+await page.evaluate(() => {
+  window.gradflowNotReloaded = true;
+});
+// Rank 3 catches up part of the way: the steps it completes are combined.
+await sendRanks(40, 60, [0, 1, 2]);
+await sendRanks(28, 44, [3]);
+await page.waitForFunction(
+  () =>
+    document.getElementById("front-step")?.textContent.replace(/,/g, "") === "59" &&
+    document.getElementById("combined-step")?.textContent.replace(/,/g, "") === "43" &&
+    document.querySelector('#rank-rows tr[data-rank="3"] td:nth-of-type(3)')?.textContent.trim() === "16",
+  null,
+  { timeout: 15000 },
+);
+await page.waitForFunction(
+  (old) => document.getElementById("chart-ranks-step-time")?.getAttribute("src") !== old,
+  stepTimes,
+  { timeout: 15000 },
+);
+assert.ok(await page.evaluate(() => window.gradflowNotReloaded === true), "the page was reloaded");
+assert.equal(await page.inputValue('#rank-module-form select[name="module"]'), "sharded.mlp", "the module chosen stays");
+await chartsLoaded(2);
+await shot("ranks-live.png");
+await checkChartLayout("ranks-live");
+
+step("the ranks page on a narrow screen");
+await page.setViewportSize({ width: 760, height: 900 });
+await page.reload();
+await chartsLoaded(2);
+const overflow = await page.evaluate(() => document.documentElement.scrollWidth - document.documentElement.clientWidth);
+assert.ok(overflow <= 0, `the page scrolls sideways by ${overflow}px`);
+await shot("ranks-narrow.png");
+await page.setViewportSize({ width: 1280, height: 800 });
 
 step("no console errors, failed requests or error responses");
 await browser.close();

@@ -3,9 +3,11 @@
 //! `tests/browser/dashboard.mjs` (playwright-core driving Debian's Chromium) opens
 //! `/` and each run's page, checks the alert text word for word against the API, the
 //! charts (each one's text laid out without overlap at the size the page asks for),
-//! sorting, filtering, the step range in the URL, the comparison of two runs, and a
-//! live update, and fails on any console error. Screenshots land in
-//! `test-artifacts/dashboard/`.
+//! sorting, filtering, the step range in the URL, the comparison of two runs, a
+//! live update, and the per-rank page of a multi-rank run it makes over HTTP (four
+//! synthetic ranks, one straggling: the table, both charts, the alert, a module
+//! picked, a live update, a narrow screen), and fails on any console error.
+//! Screenshots land in `test-artifacts/dashboard/`.
 //!
 //! Needs `chromium` and `npm ci --prefix tests/browser` (`.ci/run` does both).
 
@@ -83,6 +85,12 @@ fn dashboard_shows_the_diagnosis_and_updates_live() {
         "compare-loss.png",
         "compare-grad-norm.png",
         "compare-grad-norm-chart-compare.png",
+        "ranks.png",
+        "ranks-chart-ranks-step-time.png",
+        "ranks-module.png",
+        "ranks-module-chart-ranks-grad-norm.png",
+        "ranks-live.png",
+        "ranks-narrow.png",
     ] {
         let bytes = std::fs::read(artifacts.join(shot)).unwrap();
         assert!(

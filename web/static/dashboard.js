@@ -1,5 +1,5 @@
-// gradflow dashboard: live updates, module table sorting and filtering, the
-// comparison form's subjects.
+// gradflow dashboard: live updates (the runs page, a run's page, its ranks' page),
+// module table sorting and filtering, the comparison form's subjects.
 //
 // The pages are complete without this script. With it, the page listens to the
 // server's event stream (GET /api/v1/events) and, when a step or an alert arrives,
@@ -18,11 +18,15 @@
   const LIVE_PARTS = {
     runs: ["runs-summary", "compare-hint", "runs-table"],
     run: ["run-meta", "alerts", "range-hint", "modules-heading", "modules-step", "module-rows", "charts"],
+    ranks: ["rank-meta", "rank-alerts", "ranks-note", "rank-rows", "charts"],
   };
   // At most one re-fetch per this many milliseconds, however fast steps arrive.
   const MIN_REFRESH_MS = 1500;
   // The runs page also refreshes on a timer: "live" turns "stale" with no event.
   const RUNS_PAGE_POLL_MS = 30000;
+  // So does the ranks page: a rank's records announce nothing until their step is
+  // combined, so a rank running ahead of a lagging one shows only on a refresh.
+  const RANKS_PAGE_POLL_MS = 10000;
 
   function setIndicator(connected) {
     if (!indicator) return;
@@ -226,6 +230,11 @@
   if (page === "run") {
     const reapplyTable = setUpModuleTable();
     listen(makeRefresher(LIVE_PARTS.run, reapplyTable));
+  } else if (page === "ranks") {
+    // The module form is not swapped: a choice being made stays.
+    const schedule = makeRefresher(LIVE_PARTS.ranks, () => {});
+    listen(schedule);
+    setInterval(schedule, RANKS_PAGE_POLL_MS);
   } else if (page === "runs") {
     const schedule = makeRefresher(LIVE_PARTS.runs, () => {});
     listen(schedule);

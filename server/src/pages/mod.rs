@@ -5,6 +5,8 @@
 //!
 //! - [`runs_page`]: `GET /`, every run with its status and open alerts.
 //! - [`run_page`]: `GET /runs/{run_id}`, one run: alerts, charts, modules, registration.
+//! - [`ranks_page`]: `GET /runs/{run_id}/ranks`, a multi-rank run rank by rank: where
+//!   each stands, a chart per metric with a line per rank, the alerts about ranks.
 //! - [`compare_page`]: `GET /compare?run=a&run=b&metric=&subject=`, runs side by side
 //!   in one chart (the runs page's checkboxes lead there).
 //! - [`layout`]: the frame every page shares, and small formatting helpers.
@@ -21,6 +23,7 @@ pub mod assets;
 mod compare_page;
 mod layout;
 mod login;
+mod ranks_page;
 mod run_page;
 mod runs_page;
 
@@ -39,6 +42,7 @@ pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/", get(runs_page::show_runs))
         .route("/runs/{run_id}", get(run_page::show_run))
+        .route("/runs/{run_id}/ranks", get(ranks_page::show_ranks))
         .route("/compare", get(compare_page::show_comparison))
         .route("/static/{file}", get(assets::serve_asset))
         .merge(login::routes())

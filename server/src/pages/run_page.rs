@@ -149,6 +149,12 @@ impl RunView<'_> {
                     }
                 }
                 div { dt { "Steps stored" } dd { (thousands(run.step_count)) } }
+                @if run.registration.world_size() > 1 {
+                    div #ranks-link {
+                        dt { "Ranks" }
+                        dd { a href={"/runs/" (run.run_id) "/ranks"} { (thousands(u64::from(run.registration.world_size()))) " ranks, each on its own" } }
+                    }
+                }
                 @if let Some(dropped) = self.dropped {
                     div #dropped-steps {
                         dt { "Steps dropped by the trainer" }
@@ -271,7 +277,7 @@ fn alerts_section(open: &[Alert], resolved: &[Alert]) -> Markup {
     }
 }
 
-fn alert_card(alert: &Alert) -> Markup {
+pub(super) fn alert_card(alert: &Alert) -> Markup {
     let steps = match (alert.first_step, alert.last_step) {
         (Some(first), Some(last)) => step_range(first as u64, last as u64),
         _ => "at registration, before the first step".to_owned(),
