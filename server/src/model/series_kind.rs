@@ -127,4 +127,12 @@ mod tests {
         }
         assert_eq!(SeriesKind::parse("nope"), None);
     }
+
+    #[test]
+    fn every_kind_is_listed_in_declaration_order() {
+        // `kind as usize` indexes tables of ALL's length (columns.rs).
+        for (i, kind) in SeriesKind::ALL.into_iter().enumerate() {
+            assert_eq!(kind as usize, i, "{kind:?}");
+        }
+    }
 }

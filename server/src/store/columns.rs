@@ -93,6 +93,12 @@ pub struct ColumnAssigner<'a> {
     base: &'a ColumnDictionary,
     added: ColumnDictionary,
     order: Vec<(SeriesKind, String)>,
+    /// Per kind, the subjects the previous row asked for, in the order it asked,
+    /// with their positions; and where the current row is in that order. A client
+    /// sends its modules in the same order every step, so nearly every lookup is a
+    /// comparison with the name expected next, without hashing it.
+    recent: Vec<Vec<(Box<str>, u32)>>,
+    cursor: Vec<usize>,
 }
 
 impl<'a> ColumnAssigner<'a> {
@@ -107,10 +113,40 @@ impl<'a> ColumnAssigner<'a> {
             base,
             added,
             order: Vec::new(),
+            recent: vec![Vec::new(); SeriesKind::ALL.len()],
+            cursor: vec![0; SeriesKind::ALL.len()],
         }
     }
 
+    /// A new row begins: the lookups follow the previous row's order again.
+    pub fn begin_row(&mut self) {
+        self.cursor.fill(0);
+    }
+
     pub fn position(&mut self, kind: SeriesKind, subject: &str) -> u32 {
+        let k = kind as usize;
+        let (Some(recent), Some(cursor)) = (self.recent.get(k), self.cursor.get(k)) else {
+            return self.lookup(kind, subject);
+        };
+        let at = *cursor;
+        if let Some((name, position)) = recent.get(at)
+            && **name == *subject
+        {
+            self.cursor[k] += 1;
+            return *position;
+        }
+        let position = self.lookup(kind, subject);
+        let recent = &mut self.recent[k];
+        if at < recent.len() {
+            recent[at] = (subject.into(), position);
+        } else {
+            recent.push((subject.into(), position));
+        }
+        self.cursor[k] += 1;
+        position
+    }
+
+    fn lookup(&mut self, kind: SeriesKind, subject: &str) -> u32 {
         if let Some(position) = self.base.get(kind, subject) {
             return position;
         }
@@ -139,6 +175,36 @@ impl<'a> ColumnAssigner<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_in_the_same_order_find_their_columns_again() {
+        let base = ColumnDictionary::default();
+        let mut assigner = ColumnAssigner::new(&base);
+        let names = ["a.x", "a.y", "b.z"];
+        let first: Vec<u32> = names
+            .iter()
+            .map(|n| assigner.position(SeriesKind::ModuleGradNorm, n))
+            .collect();
+        assigner.begin_row();
+        let again: Vec<u32> = names
+            .iter()
+            .map(|n| assigner.position(SeriesKind::ModuleGradNorm, n))
+            .collect();
+        assert_eq!(first, again);
+        // Another order, a name left out, a new one: still the right columns.
+        assigner.begin_row();
+        assert_eq!(
+            assigner.position(SeriesKind::ModuleGradNorm, "b.z"),
+            first[2]
+        );
+        assert_eq!(assigner.position(SeriesKind::ModuleGradNorm, "c.w"), 3);
+        assert_eq!(
+            assigner.position(SeriesKind::ModuleGradNorm, "a.x"),
+            first[0]
+        );
+        assert_eq!(assigner.position(SeriesKind::HookHits, "a.x"), 4);
+        assert_eq!(assigner.column_count(), 5);
+    }
 
     #[test]
     fn an_assigner_extends_without_touching_the_base() {

@@ -16,6 +16,7 @@ pub fn flatten(
     module_groups: &HashMap<String, String>,
     columns: &mut ColumnAssigner<'_>,
 ) -> Vec<u32> {
+    columns.begin_row();
     let mut row = Row::new(columns.column_count());
     let mut put = |columns: &mut ColumnAssigner<'_>, kind, subject: &str, cell: Cell| {
         let position = columns.position(kind, subject);
