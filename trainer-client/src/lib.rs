@@ -12,6 +12,8 @@
 //! - [`optim`]: AdamW that also says what update it meant to apply.
 //! - [`scaler`]: `GradScaler`-style dynamic loss scaling.
 //! - [`overhead`]: what instrumentation costs a step, measured side by side.
+//! - [`reporter`]: delivers step records to one or several servers, never blocking.
+//! - [`threads`]: candle's thread count, settled once per process.
 
 pub mod cli;
 pub mod model;
@@ -23,4 +25,5 @@ pub mod scaler;
 pub mod scenario;
 pub mod tasks;
 pub mod telemetry;
+pub mod threads;
 pub mod train;

@@ -13,6 +13,8 @@ use tracing_subscriber::EnvFilter;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    // SAFETY: the first thing the program does; no other thread runs yet.
+    unsafe { gradflow_trainer::threads::settle_thread_count() };
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env()
@@ -28,8 +30,12 @@ fn main() -> ExitCode {
                 (Some(a), Some(b)) => format!("loss {a:.4} → {b:.4}"),
                 _ => "no steps".into(),
             };
+            let pace = outcome
+                .step_ms()
+                .map(|ms| format!(" ({ms:.3} ms a step)"))
+                .unwrap_or_default();
             eprintln!(
-                "gradflow-trainer: run {} finished: {} steps in {:.1} s, {loss}",
+                "gradflow-trainer: run {} finished: {} steps in {:.1} s{pace}, {loss}",
                 outcome.run_id, outcome.steps, outcome.seconds
             );
             match outcome.summary {

@@ -4,7 +4,14 @@
 //! both see the same machine load; medians of the per-step times.
 //!
 //! Used by the benchmark harness (`gradflow-bench overhead`) and by
-//! `cargo bench -p gradflow-trainer --bench overhead`.
+//! `cargo bench -p gradflow-trainer --bench overhead`, both of which settle candle's
+//! thread count first as the trainer binary does (`threads`): without it every
+//! matrix product reads /proc/cpuinfo, and the instrumentation's extra products
+//! would be charged for that too.
+//!
+//! Sending is not measured here: the reporter's thread and the server's share of
+//! the machine show only when the trainer binary runs against a real server
+//! (`gradflow-bench`'s reporting part).
 
 use std::time::Instant;
 
@@ -31,6 +38,11 @@ impl Overhead {
     /// The instrumented step's extra time, in percent of the uninstrumented one.
     pub fn percent(&self) -> f64 {
         (self.instrumented_ms / self.uninstrumented_ms - 1.0) * 100.0
+    }
+
+    /// The instrumented step's extra time, in milliseconds.
+    pub fn extra_ms(&self) -> f64 {
+        self.instrumented_ms - self.uninstrumented_ms
     }
 }
 

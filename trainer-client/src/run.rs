@@ -26,7 +26,17 @@ pub struct RunOutcome {
     pub last_loss: Option<f64>,
     pub last_accuracy: Option<f64>,
     pub summary: Option<Summary>,
+    /// The whole run: set-up, training and the reporter's final flush.
     pub seconds: f64,
+    /// The training loop alone, from the first step to the end of the last.
+    pub training_seconds: f64,
+}
+
+impl RunOutcome {
+    /// The mean time of a step, in milliseconds (`None` without steps).
+    pub fn step_ms(&self) -> Option<f64> {
+        (self.steps > 0).then(|| self.training_seconds / self.steps as f64 * 1e3)
+    }
 }
 
 pub fn device(name: &str) -> anyhow::Result<Device> {
@@ -214,13 +224,15 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
     let mut first_loss = None;
     let mut last = None;
     let report_every = args.report_every.max(1);
+    let training = Instant::now();
     for step in 0..args.steps {
-        let output = trainer
+        let mut output = trainer
             .step(step)
             .with_context(|| format!("training step {step}"))?;
         first_loss.get_or_insert(output.loss);
-        if let (Some(reporter), Some(mut record)) = (&reporter, output.record.clone())
+        if let Some(reporter) = &reporter
             && step % report_every == 0
+            && let Some(mut record) = output.record.take()
         {
             record.gpu = telemetry.sample();
             reporter.report(record);
@@ -242,6 +254,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
             std::thread::sleep(Duration::from_millis(args.step_delay_ms));
         }
     }
+    let training_seconds = training.elapsed().as_secs_f64();
     if let Some(bar) = progress {
         bar.finish();
     }
@@ -254,6 +267,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         last_accuracy: last.and_then(|o| o.accuracy),
         summary,
         seconds: started.elapsed().as_secs_f64(),
+        training_seconds,
     })
 }
 
