@@ -1,28 +1,36 @@
 //! The reporter: delivers step records to the server without ever blocking training.
 //!
 //! The training loop hands records to a bounded queue (`try_send`: a full queue drops
-//! and counts, it never waits). A thread takes them off, registers the run (retrying
-//! until the server answers), batches records by size or age, gzips them and POSTs
+//! and counts, it never waits). A thread registers the run (retrying until the server
+//! answers) and takes the records off in batches, woken when a batch is full or due
+//! by age rather than for every record; it gzips each batch (`gzip`) and POSTs it
 //! with retries, exponential backoff and jitter. When the server is unreachable it
-//! warns once, appends batches to a bounded spool file, and replays the spool in order
+//! warns once, appends batches to a bounded spool file (`spool`), and replays it in order
 //! when the server is back; new batches queue behind the spool so order is kept. At
 //! exit it flushes within a deadline and says what it could not deliver.
 //!
 //! Given several servers (replicas of one database, or a standby started on the
 //! first's database), it talks to one at a time and moves to the next when the
-//! current one stops answering; step numbers make the resent batches idempotent.
+//! current one stops answering (`servers`); step numbers make the resent batches
+//! idempotent.
 
-use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+mod gzip;
+mod servers;
+mod spool;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError, bounded};
+use crossbeam_channel::{Receiver, Sender, TryRecvError, bounded};
 use gradflow_protocol::{RunRegistration, StepRecord};
 use rand::Rng;
+
+use gzip::Gzip;
+use servers::Servers;
+use spool::Spool;
 
 #[derive(Debug, Clone)]
 pub struct ReporterConfig {
@@ -33,7 +41,8 @@ pub struct ReporterConfig {
     pub token: Option<String>,
     /// Records per POST.
     pub batch_size: usize,
-    /// A batch is sent when its oldest record is this old, full or not.
+    /// A batch is sent when its oldest record is this old, full or not (counted from
+    /// when the reporter took it off the queue: an idle one looks every 200 ms).
     pub batch_interval: Duration,
     /// Records the queue between training and the reporter holds.
     pub queue_capacity: usize,
@@ -90,6 +99,11 @@ impl Summary {
 
 pub struct Reporter {
     tx: Option<Sender<StepRecord>>,
+    /// The worker, woken when a batch is ready rather than for every record: a
+    /// wake-up a step cost the training thread a system call and the worker two
+    /// context switches, for nothing until the batch is full.
+    worker: Thread,
+    batch_size: usize,
     handle: Option<JoinHandle<Summary>>,
     queue_dropped: Arc<AtomicU64>,
     deadline: Arc<std::sync::Mutex<Option<Instant>>>,
@@ -111,11 +125,13 @@ impl Reporter {
         let client = reqwest::blocking::Client::builder()
             .timeout(config.request_timeout)
             .build()?;
+        let batch_size = config.batch_size.max(1);
         let worker = Worker {
             spool: Spool::open(config.spool_path.clone(), config.spool_max_bytes)?,
+            servers: Servers::new(config.servers.clone()),
+            gzip: Gzip::new(),
             config,
             client,
-            current: 0,
             registration,
             registered: false,
             summary: Summary::default(),
@@ -129,6 +145,8 @@ impl Reporter {
             .spawn(move || worker.run(rx))?;
         Ok(Reporter {
             tx: Some(tx),
+            worker: handle.thread().clone(),
+            batch_size,
             handle: Some(handle),
             queue_dropped,
             deadline,
@@ -137,10 +155,13 @@ impl Reporter {
 
     /// Hands a record over without waiting; a full queue drops it (counted).
     pub fn report(&self, record: StepRecord) {
-        if let Some(tx) = &self.tx
-            && let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = tx.try_send(record)
-        {
+        let Some(tx) = &self.tx else { return };
+        if tx.try_send(record).is_err() {
             self.queue_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        // Unparking a running thread is one atomic swap; only a parked one is woken.
+        if tx.len() >= self.batch_size {
+            self.worker.unpark();
         }
     }
 
@@ -148,6 +169,7 @@ impl Reporter {
     pub fn finish(mut self, deadline: Duration) -> Summary {
         *self.deadline.lock().expect("deadline lock") = Some(Instant::now() + deadline);
         drop(self.tx.take());
+        self.worker.unpark();
         // The worker counts every drop, the queue's included; if it died, the
         // queue's count is all that is known.
         self.handle
@@ -173,8 +195,8 @@ enum PostError {
 struct Worker {
     config: ReporterConfig,
     client: reqwest::blocking::Client,
-    /// Index into `config.servers` of the server spoken to.
-    current: usize,
+    servers: Servers,
+    gzip: Gzip,
     registration: RunRegistration,
     registered: bool,
     spool: Spool,
@@ -188,39 +210,43 @@ struct Worker {
 
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
+/// How often an idle worker looks at the queue and the spool: a record waits at
+/// most this long to be seen, on top of `batch_interval`.
+const IDLE_WAKE: Duration = Duration::from_millis(200);
+
 impl Worker {
     fn run(mut self, rx: Receiver<StepRecord>) -> Summary {
         // Register before the first step arrives, so the server can check the
         // registration (and flag what it proves wrong) at once.
         self.ensure_registered();
+        let batch_size = self.config.batch_size.max(1);
         let mut batch: Vec<StepRecord> = Vec::new();
         let mut batch_started = Instant::now();
         let mut next_attempt = Instant::now();
         let mut backoff = Duration::from_millis(200);
         loop {
-            let wait = if batch.is_empty() {
-                Duration::from_millis(200)
-            } else {
-                self.config
-                    .batch_interval
-                    .saturating_sub(batch_started.elapsed())
+            let open = loop {
+                match rx.try_recv() {
+                    Ok(record) => {
+                        if batch.is_empty() {
+                            batch_started = Instant::now();
+                        }
+                        batch.push(record);
+                    }
+                    Err(TryRecvError::Empty) => break true,
+                    Err(TryRecvError::Disconnected) => break false,
+                }
             };
-            match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
-                Ok(record) => {
-                    if batch.is_empty() {
-                        batch_started = Instant::now();
-                    }
-                    batch.push(record);
-                    if batch.len() >= self.config.batch_size {
-                        self.deliver(std::mem::take(&mut batch));
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    if !batch.is_empty() && batch_started.elapsed() >= self.config.batch_interval {
-                        self.deliver(std::mem::take(&mut batch));
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => break,
+            while batch.len() >= batch_size {
+                let full: Vec<StepRecord> = batch.drain(..batch_size).collect();
+                self.deliver(full);
+                batch_started = Instant::now();
+            }
+            if !batch.is_empty() && batch_started.elapsed() >= self.config.batch_interval {
+                self.deliver(std::mem::take(&mut batch));
+            }
+            if !open {
+                break;
             }
             if !self.spool.is_empty() && Instant::now() >= next_attempt {
                 if self.replay() {
@@ -230,6 +256,14 @@ impl Worker {
                     next_attempt = Instant::now() + jitter(backoff);
                 }
             }
+            let wait = if batch.is_empty() {
+                IDLE_WAKE
+            } else {
+                self.config
+                    .batch_interval
+                    .saturating_sub(batch_started.elapsed())
+            };
+            std::thread::park_timeout(wait.max(Duration::from_millis(1)));
         }
         // Training is over: flush within the deadline.
         if !batch.is_empty() {
@@ -277,7 +311,8 @@ impl Worker {
     /// Tells the server the run is over (the dashboard then shows it finished, not
     /// stale). Best effort: a server that does not answer just sees a stale run.
     fn announce_finished(&mut self) {
-        match self.request(reqwest::Method::POST, "/finish").send() {
+        let request = self.request(reqwest::Method::POST, "/finish");
+        match self.send(request) {
             Ok(r) if r.status().is_success() => {}
             Ok(r) => {
                 tracing::warn!(status = %r.status(), "the server did not mark the run finished")
@@ -415,21 +450,35 @@ impl Worker {
         self.spool.is_empty()
     }
 
+    /// Says once, until the spool is delivered, that no server takes the steps.
     fn warn_unreachable(&mut self, why: &str) {
-        if !self.warned {
-            tracing::warn!(
-                server = %self.config.servers[self.current],
-                spool = %self.config.spool_path.display(),
-                "gradflow server unreachable ({why}); training continues and steps are spooled until it is back"
-            );
-            self.warned = true;
+        if self.warned {
+            return;
         }
+        let spool = self.config.spool_path.display();
+        if self.servers.len() == 1 {
+            tracing::warn!(
+                server = %self.servers.current(),
+                %spool,
+                "gradflow server unreachable ({why}); training continues and steps are \
+                 spooled until it is back"
+            );
+        } else {
+            tracing::warn!(
+                servers = %self.servers.list(),
+                %spool,
+                "every gradflow server unreachable (the last: {why}); training continues \
+                 and steps are spooled until one is back"
+            );
+        }
+        self.warned = true;
     }
 
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
         let url = format!(
             "{}/api/v1/runs/{}{path}",
-            self.config.servers[self.current], self.config.run_id
+            self.servers.current(),
+            self.config.run_id
         );
         let mut request = self.client.request(method, url);
         if let Some(token) = &self.config.token {
@@ -438,71 +487,63 @@ impl Worker {
         request
     }
 
+    /// Sends `request` to the server in use; any answer but a 5xx counts as the
+    /// server answering.
+    fn send(
+        &mut self,
+        request: reqwest::blocking::RequestBuilder,
+    ) -> reqwest::Result<reqwest::blocking::Response> {
+        let response = request.send()?;
+        if !response.status().is_server_error() {
+            self.servers.answered();
+        }
+        Ok(response)
+    }
+
     /// Registers once a server answers (trying each once); a conflicting
     /// registration is final.
     fn ensure_registered(&mut self) -> bool {
-        for tried in 0..self.config.servers.len() {
-            if tried > 0 && !self.fail_over() {
+        if self.registered {
+            return true;
+        }
+        if self.summary.registration_error.is_some() {
+            return false;
+        }
+        let mut why = String::new();
+        for tried in 0..self.servers.len() {
+            if tried > 0 && !self.servers.advance() {
                 break;
             }
             match self.register() {
-                Some(registered) => return registered,
-                None => continue,
+                Ok(registered) => return registered,
+                Err(unanswered) => why = unanswered,
             }
         }
+        self.warn_unreachable(&why);
         false
     }
 
-    /// One registration attempt on the current server: `None` when it did not
+    /// One registration attempt on the server in use: why not, when it did not
     /// answer (the next server may).
-    fn register(&mut self) -> Option<bool> {
-        if self.registered {
-            return Some(true);
-        }
-        if self.summary.registration_error.is_some() {
-            return Some(false);
-        }
-        let response = self
+    fn register(&mut self) -> Result<bool, String> {
+        let request = self
             .request(reqwest::Method::PUT, "")
-            .json(&self.registration)
-            .send();
-        Some(match response {
+            .json(&self.registration);
+        match self.send(request) {
             Ok(r) if r.status().is_success() => {
                 self.registered = true;
-                true
+                Ok(true)
             }
-            Ok(r) if r.status().is_server_error() => {
-                self.warn_unreachable(&format!("HTTP {}", r.status()));
-                return None;
-            }
+            Ok(r) if r.status().is_server_error() => Err(format!("HTTP {}", r.status())),
             Ok(r) => {
                 let status = r.status();
                 let text = r.text().unwrap_or_default();
                 tracing::error!(%status, "the server refused the run's registration: {text}");
                 self.summary.registration_error = Some(format!("HTTP {status}: {text}"));
-                false
+                Ok(false)
             }
-            Err(error) => {
-                self.warn_unreachable(&error.to_string());
-                return None;
-            }
-        })
-    }
-
-    /// Moves to the next server, if there is another; says so.
-    fn fail_over(&mut self) -> bool {
-        let servers = &self.config.servers;
-        if servers.len() < 2 {
-            return false;
+            Err(error) => Err(error.to_string()),
         }
-        let from = self.current;
-        self.current = (self.current + 1) % servers.len();
-        tracing::info!(
-            from = %servers[from],
-            to = %servers[self.current],
-            "the gradflow server stopped answering: moving to the next one"
-        );
-        true
     }
 
     /// POSTs records gzipped, retrying transient failures three times on each server
@@ -525,16 +566,13 @@ impl Worker {
             records
         };
         let json = serde_json::to_vec(records).map_err(|e| PostError::Rejected(e.to_string()))?;
-        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-        encoder
-            .write_all(&json)
-            .map_err(|e| PostError::Rejected(e.to_string()))?;
-        let body = encoder
-            .finish()
+        let body = self
+            .gzip
+            .encode(&json)
             .map_err(|e| PostError::Rejected(e.to_string()))?;
         let mut result = self.post_body(&body);
-        for _ in 1..self.config.servers.len() {
-            if !matches!(result, Err(PostError::Unavailable(_))) || !self.fail_over() {
+        for _ in 1..self.servers.len() {
+            if !matches!(result, Err(PostError::Unavailable(_))) || !self.servers.advance() {
                 break;
             }
             result = self.post_body(&body);
@@ -552,13 +590,12 @@ impl Worker {
                 std::thread::sleep(jitter(delay));
                 delay *= 2;
             }
-            let response = self
+            let request = self
                 .request(reqwest::Method::POST, "/steps")
                 .header("Content-Type", "application/json")
                 .header("Content-Encoding", "gzip")
-                .body(body.to_vec())
-                .send();
-            match response {
+                .body(body.to_vec());
+            match self.send(request) {
                 Ok(r) if r.status().is_success() => {
                     let outcome: serde_json::Value = r.json().unwrap_or_default();
                     self.summary.delivered += outcome["accepted"].as_u64().unwrap_or(0);
@@ -588,82 +625,4 @@ impl Worker {
 fn jitter(delay: Duration) -> Duration {
     let factor = rand::thread_rng().gen_range(0.75..1.25);
     delay.mul_f64(factor)
-}
-
-/// A bounded, append-only NDJSON file of records waiting for the server.
-struct Spool {
-    path: PathBuf,
-    max_bytes: u64,
-    bytes: u64,
-    records: u64,
-    dropped: u64,
-}
-
-impl Spool {
-    fn open(path: PathBuf, max_bytes: u64) -> anyhow::Result<Spool> {
-        // A spool left by an earlier process of the same run id is stale: that
-        // process reported what it could not deliver.
-        if path.exists() {
-            std::fs::remove_file(&path)?;
-        }
-        Ok(Spool {
-            path,
-            max_bytes,
-            bytes: 0,
-            records: 0,
-            dropped: 0,
-        })
-    }
-
-    fn is_empty(&self) -> bool {
-        self.records == 0
-    }
-
-    fn append(&mut self, records: &[StepRecord]) -> std::io::Result<()> {
-        let mut file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.path)?;
-        for record in records {
-            let mut line = serde_json::to_vec(record)?;
-            line.push(b'\n');
-            if self.bytes + line.len() as u64 > self.max_bytes {
-                self.dropped += 1;
-                continue;
-            }
-            file.write_all(&line)?;
-            self.bytes += line.len() as u64;
-            self.records += 1;
-        }
-        file.flush()
-    }
-
-    fn read(&self) -> std::io::Result<Vec<StepRecord>> {
-        let file = File::open(&self.path)?;
-        let mut records = Vec::with_capacity(self.records as usize);
-        for line in BufReader::new(file).lines() {
-            let line = line?;
-            if !line.is_empty() {
-                records.push(serde_json::from_str(&line)?);
-            }
-        }
-        Ok(records)
-    }
-
-    /// Replaces the spool with `remaining`.
-    fn keep_from(&mut self, remaining: &[StepRecord]) -> std::io::Result<()> {
-        self.bytes = 0;
-        self.records = 0;
-        if remaining.is_empty() {
-            if self.path.exists() {
-                std::fs::remove_file(&self.path)?;
-            }
-            return Ok(());
-        }
-        File::create(&self.path)?;
-        let dropped = self.dropped;
-        self.append(remaining)?;
-        self.dropped = dropped;
-        Ok(())
-    }
 }
