@@ -239,7 +239,7 @@ impl Trainer {
         let dtype = self.options.compute_dtype;
         let faults = &self.options.faults;
         let every = self.options.qwen_every.max(1);
-        let run_qwen = every == 1 || step % every == 0 || self.cached_prompt.is_none();
+        let run_qwen = every == 1 || step.is_multiple_of(every) || self.cached_prompt.is_none();
         let prompt = if run_qwen {
             let prompt = self.model.prompt_embedding(ids, dtype)?;
             let prompt = if faults.detach_prompt {
