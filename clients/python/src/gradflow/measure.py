@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import encode, intended
-from .ranks import is_dtensor, local
+from . import encode, intended, ranks
+from .ranks import StepClock, is_dtensor, local
 from .registration import Param, Registry
 
 
@@ -73,10 +73,11 @@ class PendingStep:
     update_numels: List[int] = field(default_factory=list)
     update_slot: Optional[int] = None
     metrics: Dict[str, Any] = field(default_factory=dict)
-    # A multi-rank run (v1.4): the sending rank, its step time, the partial sums.
+    # A multi-rank run (v1.4): the sending rank, the start and end of its own work
+    # on the step (see ranks.StepClock), the partial sums.
     partial: bool = False
     rank: Optional[int] = None
-    step_time: Optional[float] = None
+    step_span: Optional[Tuple[Any, Any]] = None
 
     def values(self) -> List[float]:
         if self.vector is None:
@@ -91,8 +92,10 @@ class PendingStep:
         rec: Dict[str, Any] = {"step": self.step, "time": self.time}
         if self.rank is not None:
             rec["rank"] = self.rank
-        if self.step_time is not None:
-            rec["step_time"] = self.step_time
+        if self.step_span is not None:
+            step_time = _step_time(self.step_span)
+            if step_time is not None:
+                rec["step_time"] = step_time
         loss = v[self.loss_slot] if self.loss_slot is not None else self.loss
         if loss is not None:
             rec["loss"] = encode.number(loss)
@@ -186,6 +189,8 @@ class Measurer:
         self.registry = registry
         # Set for a multi-rank run: records carry the partial sums (see the module).
         self.partial = False
+        # Set for a multi-rank run: times this rank's own work on each step.
+        self.clock: Optional[StepClock] = None
         self.optimizer = registry.optimizer
         self._family = intended.family(self.optimizer) if self.optimizer is not None else None
         self._hits: Dict[int, int] = {}
@@ -262,9 +267,12 @@ class Measurer:
             return
         hits = self._hits
         measurer = self
+        cuda = p.tensor.device.type == "cuda"
 
         def hook(_tensor: torch.Tensor, key: int = key) -> None:
             hits[key] = hits.get(key, 0) + 1
+            if measurer.clock is not None:
+                measurer.clock.on_grad(cuda)
             if measurer._at_backward_end is not None:
                 callback, measurer._at_backward_end = measurer._at_backward_end, None
                 _queue_at_backward_end(callback)
@@ -294,6 +302,8 @@ class Measurer:
         try:
             if not torch.is_grad_enabled():
                 return  # evaluation: not the batch the optimizer steps on
+            if self.clock is not None:
+                self.clock.on_forward()
             peaks = [
                 t.detach().abs().amax().float() for t in float_inputs(args, kwargs) if t.numel() > 0
             ]
@@ -607,6 +617,16 @@ class Measurer:
                 continue
             hits[m] = max(hits[m], self._hits.get(key, 0))  # type: ignore[type-var]
         return hits
+
+
+def _step_time(span: Tuple[Any, Any]) -> Optional[float]:
+    """The seconds of a rank's own work on the step; None, never a lost record, when
+    they cannot be read."""
+    try:
+        seconds = ranks.elapsed(*span)
+    except Exception:
+        return None
+    return seconds if seconds is not None and math.isfinite(seconds) else None
 
 
 def _wide(device: torch.device) -> torch.dtype:

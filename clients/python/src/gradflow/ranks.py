@@ -17,12 +17,17 @@ The run id, without a per-step collective:
    placeholder ``none``; the run id is the run's name (or ``run``) and that id, else
 4. one broadcast from rank 0 when ``watch`` is called (an object broadcast on the
    default process group): every rank must then call ``watch``.
+
+A rank's ``step_time`` (:class:`StepClock`) is its own work on a step: from the end
+of its previous optimizer step to the moment its backward pass had accumulated its
+local gradients, leaving out the time a fast rank waits for the others.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -119,3 +124,113 @@ def agree_run_id(
     if not isinstance(box[0], str):
         raise RuntimeError("rank 0 sent no run id")
     return box[0], True
+
+
+# A moment on a rank's clock: ``time.perf_counter()`` seconds, or a CUDA event
+# recorded on the device's current stream (read on the reporter thread).
+Stamp = Any
+
+
+def _stamp(device: Optional[torch.device]) -> Stamp:
+    """Now: on the device's stream for a CUDA device (when the work queued so far
+    has run), on the host otherwise."""
+    if device is not None and device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return time.perf_counter()
+
+
+def elapsed(start: Stamp, end: Stamp) -> Optional[float]:
+    """Seconds from `start` to `end` (on the reporter thread: it waits for a CUDA
+    event; the training thread never does); None when they are not on one clock."""
+    if isinstance(start, float) and isinstance(end, float):
+        return max(0.0, end - start)
+    if isinstance(start, float) or isinstance(end, float):
+        return None
+    end.synchronize()
+    return max(0.0, float(start.elapsed_time(end)) / 1e3)
+
+
+class StepClock:
+    """A rank's own work on each optimizer step (``step_time``): from the end of its
+    previous optimizer step (the first step: its first training forward, else
+    ``watch``) to the end of its backward pass's local gradients: the last
+    post-accumulate-grad hook of the step.
+
+    Under DistributedDataParallel those hooks run as each gradient is accumulated on
+    this rank, before the bucket's all-reduce completes (it is waited for when the
+    backward pass ends), so the time a fast rank waits for a slow one is left out:
+    in lockstep data parallelism every rank's wall-clock step is the same, and only
+    this shows the straggler. (FSDP2 runs them after its reduce-scatter, and waits
+    at each all-gather: its ranks' times include the waits.)
+
+    On the host: one ``time.perf_counter()`` per hook call. On a CUDA device the
+    host runs ahead of the device and waits for it at some later sync, so the
+    moments are CUDA events on the device's stream instead: one recorded when the
+    optimizer step ends, one when each backward pass ends (an autograd final
+    callback, queued by the pass's first hook, that runs before DDP's wait for the
+    all-reduce). Nothing here waits for the device.
+    """
+
+    def __init__(self, device: Optional[torch.device]) -> None:
+        self.device = device
+        self._began: Stamp = _stamp(device)
+        self._first = True  # no optimizer step yet: the first forward starts the work
+        self._forward_seen = False
+        self._done: Optional[Stamp] = None  # the latest end of a backward pass
+        self._stepped: Optional[Stamp] = None  # the end of this step's optimizer step
+        self._queued = False  # a CUDA backward pass's end is queued already
+
+    def on_forward(self) -> None:
+        """A training forward of the watched model."""
+        if self._first and not self._forward_seen:
+            self._forward_seen = True
+            self._began = _stamp(self.device)
+
+    def on_grad(self, cuda: bool) -> None:
+        """A parameter's gradient accumulated (its post-accumulate-grad hook)."""
+        if not cuda:
+            self._done = time.perf_counter()
+            return
+        if self._queued:
+            return
+        device = self.device if self.device is not None else torch.device("cuda")
+
+        def ended() -> None:
+            self._queued = False
+            try:
+                self._done = _stamp(device)
+            except Exception:  # never break the backward pass
+                self._done = None
+
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(ended)  # type: ignore[attr-defined]
+            self._queued = True
+        except Exception:
+            self._done = None
+
+    def on_optimizer_step(self) -> None:
+        """The optimizer's step has just ended."""
+        self._stepped = _stamp(self.device)
+
+    def take(self) -> Optional[Tuple[Stamp, Stamp]]:
+        """At ``gf.step``: the step's (start, end), None when no backward pass reached
+        a watched parameter since the step began; the next step begins."""
+        began, done = self._began, self._done
+        stepped = self._stepped
+        self._began = stepped if stepped is not None else _stamp(self.device)
+        self._done = self._stepped = None
+        self._first = False
+        if done is None or (isinstance(done, float) and isinstance(began, float) and done < began):
+            return None
+        return began, done
+
+
+def step_clock_device(tensors: List[torch.Tensor]) -> Optional[torch.device]:
+    """The device whose clock times a rank's steps: its first trainable parameter's
+    (the host's for a CPU one)."""
+    for t in tensors:
+        if t.requires_grad:
+            return t.device
+    return tensors[0].device if tensors else None

@@ -45,15 +45,11 @@ class Reporter:
         batch_size: int = 256,
         flush_interval: float = 0.5,
         alert_interval: float = 1.0,
-        quiet_conflicts: Sequence[str] = (),
     ) -> None:
         if not clients:
             raise ValueError("no gradflow server to report to")
         self.clients = list(clients)
         self.current = 0  # index into clients of the server spoken to
-        # Registration fields that may differ from the stored body without it being a
-        # conflict worth saying (in a multi-rank run: the sending rank and its host).
-        self.quiet_conflicts = tuple(quiet_conflicts)
         self.run_id = run_id
         self.registration = registration
         self.spool = spool
@@ -246,9 +242,9 @@ class Reporter:
         try:
             self.client.register(self.run_id, self.registration, timeout)
         except Refused as err:
-            if err.status == 409 and err.path in self.quiet_conflicts:
-                logger.debug("gradflow: registration differs only in %s: %s", err.path, err)
-            elif err.status == 409:
+            # In a multi-rank run every rank registers: the server compares their bodies
+            # without `rank` and `host`, so a conflict is a real one, said on each rank.
+            if err.status == 409:
                 say(
                     f"run {self.run_id} already exists with a different registration "
                     f"({err.message}); its steps are still sent to it"

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import tempfile
-import time
 import warnings
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -94,7 +93,6 @@ class Watcher:
         # The rank its records name (v1.4), in a multi-rank run only.
         self.rank = ranks.rank if ranks is not None and self.multi_rank else None
         self._label = f"run {run_id}" + (f" (rank {self.rank})" if self.rank is not None else "")
-        self._last_step_end: Optional[float] = None
         self.every = every
         self.close_timeout = close_timeout
         self._closed = False
@@ -124,6 +122,10 @@ class Watcher:
         )
         self.measurer = Measurer(self.registry)
         self.measurer.partial = self.multi_rank
+        if self.multi_rank:
+            self.measurer.clock = _ranks.StepClock(
+                _ranks.step_clock_device([p.tensor for p in self.registry.params])
+            )
         self.tracer = CutTracer(self.registry)
         self.updates = UpdateTracker(self.registry, updates_every)
         self._pending_cuts: List[Dict[str, Any]] = []
@@ -145,10 +147,6 @@ class Watcher:
             spool,
             self._alerts if on_alert is not None and lead else None,
             queue_size=queue_size,
-            # Every rank registers the same body but for its rank and host: until the
-            # server compares ranks' registrations without them, a 409 on those is
-            # expected.
-            quiet_conflicts=("rank", "host") if self.multi_rank else (),
         )
         if generated_id and lead:
             say(f"run id {run_id} (set GRADFLOW_RUN_ID or run_id= to choose one)")
@@ -211,6 +209,8 @@ class Watcher:
 
     @guarded("optimizer step post-hook")
     def _post_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self.measurer.clock is not None:
+            self.measurer.clock.on_optimizer_step()
         if self._reporting():
             self.measurer.after_step()
             self.updates.after_step()
@@ -259,11 +259,9 @@ class Watcher:
     ) -> None:
         if self._closed:
             return
-        # The wall clock between optimizer steps (gf.step follows each one): what
-        # shows a straggler among ranks. The first step has no previous one.
-        now = time.monotonic()
-        step_time = None if self._last_step_end is None else now - self._last_step_end
-        self._last_step_end = now
+        # This rank's own work on the step (a multi-rank run): what shows a straggler.
+        clock = self.measurer.clock
+        step_span = clock.take() if clock is not None else None
         if step is not None:
             self._step = int(step)
         self._check_amend()
@@ -274,7 +272,7 @@ class Watcher:
                 self._scaler.take() if self._scaler is not None else None,
                 dict(metrics) if metrics else None,
                 self.updates.take(),
-                step_time,
+                step_span,
             )
         else:
             self.measurer.reset()
@@ -301,7 +299,7 @@ class Watcher:
         scaler_state: Any,
         metrics: Optional[Dict[str, Any]],
         updates: Any,
-        step_time: Optional[float] = None,
+        step_span: Any = None,
     ) -> None:
         """This step's record, with the amendment and graph cuts waiting for it, handed
         to the reporter thread."""
@@ -314,7 +312,7 @@ class Watcher:
             # v1.4 fields only in a multi-rank run: a single process's records stay
             # what a v1.3 server accepts.
             pending.rank = self.rank
-            pending.step_time = step_time
+            pending.step_span = step_span
         self.reporter.submit(pending)
 
     def alerts(self) -> List[Dict[str, Any]]:
