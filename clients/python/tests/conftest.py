@@ -124,8 +124,14 @@ class ServerProcess:
     def alerts(self, run_id: str, status: str = "all") -> List[Dict[str, Any]]:
         return self.get(f"/api/v1/runs/{run_id}/alerts?status={status}")["alerts"]
 
-    def series(self, run_id: str, metric: str, subject: str = "") -> List[List[Any]]:
+    def series(
+        self, run_id: str, metric: str, subject: str = "", rank: Optional[int] = None
+    ) -> List[List[Any]]:
+        """A series' points; of the run (in a multi-rank run: its combined steps), or
+        with `rank`, of that rank's own records."""
         query = f"metric={metric}" + (f"&subject={subject}" if subject else "")
+        if rank is not None:
+            query += f"&rank={rank}"
         return self.get(f"/api/v1/runs/{run_id}/series?{query}")["points"]
 
     def wait_for_alert(

@@ -6,6 +6,13 @@ process on the same data (``Tiny``, ``batch``) and compares.
 
 Each step's global batch is the same 8 rows whatever the world size; rank r trains on
 its contiguous share of them, so the averaged gradients are the single process's.
+
+Faults on demand, one rank's own (``STEP:RANK``): a NaN in its gradient after the
+all-reduce (``--nan``), its process killed after its backward pass (``--exit``), its
+gradient scaled after the all-reduce from that step on, a desynchronised replica
+(``--desync``); ``--sleep RANK:SECONDS`` makes a rank sleep before every forward (a
+straggler). ``--reporter naive`` reports without gradflow, as a hand-written client
+that reads each rank's local shard as the whole tensor would (:class:`NaiveReporter`).
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+import urllib.request
 from pathlib import Path
-from typing import Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -67,6 +76,62 @@ def batch(step: int, rank: int = 0, world_size: int = 1) -> Tuple[torch.Tensor, 
     return tokens[rows], target[rows]
 
 
+def _at(spec: Optional[str]) -> Tuple[int, int]:
+    """``STEP:RANK`` as (step, rank); (-1, -1) when not given."""
+    if not spec:
+        return -1, -1
+    step, rank = spec.split(":")
+    return int(step), int(rank)
+
+
+class NaiveReporter:
+    """What a hand-written client would send from each rank under FSDP2: every
+    parameter registered with its full shape (``p.shape``) and no layout, each rank's
+    gradient norms taken of its local shard (``to_local()``) with their element
+    counts, as if each shard were the whole tensor. A few lines of urllib, no
+    gradflow."""
+
+    def __init__(self, model: nn.Module, rank: int, world_size: int) -> None:
+        self.url = f"{os.environ['GRADFLOW_SERVER']}/api/v1/runs/{os.environ['GRADFLOW_RUN_ID']}"
+        self.run_id = os.environ["GRADFLOW_RUN_ID"]
+        self.rank = rank
+        self.params = list(model.named_parameters())
+        body = {
+            "name": "hand-written",
+            "world_size": world_size,
+            "rank": rank,
+            "params": [{"name": n, "shape": list(p.shape)} for n, p in self.params],
+        }
+        self._send("PUT", "", body)
+
+    def step(self, step: int, loss: float) -> None:
+        modules: Dict[str, List[float]] = {}
+        for name, p in self.params:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            entry = modules.setdefault(name.rpartition(".")[0], [0.0, 0])
+            entry[0] += float(grad.double().square().sum())
+            entry[1] += grad.numel()
+        record = {
+            "step": step,
+            "rank": self.rank,
+            "loss": loss,
+            "modules": [
+                {"module": m, "grad_norm": sq**0.5, "numel": n} for m, (sq, n) in modules.items()
+            ],
+        }
+        self._send("POST", "/steps", [record])
+
+    def _send(self, method: str, path: str, body: Any) -> None:
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrap", choices=["ddp", "fsdp", "hsdp"], required=True)
@@ -76,6 +141,18 @@ def main() -> None:
     parser.add_argument(
         "--nan", default=None, help="STEP:RANK: a NaN in that rank's head.weight gradient"
     )
+    parser.add_argument(
+        "--exit", default=None, help="STEP:RANK: that rank's process dies after its backward"
+    )
+    parser.add_argument(
+        "--desync",
+        default=None,
+        help="STEP:RANK: from that step on, that rank scales its head.weight gradient by 1.1",
+    )
+    parser.add_argument(
+        "--sleep", default=None, help="RANK:SECONDS: that rank sleeps before every forward"
+    )
+    parser.add_argument("--reporter", choices=["gradflow", "naive"], default="gradflow")
     parser.add_argument(
         "--report-rank", type=int, default=None, help="rank= for gradflow.watch: that rank alone"
     )
@@ -109,23 +186,47 @@ def main() -> None:
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
     if args.no_elastic_id:
         os.environ["TORCHELASTIC_RUN_ID"] = "none"  # what torchrun sets for a static rendezvous
-    nan_step, nan_rank = (int(x) for x in args.nan.split(":")) if args.nan else (-1, -1)
+    nan_step, nan_rank = _at(args.nan)
+    exit_step, exit_rank = _at(args.exit)
+    desync_step, desync_rank = _at(args.desync)
+    sleep_rank, sleep = (
+        (int(args.sleep.split(":")[0]), float(args.sleep.split(":")[1]))
+        if args.sleep
+        else (-1, 0.0)
+    )
 
     import gradflow
 
-    gf = gradflow.watch(wrapped, optimizer, name=args.name, on_alert=None, rank=args.report_rank)
+    if args.reporter == "naive":
+        naive: Optional[NaiveReporter] = NaiveReporter(model, rank, world_size)
+        gf: Any = gradflow.NoopWatcher()
+        gf.run_id = naive.run_id
+    else:
+        naive = None
+        gf = gradflow.watch(
+            wrapped, optimizer, name=args.name, on_alert=None, rank=args.report_rank
+        )
     print(f"rank {rank}: watching run {gf.run_id} ({type(gf).__name__})", flush=True)
     for step in range(args.steps):
+        if rank == sleep_rank:
+            time.sleep(sleep)
         tokens, target = batch(step, rank, world_size)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(wrapped(tokens), target)
         loss.backward()
+        head = model.head.weight.grad
+        head = getattr(head, "_local_tensor", head)
         if step == nan_step and rank == nan_rank:
-            grad = model.head.weight.grad
-            held = getattr(grad, "_local_tensor", grad)
-            held.view(-1)[0] = float("nan")
+            head.view(-1)[0] = float("nan")
+        if step >= desync_step >= 0 and rank == desync_rank:
+            head.mul_(1.1)
+        if step == exit_step and rank == exit_rank:
+            print(f"rank {rank}: dying at step {step}", flush=True)
+            os._exit(1)
         optimizer.step()
         gf.step(loss=loss)
+        if naive is not None:
+            naive.step(step, loss.item())
     gf.close()
     if args.report_rank is not None:
         # One rank alone cannot stand for a sharded model: watch says so and declines.

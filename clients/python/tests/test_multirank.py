@@ -6,7 +6,13 @@ per-rank spool files: the client's real format, exactly what it would have sent.
 Combined as the server combines ranks (a sharded module's sums of squares added
 over the ranks, a replicated one's taken from any rank: the copies must agree), they
 must equal the gradient norms of the same model trained in one process on the same
-data. Select these tests with ``-k multirank``.
+data.
+
+Against the real server, the run it combines from the ranks' records must equal the
+single process too, and each of its multi-rank verdicts must come from a rank made
+to fail (a NaN on one rank, a rank killed, a slow rank, a desynchronised replica, a
+hand-written client reading shards as whole tensors), while healthy runs raise
+nothing. Select these tests with ``-k multirank``.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
-from conftest import free_port, new_run_id
+from conftest import ServerProcess, free_port, new_run_id
 from multirank_worker import LR, Tiny, batch
 from torch import nn
 
@@ -32,10 +39,16 @@ NORMS = ("block.ln.weight", "norm.weight", "out_norm.weight")
 
 
 def torchrun(
-    nproc: int, tmp_path: Path, *args: str, server: Optional[str] = None, run_id: str = ""
+    nproc: int,
+    tmp_path: Path,
+    *args: str,
+    server: Optional[str] = None,
+    run_id: str = "",
+    fails: bool = False,
 ) -> Tuple[str, List[Dict[str, Any]], float]:
     """Runs the worker on `nproc` ranks; returns its output (printed, so that pytest
-    shows it when the test fails), what each rank wrote, and the wall time."""
+    shows it when the test fails), what each rank wrote, and the wall time. The job
+    must succeed, or with `fails` fail (then the ranks that finished wrote theirs)."""
     out = tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADFLOW_")}
@@ -54,8 +67,9 @@ def torchrun(
     took = time.monotonic() - started
     output = f"$ {' '.join(command)}\n{done.stdout}{done.stderr}"
     print(output)
-    assert done.returncode == 0, output
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    assert (done.returncode != 0) == fails, output
+    written = [out / f"rank{r}.json" for r in range(nproc)]
+    ranks = [json.loads(path.read_text()) for path in written if path.exists() or not fails]
     return output, ranks, took
 
 
@@ -201,8 +215,8 @@ def check_records(records: List[List[Dict]], steps: int, world_size: int) -> Non
     for rank, recs in enumerate(records):
         assert [r["step"] for r in recs] == list(range(steps))
         assert all(r["rank"] == rank for r in recs)
-        assert "step_time" not in recs[0], "the first step has no previous one"
-        times = [r["step_time"] for r in recs[1:]]
+        # The first step's own work is timed from the first forward.
+        times = [r["step_time"] for r in recs]
         assert all(0 < t < 30 for t in times), times
         for rec in recs:
             for m in rec["modules"]:
@@ -298,31 +312,6 @@ def test_multirank_fsdp2_on_four_ranks_with_an_empty_shard_and_a_nan(tmp_path):
     print(f"FSDP2, 4 ranks: {took:.1f} s")
 
 
-def test_multirank_every_rank_registers_and_delivers_to_a_server(gradflow_server, tmp_path):
-    """Against a real server: each rank PUTs the registration with its own rank and
-    host (the server's 409 on those until it compares ranks' bodies without them is
-    expected and not reported) and posts its own records."""
-    run_id = new_run_id("mr-live")
-    steps = 5
-    output, ranks, _ = torchrun(
-        2,
-        tmp_path,
-        "--wrap",
-        "ddp",
-        "--steps",
-        str(steps),
-        server=gradflow_server.url,
-        run_id=run_id,
-    )
-    assert all(r["run_id"] == run_id for r in ranks)
-    run = gradflow_server.run(run_id)
-    assert run["world_size"] == 2 and run["rank"] in (0, 1)
-    assert {p["layout"] for p in run["params"]} == {"replicated"}
-    assert run["step_count"] == steps and run["last_step"] == steps - 1
-    assert "different registration" not in output and "NOT delivered" not in output, output
-    assert not (tmp_path / "spool").exists() or not list((tmp_path / "spool").glob("*.ndjson"))
-
-
 def test_multirank_hsdp_counts_one_replica_s_shards(tmp_path):
     """HSDP on four ranks (2 replicas × 2 shards): parameters are sharded over one
     replica's ranks (shard_ranks [0, 1]); the other replica's ranks hold equal copies."""
@@ -365,3 +354,238 @@ def test_multirank_rank_argument_keeps_one_rank_reporting_alone(gradflow_server,
     assert "rank 0: sharded model with rank=: NoopWatcher []" in output
     assert "rank 1: sharded model with rank=: NoopWatcher [" in output
     assert "leave rank= out so that every rank reports its shard" in output
+
+
+# -- against the real server: the run it combines from the ranks, and its verdicts --
+
+MODULES = ("embed", "block.up", "block.ln", "block.down", "norm", "head", "out_norm")
+GROUPS = ("embed", "block", "norm", "head", "out_norm")
+
+
+def served(
+    server: ServerProcess, nproc: int, tmp_path: Path, stem: str, *args: str, fails: bool = False
+) -> Tuple[str, str]:
+    """Runs the worker on `nproc` ranks reporting to `server` under a new run id;
+    returns the run id and the job's output."""
+    run_id = new_run_id(stem)
+    output, ranks, took = torchrun(
+        nproc, tmp_path, *args, server=server.url, run_id=run_id, fails=fails
+    )
+    assert all(r["run_id"] == run_id for r in ranks), ranks
+    print(f"{stem}, {nproc} ranks: {took:.1f} s")
+    return run_id, output
+
+
+def points(server: ServerProcess, run_id: str, metric: str, subject: str = "", rank=None):
+    """A series as {step: value}."""
+    return {step: value for step, value in server.series(run_id, metric, subject, rank)}
+
+
+def check_server_against_one_process(
+    server: ServerProcess, run_id: str, steps: int, world_size: int, sharded: bool
+) -> float:
+    """The run as the server combined its ranks: every module's gradient norm at every
+    step equal to the single process's (rtol 1e-5) and the loss the ranks' mean of
+    it; each rank's own series there, its copy equal to the combined value
+    (replicated) or the ranks' adding up to it (sharded). Returns the largest
+    relative difference from the single process seen."""
+    expected = reference(steps)
+    run = server.run(run_id)
+    assert run["world_size"] == world_size
+    assert (run["step_count"], run["last_step"]) == (steps, steps - 1), run
+    worst = 0.0
+    for module in MODULES:
+        combined = points(server, run_id, "grad_norm", module)
+        assert sorted(combined) == list(range(steps)), (module, combined)
+        own = [points(server, run_id, "grad_norm", module, rank) for rank in range(world_size)]
+        for step in range(steps):
+            want = expected[step]["modules"][module]
+            assert combined[step] == pytest.approx(want, rel=1e-5), (step, module)
+            worst = max(worst, abs(combined[step] - want) / want)
+            values = [rank[step] for rank in own]
+            if sharded:
+                total = math.sqrt(sum(v * v for v in values))
+            else:
+                assert len(set(values)) == 1, f"{module} at step {step}: copies {values}"
+                total = values[0]
+            assert total == pytest.approx(combined[step], rel=1e-6), (step, module, values)
+    loss = points(server, run_id, "loss")
+    assert [loss[s] for s in range(steps)] == pytest.approx([e["loss"] for e in expected], rel=1e-5)
+    for rank in range(world_size):
+        times = points(server, run_id, "step_time", rank=rank)
+        assert sorted(times) == list(range(steps)), (rank, times)
+        assert all(0 < t < 30 for t in times.values()), (rank, times)
+    return worst
+
+
+def check_healthy(server: ServerProcess, run_id: str, output: str) -> None:
+    """No warning or critical alert; every rank registered and delivered everything."""
+    alerts = server.alerts(run_id)
+    assert [a for a in alerts if a["severity"] != "info"] == [], [
+        (a["kind"], a["subject"], a["title"]) for a in alerts
+    ]
+    assert "different registration" not in output and "NOT delivered" not in output, output
+
+
+def test_multirank_ddp_on_the_server_matches_one_process(gradflow_server, tmp_path):
+    """DDP on 2 ranks, 12 steps (past the straggler detector's 10): the server's
+    combined norms are the single process's, each rank's copy is there, and the healthy
+    run raises nothing."""
+    steps = 12
+    run_id, output = served(
+        gradflow_server, 2, tmp_path, "mr-ddp-live", "--wrap", "ddp", "--steps", str(steps)
+    )
+    worst = check_server_against_one_process(gradflow_server, run_id, steps, 2, sharded=False)
+    check_healthy(gradflow_server, run_id, output)
+    print(f"largest relative difference from one process: {worst:.1e}")
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_multirank_fsdp2_on_the_server_matches_one_process(gradflow_server, tmp_path, nproc):
+    """FSDP2 on 2 and 4 ranks (on 4, rank 3's shard of out_norm is empty): the server
+    adds the ranks' shards up to the single process's norms; nothing is raised."""
+    steps = 12
+    run_id, output = served(
+        gradflow_server, nproc, tmp_path, "mr-fsdp-live", "--wrap", "fsdp", "--steps", str(steps)
+    )
+    worst = check_server_against_one_process(gradflow_server, run_id, steps, nproc, sharded=True)
+    check_healthy(gradflow_server, run_id, output)
+    print(f"largest relative difference from one process: {worst:.1e}")
+
+
+def test_multirank_a_nan_on_one_rank_names_that_rank(gradflow_server, tmp_path):
+    """Rank 1's head gradient gets a NaN after the all-reduce at step 3: the server
+    names rank 1, at step 3, and not rank 0 (to which the NaN spreads a step later)."""
+    nan_step = 3
+    run_id, _ = served(
+        gradflow_server,
+        2,
+        tmp_path,
+        "mr-nan-live",
+        *("--wrap", "ddp", "--steps", "5", "--nan", f"{nan_step}:1"),
+    )
+    alert = gradflow_server.wait_for_alert(run_id, "rank_nonfinite", "rank 1")
+    assert alert["first_step"] == nan_step, alert
+    assert alert["evidence"]["rank"] == 1 and "head" in alert["evidence"]["subjects"], alert
+    others = [a for a in gradflow_server.alerts(run_id) if a["kind"] == "rank_nonfinite"]
+    assert [a["subject"] for a in others] == ["rank 1"], others
+    own = [points(gradflow_server, run_id, "grad_norm", "head", rank) for rank in (0, 1)]
+    assert isinstance(own[0][nan_step], float) and math.isfinite(own[0][nan_step]), own
+    assert not isinstance(own[1][nan_step], float) or not math.isfinite(own[1][nan_step]), own
+
+
+def test_multirank_a_killed_rank_goes_missing(tmp_path):
+    """Rank 1's process dies after its backward pass of step 5 (torchrun then stops
+    rank 0): rank 0's record of step 5 still reaches the server, which completes the
+    step without rank 1 once its rank timeout (2 s here) has passed: rank_missing."""
+    exit_step = 5
+    server = ServerProcess(tmp_path / "gradflow.db", None, "--rank-timeout-secs", "2").start()
+    try:
+        run_id, output = served(
+            server,
+            2,
+            tmp_path,
+            "mr-killed",
+            *("--wrap", "ddp", "--steps", "8", "--exit", f"{exit_step}:1"),
+            fails=True,
+        )
+        assert f"rank 1: dying at step {exit_step}" in output
+        alert = server.wait_for_alert(run_id, "rank_missing", "rank 1", timeout=20)
+        first = points(server, run_id, "loss", rank=0)
+        second = points(server, run_id, "loss", rank=1)
+        assert exit_step in first, f"rank 0's step {exit_step} did not reach the server"
+        assert max(second) < exit_step, second
+        # The steps rank 1 never delivered are combined from rank 0's alone.
+        assert alert["first_step"] == max(second) + 1, (alert, sorted(second))
+        assert alert["evidence"]["last_step"] == max(second), alert
+        assert server.run(run_id)["last_step"] == max(first), server.run(run_id)
+        kinds = {(a["kind"], a["subject"]) for a in server.alerts(run_id)}
+        assert ("rank_missing", "rank 0") not in kinds, kinds
+    finally:
+        server.stop()
+
+
+def test_multirank_a_slow_rank_is_the_straggler(gradflow_server, tmp_path):
+    """Rank 1 sleeps 0.1 s before every forward. Both ranks' wall-clock steps take as
+    long (rank 0 waits at the all-reduce), but each rank's step_time is its own work:
+    rank 1 is the straggler, rank 0 is not."""
+    sleep = 0.1
+    run_id, _ = served(
+        gradflow_server,
+        2,
+        tmp_path,
+        "mr-straggler",
+        *("--wrap", "ddp", "--steps", "14", "--sleep", f"1:{sleep}"),
+    )
+    alert = gradflow_server.wait_for_alert(run_id, "rank_straggler", "rank 1")
+    assert alert["evidence"]["rank"] == 1 and alert["evidence"]["ratio"] >= 1.5, alert
+    kinds = {(a["kind"], a["subject"]) for a in gradflow_server.alerts(run_id)}
+    assert ("rank_straggler", "rank 0") not in kinds, kinds
+    fast = points(gradflow_server, run_id, "step_time", rank=0)
+    slow = points(gradflow_server, run_id, "step_time", rank=1)
+    # The first step is timed from the first forward, after rank 1's first sleep.
+    assert all(slow[s] >= sleep for s in slow if s >= 1), slow
+    assert sorted(fast.values())[len(fast) // 2] < sleep / 2, fast
+
+
+def test_multirank_a_desynchronised_replica_diverges(gradflow_server, tmp_path):
+    """From step 2 rank 1 scales its head gradient after the all-reduce: its replica
+    of the head no longer matches rank 0's, on every step: replica_divergence."""
+    desync_step = 2
+    run_id, _ = served(
+        gradflow_server,
+        2,
+        tmp_path,
+        "mr-desync",
+        *("--wrap", "ddp", "--steps", "6", "--desync", f"{desync_step}:1"),
+    )
+    alert = gradflow_server.wait_for_alert(run_id, "replica_divergence", "run")
+    assert alert["first_step"] == desync_step, alert
+    head = [
+        s
+        for s in alert["evidence"]["subjects"]
+        if (s["subject"], s["series"]) == ("head", "grad_norm")
+    ]
+    assert head and (head[0]["min_rank"], head[0]["max_rank"]) == (0, 1), alert["evidence"]
+
+
+def test_multirank_a_shard_reported_as_the_whole_is_caught(gradflow_server, tmp_path):
+    """A hand-written client (not gradflow) under FSDP2 registers full shapes and no
+    layout and posts each rank's local-shard norms: every group is flagged at step 0."""
+    run_id, _ = served(
+        gradflow_server,
+        2,
+        tmp_path,
+        "mr-naive",
+        *("--wrap", "fsdp", "--steps", "3", "--reporter", "naive"),
+    )
+    for group in GROUPS:
+        alert = gradflow_server.wait_for_alert(run_id, "shard_reported_as_global", group)
+        assert alert["first_step"] == 0, alert
+    alert = gradflow_server.wait_for_alert(run_id, "shard_reported_as_global", "head")
+    (head,) = [m for m in alert["evidence"]["modules"] if m["module"] == "head"]
+    # 5×10 weight and 5 biases, split 3 rows and 2: 33 and 22 elements of 55.
+    assert (head["registered_numel"], head["largest_rank_numel"]) == (55, 33), head
+    assert head["sum_of_rank_numel"] == 55 and head["ranks"] == 2, head
+
+
+def test_multirank_a_real_registration_conflict_is_said_on_every_rank(gradflow_server, tmp_path):
+    """Every rank registers (the server compares bodies without rank and host), so a
+    run registered before with a different body is a conflict each rank says; their
+    steps are still sent to it."""
+    run_id = new_run_id("mr-conflict")
+    params = [{"name": n, "shape": list(p.shape)} for n, p in Tiny().named_parameters()]
+    body = {"name": "another job", "world_size": 2, "params": params}
+    request = urllib.request.Request(
+        f"{gradflow_server.url}/api/v1/runs/{run_id}",
+        data=json.dumps(body).encode(),
+        method="PUT",
+        headers={"Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(request, timeout=10).read()
+    output, _, _ = torchrun(
+        2, tmp_path, "--wrap", "ddp", "--steps", "3", server=gradflow_server.url, run_id=run_id
+    )
+    said = [line for line in output.splitlines() if "different registration" in line]
+    assert len(said) == 2, output
+    assert gradflow_server.run(run_id)["step_count"] == 3
