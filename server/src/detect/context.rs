@@ -14,8 +14,20 @@ use super::Thresholds;
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModuleInfo {
     pub group: String,
-    /// Its layer number, when its name has one (`qwen.layers.3.mlp` → 3).
-    pub layer: Option<usize>,
+    /// Where it sits in a stack of numbered layers, when its name says
+    /// (`qwen.layers.3.mlp`).
+    pub layer: Option<Layer>,
+}
+
+/// A module's place in a stack of numbered layers, worked out once at registration:
+/// the depth detector reads it for every module on every step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layer {
+    /// Its number in the stack (`qwen.layers.3.mlp` → 3).
+    pub index: usize,
+    /// What the depth detector names the stack: the group when the stack sits right
+    /// under it, else the stack's own name.
+    pub stack_subject: String,
 }
 
 /// A norm weight the frozen-weight detector watches.
@@ -133,7 +145,7 @@ impl RunContext {
                 param.module_name().to_owned(),
                 ModuleInfo {
                     group: param.group_name().to_owned(),
-                    layer: super::vanishing::layer_index(param.module_name()),
+                    layer: super::vanishing::layer_of(param.group_name(), param.module_name()),
                 },
             );
         }

@@ -11,7 +11,12 @@
 //! Decided once, on the first report at or past the N-th step; a listed module that later arrives with a
 //! gradient leaves the list, and the alert resolves when its list is empty.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
+
+// Looked up for every reported module of every step while a list is open: Fx
+// hashing beats comparing long module names down a B-tree. Order only matters in
+// the alert's text, which sorts.
+use rustc_hash::FxHashSet;
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -25,10 +30,10 @@ pub struct UnusedParameters {
     /// The first step that reported modules.
     first_step: Option<u64>,
     /// Trainable modules seen so far; emptied once decided.
-    seen: BTreeSet<String>,
+    seen: FxHashSet<String>,
     decided: bool,
     /// Per group, the modules still unused.
-    unused: BTreeMap<String, BTreeSet<String>>,
+    unused: BTreeMap<String, FxHashSet<String>>,
 }
 
 impl UnusedParameters {
@@ -81,12 +86,14 @@ impl UnusedParameters {
             return;
         }
         for (module, info) in view.trainable_modules() {
-            let has_gradient = module.grad_norm.is_some_and(|n| n.get() != 0.0);
+            if !module.grad_norm.is_some_and(|n| n.get() != 0.0) {
+                continue;
+            }
             let group = info.group.as_str();
             let Some(list) = self.unused.get_mut(group) else {
                 continue;
             };
-            if has_gradient && list.remove(&module.module) && list.is_empty() {
+            if list.remove(&module.module) && list.is_empty() {
                 self.unused.remove(group);
                 out.push(Transition::Resolve {
                     kind: AlertKind::UnusedParameters,
@@ -101,11 +108,12 @@ impl UnusedParameters {
 fn opened(
     context: &RunContext,
     group: &str,
-    modules: &BTreeSet<String>,
+    modules: &FxHashSet<String>,
     steps: u32,
     step: u64,
 ) -> Transition {
-    let names: Vec<&str> = modules.iter().map(String::as_str).collect();
+    let mut names: Vec<&str> = modules.iter().map(String::as_str).collect();
+    names.sort_unstable();
     let total = context
         .trainable_modules_per_group
         .get(group)

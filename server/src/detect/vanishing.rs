@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::context::Layer;
 use super::{AlertKind, GroupMap, Opened, Severity, StepView, Transition, sci, step_range};
 
 /// First-layer norm / last-layer norm below which gradients count as vanishing.
@@ -36,10 +37,14 @@ struct Streak {
     open: bool,
 }
 
-/// The layer number in a module name: the integer after a `layers`, `layer`, `h`,
-/// `blocks` or `block` segment (`qwen.layers.3.mlp` → 3, `transformer.h.11.attn` → 11).
-pub fn layer_index(module: &str) -> Option<usize> {
-    layer_stack(module).map(|(_, index)| index)
+/// A module's layer: its number (the integer after a `layers`, `layer`, `h`, `blocks`
+/// or `block` segment: `qwen.layers.3.mlp` → 3, `transformer.h.11.attn` → 11) and
+/// the subject its stack is judged under.
+pub fn layer_of(group: &str, module: &str) -> Option<Layer> {
+    layer_stack(module).map(|(stack, index)| Layer {
+        index,
+        stack_subject: stack_subject(group, stack).to_owned(),
+    })
 }
 
 /// The stack of numbered layers a module sits in and its number there: the name up
@@ -80,14 +85,18 @@ impl GradVanishing {
         // Per group, the sum of squared module norms of each layer, indexed by layer.
         let mut layers: GroupMap<Vec<Option<f64>>> = GroupMap::default();
         for (module, info) in view.trainable_modules() {
-            let (Some(layer), Some(norm)) = (info.layer, module.grad_norm.map(|n| n.get())) else {
+            let (Some(layer), Some(norm)) = (&info.layer, module.grad_norm.map(|n| n.get())) else {
                 continue;
             };
+            let Layer {
+                index: layer,
+                stack_subject,
+            } = layer;
+            let layer = *layer;
             if layer > MAX_LAYER {
                 continue;
             }
-            let stack = layer_stack(&module.module).map_or("", |(stack, _)| stack);
-            let sums = layers.entry(stack_subject(&info.group, stack));
+            let sums = layers.entry(stack_subject);
             if sums.len() <= layer {
                 sums.resize(layer + 1, None);
             }
@@ -175,6 +184,24 @@ mod tests {
     use crate::detect::testing::{record, transitions};
     use gradflow_protocol::RunRegistration;
     use serde_json::Value;
+
+    fn layer_index(module: &str) -> Option<usize> {
+        layer_of("", module).map(|layer| layer.index)
+    }
+
+    #[test]
+    fn a_stack_right_under_its_group_is_judged_as_the_group() {
+        let subject = |group, module| layer_of(group, module).map(|l| l.stack_subject);
+        assert_eq!(
+            subject("qwen", "qwen.layers.3.mlp").as_deref(),
+            Some("qwen")
+        );
+        assert_eq!(
+            subject("vlm", "vlm.vision.layers.3.mlp").as_deref(),
+            Some("vlm.vision.layers")
+        );
+        assert_eq!(subject("qwen", "qwen.lm_head"), None);
+    }
 
     #[test]
     fn layer_numbers_come_from_common_naming_schemes() {
