@@ -142,3 +142,61 @@ async fn retain_days_deletes_idle_runs_and_frees_their_space() {
     assert_eq!(app.get_json("/api/v1/runs/recent").await.0, 200);
     assert_eq!(app.points("recent", "metric=loss").await.len(), 200);
 }
+
+/// With several servers on one PostgreSQL database, a database-wide chore
+/// (retention) runs on one at a time: while one store holds the chore's lock,
+/// another store on the same database is told someone else is doing it, and can
+/// take it once the first is done. On SQLite (one server) the work always runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_wide_chore_runs_on_one_server_at_a_time() {
+    use gradflow_server::store::{Store, StoreConfig, SyncMode};
+
+    let app = TestApp::spawn().await;
+    let config = StoreConfig {
+        database: app.database.clone(),
+        sync: SyncMode::Normal,
+    };
+    let first = Store::open(&config).await.unwrap();
+    let second = Store::open(&config).await.unwrap();
+    first.wait_ready().await.unwrap();
+    second.wait_ready().await.unwrap();
+
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel::<()>();
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let holder = tokio::spawn(async move {
+        let ran = first
+            .exclusively("retention", async || {
+                held_tx.send(()).unwrap();
+                release_rx.await.unwrap();
+                Ok(1)
+            })
+            .await
+            .unwrap();
+        (first, ran)
+    });
+    held_rx.await.unwrap();
+    let meanwhile = second
+        .exclusively("retention", async || Ok(2))
+        .await
+        .unwrap();
+    // Another name is another chore: not held back.
+    let other = second
+        .exclusively("another chore", async || Ok(3))
+        .await
+        .unwrap();
+    release_tx.send(()).unwrap();
+    let (_first, ran) = holder.await.unwrap();
+    let after = second
+        .exclusively("retention", async || Ok(4))
+        .await
+        .unwrap();
+
+    assert_eq!(ran, Some(1));
+    assert_eq!(other, Some(3));
+    assert_eq!(after, Some(4), "the lock is released when the work ends");
+    if app.on_postgres() {
+        assert_eq!(meanwhile, None, "a second server must not run a chore another runs");
+    } else {
+        assert_eq!(meanwhile, Some(2), "SQLite has one server: the work runs");
+    }
+}
