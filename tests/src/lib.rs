@@ -60,6 +60,38 @@ pub async fn stored_loss_steps(
         .collect()
 }
 
+/// Starts `gradflow-trainer` reporting run `run` to `servers` (one URL, or several
+/// comma-separated), spooling into `dir`, with `args` after; its log (info level)
+/// goes to `dir/{run}.log` — a file, not a pipe, so the trainer never blocks on it.
+pub fn start_logged_trainer(dir: &Path, servers: &str, run: &str, args: &[&str]) -> Child {
+    let log = std::fs::File::create(dir.join(format!("{run}.log"))).expect("a trainer log file");
+    Command::new(binary("gradflow-trainer"))
+        .args(["--server", servers, "--run-id", run])
+        .args(args)
+        .arg("--spool-dir")
+        .arg(dir)
+        .arg("--quiet")
+        .env("RUST_LOG", "gradflow_trainer=info")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("gradflow-trainer starts")
+}
+
+/// What [`start_logged_trainer`] logged for `run` so far.
+pub fn trainer_log(dir: &Path, run: &str) -> String {
+    std::fs::read_to_string(dir.join(format!("{run}.log"))).expect("the trainer's log")
+}
+
+/// The count the trainer's exit line gives after `label` ("delivered 140 steps (10
+/// already there)": 140 after "delivered ", 10 after "steps (").
+pub fn count_after(log: &str, label: &str) -> u64 {
+    log.rsplit_once(label)
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count after {label:?} in the trainer's log:\n{log}"))
+}
+
 /// Waits for `child` to exit; panics, naming `what`, if it takes longer than `limit`.
 pub fn wait_for_exit(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
     let started = std::time::Instant::now();

@@ -4,37 +4,27 @@
 //! finishes through B. Every step A had stored is still there, every other step
 //! reached B, none twice, and the trainer says it delivered everything.
 
-use std::fs::File;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use gradflow_e2e::{
-    ServerProcess, binary, free_loopback_address, stored_loss_steps, wait_for_exit,
+    ServerProcess, count_after, free_loopback_address, start_logged_trainer, stored_loss_steps,
+    trainer_log, wait_for_exit,
 };
 use serde_json::Value;
 
 const RUN: &str = "failover";
 const STEPS: u64 = 150;
 
-/// The trainer's log goes to a file, not a pipe, so it can never block on it.
 fn start_trainer(dir: &Path, servers: &str) -> Child {
-    let log = File::create(dir.join("trainer.log")).unwrap();
-    Command::new(binary("gradflow-trainer"))
-        .args(["--server", servers, "--run-id", RUN])
-        .args(["--steps", &STEPS.to_string(), "--step-delay-ms", "40"])
-        .arg("--spool-dir")
-        .arg(dir)
-        .arg("--quiet")
-        .env("RUST_LOG", "gradflow_trainer=info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap()
-}
-
-fn trainer_log(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("trainer.log")).unwrap()
+    let steps = STEPS.to_string();
+    start_logged_trainer(
+        dir,
+        servers,
+        RUN,
+        &["--steps", &steps, "--step-delay-ms", "40"],
+    )
 }
 
 async fn run_info(client: &reqwest::Client, server: &ServerProcess) -> Option<Value> {
@@ -47,15 +37,6 @@ async fn run_info(client: &reqwest::Client, server: &ServerProcess) -> Option<Va
         return None;
     }
     response.json().await.ok()
-}
-
-/// The count the trainer's exit line gives after `label` ("delivered 140 steps",
-/// "(10 already there)").
-fn count_after(log: &str, label: &str) -> u64 {
-    log.rsplit_once(label)
-        .and_then(|(_, rest)| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no count after {label:?} in the trainer's log:\n{log}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,7 +61,7 @@ async fn a_standby_on_the_first_server_s_database_takes_over_mid_run() {
         assert!(
             started.elapsed() < Duration::from_secs(60),
             "A stored nothing within a minute:\n{}",
-            trainer_log(dir.path())
+            trainer_log(dir.path(), RUN)
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -94,7 +75,7 @@ async fn a_standby_on_the_first_server_s_database_takes_over_mid_run() {
     let b = ServerProcess::start_at(&db, &address_b, &[]);
 
     let status = wait_for_exit(&mut trainer, Duration::from_secs(120), "the trainer");
-    let log = trainer_log(dir.path());
+    let log = trainer_log(dir.path(), RUN);
     assert!(status.success(), "{log}");
     let steps = stored_loss_steps(&client, &b, RUN).await;
     assert!(

@@ -5,35 +5,20 @@
 //!
 //! `GRADFLOW_OUTAGE_SECS` shortens or lengthens the outage (default 60).
 
-use std::fs::File;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use gradflow_e2e::{
-    ServerProcess, binary, free_loopback_address, stored_loss_steps, wait_for_exit,
+    ServerProcess, free_loopback_address, start_logged_trainer, stored_loss_steps, trainer_log,
+    wait_for_exit,
 };
 use serde_json::Value;
 
-/// Starts the trainer with its log in `dir/trainer.log` (a file, not a pipe: a long
-/// run must never block on a full pipe).
+/// Starts the trainer reporting to the server at `address`, its log in
+/// `dir/{run}.log`.
 fn start_trainer(dir: &Path, address: &str, run: &str, extra: &[&str]) -> Child {
-    let log = File::create(dir.join("trainer.log")).unwrap();
-    Command::new(binary("gradflow-trainer"))
-        .args(["--server", &format!("http://{address}"), "--run-id", run])
-        .arg("--spool-dir")
-        .arg(dir)
-        .args(extra)
-        .arg("--quiet")
-        .env("RUST_LOG", "gradflow_trainer=info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap()
-}
-
-fn trainer_log(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("trainer.log")).unwrap()
+    start_logged_trainer(dir, &format!("http://{address}"), run, extra)
 }
 
 async fn get_json(client: &reqwest::Client, server: &ServerProcess, path: &str) -> Value {
@@ -91,7 +76,7 @@ async fn a_sixty_second_outage_mid_run_loses_nothing() {
         assert!(
             started.elapsed() < Duration::from_secs(60),
             "the trainer delivered nothing within a minute:\n{}",
-            trainer_log(dir.path())
+            trainer_log(dir.path(), "long")
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -104,7 +89,7 @@ async fn a_sixty_second_outage_mid_run_loses_nothing() {
     let server = ServerProcess::start_at(&db, &address, &[]);
 
     let status = wait_for_exit(&mut trainer, Duration::from_secs(120), "the trainer");
-    let log = trainer_log(dir.path());
+    let log = trainer_log(dir.path(), "long");
     assert!(status.success(), "{log}");
     assert!(log.contains("unreachable"), "warned of the outage: {log}");
     assert!(
@@ -153,7 +138,7 @@ async fn a_full_spool_drops_counts_and_tells_the_server() {
     std::thread::sleep(Duration::from_millis(1500));
     let server = ServerProcess::start_at(&db, &address, &[]);
     let status = wait_for_exit(&mut trainer, Duration::from_secs(60), "the trainer");
-    let log = trainer_log(dir.path());
+    let log = trainer_log(dir.path(), "tight");
     assert_eq!(
         status.code(),
         Some(2),

@@ -25,7 +25,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gradflow_e2e::postgres::{Postgres, postgres_required};
-use gradflow_e2e::{ServerProcess, binary, stored_loss_steps, wait_for_exit};
+use gradflow_e2e::{
+    ServerProcess, binary, count_after, start_logged_trainer, stored_loss_steps, trainer_log,
+    wait_for_exit,
+};
 use serde_json::{Value, json};
 
 /// Steps of the hand-made run: three whole 64-step rollup buckets and a ragged end.
@@ -554,31 +557,7 @@ const TRAINER_STEPS: u64 = 150;
 
 /// The real trainer, its log in `dir/{name}.log`.
 fn start_trainer(dir: &Path, name: &str, servers: &str, args: &[&str]) -> Child {
-    let log = File::create(dir.join(format!("{name}.log"))).unwrap();
-    Command::new(binary("gradflow-trainer"))
-        .args(["--server", servers, "--run-id", name])
-        .args(args)
-        .arg("--spool-dir")
-        .arg(dir)
-        .arg("--quiet")
-        .env("RUST_LOG", "gradflow_trainer=info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap()
-}
-
-fn trainer_log(dir: &Path, name: &str) -> String {
-    std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap()
-}
-
-/// The trainer's count after `label` in its exit line ("delivered 140 steps (10
-/// already there)").
-fn count_after(log: &str, label: &str) -> u64 {
-    log.rsplit_once(label)
-        .and_then(|(_, rest)| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no count after {label:?} in the trainer's log:\n{log}"))
+    start_logged_trainer(dir, servers, name, args)
 }
 
 /// The run's `step_count`, once the run exists.
