@@ -195,7 +195,10 @@ async fn a_database_wide_chore_runs_on_one_server_at_a_time() {
     assert_eq!(other, Some(3));
     assert_eq!(after, Some(4), "the lock is released when the work ends");
     if app.on_postgres() {
-        assert_eq!(meanwhile, None, "a second server must not run a chore another runs");
+        assert_eq!(
+            meanwhile, None,
+            "a second server must not run a chore another runs"
+        );
     } else {
         assert_eq!(meanwhile, Some(2), "SQLite has one server: the work runs");
     }
