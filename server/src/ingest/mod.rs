@@ -263,22 +263,32 @@ impl Ingest {
                 rank_timeout: self.settings.rank_timeout.as_secs_f64(),
             };
             let detection = self.settings.detection;
-            let prepared = match with_codec(|codec| {
-                if state.world_size > 1 {
-                    prepare_ranks(&state, run_id.as_str(), records, detection, clock, codec)
-                } else {
+            let prepared = if state.world_size > 1 {
+                // Prepared in place (see prepare_ranks): a refused batch leaves the
+                // slot empty, and the next batch reads the state from the database.
+                match with_codec(|codec| {
+                    prepare_ranks(state, run_id.as_str(), records, detection, clock, codec)
+                })? {
+                    Ok(prepared) => prepared,
+                    Err((duplicates, state)) => {
+                        *cached = Some(state);
+                        return Ok(duplicates);
+                    }
+                }
+            } else {
+                match with_codec(|codec| {
                     prepare(&state, run_id.as_str(), records, detection, codec)
-                }
-            }) {
-                Ok(Ok(prepared)) => prepared,
-                Ok(Err(duplicates)) => {
-                    *cached = Some(state);
-                    return Ok(duplicates);
-                }
-                Err(error) => {
-                    // The batch was wrong, not the state.
-                    *cached = Some(state);
-                    return Err(error);
+                }) {
+                    Ok(Ok(prepared)) => prepared,
+                    Ok(Err(duplicates)) => {
+                        *cached = Some(state);
+                        return Ok(duplicates);
+                    }
+                    Err(error) => {
+                        // The batch was wrong, not the state.
+                        *cached = Some(state);
+                        return Err(error);
+                    }
                 }
             };
             let written = match self.store.write_batch(lock, &prepared.write).await {
