@@ -127,6 +127,16 @@ pub enum Trace {
     Realistic,
 }
 
+impl Trace {
+    /// As the reports name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Trace::Iid => "i.i.d.",
+            Trace::Realistic => "realistic",
+        }
+    }
+}
+
 /// Seeded, so two generators of the same seed produce the same run.
 pub struct Generator {
     shape: Shape,

@@ -16,6 +16,26 @@ fn number(v: &Value) -> f64 {
     v.as_f64().unwrap_or_else(|| panic!("{v} is not a number"))
 }
 
+/// One ingest measurement of 4 runs × 100 steps × 230 modules, as labelled.
+fn assert_ingest(result: &Value, backend: &str, trace: &str, replicas: &str) {
+    assert_eq!(result["backend"], backend, "{result}");
+    assert_eq!(result["trace"], trace, "{result}");
+    assert_eq!(result["replicas"], replicas, "{result}");
+    assert_eq!(result["module_values"], 4 * 100 * 230, "{result}");
+    assert!(
+        number(&result["module_values_per_second"]) > 0.0,
+        "{result}"
+    );
+    assert!(number(&result["values_per_second"]) > 0.0, "{result}");
+    // Something is stored, and less than bare SQLite's ~60 B a value.
+    let bytes = number(&result["bytes_per_module_value"]);
+    assert!(bytes > 1.0 && bytes < 60.0, "{bytes}: {result}");
+    for read in result["queries"].as_array().unwrap() {
+        assert!(number(&read["median_ms"]) > 0.0, "{read}");
+        assert!(number(&read["response_bytes"]) > 0.0, "{read}");
+    }
+}
+
 #[test]
 fn every_part_runs_and_reports() {
     let dir = tempfile::tempdir().unwrap();
@@ -40,6 +60,58 @@ fn every_part_runs_and_reports() {
         assert!(bytes > 1.0 && bytes < 40.0, "{bytes}");
     }
     assert_eq!(round["baseline"]["rows"], 4 * 100 * 690, "{round}");
+    assert_ingest(&round["realistic"], "SQLite", "realistic", "one");
+    // The series reads after the ingest, on each database.
+    let reads = round["detectors_on"]["queries"].as_array().unwrap();
+    assert_eq!(reads.len(), 2, "{reads:?}");
+
+    // PostgreSQL beside SQLite, and two replicas on one database; skipped (said on
+    // stderr) only where no PostgreSQL can be started and none is required.
+    let postgres = &round["postgres"];
+    if postgres.is_null() {
+        assert!(
+            std::env::var("GRADFLOW_REQUIRE_POSTGRES").as_deref() != Ok("1"),
+            "PostgreSQL is required but was skipped: {log}"
+        );
+        assert!(log.contains("PostgreSQL cannot be started"), "{log}");
+    } else {
+        assert_ingest(&postgres["iid"], "PostgreSQL", "i.i.d.", "one");
+        assert_ingest(&postgres["realistic"], "PostgreSQL", "realistic", "one");
+        assert_ingest(
+            &postgres["replicas_by_client"],
+            "PostgreSQL",
+            "i.i.d.",
+            "by_client",
+        );
+        assert_ingest(
+            &postgres["replicas_alternating"],
+            "PostgreSQL",
+            "i.i.d.",
+            "alternating",
+        );
+        assert_eq!(postgres["iid"]["queries"].as_array().unwrap().len(), 2);
+    }
+
+    // The 64-rank run, every step combined from every rank, beside single-rank runs
+    // posting as many module records.
+    let ranks = &round["ranks"];
+    for single in ["single_rank", "one_run"] {
+        assert_eq!(ranks[single]["module_values"], 64 * 20 * 230, "{ranks}");
+    }
+    for (side, lag) in [("together", 0), ("skewed", 20)] {
+        let run = &ranks[side];
+        assert_eq!(run["world_size"], 64, "{run}");
+        assert_eq!(run["combined_steps"], 20, "{run}");
+        assert_eq!(run["module_values"], 20 * 230, "{run}");
+        assert_eq!(run["rank_module_records"], 64 * 20 * 230, "{run}");
+        assert_eq!(run["lag_steps"], lag, "{run}");
+        assert!(number(&run["module_values_per_second"]) > 0.0, "{run}");
+        let (before, peak) = (
+            number(&run["resident_before_bytes"]),
+            number(&run["resident_peak_bytes"]),
+        );
+        assert!(before > 1e6 && peak >= before, "{run}");
+    }
 
     let timings = r["queries"]["timings"].as_array().unwrap();
     assert_eq!(timings.len(), 7);
@@ -73,7 +145,9 @@ fn every_part_runs_and_reports() {
         .map(|w| w["workload"].as_str().unwrap())
         .collect();
     for part in [
-        "ingest",
+        "ingest, 1 rounds: 4 runs × 100 i.i.d.",
+        "ingest, 1 rounds: 4 runs × 100 realistic",
+        "ingest, 1 rounds: 64 ranks × 20 i.i.d. healthy steps × 230 sharded modules",
         "queries",
         "trainer: healthy-0",
         "trainer: prompt-caching-0",
@@ -144,6 +218,20 @@ fn every_part_runs_and_reports() {
         report.contains("| ingest over HTTP, detectors on |"),
         "{report}"
     );
+    assert!(
+        report.contains("### Ingest by database and trace")
+            && report.contains("| SQLite | realistic |")
+            && report.contains("### A 64-rank run")
+            && report.contains("| 64 ranks, rank 63 20 steps behind |"),
+        "{report}"
+    );
+    if !postgres.is_null() {
+        assert!(
+            report.contains("| PostgreSQL | i.i.d. |")
+                && report.contains("| two, batches alternating |"),
+            "{report}"
+        );
+    }
     assert!(
         report.contains("### False alarms")
             && report.contains("| trainer: healthy-0 (200 steps) |"),

@@ -5,7 +5,10 @@
 //! scaling plots into `--out`.
 //!
 //! `cargo build --release --bins && ./target/release/gradflow-bench` (all of it,
-//! ~10 minutes on 2 cores); `--quick` runs every part at smoke sizes.
+//! ~15 minutes on 2 cores, the ingest part ~6 of them); `--quick` runs every part at
+//! smoke sizes. The ingest part measures PostgreSQL too where a throwaway cluster
+//! can be started (Debian's `postgresql` binaries); without one it says so and
+//! skips those rows, unless `GRADFLOW_REQUIRE_POSTGRES=1`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,8 +17,15 @@ use anyhow::Context;
 use candle_core::Device;
 use clap::{Parser, ValueEnum};
 use gradflow_bench::harness::alarms::FalseAlarms;
-use gradflow_bench::harness::report::{self, IngestReport, IngestRound, Report};
-use gradflow_bench::harness::{Machine, baseline, ingest, latency, plot, queries, scaling};
+use gradflow_bench::harness::backend::{self, Backend};
+use gradflow_bench::harness::ingest::Replicas;
+use gradflow_bench::harness::report::{
+    self, IngestReport, IngestRound, PostgresRound, RanksRound, Report,
+};
+use gradflow_bench::harness::{
+    Machine, baseline, ingest, latency, plot, queries, ranks, reporting, scaling,
+};
+use gradflow_bench::workload::{Shape, Trace};
 use gradflow_trainer::model::config::Preset;
 use gradflow_trainer::overhead;
 
@@ -53,9 +63,19 @@ struct Args {
     rounds: Option<usize>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // As the trainer binary does, before the runtime's threads start: the overhead
+    // part trains in this process.
+    // SAFETY: no other thread runs yet.
+    unsafe { gradflow_trainer::threads::settle_thread_count() };
     let args = Args::parse();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(measure(args))
+}
+
+async fn measure(args: Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let wants = |part: Part| args.part == part || args.part == Part::All;
@@ -70,9 +90,7 @@ async fn main() -> anyhow::Result<()> {
     };
 
     if wants(Part::Ingest) {
-        let steps = if quick { 100 } else { 5_000 };
-        let rounds = args.rounds.unwrap_or(if quick { 1 } else { 5 });
-        report.ingest = Some(ingest_rounds(steps, rounds).await?);
+        report.ingest = Some(ingest_rounds(&IngestSizes::new(quick, args.rounds)).await?);
     }
     if wants(Part::Queries) {
         let spec = if quick {
@@ -98,12 +116,21 @@ async fn main() -> anyhow::Result<()> {
     }
     if wants(Part::Overhead) {
         let (preset, steps) = if quick { ("tiny", 4) } else { ("small", 120) };
-        eprintln!("gradflow-bench: trainer overhead ({preset}, {steps} steps each)");
-        let preset = Preset::named(preset)?;
-        report.overhead = Some(
-            tokio::task::spawn_blocking(move || overhead::measure(&preset, steps, &Device::Cpu))
-                .await??,
+        report.overhead = Some(instrumentation_overhead(preset, steps).await?);
+        if !quick {
+            report.overhead_tiny = Some(instrumentation_overhead("tiny", 400).await?);
+        }
+        let spec = reporting::ReportingSpec {
+            preset: "tiny".into(),
+            steps: if quick { 20 } else { 400 },
+            rounds: if quick { 1 } else { 9 },
+        };
+        eprintln!(
+            "gradflow-bench: reporting cost (the trainer binary, {}, {} steps, against a \
+             server and with --no-report, {} rounds)",
+            spec.preset, spec.steps, spec.rounds
         );
+        report.reporting = Some(reporting::run(&spec).await?);
     }
     if wants(Part::Latency) {
         // The healthy scenarios beside the failures: long enough for the rise of
@@ -153,6 +180,12 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn instrumentation_overhead(preset: &str, steps: u64) -> anyhow::Result<overhead::Overhead> {
+    eprintln!("gradflow-bench: trainer overhead ({preset}, {steps} steps each)");
+    let preset = Preset::named(preset)?;
+    tokio::task::spawn_blocking(move || overhead::measure(&preset, steps, &Device::Cpu)).await?
+}
+
 fn write_plots(sweeps: &[scaling::Sweep], out: &Path) -> anyhow::Result<()> {
     for sweep in sweeps {
         let file = out.join(format!("scaling-{}.svg", sweep.slug));
@@ -178,12 +211,117 @@ fn redraw_plots(out: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn ingest_rounds(steps: u64, rounds: usize) -> anyhow::Result<IngestReport> {
-    let on = ingest::IngestSpec::target(steps);
+/// The sizes of the ingest part.
+struct IngestSizes {
+    /// Steps per client of the 4 single-rank clients.
+    steps: u64,
+    rounds: usize,
+    /// The multi-rank run: ranks, steps, steps a batch, and how many batches the
+    /// last rank is held behind in the skewed variant.
+    world_size: u32,
+    rank_steps: u64,
+    rank_batch_steps: u64,
+    lag_batches: usize,
+}
+
+impl IngestSizes {
+    fn new(quick: bool, rounds: Option<usize>) -> IngestSizes {
+        if quick {
+            IngestSizes {
+                steps: 100,
+                rounds: rounds.unwrap_or(1),
+                world_size: 64,
+                rank_steps: 20,
+                rank_batch_steps: 10,
+                lag_batches: 2,
+            }
+        } else {
+            IngestSizes {
+                steps: 5_000,
+                rounds: rounds.unwrap_or(5),
+                world_size: 64,
+                // ~25 s a round on 2 cores, the single-rank comparison included.
+                rank_steps: 384,
+                rank_batch_steps: 32,
+                // Every batch: the last rank starts once the others are done, 384 steps
+                // ahead, past the 256 the server waits for a rank.
+                lag_batches: 12,
+            }
+        }
+    }
+}
+
+async fn ingest_rounds(sizes: &IngestSizes) -> anyhow::Result<IngestReport> {
+    let steps = sizes.steps;
+    let rounds = sizes.rounds;
+    let shape = Shape::QWEN_1_5B;
+    let module = shape.module_names()[17].clone();
+    let reads = vec![
+        (
+            report::LOSS_SERIES.to_owned(),
+            "/api/v1/runs/bench-0/series?metric=loss&max_points=1000".to_owned(),
+        ),
+        (
+            report::MODULE_SERIES.to_owned(),
+            format!(
+                "/api/v1/runs/bench-0/series?metric=grad_norm&subject={module}&max_points=1000"
+            ),
+        ),
+    ];
+    let on = ingest::IngestSpec {
+        queries_after: reads,
+        ..ingest::IngestSpec::target(steps)
+    };
     let off = ingest::IngestSpec {
         server_args: vec!["--disable-detectors".into()],
+        queries_after: Vec::new(),
         ..on.clone()
     };
+    let realistic = ingest::IngestSpec {
+        trace: Trace::Realistic,
+        ..on.clone()
+    };
+    eprintln!("gradflow-bench: starting a PostgreSQL cluster for the ingest part");
+    let postgres = backend::postgres().await?.map(Backend::Postgres);
+    let on_postgres = |spec: &ingest::IngestSpec, replicas| {
+        postgres.as_ref().map(|backend| ingest::IngestSpec {
+            backend: backend.clone(),
+            replicas,
+            ..spec.clone()
+        })
+    };
+    let pg_iid = on_postgres(&on, Replicas::One);
+    let pg_realistic = on_postgres(&realistic, Replicas::One);
+    let by_client = ingest::IngestSpec {
+        queries_after: Vec::new(),
+        ..on.clone()
+    };
+    let pg_by_client = on_postgres(&by_client, Replicas::ByClient);
+    let pg_alternating = on_postgres(&by_client, Replicas::Alternating);
+    let together = ranks::RankSpec {
+        world_size: sizes.world_size,
+        steps: sizes.rank_steps,
+        batch_steps: sizes.rank_batch_steps,
+        shape,
+        lag_batches: 0,
+        server_args: Vec::new(),
+    };
+    let skewed = ranks::RankSpec {
+        lag_batches: sizes.lag_batches,
+        ..together.clone()
+    };
+    // As many module records as the ranks post, from 4 single-rank clients.
+    let single_rank = ingest::IngestSpec {
+        queries_after: Vec::new(),
+        ..ingest::IngestSpec::target(
+            sizes.rank_steps * u64::from(sizes.world_size) / on.clients as u64,
+        )
+    };
+    let one_run = ingest::IngestSpec {
+        clients: 1,
+        ..ingest::IngestSpec::target(sizes.rank_steps * u64::from(sizes.world_size))
+    };
+
     let mut done = Vec::new();
     for round in 0..rounds {
         eprintln!("gradflow-bench: ingest round {}/{rounds}", round + 1);
@@ -195,14 +333,64 @@ async fn ingest_rounds(steps: u64, rounds: usize) -> anyhow::Result<IngestReport
             let b = ingest::http(&off).await?;
             (ingest::http(&on).await?, b)
         };
-        let shape = on.shape;
         let baseline =
             tokio::task::spawn_blocking(move || baseline::bare_sqlite(on.clients, steps, shape))
                 .await??;
+        eprintln!(
+            "gradflow-bench: ingest round {}/{rounds}: the realistic trace",
+            round + 1
+        );
+        let realistic = ingest::http(&realistic).await?;
+        let postgres = match (&pg_iid, &pg_realistic, &pg_by_client, &pg_alternating) {
+            (Some(iid), Some(real), Some(by_client), Some(alternating)) => {
+                eprintln!(
+                    "gradflow-bench: ingest round {}/{rounds}: PostgreSQL",
+                    round + 1
+                );
+                Some(PostgresRound {
+                    iid: ingest::http(iid).await.context("PostgreSQL, i.i.d.")?,
+                    realistic: ingest::http(real).await.context("PostgreSQL, realistic")?,
+                    replicas_by_client: ingest::http(by_client)
+                        .await
+                        .context("two replicas, clients split")?,
+                    replicas_alternating: ingest::http(alternating)
+                        .await
+                        .context("two replicas, batches alternating")?,
+                })
+            }
+            _ => None,
+        };
+        eprintln!(
+            "gradflow-bench: ingest round {}/{rounds}: {} ranks × {} steps",
+            round + 1,
+            together.world_size,
+            together.steps
+        );
+        let (single, multi) = if round % 2 == 0 {
+            let single = ingest::http(&single_rank).await?;
+            (single, ranks::http(&together, &Backend::Sqlite).await?)
+        } else {
+            let multi = ranks::http(&together, &Backend::Sqlite).await?;
+            (ingest::http(&single_rank).await?, multi)
+        };
+        let alone = ingest::http(&one_run)
+            .await
+            .context("one single-rank run")?;
+        let lagging = ranks::http(&skewed, &Backend::Sqlite)
+            .await
+            .context("the skewed ranks")?;
         done.push(IngestRound {
             detectors_on,
             detectors_off,
             baseline,
+            realistic,
+            postgres,
+            ranks: Some(RanksRound {
+                single_rank: single,
+                one_run: alone,
+                together: multi,
+                skewed: lagging,
+            }),
         });
     }
     Ok(IngestReport {

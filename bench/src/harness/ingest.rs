@@ -1,22 +1,21 @@
 //! Ingest through the real HTTP API: `clients` concurrent clients, each streaming
-//! its own run to a fresh `gradflow-server` in batches, bodies built before the clock
-//! starts. Throughput counts module gradient norms persisted (answered 200, hence
-//! durable) per second; the file is measured after the server stops.
+//! its own run in batches to a fresh `gradflow-server` (or to two replicas of it on
+//! one PostgreSQL database), bodies built before the clock starts. Throughput counts
+//! module gradient norms persisted (answered 200, hence durable) per second; the
+//! database is measured after the servers stop.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use gradflow_e2e::ServerProcess;
 use serde::Serialize;
 
 use super::alarms::WorkloadAlarms;
+use super::backend::{Backend, Database};
 use super::queries::{QueryTiming, post, register, time_get, timed_get};
-use crate::server::bytes_on_disk;
 use crate::stats::{ms, quantile};
-use crate::workload::{BatchWriter, Generator, Shape};
+use crate::workload::{BatchWriter, Generator, Shape, Trace};
 
 #[derive(Debug, Clone)]
 pub struct IngestSpec {
@@ -24,6 +23,12 @@ pub struct IngestSpec {
     pub steps_per_client: u64,
     pub batch_steps: u64,
     pub shape: Shape,
+    /// The telemetry the clients send.
+    pub trace: Trace,
+    /// Where the servers keep it: a fresh database either way.
+    pub backend: Backend,
+    /// How many servers share the database, and which one a batch goes to.
+    pub replicas: Replicas,
     /// Flags for the server (e.g. `--disable-detectors`).
     pub server_args: Vec<String>,
     /// While ingesting, read a 1,000-point series of the first run every 50 ms and
@@ -35,13 +40,50 @@ pub struct IngestSpec {
     pub query_repeats: usize,
 }
 
+/// The servers of a measurement, and the one each batch goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Replicas {
+    /// One server.
+    One,
+    /// Two servers on one PostgreSQL database; client `c` sends every batch to
+    /// server `c mod 2` (clients 0 and 2 to A, 1 and 3 to B).
+    ByClient,
+    /// Two servers on one PostgreSQL database; batch `b` of client `c` goes to server
+    /// `(c + b) mod 2`, so every batch of a run finds it moved on by the other
+    /// server: the run's row lock, and its state read back, on every batch.
+    Alternating,
+}
+
+impl Replicas {
+    pub fn servers(self) -> usize {
+        match self {
+            Replicas::One => 1,
+            Replicas::ByClient | Replicas::Alternating => 2,
+        }
+    }
+
+    /// The server batch `batch` of client `client` goes to.
+    fn server_of(self, client: usize, batch: usize) -> usize {
+        match self {
+            Replicas::One => 0,
+            Replicas::ByClient => client % 2,
+            Replicas::Alternating => (client + batch) % 2,
+        }
+    }
+}
+
 impl IngestSpec {
+    /// The ingest target: 4 clients of the i.i.d. trace, one server on SQLite.
     pub fn target(steps_per_client: u64) -> IngestSpec {
         IngestSpec {
             clients: 4,
             steps_per_client,
             batch_steps: 50,
             shape: Shape::QWEN_1_5B,
+            trace: Trace::Iid,
+            backend: Backend::Sqlite,
+            replicas: Replicas::One,
             server_args: Vec::new(),
             probe_queries: false,
             queries_after: Vec::new(),
@@ -56,13 +98,20 @@ impl IngestSpec {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct IngestResult {
+    /// `SQLite` or `PostgreSQL`.
+    pub backend: &'static str,
+    /// `i.i.d.` or `realistic`.
+    pub trace: &'static str,
+    pub replicas: Replicas,
     pub module_values: u64,
     pub values: u64,
     pub seconds: f64,
     pub module_values_per_second: f64,
+    pub values_per_second: f64,
     pub batch_latency_p50_ms: f64,
     pub batch_latency_p99_ms: f64,
-    /// The database and its WAL after the server stopped.
+    /// The database after the servers stopped: SQLite's file and WAL, PostgreSQL's
+    /// tables with their TOAST and indexes (see `Database::bytes`).
     pub bytes_on_disk: u64,
     pub bytes_per_module_value: f64,
     pub bytes_per_value: f64,
@@ -74,12 +123,18 @@ pub struct IngestResult {
     pub alarms: Option<WorkloadAlarms>,
 }
 
-/// Runs one measurement on a fresh server and database.
+/// Runs one measurement on a fresh database and fresh servers.
 pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
-    let dir = tempfile::tempdir().context("a temporary directory")?;
-    let db: PathBuf = dir.path().join("ingest.db");
-    let args: Vec<&str> = spec.server_args.iter().map(String::as_str).collect();
-    let server = ServerProcess::start(&db, &args);
+    anyhow::ensure!(
+        spec.replicas == Replicas::One || matches!(spec.backend, Backend::Postgres(_)),
+        "replicas share a PostgreSQL database, not a SQLite file"
+    );
+    let database = Database::fresh(&spec.backend).await?;
+    let mut servers = Vec::with_capacity(spec.replicas.servers());
+    // One after the other: the first migrates the fresh database.
+    for _ in 0..spec.replicas.servers() {
+        servers.push(database.start(&spec.server_args).await?);
+    }
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(spec.clients + 1)
         .build()?;
@@ -88,35 +143,41 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
     let mut bodies = Vec::with_capacity(spec.clients);
     for c in 0..spec.clients {
         let run = format!("bench-{c}");
-        register(&client, &server, &run, &spec.shape.registration(&run)).await?;
-        let mut generator = Generator::new(spec.shape, c as u64);
-        let batches: Vec<Vec<u8>> = (0..spec.steps_per_client)
+        let home = &servers[spec.replicas.server_of(c, 0)];
+        register(&client, home, &run, &spec.shape.registration(&run)).await?;
+        let mut generator = Generator::with_trace(spec.shape, c as u64, spec.trace);
+        let urls: Vec<String> = servers
+            .iter()
+            .map(|s| s.url(&format!("/api/v1/runs/{run}/steps")))
+            .collect();
+        let batches: Vec<(String, Vec<u8>)> = (0..spec.steps_per_client)
             .step_by(spec.batch_steps as usize)
-            .map(|first| {
+            .enumerate()
+            .map(|(b, first)| {
                 let count = spec.batch_steps.min(spec.steps_per_client - first);
-                writer.batch(&generator.steps(first, count))
+                let url = urls[spec.replicas.server_of(c, b)].clone();
+                (url, writer.batch(&generator.steps(first, count)))
             })
             .collect();
-        bodies.push((run, batches));
+        bodies.push(batches);
     }
 
     let stop_probe = Arc::new(AtomicBool::new(false));
     let probe = spec.probe_queries.then(|| {
         tokio::spawn(probe(
             client.clone(),
-            server.base.clone(),
+            servers[0].base.clone(),
             stop_probe.clone(),
         ))
     });
     let started = Instant::now();
     let tasks: Vec<_> = bodies
         .into_iter()
-        .map(|(run, batches)| {
+        .map(|batches| {
             let client = client.clone();
-            let url = server.url(&format!("/api/v1/runs/{run}/steps"));
             tokio::spawn(async move {
                 let mut latencies = Vec::with_capacity(batches.len());
-                for body in batches {
+                for (url, body) in batches {
                     let sent = Instant::now();
                     post(&client, &url, body).await?;
                     latencies.push(sent.elapsed());
@@ -137,45 +198,33 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
     };
     let mut queries = Vec::new();
     for (name, path) in &spec.queries_after {
-        queries.push(time_get(&client, &server, name, path, spec.query_repeats).await?);
+        queries.push(time_get(&client, &servers[0], name, path, spec.query_repeats).await?);
     }
     let detectors_on = !spec.server_args.iter().any(|a| a == "--disable-detectors");
     let alarms = if detectors_on {
-        let alerts: serde_json::Value = client
-            .get(server.url("/api/v1/alerts"))
-            .send()
-            .await?
-            .json()
-            .await?;
-        Some(WorkloadAlarms::label(
-            &format!(
-                "{} runs × {} i.i.d. healthy steps × {} modules",
-                spec.clients, spec.steps_per_client, spec.shape.modules
-            ),
-            spec.clients as u64 * spec.steps_per_client,
-            alerts["alerts"].as_array().map_or(&[], Vec::as_slice),
-            // The server is right to say the unreported layer's modules never report.
-            |a| {
-                spec.shape.registers_unreported_layer()
-                    && a["kind"] == "unused_parameters"
-                    && a["subject"] == "qwen"
-            },
-        ))
+        Some(alarms(&client, &servers[0], spec).await?)
     } else {
         None
     };
-    let status = server.terminate();
-    anyhow::ensure!(status.success(), "the server stopped with {status}");
+    for server in servers {
+        let status = server.terminate();
+        anyhow::ensure!(status.success(), "the server stopped with {status}");
+    }
     latencies.sort();
 
     let module_values = spec.module_values();
     let values = spec.clients as u64 * spec.steps_per_client * spec.shape.values_per_step() as u64;
-    let bytes = bytes_on_disk(&db);
+    let bytes = database.bytes().await?;
+    database.remove().await?;
     Ok(IngestResult {
+        backend: spec.backend.name(),
+        trace: spec.trace.name(),
+        replicas: spec.replicas,
         module_values,
         values,
         seconds,
         module_values_per_second: module_values as f64 / seconds,
+        values_per_second: values as f64 / seconds,
         batch_latency_p50_ms: ms(quantile(&latencies, 0.5)),
         batch_latency_p99_ms: ms(quantile(&latencies, 0.99)),
         bytes_on_disk: bytes,
@@ -185,6 +234,37 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
         queries,
         alarms,
     })
+}
+
+/// What the detectors raised on the clients' healthy runs, labelled.
+async fn alarms(
+    client: &reqwest::Client,
+    server: &ServerProcess,
+    spec: &IngestSpec,
+) -> anyhow::Result<WorkloadAlarms> {
+    let alerts: serde_json::Value = client
+        .get(server.url("/api/v1/alerts"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    Ok(WorkloadAlarms::label(
+        &format!(
+            "{} runs × {} {} healthy steps × {} modules",
+            spec.clients,
+            spec.steps_per_client,
+            spec.trace.name(),
+            spec.shape.modules
+        ),
+        spec.clients as u64 * spec.steps_per_client,
+        alerts["alerts"].as_array().map_or(&[], Vec::as_slice),
+        // The server is right to say the unreported layer's modules never report.
+        |a| {
+            spec.shape.registers_unreported_layer()
+                && a["kind"] == "unused_parameters"
+                && a["subject"] == "qwen"
+        },
+    ))
 }
 
 /// Reads a 1,000-point series of the first run every 50 ms until `stop`.

@@ -1,15 +1,18 @@
 //! The benchmark harness behind `gradflow-bench`: each measurement of BENCHMARKS.md
 //! as a function that starts what it needs (a release `gradflow-server` on a fresh
-//! temporary database, the trainer binary, bare SQLite) and returns its figures,
-//! and the report that sets them against the targets.
+//! temporary database, SQLite or PostgreSQL, the trainer binary, bare SQLite) and
+//! returns its figures, and the report that sets them against the targets.
 
 pub mod alarms;
+pub mod backend;
 pub mod baseline;
 pub mod ingest;
 pub mod latency;
 pub mod plot;
 pub mod queries;
+pub mod ranks;
 pub mod report;
+pub mod reporting;
 pub mod scaling;
 
 use serde::Serialize;

@@ -11,17 +11,51 @@ use super::alarms::{FalseAlarms, WorkloadAlarms};
 use super::baseline::BaselineResult;
 use super::ingest::IngestResult;
 use super::latency::Detection;
-use super::queries::QueryResult;
+use super::queries::{QueryResult, QueryTiming};
+use super::ranks::RankResult;
+use super::reporting::ReportingCost;
 use super::scaling::Sweep;
 use crate::stats::median;
 use crate::workload::Shape;
 
-/// One round of the ingest comparison: the three, run back to back.
+/// One round of the ingest comparison: every contender, run back to back.
 #[derive(Debug, Clone, Serialize)]
 pub struct IngestRound {
+    /// The server on SQLite, i.i.d. trace, detectors on.
     pub detectors_on: IngestResult,
     pub detectors_off: IngestResult,
     pub baseline: BaselineResult,
+    /// The server on SQLite, detectors on, the realistic trace.
+    pub realistic: IngestResult,
+    /// The same on PostgreSQL, when a PostgreSQL could be started.
+    pub postgres: Option<PostgresRound>,
+    /// A 64-rank run beside single-rank runs of as many records.
+    pub ranks: Option<RanksRound>,
+}
+
+/// The server with detectors on a fresh PostgreSQL database for each.
+#[derive(Debug, Clone, Serialize)]
+pub struct PostgresRound {
+    pub iid: IngestResult,
+    pub realistic: IngestResult,
+    /// Two servers on one database, clients 0 and 2 on one, 1 and 3 on the other.
+    pub replicas_by_client: IngestResult,
+    /// Two servers on one database, each run's batches alternating between them.
+    pub replicas_alternating: IngestResult,
+}
+
+/// A multi-rank run, sharded, on SQLite, and single-rank runs posting as many module
+/// records.
+#[derive(Debug, Clone, Serialize)]
+pub struct RanksRound {
+    pub single_rank: IngestResult,
+    /// One single-rank run posting as many module records from one client: one
+    /// run's batches take turns, as a multi-rank run's do.
+    pub one_run: IngestResult,
+    /// Every rank posting as fast as it can.
+    pub together: RankResult,
+    /// The last rank held more than 256 steps behind the others.
+    pub skewed: RankResult,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -38,6 +72,28 @@ impl IngestReport {
     pub fn median_rate(&self, pick: impl Fn(&IngestRound) -> f64) -> f64 {
         median(self.rounds.iter().map(pick))
     }
+
+    /// The median over the rounds that have `pick`'s figure (NaN if none has).
+    fn median_of(&self, pick: impl Fn(&IngestRound) -> Option<f64>) -> f64 {
+        median(self.rounds.iter().filter_map(pick))
+    }
+}
+
+/// The median time of the read named `name` after an ingest.
+fn query_ms(result: &IngestResult, name: &str) -> Option<f64> {
+    result
+        .queries
+        .iter()
+        .find(|q: &&QueryTiming| q.name == name)
+        .map(|q| q.median_ms)
+}
+
+/// The series reads timed after the ingest part's measurements.
+pub const LOSS_SERIES: &str = "series: loss, 1,000 points";
+pub const MODULE_SERIES: &str = "series: a module's grad_norm, 1,000 points";
+
+fn mib(bytes: f64) -> String {
+    format!("{:.1} MiB", bytes / (1u64 << 20) as f64)
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -46,7 +102,12 @@ pub struct Report {
     pub quick: bool,
     pub ingest: Option<IngestReport>,
     pub queries: Option<QueryResult>,
+    /// Instrumentation at `small` (`tiny` at `--quick`).
     pub overhead: Option<Overhead>,
+    /// Instrumentation at `tiny`, where a step is short enough for fixed costs to show.
+    pub overhead_tiny: Option<Overhead>,
+    /// The trainer binary reporting to a server against `--no-report`.
+    pub reporting: Option<ReportingCost>,
     pub latency: Option<Vec<Detection>>,
     /// What the latency part's runs raised, healthy scenarios included, labelled.
     #[serde(skip)]
@@ -139,23 +200,39 @@ impl Report {
             }
             md.push('\n');
         }
-        if let Some(o) = &self.overhead {
+        if self.overhead.is_some() || self.overhead_tiny.is_some() {
             let _ = writeln!(
                 md,
-                "### Trainer overhead\n\n| preset | device | params | steps | instrumented | `--no-instrument` | overhead | target |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+                "### Trainer overhead\n\nInstrumentation, in one process: median step times of an instrumented and an \
+                uninstrumented trainer stepped alternately.\n\n\
+                | preset | device | params | steps | instrumented | `--no-instrument` | overhead | target |\n\
+                | --- | --- | --- | --- | --- | --- | --- | --- |"
             );
-            let _ = writeln!(
-                md,
-                "| {} | {} | {} | {} | {:.2} ms | {:.2} ms | {:+.2} % | ≤ 3 %: {} |\n",
-                o.preset,
-                o.device,
-                thousands(o.params as f64),
-                o.steps,
-                o.instrumented_ms,
-                o.uninstrumented_ms,
-                o.percent(),
-                verdict(o.percent() <= 3.0)
-            );
+            for o in self.overhead.iter().chain(&self.overhead_tiny) {
+                // The target is the `small` preset's; at `tiny` fixed costs dominate.
+                let target = if o.preset == "small" {
+                    format!("≤ 3 %: {}", verdict(o.percent() <= 3.0))
+                } else {
+                    String::new()
+                };
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {} | {:.3} ms | {:.3} ms | {:+.3} ms, {:+.2} % | {} |",
+                    o.preset,
+                    o.device,
+                    thousands(o.params as f64),
+                    o.steps,
+                    o.instrumented_ms,
+                    o.uninstrumented_ms,
+                    o.extra_ms(),
+                    o.percent(),
+                    target
+                );
+            }
+            md.push('\n');
+        }
+        if let Some(r) = &self.reporting {
+            reporting_table(&mut md, r);
         }
         if let Some(detections) = &self.latency {
             let _ = writeln!(
@@ -331,7 +408,234 @@ impl Report {
             );
         }
         md.push('\n');
+        backends_table(md, ingest);
+        replicas_table(md, ingest);
+        ranks_table(md, ingest);
     }
+}
+
+/// Ingest by database and trace, detectors on: medians over the rounds.
+fn backends_table(md: &mut String, ingest: &IngestReport) {
+    let postgres = ingest.rounds.iter().any(|r| r.postgres.is_some());
+    let _ = writeln!(
+        md,
+        "### Ingest by database and trace\n\nThe server with detectors on, {} clients × {} steps as above, on \
+        the i.i.d. trace (every norm drawn independently: the worst case for storage) and on the realistic \
+        one (smooth, noisy series, as a real run's); on SQLite and{} on PostgreSQL (a throwaway cluster on the \
+        same machine, fsync and `synchronous_commit` on; a fresh database each). Bytes: SQLite's file and WAL; \
+        PostgreSQL's tables in `public` with their TOAST and indexes (`pg_total_relation_size`), not its WAL. \
+        The series reads: 1,000 points of client 0's run after the ingest, the median of the timed requests. \
+        Medians over the rounds.\n\n\
+        | database | trace | values/s | module values/s | B per module norm | B per value | series p50: loss / a module | batch p50 |\n\
+        | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ingest.clients,
+        thousands(ingest.steps_per_client as f64),
+        if postgres {
+            ""
+        } else {
+            " (not measured here: no PostgreSQL)"
+        },
+    );
+    type Pick = fn(&IngestRound) -> Option<&IngestResult>;
+    let rows: [Pick; 4] = [
+        |r| Some(&r.detectors_on),
+        |r| Some(&r.realistic),
+        |r| r.postgres.as_ref().map(|p| &p.iid),
+        |r| r.postgres.as_ref().map(|p| &p.realistic),
+    ];
+    for pick in rows {
+        let Some(first) = ingest.rounds.iter().find_map(pick) else {
+            continue;
+        };
+        let of = |f: fn(&IngestResult) -> Option<f64>| ingest.median_of(|r| pick(r).and_then(f));
+        let ms = |v: f64| {
+            if v.is_nan() {
+                "–".to_owned()
+            } else {
+                format!("{v:.1}")
+            }
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.2} | {:.2} | {} / {} ms | {:.1} ms |",
+            first.backend,
+            first.trace,
+            thousands(of(|r| Some(r.values_per_second))),
+            thousands(of(|r| Some(r.module_values_per_second))),
+            of(|r| Some(r.bytes_per_module_value)),
+            of(|r| Some(r.bytes_per_value)),
+            ms(of(|r| query_ms(r, LOSS_SERIES))),
+            ms(of(|r| query_ms(r, MODULE_SERIES))),
+            of(|r| Some(r.batch_latency_p50_ms)),
+        );
+    }
+    md.push('\n');
+}
+
+/// One PostgreSQL database, one server or two.
+fn replicas_table(md: &mut String, ingest: &IngestReport) {
+    if !ingest.rounds.iter().any(|r| r.postgres.is_some()) {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "### Two replicas on one PostgreSQL database\n\nThe same 4 clients (i.i.d. trace, detectors on) against \
+        one server, and against two `gradflow-server` processes on one fresh database: clients 0 and 2 on \
+        replica A, 1 and 3 on B; then every run's batches alternating between A and B, so that each batch \
+        finds its run moved on by the other replica (the run's row lock, its state read back). Medians over the \
+        rounds; the ratio is the median of the per-round ratios to one server.\n\n\
+        | servers | module values/s | values/s | batch p50 | batch p99 | ÷ one server |\n\
+        | --- | --- | --- | --- | --- | --- |"
+    );
+    type Pick = fn(&PostgresRound) -> &IngestResult;
+    let rows: [(&str, Pick); 3] = [
+        ("one", |p| &p.iid),
+        ("two, clients split", |p| &p.replicas_by_client),
+        ("two, batches alternating", |p| &p.replicas_alternating),
+    ];
+    for (name, pick) in rows {
+        let of =
+            |f: &dyn Fn(&PostgresRound) -> f64| ingest.median_of(|r| r.postgres.as_ref().map(f));
+        let _ = writeln!(
+            md,
+            "| {name} | {} | {} | {:.1} ms | {:.1} ms | {:.2}× |",
+            thousands(of(&|p| pick(p).module_values_per_second)),
+            thousands(of(&|p| pick(p).values_per_second)),
+            of(&|p| pick(p).batch_latency_p50_ms),
+            of(&|p| pick(p).batch_latency_p99_ms),
+            of(&|p| pick(p).module_values_per_second / p.iid.module_values_per_second),
+        );
+    }
+    md.push('\n');
+}
+
+/// The multi-rank run beside single-rank runs of as many records.
+fn ranks_table(md: &mut String, ingest: &IngestReport) {
+    let Some(first) = ingest.rounds.iter().find_map(|r| r.ranks.as_ref()) else {
+        return;
+    };
+    let t = &first.together;
+    let _ = writeln!(
+        md,
+        "### A {}-rank run\n\nOne run of world size {}, every module and norm weight laid out `sharded` across \
+        all ranks: {} concurrent rank clients each post their partial records (`grad_sumsq`, `numel`) of the \
+        same {} steps × {} modules, {} steps a batch, to a server on SQLite with detectors on; the server \
+        combines each step from every rank. A module value counts once a combined step and module; a rank's \
+        module record once each. Beside it in each round, 4 single-rank runs posting as many module records \
+        (4 × {} steps), and one single-rank run posting them alone: a server takes one run's batches in \
+        turn (what keeps its verdicts exact), so one run, of one rank or of many, ingests on one core's \
+        worth of the batch work while 4 runs use both. Skewed: rank {} holds each batch back until every other rank has sent {} steps \
+        more (or all of theirs); a step waits for a rank only until another is 256 steps past it, then the server \
+        completes it without that rank (`rank_missing`), so however far a rank falls behind, at most ~256 steps \
+        wait for it. Memory: the server's resident set, sampled every 10 ms while the ranks post; \
+        growth is the sampled peak less the resident set before the clock. Medians over the rounds; the \
+        ratios are medians of the per-round ratios.\n\n\
+        | run | module values/s | rank module records/s | rank records/s | ÷ single-rank, 4 runs | ÷ single-rank, 1 run | batch p50 | RSS before | peak RSS | growth |\n\
+        | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        t.world_size,
+        t.world_size,
+        t.world_size,
+        thousands(t.steps as f64),
+        t.modules,
+        t.batch_steps,
+        thousands((t.rank_module_records / 4 / t.modules as u64) as f64),
+        t.world_size - 1,
+        first.skewed.lag_steps,
+    );
+    let of = |f: &dyn Fn(&RanksRound) -> f64| ingest.median_of(|r| r.ranks.as_ref().map(f));
+    let single = of(&|k| k.single_rank.module_values_per_second);
+    let _ = writeln!(
+        md,
+        "| single-rank, 4 runs | {} | {} | | 1.00× | | {:.1} ms | | | |",
+        thousands(single),
+        thousands(single),
+        of(&|k| k.single_rank.batch_latency_p50_ms),
+    );
+    let one = of(&|k| k.one_run.module_values_per_second);
+    let _ = writeln!(
+        md,
+        "| single-rank, 1 run | {} | {} | | {:.2}× | 1.00× | {:.1} ms | | | |",
+        thousands(one),
+        thousands(one),
+        of(&|k| k.one_run.module_values_per_second / k.single_rank.module_values_per_second),
+        of(&|k| k.one_run.batch_latency_p50_ms),
+    );
+    type Pick = fn(&RanksRound) -> &RankResult;
+    let together: Pick = |k| &k.together;
+    let skewed: Pick = |k| &k.skewed;
+    for (name, pick) in [
+        (format!("{} ranks", t.world_size), together),
+        (
+            format!(
+                "{} ranks, rank {} {} steps behind",
+                t.world_size,
+                t.world_size - 1,
+                first.skewed.lag_steps
+            ),
+            skewed,
+        ),
+    ] {
+        let _ = writeln!(
+            md,
+            "| {name} | {} | {} | {} | {:.2}× | {:.2}× | {:.1} ms | {} | {} | {} |",
+            thousands(of(&|k| pick(k).module_values_per_second)),
+            thousands(of(&|k| pick(k).rank_module_records_per_second)),
+            thousands(of(&|k| pick(k).rank_records_per_second)),
+            of(&|k| pick(k).rank_module_records_per_second
+                / k.single_rank.module_values_per_second),
+            of(&|k| pick(k).rank_module_records_per_second / k.one_run.module_values_per_second),
+            of(&|k| pick(k).batch_latency_p50_ms),
+            mib(of(&|k| pick(k).resident_before_bytes as f64)),
+            mib(of(&|k| pick(k).resident_peak_bytes as f64)),
+            mib(of(&|k| {
+                pick(k).resident_peak_bytes as f64 - pick(k).resident_before_bytes as f64
+            })),
+        );
+    }
+    let pending =
+        of(&|k| k.skewed.resident_peak_bytes as f64 - k.together.resident_peak_bytes as f64);
+    let _ = writeln!(
+        md,
+        "\nSteps waiting for the lagging rank cost {} of peak resident memory over the ranks in step \
+        (median of the rounds' differences), with at most ~256 of them waiting however far it falls behind.\n",
+        mib(pending)
+    );
+}
+
+fn reporting_table(md: &mut String, r: &ReportingCost) {
+    let _ = writeln!(
+        md,
+        "### Reporting cost\n\nThe trainer binary at `{}`, {} steps, streaming to a release server on the \
+        same machine against the same command with `--no-report`, {} rounds alternating the order; \
+        medians, the differences of each round's pair. The training loop's pace is the trainer's own \
+        figure; the rest of a run is start-up, registration and the final flush.\n\n\
+        | figure | reporting | `--no-report` | difference | target |\n| --- | --- | --- | --- | --- |",
+        r.preset, r.steps, r.rounds
+    );
+    let _ = writeln!(
+        md,
+        "| a step | {:.3} ms | {:.3} ms | {:+.3} ms ({:+.1} %) | ≤ 0.2 ms: {} |",
+        r.reporting_step_ms,
+        r.no_report_step_ms,
+        r.extra_step_ms,
+        r.extra_step_ms / r.no_report_step_ms * 100.0,
+        verdict(r.extra_step_ms <= 0.2)
+    );
+    let _ = writeln!(
+        md,
+        "| a run, outside the loop | | | {:+.1} ms | |",
+        r.extra_per_run_ms
+    );
+    let _ = writeln!(
+        md,
+        "| the whole command | {:.3} s | {:.3} s | | |",
+        r.reporting_wall_s, r.no_report_wall_s
+    );
+    let _ = writeln!(
+        md,
+        "| the server's CPU | {:.3} ms a step | | | |\n",
+        r.server_cpu_ms_per_step
+    );
 }
 
 /// "n × key, …", or "none".
@@ -394,16 +698,25 @@ Every alert of warning or critical severity that the workloads above raised, \
 pub fn gather_alarms(report: &Report) -> Vec<WorkloadAlarms> {
     let mut all = Vec::new();
     if let Some(ingest) = &report.ingest {
-        let mut rounds = ingest
-            .rounds
-            .iter()
-            .filter_map(|r| r.detectors_on.alarms.clone());
-        if let Some(mut first) = rounds.next() {
-            for round in rounds {
-                first.merge(&round);
+        // The SQLite runs of each trace, and the multi-rank ones: the PostgreSQL
+        // runs send the same records again.
+        type Pick = fn(&IngestRound) -> Option<WorkloadAlarms>;
+        let workloads: [Pick; 4] = [
+            |r| r.detectors_on.alarms.clone(),
+            |r| r.realistic.alarms.clone(),
+            |r| r.ranks.as_ref().map(|k| k.together.alarms.clone()),
+            |r| r.ranks.as_ref().map(|k| k.skewed.alarms.clone()),
+        ];
+        for pick in workloads {
+            let mut rounds = ingest.rounds.iter().filter_map(pick);
+            if let Some(mut first) = rounds.next() {
+                for round in rounds {
+                    first.merge(&round);
+                }
+                first.workload =
+                    format!("ingest, {} rounds: {}", ingest.rounds.len(), first.workload);
+                all.push(first);
             }
-            first.workload = format!("ingest, {} rounds: {}", ingest.rounds.len(), first.workload);
-            all.push(first);
         }
     }
     if let Some(queries) = &report.queries {
