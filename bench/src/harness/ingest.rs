@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::alarms::WorkloadAlarms;
 use super::backend::{Backend, Database};
-use super::queries::{QueryTiming, post, register, time_get, timed_get};
+use super::queries::{QueryTiming, alerts_at, post, register, time_get, timed_get};
 use crate::stats::{ms, quantile};
 use crate::workload::{BatchWriter, Generator, Shape, Trace};
 
@@ -242,12 +242,7 @@ async fn alarms(
     server: &ServerProcess,
     spec: &IngestSpec,
 ) -> anyhow::Result<WorkloadAlarms> {
-    let alerts: serde_json::Value = client
-        .get(server.url("/api/v1/alerts"))
-        .send()
-        .await?
-        .json()
-        .await?;
+    let alerts = alerts_at(client, server, "/api/v1/alerts").await?;
     Ok(WorkloadAlarms::label(
         &format!(
             "{} runs × {} {} healthy steps × {} modules",
@@ -257,7 +252,7 @@ async fn alarms(
             spec.shape.modules
         ),
         spec.clients as u64 * spec.steps_per_client,
-        alerts["alerts"].as_array().map_or(&[], Vec::as_slice),
+        &alerts,
         // The server is right to say the unreported layer's modules never report.
         |a| {
             spec.shape.registers_unreported_layer()

@@ -72,13 +72,7 @@ pub async fn run(spec: &QuerySpec) -> anyhow::Result<QueryResult> {
     add_short_runs(&client, &server, spec.runs.saturating_sub(1)).await?;
     let build_seconds = started.elapsed().as_secs_f64();
 
-    let alerts: Value = client
-        .get(server.url("/api/v1/alerts"))
-        .send()
-        .await?
-        .json()
-        .await?;
-    let alert_list = alerts["alerts"].as_array().cloned().unwrap_or_default();
+    let alert_list = alerts_at(&client, &server, "/api/v1/alerts").await?;
     let mut alert_kinds = std::collections::BTreeMap::new();
     for a in &alert_list {
         let key = format!(
@@ -319,6 +313,20 @@ async fn add_short_runs(
         task.await??;
     }
     Ok(())
+}
+
+/// The alerts `server` answers at `path` (`/api/v1/alerts`, or a run's), as the
+/// JSON objects of its `alerts` array.
+pub async fn alerts_at(
+    client: &reqwest::Client,
+    server: &ServerProcess,
+    path: &str,
+) -> anyhow::Result<Vec<Value>> {
+    let mut body: Value = client.get(server.url(path)).send().await?.json().await?;
+    match body["alerts"].take() {
+        Value::Array(alerts) => Ok(alerts),
+        other => anyhow::bail!("GET {path}: no alerts array, but {other}"),
+    }
 }
 
 pub async fn register(

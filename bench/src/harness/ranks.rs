@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 
 use super::alarms::WorkloadAlarms;
 use super::backend::{Backend, Database};
-use super::queries::{post, register};
+use super::queries::{alerts_at, post, register};
 use crate::server::memory;
 use crate::stats::{ms, quantile};
 use crate::workload::{Generator, Shape, Step};
@@ -319,12 +319,7 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
         .json()
         .await?;
     let combined_steps = run["step_count"].as_u64().unwrap_or(0);
-    let alerts: Value = client
-        .get(server.url(&format!("/api/v1/runs/{RUN}/alerts")))
-        .send()
-        .await?
-        .json()
-        .await?;
+    let alerts = alerts_at(&client, &server, &format!("/api/v1/runs/{RUN}/alerts")).await?;
     let lag_steps = spec.lag_batches as u64 * spec.batch_steps;
     let workload = if lag_steps > 0 {
         format!(
@@ -338,19 +333,12 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
         )
     };
     let lagging_subject = format!("rank {lagging}");
-    let alarms = WorkloadAlarms::label(
-        &workload,
-        spec.steps,
-        alerts["alerts"].as_array().map_or(&[], Vec::as_slice),
-        |a| {
-            (spec.shape.registers_unreported_layer()
-                && a["kind"] == "unused_parameters"
-                && a["subject"] == "qwen")
-                || (lag_steps > 0
-                    && a["kind"] == "rank_missing"
-                    && a["subject"] == *lagging_subject)
-        },
-    );
+    let alarms = WorkloadAlarms::label(&workload, spec.steps, &alerts, |a| {
+        (spec.shape.registers_unreported_layer()
+            && a["kind"] == "unused_parameters"
+            && a["subject"] == "qwen")
+            || (lag_steps > 0 && a["kind"] == "rank_missing" && a["subject"] == *lagging_subject)
+    });
     let status = server.terminate();
     anyhow::ensure!(status.success(), "the server stopped with {status}");
     database.remove().await?;

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::alarms::WorkloadAlarms;
 use super::ingest::{self, IngestSpec};
-use super::queries::{self, QueryTiming, time_get};
+use super::queries::{self, QueryTiming, alerts_at, time_get};
 use crate::workload::Shape;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -150,16 +150,11 @@ pub async fn length(lengths: &[u64], modules: usize) -> anyhow::Result<Sweep> {
             queries: timings,
         });
     }
-    let alerts: serde_json::Value = client
-        .get(server.url("/api/v1/alerts"))
-        .send()
-        .await?
-        .json()
-        .await?;
+    let alerts = alerts_at(&client, &server, "/api/v1/alerts").await?;
     let alarms = vec![WorkloadAlarms::label(
         &format!("one run of {done} i.i.d. healthy steps × {modules} modules"),
         done,
-        alerts["alerts"].as_array().map_or(&[], Vec::as_slice),
+        &alerts,
         // The server is right to say the unreported layer's modules never report.
         |a| {
             shape.registers_unreported_layer()
