@@ -10,7 +10,7 @@ use super::codec::Cell;
 use super::columns::SeriesKind;
 use super::load::last_present;
 use super::read::LATEST_LOOKBACK;
-use super::{Store, StoreError, StoreResult, with_reader};
+use super::{Store, StoreResult, with_reader};
 
 /// A rank's latest value of one series, from its own stream.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,25 +32,8 @@ impl Store {
         kind: SeriesKind,
         subject: &str,
     ) -> StoreResult<Vec<RankLatest>> {
-        self.check_ready()?;
-        let key: Option<i64> = with_reader!(self, |pool| {
-            sqlx::query_scalar("SELECT id FROM runs WHERE run_id = $1")
-                .bind(run_id.as_str())
-                .fetch_optional(pool)
-                .await?
-        });
-        let key = key.ok_or_else(|| StoreError::RunNotFound(run_id.as_str().to_owned()))?;
-        let column: Option<i64> = with_reader!(self, |pool| {
-            sqlx::query_scalar(
-                "SELECT col FROM columns WHERE run = $1 AND kind = $2 AND subject = $3",
-            )
-            .bind(key)
-            .bind(kind.as_str())
-            .bind(subject)
-            .fetch_optional(pool)
-            .await?
-        });
-        let Some(column) = column.map(|c| c as usize) else {
+        let key = self.run_key(run_id).await?;
+        let Some(column) = self.column_position(key, kind, subject).await? else {
             return Ok(Vec::new());
         };
         // Every rank stream's last blocks, newest first: the last one and the few

@@ -68,18 +68,8 @@ impl Store {
         let key = self.run_key(run_id).await?;
         let mut found = None;
         for (kind, subject) in &request.candidates {
-            let column: Option<i64> = with_reader!(self, |pool| {
-                sqlx::query_scalar(
-                    "SELECT col FROM columns WHERE run = $1 AND kind = $2 AND subject = $3",
-                )
-                .bind(key)
-                .bind(kind.as_str())
-                .bind(subject)
-                .fetch_optional(pool)
-                .await?
-            });
-            if let Some(column) = column {
-                found = Some((*kind, column as usize));
+            if let Some(column) = self.column_position(key, *kind, subject).await? {
+                found = Some((*kind, column));
                 break;
             }
         }
@@ -220,7 +210,27 @@ impl Store {
     }
 
     /// The run's key.
-    async fn run_key(&self, run_id: &RunId) -> StoreResult<i64> {
+    /// The position of the run's column of `kind` for `subject`, if it has one.
+    pub(super) async fn column_position(
+        &self,
+        key: i64,
+        kind: SeriesKind,
+        subject: &str,
+    ) -> StoreResult<Option<usize>> {
+        let column: Option<i64> = with_reader!(self, |pool| {
+            sqlx::query_scalar(
+                "SELECT col FROM columns WHERE run = $1 AND kind = $2 AND subject = $3",
+            )
+            .bind(key)
+            .bind(kind.as_str())
+            .bind(subject)
+            .fetch_optional(pool)
+            .await?
+        });
+        Ok(column.map(|c| c as usize))
+    }
+
+    pub(super) async fn run_key(&self, run_id: &RunId) -> StoreResult<i64> {
         self.check_ready()?;
         let key: Option<i64> = with_reader!(self, |pool| {
             sqlx::query_scalar("SELECT id FROM runs WHERE run_id = $1")
