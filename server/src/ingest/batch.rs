@@ -158,14 +158,7 @@ pub fn prepare(
             steps: new.len() as u64,
         },
         amendments,
-        columns: added
-            .into_iter()
-            .map(|(kind, subject, position)| NewColumn {
-                position,
-                kind,
-                subject,
-            })
-            .collect(),
+        columns: new_columns(added),
         blocks,
         rollups,
         alerts,
@@ -333,6 +326,18 @@ pub fn write_stream(
 
 /// Folds the new rows into the rollup buckets of one width, queues every bucket
 /// they touched for writing, and returns the bucket now growing.
+/// The columns a batch added, as the store writes them.
+pub fn new_columns(added: Vec<(SeriesKind, String, u32)>) -> Vec<NewColumn> {
+    added
+        .into_iter()
+        .map(|(kind, subject, position)| NewColumn {
+            position,
+            kind,
+            subject,
+        })
+        .collect()
+}
+
 fn fold_rollups(
     open: Option<&OpenBucket>,
     stream: u32,

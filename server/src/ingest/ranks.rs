@@ -14,7 +14,7 @@ use gradflow_protocol::{InvalidBody, StepRecord, Timestamp};
 
 use super::IngestOutcome;
 use super::batch::{
-    Codec, Prepared, StepCells, check_amendment, check_params, detect, write_stream,
+    Codec, Prepared, StepCells, check_amendment, check_params, detect, new_columns, write_stream,
 };
 use super::combine::{Combined, LAG_STEPS, PendingStep};
 use super::state::{Registry, RunState};
@@ -22,9 +22,7 @@ use crate::detect::Detection;
 use crate::store::codec::ABSENT_BITS;
 use crate::store::columns::ColumnAssigner;
 use crate::store::flatten::{flatten, unflatten};
-use crate::store::{
-    BatchWrite, NewColumn, Progress, RUN_STREAM, StoreError, StoreResult, rank_stream,
-};
+use crate::store::{BatchWrite, Progress, RUN_STREAM, StoreError, StoreResult, rank_stream};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -284,14 +282,7 @@ pub fn prepare_ranks(
             steps: run_rows.len() as u64,
         },
         amendments,
-        columns: added
-            .into_iter()
-            .map(|(kind, subject, position)| NewColumn {
-                position,
-                kind,
-                subject,
-            })
-            .collect(),
+        columns: new_columns(added),
         blocks,
         rollups,
         alerts,
