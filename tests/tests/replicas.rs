@@ -149,6 +149,18 @@ fn replica(database: &str) -> ServerProcess {
 }
 
 /// `/readyz`'s status, and its body; `None` when the server did not answer.
+/// Two replicas on a fresh database of `postgres`, both ready, and a client.
+async fn two_ready_replicas(
+    postgres: &Postgres,
+) -> (ServerProcess, ServerProcess, reqwest::Client) {
+    let database = postgres.create_database().await;
+    let (a, b) = (replica(&database), replica(&database));
+    let client = reqwest::Client::new();
+    wait_ready(&client, &a, Duration::from_secs(60)).await;
+    wait_ready(&client, &b, Duration::from_secs(60)).await;
+    (a, b, client)
+}
+
 async fn readiness(client: &reqwest::Client, server: &ServerProcess) -> Option<(u16, Value)> {
     let response = client
         .get(server.url("/readyz"))
@@ -297,11 +309,7 @@ async fn runs_split_across_two_replicas_store_what_one_sqlite_server_stores() {
     let Some(postgres) = shared_postgres() else {
         return;
     };
-    let database = postgres.create_database().await;
-    let (a, b) = (replica(&database), replica(&database));
-    let client = reqwest::Client::new();
-    wait_ready(&client, &a, Duration::from_secs(60)).await;
-    wait_ready(&client, &b, Duration::from_secs(60)).await;
+    let (a, b, client) = two_ready_replicas(&postgres).await;
     let dir = tempfile::tempdir().unwrap();
     let (_sqlite, expected) = sqlite_reference(&client, dir.path()).await;
 
@@ -485,11 +493,7 @@ async fn an_event_stream_on_one_replica_hears_what_the_other_stored() {
     let Some(postgres) = shared_postgres() else {
         return;
     };
-    let database = postgres.create_database().await;
-    let (a, b) = (replica(&database), replica(&database));
-    let client = reqwest::Client::new();
-    wait_ready(&client, &a, Duration::from_secs(60)).await;
-    wait_ready(&client, &b, Duration::from_secs(60)).await;
+    let (a, b, client) = two_ready_replicas(&postgres).await;
     // Subscribed once the headers are in; `/readyz` said A listens to the database.
     let mut events = EventStream::open(&client, &a).await;
 
@@ -624,11 +628,7 @@ async fn a_trainer_finishes_through_replica_b_when_replica_a_is_killed() {
     let Some(postgres) = shared_postgres() else {
         return;
     };
-    let database = postgres.create_database().await;
-    let (a, b) = (replica(&database), replica(&database));
-    let client = reqwest::Client::new();
-    wait_ready(&client, &a, Duration::from_secs(60)).await;
-    wait_ready(&client, &b, Duration::from_secs(60)).await;
+    let (a, b, client) = two_ready_replicas(&postgres).await;
     let dir = tempfile::tempdir().unwrap();
     let steps = TRAINER_STEPS.to_string();
     let scenario = [
