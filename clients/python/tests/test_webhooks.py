@@ -14,7 +14,7 @@ import torch
 from conftest import PromptAgent, new_run_id, train
 
 import gradflow
-from gradflow.registration import webhook_specs
+from gradflow.options import webhook_specs
 
 
 class Receiver:

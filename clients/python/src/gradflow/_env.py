@@ -65,13 +65,3 @@ def float_env(name: str, default: float) -> float:
         return float(os.environ.get(name, default))
     except ValueError:
         return default
-
-
-def max_steps() -> Optional[int]:
-    """``GRADFLOW_MAX_STEPS`` (set by ``gradflow check --steps``): stop after that many
-    ``gf.step`` calls; None when unset or not a positive integer."""
-    try:
-        value = int(os.environ.get("GRADFLOW_MAX_STEPS", ""))
-    except ValueError:
-        return None
-    return value if value > 0 else None

@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, Optional
+from typing import Any, Deque, Iterable, Optional, Set
 
 from ._log import swallow
 from .errors import GradflowAlertWarning, TrainingAlert, describe
+from .wire import Alert
 
 MODES = ("warn", "raise", None)
 
@@ -21,11 +22,11 @@ class AlertBox:
         if mode not in MODES:
             raise ValueError(f"on_alert must be 'warn', 'raise' or None, got {mode!r}")
         self.mode = mode
-        self._seen: set = set()
-        self._new: Deque[Dict[str, Any]] = deque()
+        self._seen: Set[Any] = set()
+        self._new: Deque[Alert] = deque()
         self._lock = threading.Lock()
 
-    def offer(self, alerts: Iterable[Dict[str, Any]]) -> None:
+    def offer(self, alerts: Iterable[Alert]) -> None:
         with self._lock:
             for alert in alerts:
                 key = alert.get("id", (alert.get("kind"), alert.get("subject")))

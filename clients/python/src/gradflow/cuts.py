@@ -27,13 +27,15 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-from typing import Any, Dict, List, Optional, Set, Tuple
+from types import FrameType
+from typing import Any, Dict, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import nn
 
+from . import wire
 from ._log import guarded
-from .measure import float_inputs
+from .hooks import float_inputs
 from .registration import Registry
 
 MAX_FRAMES = 6
@@ -62,7 +64,7 @@ def user_stack(limit: int = MAX_FRAMES) -> List[Dict[str, Any]]:
     every frame is in one of those, outside the framework libraries only)."""
     named, broad = _library_roots()
     frames = []
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         frames.append(frame)
         frame = frame.f_back
@@ -177,7 +179,7 @@ class CutTracer:
             cut["stack"] = stack
         self._pending.append(cut)
 
-    def take(self) -> List[Dict[str, Any]]:
+    def take(self) -> List[wire.GraphCut]:
         """The cuts first seen since the last call; ends the episodes of modules whose
         group ran this step without their cut. Called once per optimizer step."""
         ran = self._no_grad_checked
@@ -188,4 +190,4 @@ class CutTracer:
         }
         self._reset_step()
         pending, self._pending = self._pending, []
-        return pending
+        return cast(List[wire.GraphCut], pending)

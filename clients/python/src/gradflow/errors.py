@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from .wire import Alert
 
 
 class TrainingAlert(RuntimeError):
@@ -12,7 +12,7 @@ class TrainingAlert(RuntimeError):
     ``severity``, ``title``, ``detail``, ``fix``, ``evidence``, ...).
     """
 
-    def __init__(self, alert: Dict[str, Any]) -> None:
+    def __init__(self, alert: Alert) -> None:
         self.alert = alert
         super().__init__(describe(alert))
 
@@ -29,7 +29,7 @@ class GradflowWarning(UserWarning):
     """Something gradflow cannot measure in this setup (sharded parameters, ...)."""
 
 
-def describe(alert: Dict[str, Any]) -> str:
+def describe(alert: Alert) -> str:
     """One readable paragraph: severity, kind, subject, title, where in the user's
     code the graph was cut (when the alert names it) and the fix."""
     lines = [

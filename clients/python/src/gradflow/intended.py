@@ -88,17 +88,19 @@ def update(
         second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
         m = _flat([s["exp_avg"] for s in states])
         v = _flat([s[second] for s in states])
-        step = states[0]["step"]
-        step = local(step) if isinstance(step, torch.Tensor) else step
-        if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+        count: Any = states[0]["step"]
+        count = local(count) if isinstance(count, torch.Tensor) else count
+        bc1: Any
+        bc2_sqrt: Any
+        if isinstance(count, torch.Tensor) and count.device.type != "cpu":
             # capturable / fused: the count lives on the device; reading it would sync.
-            step = step.to(m.device, torch.float32)
-            bc1 = 1 - b1**step
-            bc2_sqrt = (1 - b2**step).sqrt()
+            on_device = count.to(m.device, torch.float32)
+            bc1 = 1 - b1**on_device
+            bc2_sqrt = (1 - b2**on_device).sqrt()
         else:
-            step = float(step)
-            bc1 = 1 - b1**step
-            bc2_sqrt = math.sqrt(1 - b2**step)
+            steps = float(count)
+            bc1 = 1 - b1**steps
+            bc2_sqrt = math.sqrt(1 - b2**steps)
         upd = (m / bc1) / (v.sqrt() / bc2_sqrt + eps) * (-lr)
         decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
             "decoupled_weight_decay", False

@@ -31,7 +31,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(
         model, "module"
     ):
-        model = model.module
+        inner = model.module
+        assert isinstance(inner, nn.Module)
+        model = inner
     return model
 
 

@@ -33,7 +33,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import _env
+from . import _env, _torch_compat
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,12 @@ def current() -> Optional[Ranks]:
 def is_dtensor(t: Any) -> bool:
     """A ``DTensor`` (FSDP2's sharded parameters and their gradients, tensor
     parallelism), recognised without importing it."""
-    return isinstance(getattr(t, "_local_tensor", None), torch.Tensor) and hasattr(t, "placements")
+    return _torch_compat.is_dtensor(t)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `t`: a DTensor's local shard (a plain tensor, so that
-    reading it goes through no DTensor dispatch and no collective), any other tensor
-    itself."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
+    """What this rank holds of `t`: a DTensor's local shard, any other tensor itself."""
+    return _torch_compat.local_tensor(t)
 
 
 def local_numel(t: torch.Tensor) -> int:
@@ -205,7 +202,7 @@ class StepClock:
                 self._done = None
 
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(ended)  # type: ignore[attr-defined]
+            _torch_compat.queue_callback(ended)
             self._queued = True
         except Exception:
             self._done = None

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 import socket
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
 
-from . import layout, ranks
+from . import _torch_compat, layout, ranks, wire
 
 
 @dataclass
@@ -62,8 +62,7 @@ def scaler_kind(scaler: Any) -> str:
     enabled = getattr(scaler, "is_enabled", None)
     if callable(enabled) and not enabled():
         return "none"
-    growth = getattr(scaler, "_growth_factor", 2.0)
-    backoff = getattr(scaler, "_backoff_factor", 0.5)
+    growth, backoff = _torch_compat.scaler_growth_backoff(scaler)
     return "static" if growth == 1.0 and backoff == 1.0 else "dynamic"
 
 
@@ -187,9 +186,9 @@ class Registry:
         train: Optional[List[str]],
         rank: Optional[int],
         world_size: Optional[int],
-        webhooks: Optional[List[Dict[str, Any]]] = None,
+        webhooks: Optional[List[wire.Webhook]] = None,
         client_config: Optional[Dict[str, Any]] = None,
-    ) -> Dict[str, Any]:
+    ) -> wire.RunRegistration:
         membership = self._membership()
         specs = [self.param_spec(p, membership) for p in self.params]
         body: Dict[str, Any] = {}
@@ -227,7 +226,7 @@ class Registry:
             )
         }
         self._sent_param_dtype = param_dtype
-        return body
+        return cast(wire.RunRegistration, body)
 
     def _param_groups(self) -> List[Dict[str, Any]]:
         return list(self.optimizer.param_groups) if self.optimizer is not None else []
@@ -247,7 +246,7 @@ class Registry:
         spec["param_groups"] = [param_group_spec(i, g) for i, g in enumerate(groups)]
         return spec
 
-    def amendment(self) -> Optional[Dict[str, Any]]:
+    def amendment(self) -> Optional[wire.Amendment]:
         """The changes since the registration (or the last amendment), or None.
 
         Checked every step through a signature of the parameters' requires_grad and
@@ -283,7 +282,7 @@ class Registry:
         if param_dtype is not None and param_dtype != self._sent_param_dtype:
             amend["precision"] = {"param_dtype": param_dtype}
             self._sent_param_dtype = param_dtype
-        return amend or None
+        return cast(wire.Amendment, amend) if amend else None
 
     def lrs(self) -> Dict[str, float]:
         out = {}
@@ -295,26 +294,3 @@ class Registry:
             if value is not None:
                 out[str(i)] = value
         return out
-
-
-def webhook_specs(webhooks: Any) -> Optional[List[Dict[str, Any]]]:
-    """The registration's ``webhooks`` from what :func:`gradflow.watch` was given: a
-    URL string (Slack's incoming-webhook URLs get Slack's body, others the generic
-    one) or a dict with ``url``, ``format`` and ``min_severity`` as in the protocol."""
-    if webhooks is None:
-        return None
-    if isinstance(webhooks, (str, dict)):
-        webhooks = [webhooks]
-    specs: List[Dict[str, Any]] = []
-    for hook in webhooks:
-        if isinstance(hook, str):
-            slack = hook.startswith("https://hooks.slack.com/")
-            specs.append({"url": hook, "format": "slack"} if slack else {"url": hook})
-        elif isinstance(hook, dict) and isinstance(hook.get("url"), str):
-            specs.append(dict(hook))
-        else:
-            raise TypeError(
-                f"webhooks: {hook!r} is neither a URL nor a dict with a 'url' "
-                "(and optionally 'format': 'generic' | 'slack', 'min_severity')"
-            )
-    return specs

@@ -22,15 +22,37 @@ import json
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
+from . import wire
 from ._log import logger, say, swallow
 from .alerts import AlertBox
-from .measure import PendingStep
 from .spool import Spool
 from .transport import Client, Refused, Unreachable
 
 _STOP = object()
+
+
+class Pending(Protocol):
+    """A step on its way: its record is built on the reporter thread
+    (``record.Pending``, whose numbers may still be on their way from the device)."""
+
+    def record(self) -> wire.StepRecord: ...
+
+
+@dataclass
+class DeliverySummary:
+    """What became of a run's step records, read at close."""
+
+    delivered: int
+    delivered_to: Dict[str, int]  # server -> step records it acknowledged
+    pending: int  # still queued or in the spool
+    dropped: int  # queue or spool full
+    rejected: int  # refused by the server
+    broken: Optional[str]  # why nothing could be delivered any more
+    spool_path: str
+    switches: List[Tuple[str, str]] = field(default_factory=list)
 
 
 class Reporter:
@@ -38,7 +60,7 @@ class Reporter:
         self,
         clients: Sequence[Client],
         run_id: str,
-        registration: Dict[str, Any],
+        registration: wire.RunRegistration,
         spool: Spool,
         alerts: Optional[AlertBox],
         queue_size: int = 1024,
@@ -82,7 +104,7 @@ class Reporter:
 
     # -- training thread ---------------------------------------------------------
 
-    def submit(self, pending: PendingStep) -> None:
+    def submit(self, pending: Pending) -> None:
         try:
             self._queue.put_nowait(pending)
         except queue.Full:
@@ -117,13 +139,25 @@ class Reporter:
     def pending(self) -> int:
         return len(self.spool) + self._queue.qsize()
 
+    def summary(self) -> DeliverySummary:
+        return DeliverySummary(
+            delivered=self.delivered,
+            delivered_to=dict(self.delivered_to),
+            pending=self.pending,
+            dropped=self.dropped,
+            rejected=self.rejected,
+            broken=self.broken,
+            spool_path=self.spool.path,
+            switches=list(self.switches),
+        )
+
     # -- reporter thread ---------------------------------------------------------
 
     def _run(self) -> None:
         stopping = False
         while not stopping:
             try:
-                items: List[PendingStep] = []
+                items: List[Pending] = []
                 try:
                     first = self._queue.get(timeout=self.flush_interval)
                     if first is _STOP:
@@ -150,7 +184,7 @@ class Reporter:
                 swallow("reporter", exc)
         self._finish()
 
-    def _encode(self, pending: PendingStep) -> Optional[str]:
+    def _encode(self, pending: Pending) -> Optional[str]:
         try:
             record = pending.record()
             if self.dropped:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import _torch_compat
 from ._log import guarded
 from .layout import unwrap_optimizer
 
@@ -49,6 +50,7 @@ class ScalerTap:
             tap._on_update()
             return tap._original_update(*args, **kwargs)
 
+        self._step, self._update, self._unscale = step, update, unscale_
         scaler.step = step
         scaler.update = update
         scaler.unscale_ = unscale_
@@ -61,14 +63,11 @@ class ScalerTap:
     def _on_step(self, optimizer: Any) -> None:
         if unwrap_optimizer(optimizer) is not self._optimizer or not self._wants_grads():
             return
-        if self.enabled():
-            states = getattr(self.scaler, "_per_optimizer_states", None)
-            stage = states[id(optimizer)].get("stage") if states is not None else None
-            if getattr(stage, "name", None) == "READY":
-                # What scaler.step would do first anyway (through the wrapper above,
-                # which reads the gradients), also on steps it is about to skip.
-                self.scaler.unscale_(optimizer)
-                return
+        if self.enabled() and _torch_compat.scaler_unscale_pending(self.scaler, optimizer):
+            # What scaler.step would do first anyway (through the wrapper above, which
+            # reads the gradients), also on steps it is about to skip.
+            self.scaler.unscale_(optimizer)
+            return
         self._before_step()
 
     @guarded("scaler.unscale_")
@@ -84,20 +83,7 @@ class ScalerTap:
         """[scale, growth_tracker, found_inf] as f32 on the scaler's device, or None."""
         if not self.enabled():
             return None
-        scale = getattr(self.scaler, "_scale", None)
-        tracker = getattr(self.scaler, "_growth_tracker", None)
-        if scale is None or tracker is None:
-            return None
-        found = None
-        for state in getattr(self.scaler, "_per_optimizer_states", {}).values():
-            for value in state.get("found_inf_per_device", {}).values():
-                value = value.to(scale.device, torch.float32).reshape(())
-                found = value if found is None else found + value
-        if found is None:
-            found = torch.full((), float("nan"), device=scale.device)
-        return torch.stack(
-            [scale.detach().float().reshape(()), tracker.detach().float().reshape(()), found]
-        )
+        return _torch_compat.scaler_state(self.scaler)
 
     def take(self) -> Optional[torch.Tensor]:
         """The state captured at the last update (or read now if update never ran)."""
@@ -105,7 +91,12 @@ class ScalerTap:
         return captured if captured is not None else self.read()
 
     def uninstall(self) -> None:
-        # Only undo our own wrapping (instance attributes), leaving the class methods.
-        for attr in ("step", "update", "unscale_"):
-            if attr in vars(self.scaler):
+        # Only undo our own wrapping, leaving the class methods and any wrapper someone
+        # installed over ours.
+        for attr, mine in (
+            ("step", self._step),
+            ("update", self._update),
+            ("unscale_", self._unscale),
+        ):
+            if vars(self.scaler).get(attr) is mine:
                 delattr(self.scaler, attr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import List
+from typing import BinaryIO, List, Optional
 
 
 class Spool:
@@ -18,12 +18,12 @@ class Spool:
         self.max_bytes = max_bytes
         self._offsets: List[int] = []  # start of each undelivered line
         self._end = 0
-        self._file = None
+        self._file: Optional[BinaryIO] = None
 
     def __len__(self) -> int:
         return len(self._offsets)
 
-    def _open(self):
+    def _open(self) -> BinaryIO:
         if self._file is None:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             self._file = open(self.path, "w+b")  # noqa: SIM115 (kept open for the run)

@@ -7,8 +7,10 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, cast
 from urllib.parse import quote
+
+from . import wire
 
 GZIP_ABOVE = 8 * 1024
 
@@ -68,7 +70,9 @@ class Client:
         except (urllib.error.URLError, OSError, socket.timeout) as err:
             raise Unreachable(str(getattr(err, "reason", None) or err)) from None
 
-    def register(self, run_id: str, body: Dict[str, Any], timeout: Optional[float] = None) -> None:
+    def register(
+        self, run_id: str, body: Mapping[str, object], timeout: Optional[float] = None
+    ) -> None:
         data = json.dumps(body, allow_nan=False).encode()
         self._request("PUT", f"/api/v1/runs/{quote(run_id)}", data, timeout=timeout)
 
@@ -88,6 +92,6 @@ class Client:
         answer = self._request("GET", "/api/v1/runs") or {}
         return [run["run_id"] for run in answer.get("runs", [])]
 
-    def alerts(self, run_id: str, status: str = "open") -> List[Dict[str, Any]]:
+    def alerts(self, run_id: str, status: str = "open") -> List[wire.Alert]:
         answer = self._request("GET", f"/api/v1/runs/{quote(run_id)}/alerts?status={status}")
-        return list((answer or {}).get("alerts", []))
+        return cast(List[wire.Alert], list((answer or {}).get("alerts", [])))

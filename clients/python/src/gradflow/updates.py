@@ -14,7 +14,7 @@ parameters are left out: rounding does not freeze them. Of a sharded parameter
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -25,6 +25,16 @@ from .registration import Registry
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Elements per chunk of the f32 temporaries (before, after, update: 3 × 4 B each).
 CHUNK_ELEMENTS = 16 * 1024 * 1024
+
+
+class Updates(NamedTuple):
+    """The low-precision parameters measured on a step: their names, one
+    ``record.LowPrecisionUpdate`` row each (n × 5, on the device) and the elements
+    this rank holds of each."""
+
+    names: List[str]
+    stats: torch.Tensor
+    numels: List[int]
 
 
 class UpdateTracker:
@@ -97,14 +107,13 @@ class UpdateTracker:
         self._names = names
         self._numels = numels
 
-    def take(self) -> Tuple[List[str], Optional[torch.Tensor], List[int]]:
-        """The names, the (n × 5) stats and the elements this rank holds of each
-        parameter measured at the last step, once."""
+    def take(self) -> Optional[Updates]:
+        """What was measured at the last step, once."""
         stats, self._stats = self._stats, None
         if stats is None:
-            return [], None, []
-        return self._names, stats, self._numels
+            return None
+        return Updates(self._names, stats, self._numels)
 
-    def discard(self) -> Any:
+    def discard(self) -> None:
         self._before = None
         self._stats = None

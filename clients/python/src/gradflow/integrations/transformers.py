@@ -23,6 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 from .. import _log
+from ..api import Watch
 from ..watcher import watch
 
 _CONFIG_KEYS = (
@@ -51,7 +52,7 @@ class GradflowCallback(TrainerCallback):
         self.run_id = run_id
         self.server = server
         self.options = watch_options
-        self.gf: Any = None
+        self.gf: Optional[Watch] = None
         self._loss_hook: Any = None
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
@@ -73,7 +74,7 @@ class GradflowCallback(TrainerCallback):
         # Under fp16 the Trainer's scaler lives on Accelerate's optimizer wrapper.
         scaler = getattr(optimizer, "scaler", None)
         self.gf = watch(model, optimizer, scaler, run_id=self.run_id, server=self.server, **options)
-        if not getattr(self.gf, "enabled", False):
+        if not self.gf.enabled:
             return
         self._accumulation = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
         self._hook_loss(model)
@@ -109,9 +110,8 @@ class GradflowCallback(TrainerCallback):
 
     @_log.guarded("arming the gradient read")
     def _arm(self) -> None:
-        arm = getattr(self.gf, "read_grads_at_backward_end", None)
-        if arm is not None:
-            arm()
+        if self.gf is not None:
+            self.gf.read_grads_at_backward_end()
 
     @_log.guarded("installing the loss hook")
     def _hook_loss(self, model: torch.nn.Module) -> None:

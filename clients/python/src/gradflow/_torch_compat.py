@@ -1,0 +1,97 @@
+"""Every private PyTorch API gradflow relies on, in one place.
+
+PyTorch has no public hook for these: queueing a callback at the end of the running
+backward pass, the multi-tensor norm kernel, a DTensor's local shard, and the
+``GradScaler``'s state before ``update()`` consumes it. When a torch upgrade breaks
+one of them, this is the one file to read and fix; the rest of gradflow calls the
+functions below and never touches a private name itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+# -- the autograd engine -------------------------------------------------------------
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Queues `callback` to run when the backward pass now running has finished
+    (``Variable._execution_engine.queue_callback``); only valid inside a backward."""
+    engine = torch.autograd.Variable._execution_engine
+    engine.queue_callback(callback)
+
+
+# -- norms ---------------------------------------------------------------------------
+
+
+def foreach_norm(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The L2 norm of each tensor, in f32 (``torch._foreach_norm``: multi-tensor
+    kernels; its ``dtype=`` argument came later, and without it the norms come in the
+    tensors' own dtype)."""
+    foreach = torch._foreach_norm
+    try:
+        return list(foreach(grads, 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):
+        return [n.float() for n in foreach(grads)]
+
+
+# -- DTensor -------------------------------------------------------------------------
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``DTensor`` (FSDP2's sharded parameters and their gradients, tensor
+    parallelism), recognised without importing it."""
+    return isinstance(getattr(t, "_local_tensor", None), torch.Tensor) and hasattr(t, "placements")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (``_local_tensor``: a plain tensor, read through no
+    DTensor dispatch and no collective), any other tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+# -- GradScaler ----------------------------------------------------------------------
+
+
+def scaler_growth_backoff(scaler: Any) -> tuple[float, float]:
+    """The scaler's growth and backoff factors (``_growth_factor``,
+    ``_backoff_factor``), torch's defaults when absent."""
+    return (
+        float(getattr(scaler, "_growth_factor", 2.0)),
+        float(getattr(scaler, "_backoff_factor", 0.5)),
+    )
+
+
+def scaler_unscale_pending(scaler: Any, optimizer: Any) -> bool:
+    """Whether ``scaler.step(optimizer)`` will unscale first: the optimizer's stage in
+    ``_per_optimizer_states`` is still ``READY``."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        return False
+    stage = states[id(optimizer)].get("stage")
+    return getattr(stage, "name", None) == "READY"
+
+
+def scaler_state(scaler: Any) -> Optional[torch.Tensor]:
+    """[scale, growth tracker, found_inf summed over devices and optimizers] as f32 on
+    the scale's device, read without a host sync from ``_scale``, ``_growth_tracker``
+    and ``_per_optimizer_states``; found_inf is NaN before any unscale. None when the
+    scaler has no scale yet."""
+    scale = getattr(scaler, "_scale", None)
+    tracker = getattr(scaler, "_growth_tracker", None)
+    if scale is None or tracker is None:
+        return None
+    found: Optional[torch.Tensor] = None
+    states: Dict[Any, Dict[str, Any]] = getattr(scaler, "_per_optimizer_states", {})
+    for state in states.values():
+        for value in state.get("found_inf_per_device", {}).values():
+            value = value.to(scale.device, torch.float32).reshape(())
+            found = value if found is None else found + value
+    if found is None:
+        found = torch.full((), float("nan"), device=scale.device)
+    return torch.stack(
+        [scale.detach().float().reshape(()), tracker.detach().float().reshape(()), found]
+    )

@@ -1,0 +1,118 @@
+"""Getting one run's records to the server: the spool, the reporter thread, and what
+the person running training is told about it.
+
+:class:`Delivery` builds the transport side of a watched run from its options
+(one client per server, the spool file, the reporter), registers the run before the
+first step, and at close waits for what is left (bounded), leaves a spool that
+``gradflow report`` and ``gradflow-server import`` can read, and says in one line what
+could not be delivered. It knows nothing of torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import List, Optional
+
+from . import wire
+from ._log import say
+from .alerts import AlertBox
+from .options import WatchOptions
+from .reporter import DeliverySummary, Pending, Reporter
+from .spool import Spool
+from .transport import Client
+
+
+class Delivery:
+    """The transport side of one watched run."""
+
+    def __init__(
+        self,
+        options: WatchOptions,
+        run_id: str,
+        registration: wire.RunRegistration,
+        *,
+        rank: Optional[int],
+        alerts: Optional[AlertBox],
+        label: str,
+    ) -> None:
+        self.options = options
+        self.run_id = run_id
+        self.label = label
+        directory = options.spool_dir or os.path.join(tempfile.gettempdir(), "gradflow-spool")
+        # Each rank spools to a file of its own.
+        who = f"rank{rank}." if rank is not None else ""
+        spool = Spool(
+            os.path.join(directory, f"{run_id}.{who}{os.getpid()}.ndjson"),
+            options.spool_max_bytes,
+        )
+        self.reporter = Reporter(
+            [Client(url, options.token) for url in options.servers],
+            run_id,
+            registration,
+            spool,
+            alerts,
+            queue_size=options.queue_size,
+        )
+
+    def start(self) -> None:
+        """Registers (one attempt: registration-time verdicts, a GradScaler over bf16
+        parameters, come before the first step, so their alerts are read now) and
+        starts the reporter thread, which retries before any step."""
+        if self.reporter.register(timeout=3.0):
+            self.reporter.poll_alerts()
+        self.reporter.start()
+
+    def submit(self, pending: Pending) -> None:
+        self.reporter.submit(pending)
+
+    def alerts(self) -> List[wire.Alert]:
+        """The run's open alerts on the server spoken to now (raises Unreachable or
+        Refused)."""
+        return self.reporter.client.alerts(self.run_id)
+
+    def close(self, timeout: float) -> DeliverySummary:
+        """Delivers what is left within `timeout` seconds, marks the run finished, and
+        says what was not delivered and where it is kept."""
+        self.reporter.close(timeout)
+        summary = self.reporter.summary()
+        self.reporter.spool.close()
+        if summary.pending:
+            _write_sidecar(summary.spool_path, self.run_id, self.reporter.registration)
+        line = describe(summary, self.options.servers)
+        if line is not None:
+            say(f"{self.label}: {line}")
+        return summary
+
+
+def describe(summary: DeliverySummary, servers: List[str]) -> Optional[str]:
+    """The close line for the person running training; None when every step was
+    delivered to the one server."""
+    s = summary
+    where = ", ".join(f"{n} to {url}" for url, n in s.delivered_to.items())
+    where = where or f"none to {', '.join(servers)}"
+    if s.pending or s.dropped or s.rejected or s.broken:
+        parts = []
+        if s.pending:
+            parts.append(
+                f"{s.pending} still queued (kept in {s.spool_path}; load them later with "
+                f"`gradflow-server import {s.spool_path}`)"
+            )
+        if s.dropped:
+            parts.append(f"{s.dropped} dropped (queue or spool full)")
+        if s.rejected:
+            parts.append(f"{s.rejected} refused by the server")
+        return f"delivered {s.delivered} steps ({where}); NOT delivered: " + (
+            ", ".join(parts) or str(s.broken)
+        )
+    if s.switches:
+        return f"delivered all {s.delivered} steps ({where})"
+    return None
+
+
+def _write_sidecar(spool_path: str, run_id: str, registration: wire.RunRegistration) -> None:
+    """Beside an undelivered spool: the run id and registration that
+    ``gradflow-server import SPOOL`` needs to load it."""
+    with open(spool_path + ".registration.json", "w") as f:
+        json.dump({"run_id": run_id, "registration": registration}, f)

@@ -1,0 +1,199 @@
+"""The hooks gradflow puts on the watched model: what they see during a step.
+
+Backward reaching a module is counted by ``register_post_accumulate_grad_hook`` on
+its parameters: a host counter, no tensor work, and training stays bit-identical
+(module full-backward hooks would change its numerics). The same hook can queue a
+callback for the end of the backward pass (:meth:`ModelHooks.arm_backward_end`).
+A read-only forward pre-hook on the model keeps the step's largest input magnitude
+on the device, and a tensor hook on one parameter looks, just before the first
+backward after an optimizer step, whether its gradient still holds values (nothing
+zeroed it: ``grads_carried_over``). Every hook is removed by :meth:`ModelHooks.remove`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Set
+
+import torch
+
+from . import _torch_compat
+from .ranks import StepClock, is_dtensor
+from .registration import Param, Registry
+
+
+class ModelHooks:
+    """Hook hits, the backward-end callback, the input peak and the carry-over probe."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        # Set for a multi-rank run: times this rank's own work on each step.
+        self.clock: Optional[StepClock] = None
+        self._hits: Dict[int, int] = {}
+        self._handles: Dict[int, Any] = {}
+        self._fresh: Set[int] = set()
+        # Set by arm_backward_end: called once when the backward pass now running ends.
+        self._at_backward_end: Optional[Callable[[], None]] = None
+        # The carry-over probe: one parameter whose gradient is looked at just before
+        # the first backward after each optimizer step (see arm_carry_probe).
+        self._sentinel: Optional[torch.Tensor] = None
+        self._sentinel_hook: Any = None
+        self._probe_armed = False
+        # None, False, or a device scalar (> 0: carried)
+        self.carried: Optional[Any] = None
+        # The largest |value| of the floating-point inputs of the watched model's
+        # forward passes this step (a device scalar).
+        self.input_absmax: Optional[torch.Tensor] = None
+        self._input_hook: Any = registry.model.register_forward_pre_hook(
+            self._on_model_input, with_kwargs=True
+        )
+
+    def rebuild(self) -> None:
+        """After registration or an amendment: hooks on parameters that have none."""
+        for p in self.registry.params:
+            self._hook(p)
+
+    def _hook(self, p: Param) -> None:
+        key = id(p.tensor)
+        if key in self._handles or not p.tensor.requires_grad:
+            return
+        register = getattr(p.tensor, "register_post_accumulate_grad_hook", None)
+        if register is None:
+            return
+        hits = self._hits
+        hooks = self
+        cuda = p.tensor.device.type == "cuda"
+
+        def hook(_tensor: torch.Tensor, key: int = key) -> None:
+            hits[key] = hits.get(key, 0) + 1
+            if hooks.clock is not None:
+                hooks.clock.on_grad(cuda)
+            if hooks._at_backward_end is not None:
+                callback, hooks._at_backward_end = hooks._at_backward_end, None
+                _queue_at_backward_end(callback)
+
+        self._handles[key] = register(hook)
+        self._fresh.add(key)
+
+    def arm_backward_end(self, callback: Callable[[], None]) -> None:
+        """Runs `callback` once, when the next backward pass that reaches a watched
+        parameter has finished: after every gradient of that pass is accumulated (and,
+        under DistributedDataParallel, averaged), before the loop clips them."""
+        self._at_backward_end = callback
+
+    def remove(self) -> None:
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+        if self._sentinel_hook is not None:
+            self._sentinel_hook.remove()
+            self._sentinel_hook = None
+        if self._input_hook is not None:
+            self._input_hook.remove()
+            self._input_hook = None
+
+    def _on_model_input(self, _module: Any, args: Any, kwargs: Any) -> None:
+        """The step's largest input magnitude, on the device (a NaN propagates)."""
+        try:
+            if not torch.is_grad_enabled():
+                return  # evaluation: not the batch the optimizer steps on
+            if self.clock is not None:
+                self.clock.on_forward()
+            peaks = [
+                t.detach().abs().amax().float() for t in float_inputs(args, kwargs) if t.numel() > 0
+            ]
+            if not peaks:
+                return
+            peak = torch.stack([p.to(peaks[0].device) for p in peaks]).amax()
+            previous = self.input_absmax
+            self.input_absmax = peak if previous is None else torch.maximum(previous, peak)
+        except Exception:  # never break the forward pass
+            self.input_absmax = None
+
+    def arm_carry_probe(self) -> None:
+        """After an optimizer step: look at one parameter's gradient just before the
+        next backward pass adds to it. Still holding values then means nothing zeroed
+        the gradients since the step (``grads_carried_over``). The look is a tensor
+        hook that returns nothing (training unchanged) and, when the old gradient is
+        there, one ``amax`` on the device, read with the step's other numbers."""
+        sentinel = self._sentinel
+        if sentinel is None or sentinel.grad is None or not sentinel.requires_grad:
+            sentinel = self._pick_sentinel()
+            if sentinel is not self._sentinel:
+                if self._sentinel_hook is not None:
+                    self._sentinel_hook.remove()
+                    self._sentinel_hook = None
+                self._sentinel = sentinel
+                if sentinel is not None:
+                    self._sentinel_hook = sentinel.register_hook(self._probe)
+        self._probe_armed = self._sentinel is not None
+
+    def _pick_sentinel(self) -> Optional[torch.Tensor]:
+        """A parameter the optimizer steps that got a gradient this step (one outside
+        the optimizer is never zeroed by it, which is another alert)."""
+        membership = self.registry._membership()
+        for p in self.registry.params:
+            t = p.tensor
+            # Not a DTensor: FSDP2's sharded parameters are not in the autograd graph
+            # (their unsharded copies are), so a hook on one would never fire.
+            if t.requires_grad and t.grad is not None and id(t) in membership and not is_dtensor(t):
+                return t
+        return None
+
+    def _probe(self, _grad: torch.Tensor) -> None:
+        if not self._probe_armed:
+            return
+        self._probe_armed = False
+        try:
+            old = self._sentinel.grad if self._sentinel is not None else None
+            if old is None:
+                self.carried = False
+            else:
+                self.carried = old.detach().abs().amax().float()
+        except Exception:  # never break the backward pass
+            self.carried = None
+
+    def reset(self) -> None:
+        """A new step: counts, the input peak and the probe's answer start over."""
+        self._at_backward_end = None
+        self.carried = None
+        self.input_absmax = None
+        self._hits.clear()
+        self._fresh.clear()
+
+    def module_hits(self, module_of: List[int], modules: int) -> List[Optional[int]]:
+        """Per module the most hits of any of its parameters; unknown (None) when a
+        parameter's hook was registered after this step's backward."""
+        hits: List[Optional[int]] = [0] * modules
+        for p, m in zip(self.registry.params, module_of):
+            if not p.tensor.requires_grad:
+                continue
+            key = id(p.tensor)
+            seen = hits[m]
+            if key in self._fresh or key not in self._handles or seen is None:
+                hits[m] = None
+                continue
+            hits[m] = max(seen, self._hits.get(key, 0))
+        return hits
+
+
+def float_inputs(args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:
+    """The floating-point tensors among a forward's arguments (one level into tuples,
+    lists and dicts)."""
+    found: List[torch.Tensor] = []
+    for value in list(args) + list(kwargs.values()):
+        items = value.values() if isinstance(value, dict) else value
+        if not isinstance(value, (dict, tuple, list)):
+            items = [value]
+        found.extend(t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return found
+
+
+def _queue_at_backward_end(callback: Callable[[], None]) -> None:
+    """Queues `callback` on the autograd engine's final callbacks of the running
+    backward pass. It queues itself once more when it first runs, so that it comes after
+    the callbacks others (DistributedDataParallel's reducer) queued after it."""
+
+    def again() -> None:
+        _torch_compat.queue_callback(callback)
+
+    _torch_compat.queue_callback(again)

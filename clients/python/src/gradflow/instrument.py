@@ -1,0 +1,196 @@
+"""What gradflow attaches to the user's model, optimizer and scaler, and the step
+records it makes of what they see.
+
+:class:`Instruments` owns the measuring side of one watched run: the hooks on the
+model (:mod:`gradflow.hooks`), the optimizer's step pre- and post-hooks, the loss
+scaler's tap, the graph-cut tracer, and the amendments that keep the registration
+true. At ``gf.step`` it hands back the step's pending record, or nothing on a step
+that is not reported; it never talks to the server.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, List, Mapping, Optional
+
+from . import ranks as _ranks
+from . import wire
+from ._log import guarded
+from .cuts import CutTracer
+from .hooks import ModelHooks
+from .measure import Measurer
+from .record import PendingStep
+from .registration import Registry
+from .scaler import ScalerTap
+from .updates import UpdateTracker
+
+
+class Instruments:
+    """The hooks and measurements of one watched run."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        every: int,
+        updates_every: int,
+        rank: Optional[int],
+    ) -> None:
+        self.registry = registry
+        self.every = every
+        # The rank its records name (v1.4), in a multi-rank run only.
+        self.rank = rank
+        self.step = 0
+        self.hooks = ModelHooks(registry)
+        self.measurer = Measurer(registry, self.hooks)
+        if rank is not None:
+            self.measurer.partial = True
+            self.hooks.clock = _ranks.StepClock(
+                _ranks.step_clock_device([p.tensor for p in registry.params])
+            )
+        self.tracer = CutTracer(registry)
+        self.updates = UpdateTracker(registry, updates_every)
+        self._pending_cuts: List[wire.GraphCut] = []
+        self._pending_amend: Optional[wire.Amendment] = None
+        self._handles: List[Any] = []
+        self.scaler: Optional[ScalerTap] = None
+
+    # -- attaching ---------------------------------------------------------------
+
+    def attach(self, optimizer: Any, scaler: Any) -> None:
+        """The optimizer's step hooks and the scaler's tap. An optimizer without step
+        hooks is measured at ``gf.step`` instead."""
+        if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
+            return
+        self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+        self._handles.append(optimizer.register_step_post_hook(self._post_step))
+        if scaler is not None:
+            self.scaler = ScalerTap(scaler, optimizer, self._measure, self.reporting)
+
+    def detach(self) -> None:
+        """Removes every hook and wrapper gradflow installed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.hooks.remove()
+        self.tracer.remove()
+        if self.scaler is not None:
+            self.scaler.uninstall()
+
+    # -- the hooks ---------------------------------------------------------------
+
+    def reporting(self) -> bool:
+        """Whether the step now running is reported."""
+        return self.step % self.every == 0 or self._pending_amend is not None
+
+    def _check_amend(self) -> None:
+        amend = self.registry.amendment()
+        if amend is None:
+            return
+        self.measurer.rebuild()
+        self.tracer.rebuild()
+        self.updates.rebuild()
+        if self._pending_amend is None:
+            self._pending_amend = amend
+        else:  # two changes before one report: later specs win, by name
+            merged_params = {x["name"]: x for x in self._pending_amend.get("params", [])}
+            merged_params.update({x["name"]: x for x in amend.get("params", [])})
+            if merged_params:
+                self._pending_amend["params"] = list(merged_params.values())
+            merged_groups = {x["name"]: x for x in self._pending_amend.get("param_groups", [])}
+            merged_groups.update({x["name"]: x for x in amend.get("param_groups", [])})
+            if merged_groups:
+                self._pending_amend["param_groups"] = list(merged_groups.values())
+            if "precision" in amend:
+                self._pending_amend["precision"] = amend["precision"]
+
+    @guarded("measuring gradients")
+    def _measure(self) -> None:
+        self._check_amend()
+        if self.reporting() and not self.measurer.grads_measured:
+            self.measurer.measure_grads()
+
+    @guarded("optimizer step pre-hook")
+    def _pre_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._measure()
+        if self.reporting():
+            self.measurer.snapshot_norms()
+            if self.updates.due(self.step):
+                self.updates.before_step()
+
+    @guarded("optimizer step post-hook")
+    def _post_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self.hooks.clock is not None:
+            self.hooks.clock.on_optimizer_step()
+        if self.reporting():
+            self.measurer.after_step()
+            self.updates.after_step()
+        self.hooks.arm_carry_probe()
+
+    @guarded("reading gradients at the end of backward")
+    def _measure_at_backward_end(self) -> None:
+        self._measure()
+
+    def read_grads_at_backward_end(self) -> None:
+        """See :meth:`gradflow.Watcher.read_grads_at_backward_end`."""
+        if self.scaler is not None and self.scaler.enabled():
+            return
+        if self.reporting():
+            self.hooks.arm_backward_end(self._measure_at_backward_end)
+
+    # -- the step ----------------------------------------------------------------
+
+    def end_step(
+        self, loss: Any, step: Optional[int], metrics: Optional[Mapping[str, Any]]
+    ) -> Optional[PendingStep]:
+        """``gf.step``: this step's pending record when it is reported, else None;
+        the step number moves on either way."""
+        # This rank's own work on the step (a multi-rank run): what shows a straggler.
+        clock = self.hooks.clock
+        step_span = clock.take() if clock is not None else None
+        if step is not None:
+            self.step = int(step)
+        self._check_amend()
+        self._pending_cuts.extend(self.tracer.take())
+        pending = None
+        if self.reporting():
+            pending = self._collect(
+                loss,
+                self.scaler.take() if self.scaler is not None else None,
+                dict(metrics) if metrics else None,
+                self.updates.take(),
+            )
+            if self.rank is not None and step_span is not None:
+                pending.step_time = functools.partial(_ranks.elapsed, *step_span)
+        else:
+            self.measurer.reset()
+            self.updates.discard()
+            if self.scaler is not None:
+                self.scaler.captured = None
+        self.step += 1
+        return pending
+
+    def unreported(self) -> Optional[PendingStep]:
+        """A step that never reached ``gf.step`` (training died inside it: the
+        optimizer, or a GradScaler, crashing on parameters whose dtype just changed)
+        may have seen an amendment or a graph cut: they come back in a record of that
+        step, with whatever of it was measured, so the cause of the crash is on the
+        server."""
+        self._check_amend()
+        self._pending_cuts.extend(self.tracer.take())
+        if self._pending_amend is None and not self._pending_cuts:
+            return None
+        return self._collect(None, None, None, None)
+
+    def _collect(self, loss: Any, scaler_state: Any, metrics: Any, updates: Any) -> PendingStep:
+        """This step's record, with the amendment and graph cuts waiting for it."""
+        amend, self._pending_amend = self._pending_amend, None
+        pending = self.measurer.collect(
+            self.step, loss, scaler_state, self.registry.lrs(), amend, metrics, updates
+        )
+        pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
+        if self.rank is not None:
+            # v1.4 fields only in a multi-rank run: a single process's records stay
+            # what a v1.3 server accepts.
+            pending.rank = self.rank
+        return pending

@@ -1,0 +1,201 @@
+"""The wire format, as ``TypedDict``s mirroring the protocol crate.
+
+Each type names the Rust struct it mirrors (``protocol/src/step.rs``, ``run.rs``,
+``amend.rs``; docs/PROTOCOL.md describes them). Optional fields are left out of a
+record rather than sent as null, except where the protocol gives null a meaning (a
+module's ``grad_norm``: no gradient this step). Non-finite numbers travel as the
+strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (:mod:`gradflow.encode`).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, TypedDict, Union
+
+Float = Union[float, str]
+"""A protocol ``Float``: a JSON number, or "NaN", "Infinity", "-Infinity"."""
+
+
+# -- step records (protocol/src/step.rs) ---------------------------------------------
+
+
+class CallSite(TypedDict, total=False):
+    """``CallSite``: a frame of the user's code."""
+
+    file: str
+    line: int
+    function: str
+
+
+class GraphCut(TypedDict, total=False):
+    """``GraphCut``: a watched module's forward that ran cut from backward."""
+
+    module: str
+    kind: str  # GraphCutKind: "no_grad", "detached_input", ...
+    group: str
+    upstream: str
+    stack: List[CallSite]
+
+
+class _ModuleStepName(TypedDict):
+    module: str
+
+
+class ModuleStep(_ModuleStepName, total=False):
+    """``ModuleStep``: one module's gradient on one step."""
+
+    grad_norm: Optional[Float]
+    hook_hits: int
+    grad_sumsq: Optional[Float]  # multi-rank runs: this rank's partial sum
+    numel: int
+    nonfinite: int
+
+
+class _ParamStepName(TypedDict):
+    name: str
+
+
+class ParamStep(_ParamStepName, total=False):
+    """``ParamStep``: a norm weight's or low-precision parameter's numbers."""
+
+    grad_norm: Optional[Float]
+    update_norm: Optional[Float]
+    drift: Optional[Float]
+    mean: Float
+    intended_update_norm: Optional[Float]
+    intended_update_max_ulp: Optional[Float]
+    intended_nonzero: int
+    rounded_away: int
+    numel: int
+
+
+class ScalerState(TypedDict, total=False):
+    """``ScalerState``: the loss scaler before ``update()``."""
+
+    scale: Optional[Float]
+    growth_tracker: int
+    found_inf: bool
+    step_skipped: bool
+
+
+class ParamGroup(TypedDict, total=False):
+    """``ParamGroup``: an optimizer parameter group."""
+
+    name: str
+    lr: float
+    weight_decay: float
+    betas: List[float]
+    eps: float
+
+
+class Precision(TypedDict, total=False):
+    """``Precision``."""
+
+    param_dtype: str
+    compute_dtype: str
+    loss_scaler: str  # "none", "static", "dynamic"
+
+
+class ParamSpec(TypedDict, total=False):
+    """``ParamSpec``: a parameter as registered."""
+
+    name: str
+    module: str
+    group: str
+    role: str
+    dtype: str
+    shape: List[int]
+    requires_grad: bool
+    in_optimizer: bool
+    param_group: str
+    layout: str
+    shard_ranks: List[int]
+
+
+class Amendment(TypedDict, total=False):
+    """``Amendment`` (``protocol/src/amend.rs``): what changed since registration."""
+
+    params: List[ParamSpec]
+    param_groups: List[ParamGroup]
+    precision: Precision
+
+
+class _StepNumber(TypedDict):
+    step: int
+
+
+class StepRecord(_StepNumber, total=False):
+    """``StepRecord``: one optimizer step of one process."""
+
+    time: float
+    loss: Float
+    lr: float
+    lrs: Dict[str, float]
+    modules: List[ModuleStep]
+    params: List[ParamStep]
+    scaler: ScalerState
+    metrics: Dict[str, Optional[Float]]
+    dropped_steps: int
+    amend: Amendment
+    graph_cuts: List[GraphCut]
+    grads_carried_over: bool
+    input_absmax: Optional[Float]
+    rank: int
+    step_time: float
+
+
+# -- registration (protocol/src/run.rs) ----------------------------------------------
+
+
+class Webhook(TypedDict, total=False):
+    """``Webhook``."""
+
+    url: str
+    format: str
+    min_severity: str
+
+
+class Optimizer(TypedDict, total=False):
+    """``Optimizer``; other keys are kept as the optimizer's own settings."""
+
+    name: str
+    lr: float
+    betas: List[float]
+    eps: float
+    weight_decay: float
+    param_groups: List[ParamGroup]
+
+
+class RunRegistration(TypedDict, total=False):
+    """``RunRegistration``: the body of ``PUT /api/v1/runs/{id}``."""
+
+    name: str
+    started_at: float
+    host: str
+    rank: int
+    world_size: int
+    precision: Precision
+    optimizer: Optimizer
+    params: List[ParamSpec]
+    detectors: Dict[str, int]
+    config: Any
+    train: List[str]
+    webhooks: List[Webhook]
+
+
+# -- what the server answers ---------------------------------------------------------
+
+
+class Alert(TypedDict, total=False):
+    """An alert as ``GET /api/v1/runs/{id}/alerts`` returns it."""
+
+    id: int
+    kind: str
+    subject: str
+    severity: str  # "info", "warning", "critical"
+    status: str
+    title: str
+    detail: str
+    fix: str
+    opened_step: Optional[int]
+    evidence: Dict[str, Any]
