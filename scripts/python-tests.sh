@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The Python client's checks: a virtual environment with torch and transformers from
-# PyPI (reused between runs), the client installed into it, the server binary the
-# tests start, ruff, then pytest against the real server.
+# The Python client's checks: a virtual environment with torch, transformers and
+# lightning from PyPI (reused between runs), the client installed into it (editable),
+# the server binary the tests start, ruff, then pytest against the real server.
 #
 #   GRADFLOW_VENV        the virtual environment (default ~/.cache/gradflow/venv)
 #   GRADFLOW_SERVER_BIN  a server binary to test against instead of building one
@@ -22,13 +22,18 @@ pip=("$py" -m pip install --quiet --disable-pip-version-check)
 "$py" -c "import transformers" 2>/dev/null || "${pip[@]}" transformers
 # The Hugging Face Trainer needs accelerate.
 "$py" -c "import accelerate" 2>/dev/null || "${pip[@]}" accelerate
+# The PyTorch Lightning callback's tests drive a real lightning Trainer.
+"$py" -c "import lightning" 2>/dev/null || "${pip[@]}" lightning
 "$py" -c "import pytest" 2>/dev/null || "${pip[@]}" pytest
 "$py" -c "import ruff" 2>/dev/null || [ -x "$venv/bin/ruff" ] || "${pip[@]}" ruff
-"${pip[@]}" --no-deps -e ./clients/python
-# The package builds as a wheel (pure Python, standard library only).
-rm -rf "${TMPDIR:-/tmp}/gradflow-wheel"
-"$py" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
-    -w "${TMPDIR:-/tmp}/gradflow-wheel" ./clients/python
+"$py" -c "import mypy" 2>/dev/null || "${pip[@]}" mypy
+# The package's build backend (clients/python/hatch_build.py runs inside it), kept in
+# the environment so that installs need no build isolation.
+"$py" -c "import hatchling" 2>/dev/null || "${pip[@]}" "hatchling>=1.24"
+# Editable: src/ on the path, no server binary built into it; the tests start the
+# workspace's debug server (GRADFLOW_SERVER_BIN or target/debug/gradflow-server).
+# scripts/wheel-smoke.sh builds and checks the wheel, server and all.
+"${pip[@]}" --no-deps --no-build-isolation -e ./clients/python
 
 if [ -z "${GRADFLOW_SERVER_BIN:-}" ]; then
     cargo build --quiet -p gradflow-server
@@ -36,6 +41,8 @@ fi
 
 "$venv/bin/ruff" format --check clients/python
 "$venv/bin/ruff" check clients/python
+# The package's type check (settings in clients/python/mypy.ini).
+(cd clients/python && "$py" -m mypy)
 
 # pytest's exit code 5 ("no tests collected") is a failure here too: `set -e` fails
 # on any non-zero status.
