@@ -1,0 +1,278 @@
+"""What every case of the failure corpus shares.
+
+A case is a silent failure a user reported in a public thread, rebuilt on CPU with a
+tiny model from a config (random weights, no hub download). It runs through the
+quickstart API only (``gradflow.watch(model, optimizer[, scaler])``, ``gf.step(loss=...)``,
+``gf.close()``, no thresholds, no ``train=``), proves that the failure happens on the
+PyTorch side, then reads the server's verdict back from its REST API.
+
+The session server and ``gradflow_env`` (the run id and server address through
+``GRADFLOW_*``) come from ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import gradflow
+
+# `grad_stuck_zero` and `unused_parameters` need 50 step numbers; every other
+# detector fewer (norm weights 20, overflow 10, first hint 1). One length for all.
+STEPS = 52
+
+VOCAB = 64
+SEQ = 8
+BATCH = 4
+
+
+def tiny_qwen(seed: int = 0, **overrides: Any) -> Qwen2ForCausalLM:
+    """A random two-layer Qwen2 causal LM, hidden 32: groups `model.embed_tokens`,
+    `model.layers`, `model.norm`, `lm_head`."""
+    settings: Dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**settings))
+    model.train()
+    return model
+
+
+def token_batches(seed: int = 1, vocab: int = VOCAB) -> Iterator[torch.Tensor]:
+    """Endless random token batches (a language-modelling task: labels = inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+
+
+def feature_batches(width: int, classes: int, seed: int = 1):
+    """Endless (features, class) batches of a learnable task: the class is the sign
+    pattern of the first features."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(BATCH * 2, width, generator=g)
+        yield x, ((x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()) % classes
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss (labels = inputs)."""
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a plain module returning logits."""
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+    )
+
+
+def class_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x).float(), y)
+
+
+class Classifier(nn.Module):
+    """features -> `embed` -> `hidden` -> `head`: the plain model of most cases."""
+
+    def __init__(self, width: int = 16, hidden: int = 32, classes: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, hidden)
+        self.hidden = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(torch.relu(self.embed(x)))))
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: Any,
+    loss_of: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
+    data: Optional[Iterator[Any]] = None,
+    *,
+    scaler: Any = None,
+    autocast: Optional[torch.dtype] = None,
+    before: Optional[Callable[[int], None]] = None,
+    after_backward: Optional[Callable[[int], None]] = None,
+    after_step: Optional[Callable[[int], None]] = None,
+) -> Callable[[int], torch.Tensor]:
+    """One iteration of the README's loop, as `step(i) -> loss` for `quickstart`:
+    zero_grad, forward (under `autocast`), backward (scaled by `scaler`), optimizer
+    step. `loss_of(model, batch)` defaults to the LM loss over token batches; the
+    hooks put a case's bug where the user's code had it."""
+    loss_of = loss_of or lm_loss
+    if data is None:
+        data = token_batches() if loss_of in (lm_loss, next_token_loss) else feature_batches(16, 4)
+
+    def step(i: int) -> torch.Tensor:
+        if before is not None:
+            before(i)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = loss_of(model, next(data))
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if after_backward is not None:
+            after_backward(i)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        if after_step is not None:
+            after_step(i)
+        return loss
+
+    return step
+
+
+class LoRALinear(nn.Module):
+    """A minimal LoRA adapter (PEFT's layout): the frozen base projection plus
+    `lora_B(lora_A(x))`, B starting at zero."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def add_lora(model: Qwen2ForCausalLM) -> List[nn.Parameter]:
+    """Freezes the model and puts adapters on every layer's q and v projections, as
+    `get_peft_model` does; returns the adapters' parameters."""
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
+    return [p for n, p in model.named_parameters() if "lora_" in n]
+
+
+class CheckpointedLayer(nn.Module):
+    """A decoder layer run under `torch.utils.checkpoint`, as transformers 4.x's
+    `gradient_checkpointing_enable()` did (reentrant by default, and no hook making
+    the embedding's output require grad; transformers 5 adds that hook itself)."""
+
+    def __init__(self, layer: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.reentrant = reentrant
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(
+            lambda h: self.layer(h, *args, **kwargs), hidden_states, use_reentrant=self.reentrant
+        )
+
+
+def checkpoint_layers(model: Qwen2ForCausalLM, reentrant: bool) -> None:
+    # No KV cache under checkpointing (transformers turns it off too): the recompute
+    # would attend to the values cached by the first, gradient-free pass.
+    model.config.use_cache = False
+    model.model.layers = nn.ModuleList(
+        CheckpointedLayer(layer, reentrant) for layer in model.model.layers
+    )
+
+
+# -- the failure, on the PyTorch side ------------------------------------------------
+
+
+def snapshot(module: nn.Module) -> Dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def moved(before: Dict[str, torch.Tensor], module: nn.Module) -> Set[str]:
+    """The parameters of `module` whose values differ from `before` (by name)."""
+    now = dict(module.named_parameters())
+    return {
+        name
+        for name, old in before.items()
+        if name in now
+        and (now[name].shape != old.shape or not torch.equal(now[name].detach(), old))
+    }
+
+
+# -- the quickstart ------------------------------------------------------------------
+
+
+def quickstart(
+    model: nn.Module,
+    optimizer: Any,
+    step: Callable[[int], Any],
+    steps: int = STEPS,
+    scaler: Any = None,
+    before: Optional[Callable[[], None]] = None,
+) -> str:
+    """The README's two lines around the user's loop: `watch` once, `gf.step(loss=)`
+    after every optimizer step (`step(i)` is one iteration of the user's loop and
+    returns its loss), `close`. `before()` runs after `watch` and before the loop (a
+    change the user made once the run was watched). Returns the run id."""
+    options = {} if scaler is None else {"scaler": scaler}
+    gf = gradflow.watch(model, optimizer, **options)
+    if before is not None:
+        before()
+    for i in range(steps):
+        gf.step(loss=step(i))
+    gf.close()
+    return gf.run_id
+
+
+# -- the verdict, from the server ----------------------------------------------------
+
+
+def described(alerts: List[Dict[str, Any]]) -> List[Any]:
+    return [(a["kind"], a["subject"], a["severity"], a["evidence"].get("cause")) for a in alerts]
+
+
+def verdict(
+    server: Any,
+    run_id: str,
+    kind: Optional[str] = None,
+    subject: Optional[str] = None,
+    cause: Optional[str] = None,
+    wait: float = 2.0,
+) -> Dict[str, Any]:
+    """The run's warning or critical alert of `kind` (on a subject starting with
+    `subject`, with `evidence.cause` == `cause`; `None` matches any); fails with every
+    alert the run has when there is none. A case gradflow misses expects any serious
+    alert, so that it fails, strict xfail, as soon as something is said."""
+    deadline = time.monotonic() + wait
+    while True:
+        alerts = server.alerts(run_id)
+        for alert in alerts:
+            if (
+                (kind is None or alert["kind"] == kind)
+                and alert["severity"] in ("warning", "critical")
+                and (subject is None or alert["subject"].startswith(subject))
+                and (cause is None or alert["evidence"].get("cause") == cause)
+            ):
+                return alert
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"expected {kind or 'an alert'} on {subject or 'any subject'} (cause {cause}); "
+                f"the server says {described(alerts)}"
+            )
+        time.sleep(0.2)
+
+
+def silent(server: Any, run_id: str) -> None:
+    """A healthy run: no warning or critical alert (info hints are allowed)."""
+    serious = server.serious(run_id)
+    assert not serious, f"false alarm: {described(serious)}"

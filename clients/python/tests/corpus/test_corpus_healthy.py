@@ -1,0 +1,205 @@
+"""Corpus: healthy runs that look like the failures and must stay silent (no warning
+or critical alert): LoRA on a frozen base with checkpointing done right, embeddings
+frozen on purpose, warm-up from lr 0, a compiled model, intended accumulation,
+branches used on some steps only, fp16's early overflows, bf16 autocast."""
+
+from __future__ import annotations
+
+import torch
+from corpus_support import (
+    Classifier,
+    add_lora,
+    checkpoint_layers,
+    class_loss,
+    lm_loss,
+    moved,
+    quickstart,
+    silent,
+    snapshot,
+    tiny_qwen,
+    token_batches,
+    train_step,
+)
+from torch import nn
+from transformers import get_linear_schedule_with_warmup
+
+
+def lora_run(server, reentrant: bool, input_grads: bool) -> None:
+    model = tiny_qwen()
+    adapters = add_lora(model)
+    if input_grads:
+        model.enable_input_require_grads()
+    checkpoint_layers(model, reentrant=reentrant)
+    optimizer = torch.optim.AdamW(adapters, lr=1e-3)
+    before = snapshot(model)
+    run_id = quickstart(model, optimizer, train_step(model, optimizer))
+    changed = moved(before, model)
+    assert {n for n in changed if "lora_" in n} == {n for n in before if "lora_" in n}
+    assert not [n for n in changed if "lora_" not in n]  # the base stayed frozen
+    silent(server, run_id)
+
+
+def test_lora_with_reentrant_checkpointing_and_input_grads(gradflow_server, gradflow_env):
+    """LoRA, a frozen base, reentrant checkpointing, and the documented fix:
+    `model.enable_input_require_grads()`. Every adapter trains.
+
+    Threads: https://github.com/lm-sys/FastChat/pull/1489,
+    https://github.com/axolotl-ai-cloud/axolotl/issues/312
+    """
+    lora_run(gradflow_server, reentrant=True, input_grads=True)
+
+
+def test_lora_with_non_reentrant_checkpointing(gradflow_server, gradflow_env):
+    """LoRA, a frozen base, checkpointing with `use_reentrant=False` and no input
+    hook: gradients reach the adapters anyway.
+
+    Threads: https://github.com/huggingface/peft/issues/1142,
+    https://github.com/oumi-ai/oumi/pull/107
+    """
+    lora_run(gradflow_server, reentrant=False, input_grads=False)
+
+
+def test_embeddings_frozen_on_purpose(gradflow_server, gradflow_env):
+    """Full fine-tuning with the token embeddings frozen "for a small memory
+    decrease": a frozen group that gets no gradient is no fault.
+
+    Thread: https://github.com/huggingface/peft/issues/1142
+    """
+    model = tiny_qwen()
+    model.get_input_embeddings().requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    before = snapshot(model)
+    run_id = quickstart(model, optimizer, train_step(model, optimizer))
+    changed = moved(before, model)
+    assert "model.embed_tokens.weight" not in changed and "lm_head.weight" in changed
+    silent(gradflow_server, run_id)
+
+
+def test_warmup_from_lr_zero(gradflow_server, gradflow_env):
+    """A linear warm-up whose first step has lr 0 (the first update does nothing, by
+    design of the schedule): not a frozen model.
+
+    Threads: https://github.com/huggingface/transformers/issues/34754,
+    https://github.com/karpathy/nanoGPT/pull/578
+    """
+    model = tiny_qwen()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 10, 200)
+    assert optimizer.param_groups[0]["lr"] == 0.0
+    run_id = quickstart(
+        model, optimizer, train_step(model, optimizer, after_step=lambda _: scheduler.step())
+    )
+    silent(gradflow_server, run_id)
+
+
+def test_torch_compiled_model(gradflow_server, gradflow_env):
+    """A `torch.compile`d model watched like any other (the compiled wrapper shares
+    the original's parameters).
+
+    Thread: https://github.com/wandb/wandb/issues/10221
+    """
+    model = Classifier()
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = snapshot(model)
+    run_id = quickstart(compiled, optimizer, train_step(compiled, optimizer, class_loss))
+    assert moved(before, model) == set(before)
+    silent(gradflow_server, run_id)
+
+
+def test_intended_gradient_accumulation(gradflow_server, gradflow_env):
+    """Four micro-batches per optimizer step, `zero_grad` after the step: the
+    corrected loop of the accumulation thread.
+
+    Thread: https://github.com/huggingface/accelerate/issues/1299
+    """
+    model = tiny_qwen()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = token_batches()
+
+    def step(_):
+        for _micro in range(4):
+            loss = lm_loss(model, next(data)) / 4
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    run_id = quickstart(model, optimizer, step, steps=20)
+    silent(gradflow_server, run_id)
+
+
+class TwoTasks(nn.Module):
+    """A shared trunk and two task heads; each batch runs one task only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.seg_head = nn.Linear(32, 4)
+        self.det_head = nn.Linear(32, 4)
+
+        self.task = "seg"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.seg_head if self.task == "seg" else self.det_head)(self.trunk(x))
+
+
+def test_a_branch_used_on_some_batches_only(gradflow_server, gradflow_env):
+    """A pipeline that runs part of the model from batch to batch: each head gets a
+    gradient only on its own task's batches (every third batch for detection).
+
+    Thread: https://github.com/open-mmlab/mmdetection/issues/11745
+    """
+    model = TwoTasks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = snapshot(model)
+
+    def pick_task(i):
+        model.task = "det" if i % 3 == 2 else "seg"
+
+    run_id = quickstart(
+        model, optimizer, train_step(model, optimizer, class_loss, before=pick_task)
+    )
+    assert moved(before, model) == set(before)
+    silent(gradflow_server, run_id)
+
+
+def test_fp16_overflows_while_the_loss_scale_settles(gradflow_server, gradflow_env):
+    """fp16 mixed precision whose first steps overflow while the dynamic loss scale
+    comes down from its initial value ("Gradient overflow. Skipping step ... is
+    normal" early in training), then trains.
+
+    Threads: https://github.com/facebookresearch/swav/issues/47,
+    https://github.com/deepspeedai/DeepSpeed/issues/931
+    """
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    inner = train_step(model, optimizer, class_loss, scaler=scaler, autocast=torch.float16)
+    skipped = []
+
+    def step(i):
+        scale = scaler.get_scale()
+        loss = inner(i)
+        skipped.append(scaler.get_scale() < scale)  # backed off: this step overflowed
+        return loss
+
+    run_id = quickstart(model, optimizer, step, steps=30, scaler=scaler)
+    assert any(skipped[:10]) and not any(skipped[-10:]), skipped
+    silent(gradflow_server, run_id)
+
+
+def test_bf16_autocast_over_fp32_weights(gradflow_server, gradflow_env):
+    """bf16 mixed precision done the usual way: fp32 weights (the optimizer's master
+    copy), bf16 compute under autocast; every weight moves, norms included.
+
+    Thread: https://github.com/hp-l33/AiM/issues/10
+    """
+    model = tiny_qwen()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    before = snapshot(model)
+    step = train_step(model, optimizer, autocast=torch.bfloat16)
+    run_id = quickstart(model, optimizer, step, steps=24)
+    assert "model.norm.weight" in moved(before, model)
+    silent(gradflow_server, run_id)

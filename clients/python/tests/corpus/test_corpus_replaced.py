@@ -1,0 +1,204 @@
+"""Corpus: parameters replaced, re-created or never registered, so the optimizer
+steps tensors the model no longer uses (or never sees the ones it does)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from corpus_support import (
+    Classifier,
+    class_loss,
+    moved,
+    next_token_loss,
+    quickstart,
+    snapshot,
+    tiny_qwen,
+    train_step,
+    verdict,
+)
+from torch import nn
+
+
+def test_resize_token_embeddings_after_the_optimizer(gradflow_server, gradflow_env):
+    """New tokens are added with `resize_token_embeddings` after the optimizer was
+    built: the optimizer keeps stepping the old matrices, the model uses new ones that
+    never change ("my token embeddings were not being updated"). Today's transformers
+    resizes the input embedding in place, so the untied LM head is the one replaced.
+
+    Thread: https://github.com/huggingface/transformers/pull/3532
+    """
+    model = tiny_qwen()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {}
+
+    def resize():
+        model.resize_token_embeddings(80)  # the tokenizer grew: new token rows
+        state["before"] = snapshot(model)
+
+    run_id = quickstart(model, optimizer, train_step(model, optimizer), before=resize)
+    changed = moved(state["before"], model)
+    assert "lm_head.weight" not in changed
+    assert "model.embed_tokens.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
+    verdict(gradflow_server, run_id, "param_not_in_optimizer", "lm_head")
+
+
+def test_a_layer_replaced_after_the_optimizer(gradflow_server, gradflow_env):
+    """Pruning "speedup" replaces layers with new smaller ones and copies the weights
+    in: the optimizer still holds the old layers' parameters, so fine-tuning the
+    pruned model updates nothing of the replaced layers.
+
+    Thread: https://github.com/microsoft/nni/issues/4521
+    """
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {}
+
+    def speedup():
+        old = model.hidden
+        new = nn.Linear(old.in_features, old.out_features)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.bias.copy_(old.bias)
+        model.hidden = new
+        state["before"] = snapshot(model)
+
+    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss), before=speedup)
+    changed = moved(state["before"], model)
+    assert "hidden.weight" not in changed and "head.weight" in changed
+    verdict(gradflow_server, run_id, "param_not_in_optimizer", "hidden")
+
+
+class TutorialAttention(nn.Module):
+    """The tutorial's multi-head attention: its output projection and layer norm are
+    built inside `forward`, fresh (random) at every call."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.W_Q = nn.Linear(d_model, d_model)
+        self.W_K = nn.Linear(d_model, d_model)
+        self.W_V = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            w(x).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.W_Q, self.W_K, self.W_V)
+        )
+        context = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, -1) @ v
+        context = context.transpose(1, 2).reshape(b, t, d)
+        output = nn.Linear(d, d)(context)  # the bug: a new, untrained layer every call
+        return nn.LayerNorm(d)(output + x)
+
+
+class TutorialModel(nn.Module):
+    def __init__(self, vocab: int = 64, d_model: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, d_model)
+        self.attention = TutorialAttention(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attention(self.embed(tokens)))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="missed: the layers built in forward are no registered parameter, so neither "
+    "the optimizer nor gradflow sees them",
+)
+def test_layers_built_inside_forward(gradflow_server, gradflow_env):
+    """`nn.Linear(...)(context)` inside `forward`: the attention's output projection
+    is a new random layer at every call, registered nowhere, never trained.
+
+    Thread: https://github.com/graykode/nlp-tutorial/issues/29
+    """
+    model = TutorialModel()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    assert len(list(model.parameters())) == 9  # embed, 3 projections, head: no output proj
+
+    run_id = quickstart(model, optimizer, train_step(model, optimizer, next_token_loss))
+    # Same input twice, different outputs: part of the model is redrawn each call.
+    probe = torch.arange(8).view(1, 8)
+    with torch.no_grad():
+        outputs = [model(probe) for _ in range(2)]
+    assert not torch.allclose(outputs[0], outputs[1])
+    verdict(gradflow_server, run_id, subject="attention")
+
+
+class ListModel(nn.Module):
+    """Hidden layers kept in a plain Python list: not registered."""
+
+    def __init__(self, width: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, 32)
+        self.layers = [nn.Linear(32, 32) for _ in range(2)]  # the bug: not nn.ModuleList
+        self.head = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.embed(x))
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="missed: parameters held in a Python list are not the model's, so gradflow "
+    "never registers them",
+)
+def test_hidden_layers_in_a_python_list(gradflow_server, gradflow_env):
+    """Layers stored in a Python list are not registered: `model.parameters()` leaves
+    them out, so the optimizer never updates them while they get gradients.
+
+    Thread: https://github.com/pytorch/pytorch/issues/59925
+    """
+    model = ListModel()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    before = model.layers[0].weight.detach().clone()
+    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
+    assert model.layers[0].weight.grad is not None
+    assert torch.equal(model.layers[0].weight.detach(), before)
+    verdict(gradflow_server, run_id)
+
+
+class SmallGPT(nn.Module):
+    """A GPT whose config says the output projection is tied to the token embedding,
+    but which never ties them (the line `lm_head.weight = wte.weight` is missing)."""
+
+    tie_word_embeddings = True
+
+    def __init__(self, vocab: int = 64, d_model: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(vocab, d_model)
+        self.block = nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, d_model), nn.GELU())
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.wte.weight)  # same values, two tensors
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wte(tokens)
+        return self.lm_head(h + self.block(h))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="missed: two tensors that should be one both train normally; the "
+    "registration does not say they were meant to be tied",
+)
+def test_tied_embeddings_left_untied(gradflow_server, gradflow_env):
+    """The model is meant to share its token embedding with the LM head, but the
+    weights were never tied: they start equal and train apart, a model with twice the
+    embedding parameters and not the one configured.
+
+    Thread: https://github.com/mosaicml/examples/pull/11
+    """
+    model = SmallGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    run_id = quickstart(model, optimizer, train_step(model, optimizer, next_token_loss))
+    assert model.lm_head.weight is not model.wte.weight
+    assert not torch.equal(model.lm_head.weight, model.wte.weight)  # drifted apart
+    verdict(gradflow_server, run_id, subject="lm_head")
