@@ -1,15 +1,38 @@
 """``python -m gradflow`` / ``gradflow``: the package's commands (``check``,
-``report``)."""
+``report``, ``server``). Nothing here imports torch."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from typing import List, Optional
 
 USAGE = (
     "usage: gradflow check [options] -- COMMAND...   (gradflow check --help)\n"
-    "       gradflow report SPOOL [--out FILE]         (gradflow report --help)"
+    "       gradflow report SPOOL [--out FILE]         (gradflow report --help)\n"
+    "       gradflow server [OPTIONS] [COMMAND]        (gradflow server --help: the\n"
+    "                                                   gradflow-server this package installed)"
 )
+
+
+def server(args: List[str]) -> int:
+    """``gradflow server ARGS`` is ``gradflow-server ARGS``: the binary the wheel
+    installed (or ``GRADFLOW_SERVER_BIN``, or the PATH's), in this process's place."""
+    from .check import find_server_binary
+
+    binary = find_server_binary()
+    if binary is None:
+        print(
+            "gradflow server: no gradflow-server: this gradflow was installed without it "
+            "(an editable install); set GRADFLOW_SERVER_BIN or put gradflow-server on the PATH",
+            file=sys.stderr,
+        )
+        return 3
+    if os.name == "posix":
+        sys.stdout.flush()
+        os.execv(binary, [binary, *args])  # signals (Ctrl-C) reach the server itself
+    return subprocess.call([binary, *args])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -25,6 +48,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .report import main as report
 
         return report(args[1:])
+    if args[0] == "server":
+        return server(args[1:])
     print(f"gradflow: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -4,41 +4,64 @@
                    -- python train.py --its --own --arguments
 
 For a CI job: the script runs with ``GRADFLOW_SERVER`` pointed at a server (one given
-with ``--server``, or an embedded one: ``gradflow-server`` from ``--server-bin``,
-``GRADFLOW_SERVER_BIN`` or the PATH, on a free port and a temporary database); every
-``gradflow.watch`` in it reports there. ``--steps N`` stops the script after N
-optimizer steps (``gf.step`` closes the watcher and exits the script with status 0).
-When the script has finished, the alerts of its runs are printed, and the exit status
-says what was found:
+with ``--server`` or ``GRADFLOW_SERVER``, where the run gets an id of its own; or an
+embedded one on a free port and a temporary database: the ``gradflow-server`` from
+``--server-bin``, ``GRADFLOW_SERVER_BIN``, the one the ``gradflow`` wheel installed, or
+the PATH); every ``gradflow.watch`` in it reports there. ``--steps N`` stops the script
+after N optimizer steps (``gf.step`` closes the watcher and exits the script with
+status 0). When the script has finished, the alerts of its runs are printed, and the
+exit status says what was found:
 
 - 0: no open alert at or above ``--fail-on`` (default ``warning``);
 - 1: at least one such alert;
 - 2: the script failed (non-zero exit) and raised no such alert — a failure gradflow
   did not diagnose;
-- 3: gradflow check itself could not run (no server binary, server did not start).
+- 3: gradflow check itself could not run (no server binary, server did not start, the
+  server is not a gradflow server);
+- 4: the script ran but reported no run: it never called ``gradflow.watch`` (or
+  watched under a ``run_id=`` of its own on a shared server), so nothing was checked.
 
-``--json`` prints one JSON object instead: ``{"verdict", "exit_code",
-"script_exit_code", "server", "runs": [{"run_id", "alerts": [...]}]}``.
+A run that reported fewer steps than a detector needs to decide (a cut graph is only
+called after 50 steps of zero gradient) draws a warning: its pass says little.
+
+``--json`` prints one JSON object on stdout, and nothing else (the script's own
+output goes to stderr): ``{"verdict", "exit_code", "script_exit_code", "server",
+"runs": [{"run_id", "steps", "alerts": [...]}], "warnings": [...]}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-from .transport import Client, Refused, Unreachable
+from urllib.parse import quote
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+
+# How many reported steps each streak detector needs before it can call a verdict
+# (server/src/detect/: the server's default thresholds, which a run's own `detectors`
+# overrides), and what in the registration makes it apply.
+STREAK_STEPS = {
+    "grad_stuck_zero": ("stuck_zero_steps", 50),
+    "norm_weight_frozen": ("frozen_norm_steps", 20),
+    "scaler_overflow_streak": ("overflow_streak_steps", 10),
+}
+
+EXE = ".exe" if sys.platform == "win32" else ""
 
 
 class CheckError(Exception):
@@ -51,15 +74,78 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _server_binary(explicit: Optional[str]) -> str:
-    candidate = explicit or os.environ.get("GRADFLOW_SERVER_BIN") or shutil.which("gradflow-server")
-    if not candidate or not os.path.exists(candidate):
+def bundled_server() -> Optional[str]:
+    """The ``gradflow-server`` the gradflow wheel installed beside the ``gradflow``
+    command: in this interpreter's scripts folder, the user scheme's (``pip install
+    --user``) or ``bin/`` beside the package (``pip install --target``)."""
+    folders = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
+    try:
+        user = sysconfig.get_preferred_scheme("user")  # type: ignore[attr-defined]
+    except AttributeError:  # Python < 3.10
+        user = "nt_user" if os.name == "nt" else "posix_user"
+    with contextlib.suppress(KeyError):
+        folders.append(sysconfig.get_path("scripts", user))
+    folders.append(str(Path(__file__).resolve().parents[1] / "bin"))
+    for folder in folders:
+        path = os.path.join(folder, "gradflow-server" + EXE)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def find_server_binary(explicit: Optional[str] = None) -> Optional[str]:
+    """``explicit``, ``GRADFLOW_SERVER_BIN``, the wheel's own server, the PATH's."""
+    given = explicit or os.environ.get("GRADFLOW_SERVER_BIN")
+    if given:
+        return given if os.path.isfile(given) else None
+    return bundled_server() or shutil.which("gradflow-server")
+
+
+def _server_binary(
+    explicit: Optional[str], also: str = "pass --server URL (or set GRADFLOW_SERVER), "
+) -> str:
+    found = find_server_binary(explicit)
+    if found is None:
+        wrong = explicit or os.environ.get("GRADFLOW_SERVER_BIN")
         raise CheckError(
-            "no gradflow-server to start: pass --server URL, or --server-bin PATH, set "
-            "GRADFLOW_SERVER_BIN, or put gradflow-server on the PATH "
-            "(cargo build --release -p gradflow-server)"
+            "no gradflow-server to start"
+            + (f" ({wrong} does not exist)" if wrong else "")
+            + ": "
+            + also
+            + "pass --server-bin PATH or set GRADFLOW_SERVER_BIN, or install gradflow from "
+            "its wheel, which carries the server (pip install ./clients/python)"
         )
-    return candidate
+    return found
+
+
+def probe(url: str, token: Optional[str] = None, timeout: float = 10.0) -> None:
+    """Raises CheckError, in one line, unless `url` answers as a gradflow server does
+    (a JSON error body for a run that does not exist)."""
+    request = urllib.request.Request(
+        f"{url}/api/v1/runs/{quote('gradflow-check-probe-' + uuid.uuid4().hex[:8])}",
+        headers={"Accept": "application/json"},
+    )
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    status, kind, body = 200, "", b""
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            kind, body = response.headers.get("Content-Type", ""), response.read(4096)
+    except urllib.error.HTTPError as err:
+        status, kind, body = err.code, err.headers.get("Content-Type", ""), err.read(4096)
+    except (urllib.error.URLError, OSError) as err:
+        raise CheckError(
+            f"{url} cannot be reached: {getattr(err, 'reason', None) or err}"
+        ) from None
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    if status not in (401, 404) or not isinstance(code, str):
+        kind = kind.split(";")[0].strip() or "no content type"
+        raise CheckError(
+            f"{url} does not look like a gradflow server (it answered HTTP {status}, {kind})"
+        )
 
 
 class EmbeddedServer:
@@ -107,13 +193,71 @@ class EmbeddedServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _alerts(client: Client, run_id: str) -> List[Dict[str, Any]]:
+def _get(url: str, path: str, token: Optional[str]) -> Any:
+    """A JSON read; None for a 404 (a run the script never registered)."""
+    request = urllib.request.Request(url + path, headers={"Accept": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        return client.alerts(run_id)
-    except Refused as err:
-        if err.status == 404:
-            return []  # the script never registered this run
-        raise
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        if err.code == 404:
+            return None
+        raise CheckError(f"could not read {path} from {url}: HTTP {err.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        raise CheckError(f"could not read {path} from {url}: {err}") from None
+
+
+def _run_report(url: str, run_id: str, token: Optional[str]) -> Optional[Dict[str, Any]]:
+    run = _get(url, f"/api/v1/runs/{quote(run_id)}", token)
+    if run is None:
+        return None
+    answer = _get(url, f"/api/v1/runs/{quote(run_id)}/alerts?status=open", token) or {}
+    first, last = run.get("first_step"), run.get("last_step")
+    return {
+        "run_id": run_id,
+        "steps": 0 if first is None or last is None else int(last) - int(first) + 1,
+        "alerts": list(answer.get("alerts", [])),
+        "registration": run,
+    }
+
+
+def undecided(run: Dict[str, Any]) -> List[Tuple[str, int]]:
+    """The streak detectors that apply to `run` and need more steps than it reported,
+    with the steps each needs."""
+    registration = run["registration"]
+    overrides = registration.get("detectors") or {}
+    roles = {p.get("role") for p in registration.get("params") or []}
+    scaler = (registration.get("precision") or {}).get("loss_scaler")
+    applies = {
+        "grad_stuck_zero": True,
+        "norm_weight_frozen": "norm" in roles,
+        "scaler_overflow_streak": scaler not in (None, "none"),
+    }
+    out = []
+    for kind, (field, default) in STREAK_STEPS.items():
+        needed = int(overrides.get(field) or default)
+        if applies[kind] and run["steps"] < needed:
+            out.append((kind, needed))
+    return out
+
+
+def _step_warnings(runs: List[Dict[str, Any]], steps: Optional[int]) -> List[str]:
+    warnings = []
+    for run in runs:
+        short = undecided(run)
+        if not short:
+            continue
+        names = ", ".join(f"{kind} needs {n}" for kind, n in short)
+        most = max(n for _, n in short)
+        cause = f" (--steps {steps})" if steps is not None else ""
+        warnings.append(
+            f"run {run['run_id']} reported {run['steps']} step(s){cause}, too few for "
+            f"every detector to decide ({names}): run at least {most} steps for a pass "
+            "to mean the gradients flow"
+        )
+    return warnings
 
 
 def run_check(
@@ -123,31 +267,50 @@ def run_check(
     steps: Optional[int] = None,
     fail_on: str = "warning",
     settle: float = 1.0,
+    script_stdout: Any = None,
 ) -> Dict[str, Any]:
-    """Runs `command` under gradflow and returns the report (see the module's doc)."""
+    """Runs `command` under gradflow and returns the report (see the module's doc).
+    `server` may name several servers, comma-separated (failover): the script gets them
+    all, the alerts are read from the first that answers."""
     if not command:
         raise CheckError("no command to run: gradflow check -- python train.py ...")
+    token = os.environ.get("GRADFLOW_INGEST_TOKEN")
+    read_url = None
+    if server:
+        urls = [u.strip().rstrip("/") for u in server.split(",") if u.strip()]
+        urls = [u if "://" in u else f"http://{u}" for u in urls]
+        errors = []
+        for url in urls:
+            try:
+                probe(url, token)
+                read_url = url
+                break
+            except CheckError as err:
+                errors.append(str(err))
+        if read_url is None:
+            raise CheckError("; ".join(errors))
     embedded = None if server else EmbeddedServer(_server_binary(server_bin))
-    url = server or embedded.url  # type: ignore[union-attr]
+    url = read_url or embedded.url  # type: ignore[union-attr]
     try:
         env = dict(os.environ)
-        env["GRADFLOW_SERVER"] = url
+        env["GRADFLOW_SERVER"] = server or url
         env.pop("GRADFLOW_DISABLED", None)
         run_id: Optional[str] = None
-        if server is not None:
+        if server:
             # A shared server holds other runs: this check's run gets its own id.
             run_id = env.get("GRADFLOW_RUN_ID") or f"check-{uuid.uuid4().hex[:12]}"
             env["GRADFLOW_RUN_ID"] = run_id
         if steps is not None:
             env["GRADFLOW_MAX_STEPS"] = str(steps)
-        script_exit = subprocess.call(list(command), env=env)
+        script_exit = subprocess.call(list(command), env=env, stdout=script_stdout)
         time.sleep(settle)  # the last batch's detectors run inside its commit; be safe
-        client = Client(url, env.get("GRADFLOW_INGEST_TOKEN"))
-        try:
-            ids = [run_id] if run_id is not None else client.runs()
-            runs = [{"run_id": r, "alerts": _alerts(client, r)} for r in ids]
-        except (Unreachable, Refused) as err:
-            raise CheckError(f"could not read the alerts from {url}: {err}") from None
+        if run_id is not None:
+            ids = [run_id]
+        else:
+            listed = _get(url, "/api/v1/runs", token) or {}
+            ids = [r["run_id"] for r in listed.get("runs", [])]
+        found = [_run_report(url, r, token) for r in ids]
+        runs = [r for r in found if r is not None]
     finally:
         if embedded is not None:
             embedded.stop()
@@ -159,14 +322,18 @@ def run_check(
         verdict, code = "alerts", 1
     elif script_exit != 0:
         verdict, code = "script_failed", 2
+    elif not runs:
+        verdict, code = "no_runs", 4
     else:
         verdict, code = "ok", 0
     return {
         "verdict": verdict,
         "exit_code": code,
         "script_exit_code": script_exit,
-        "server": url if server else "embedded",
-        "runs": runs,
+        "server": server if server else "embedded",
+        "run_id": run_id,
+        "runs": [{k: r[k] for k in ("run_id", "steps", "alerts")} for r in runs],
+        "warnings": _step_warnings(runs, steps),
     }
 
 
@@ -179,6 +346,8 @@ def _print_report(report: Dict[str, Any], out: Any) -> None:
         print(f"  {a['title']}", file=out)
         print(f"  {a['detail']}", file=out)
         print(f"  fix: {a['fix']}", file=out)
+    for warning in report["warnings"]:
+        print(f"gradflow check: warning: {warning}", file=out)
     runs = len(report["runs"])
     summary = {
         "ok": f"gradflow check: OK ({runs} run(s), no open alert at or above the bar)",
@@ -187,8 +356,17 @@ def _print_report(report: Dict[str, Any], out: Any) -> None:
             f"gradflow check: FAILED: the script exited with {report['script_exit_code']} "
             "and gradflow raised no alert about it"
         ),
+        "no_runs": (
+            "gradflow check: FAILED: the script reported no run, so nothing was checked: "
+            "it never called gradflow.watch"
+            + (
+                f" (or watched under a run_id= of its own instead of {report['run_id']})"
+                if report.get("run_id")
+                else ""
+            )
+        ),
     }[report["verdict"]]
-    print(("\n" if alerts else "") + summary, file=out)
+    print(("\n" if alerts or report["warnings"] else "") + summary, file=out)
 
 
 def _split(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -205,24 +383,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="gradflow check",
         description="Run a training script under gradflow; exit 1 when it raises alerts.",
         epilog="Everything after -- is the command to run, e.g. -- python train.py",
+        allow_abbrev=False,
     )
-    parser.add_argument("--server", help="a running gradflow-server (default: start one)")
+    parser.add_argument(
+        "--server",
+        help="a running gradflow-server (default: GRADFLOW_SERVER, or start one)",
+    )
     parser.add_argument("--server-bin", help="the gradflow-server binary to start")
     parser.add_argument("--steps", type=int, help="stop the script after N optimizer steps")
     parser.add_argument("--fail-on", choices=["warning", "critical"], default="warning")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print only the report, as JSON, on stdout (the script's stdout goes to stderr)",
+    )
     parser.add_argument("command", nargs="*", help="the command (or put it after --)")
     args = parser.parse_args(own)
     command = command or args.command
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be at least 1")
     try:
+        # An explicit --server-bin starts that server even where GRADFLOW_SERVER is set.
+        server = args.server or (None if args.server_bin else os.environ.get("GRADFLOW_SERVER"))
         report = run_check(
             command,
-            server=args.server.rstrip("/") if args.server else None,
+            server=server or None,
             server_bin=args.server_bin,
             steps=args.steps,
             fail_on=args.fail_on,
+            script_stdout=sys.stderr if args.json else None,
         )
     except CheckError as err:
         if args.json:
@@ -231,6 +420,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"gradflow check: {err}", file=sys.stderr)
         return 3
     if args.json:
+        for warning in report["warnings"]:
+            print(f"gradflow check: warning: {warning}", file=sys.stderr)
         print(json.dumps(report, indent=2))
     else:
         _print_report(report, sys.stdout)
