@@ -11,6 +11,7 @@ from corpus_support import (
     add_lora,
     checkpoint_layers,
     class_loss,
+    feature_batches,
     lm_loss,
     moved,
     quickstart,
@@ -202,4 +203,28 @@ def test_bf16_autocast_over_fp32_weights(gradflow_server, gradflow_env):
     step = train_step(model, optimizer, autocast=torch.bfloat16)
     run_id = quickstart(model, optimizer, step, steps=24)
     assert "model.norm.weight" in moved(before, model)
+    silent(gradflow_server, run_id)
+
+
+def test_optimizer_built_before_the_model_is_moved(gradflow_server, gradflow_env):
+    """The optimizer is built, then the model is moved (`.to()` swaps each
+    parameter's data in place, so the optimizer's parameters are still the model's):
+    it trains, whatever the old documentation warned.
+
+    Thread: https://github.com/pytorch/pytorch/issues/7844
+    """
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    held = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    data = ((x.double(), y) for x, y in feature_batches(16, 4))
+    state = {}
+
+    def move():  # after watch, as in a script that builds everything, then moves it
+        model.double()
+        state["before"] = snapshot(model)
+
+    step = train_step(model, optimizer, class_loss, data)
+    run_id = quickstart(model, optimizer, step, before=move)
+    assert [id(p) for p in model.parameters()] == held
+    assert moved(state["before"], model) == set(state["before"])
     silent(gradflow_server, run_id)

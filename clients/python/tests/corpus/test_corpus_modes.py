@@ -102,3 +102,40 @@ def test_frozen_flag_set_on_the_module_not_its_parameters(gradflow_server, gradf
     run_id = quickstart(model, optimizer, step)
     assert "enc.net.0.weight" in moved(before, model)
     verdict(gradflow_server, run_id, subject="enc")
+
+
+class TaskNet(nn.Module):
+    """A shared feature extractor and a new task's classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.classifier = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="missed: a frozen classifier is a legitimate setup; without train= the "
+    "registration does not say which modules are meant to learn",
+)
+def test_freeze_mask_inverted(gradflow_server, gradflow_env):
+    """The freeze step sets `requires_grad` the wrong way round: the layers meant to
+    stay frozen require gradients and the new task's layers do not, so the model
+    trains what it should keep and keeps what it should train.
+
+    Thread: https://github.com/wannabeOG/MAS-PyTorch/issues/1
+    """
+    model = TaskNet()
+    frozen = {"features"}  # what the user meant to keep fixed
+    for name, module in model.named_children():
+        module.requires_grad_(name in frozen)  # the bug: inverted
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    before = snapshot(model)
+    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
+    changed = moved(before, model)
+    assert "classifier.weight" not in changed and "features.0.weight" in changed
+    verdict(gradflow_server, run_id, subject="classifier")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from corpus_support import (
+    STEPS,
     add_lora,
     checkpoint_layers,
     lm_loss,
@@ -108,6 +109,12 @@ def test_zero_grad_inside_the_micro_batch_loop(gradflow_server, gradflow_env):
     verdict(gradflow_server, run_id)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="wrong cause: grad_stuck_zero, grad_missing, says no gradient was produced "
+    "(grad None after backward) and to check the parameter objects; backward did reach "
+    "them (hook_hits 1 a step) and zero_grad cleared the gradients before the step",
+)
 def test_zero_grad_between_backward_and_step(gradflow_server, gradflow_env):
     """`optimizer.zero_grad()` moved between `backward()` and `step()`: the step finds
     no gradient (set to None) and the model never changes, while the loss is logged.
@@ -128,7 +135,12 @@ def test_zero_grad_between_backward_and_step(gradflow_server, gradflow_env):
 
     run_id = quickstart(model, optimizer, step)
     assert not moved(before, model)
-    verdict(gradflow_server, run_id, "grad_stuck_zero", cause="grad_missing")
+    # Backward reached every module on every step; the gradient was gone by the step.
+    hits = gradflow_server.series(run_id, "hook_hits", "model.layers.0.mlp.up_proj")
+    assert len(hits) == STEPS and all(value == 1 for _, value in hits), hits
+    alert = verdict(gradflow_server, run_id, "grad_stuck_zero", "model.layers")
+    # The right diagnosis points at the gradients cleared after backward.
+    assert "zero_grad" in alert["detail"] + alert["fix"], alert
 
 
 def test_reentrant_checkpointing_over_a_frozen_base_starves_lora(gradflow_server, gradflow_env):

@@ -19,6 +19,12 @@ from corpus_support import (
 from torch import nn
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="wrong cause: grad_stuck_zero on lm_head, backward_not_reached (a cut graph); "
+    "the client keeps measuring the replaced head, and never sees the new one outside "
+    "the optimizer",
+)
 def test_resize_token_embeddings_after_the_optimizer(gradflow_server, gradflow_env):
     """New tokens are added with `resize_token_embeddings` after the optimizer was
     built: the optimizer keeps stepping the old matrices, the model uses new ones that
@@ -38,10 +44,19 @@ def test_resize_token_embeddings_after_the_optimizer(gradflow_server, gradflow_e
     run_id = quickstart(model, optimizer, train_step(model, optimizer), before=resize)
     changed = moved(state["before"], model)
     assert "lm_head.weight" not in changed
+    # The new head gets gradients, but the optimizer does not hold it.
+    assert model.lm_head.weight.grad is not None
+    assert id(model.lm_head.weight) not in {id(p) for p in optimizer.param_groups[0]["params"]}
     assert "model.embed_tokens.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
     verdict(gradflow_server, run_id, "param_not_in_optimizer", "lm_head")
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="wrong cause: grad_stuck_zero on hidden, backward_not_reached (a cut graph); "
+    "the client keeps measuring the old layer, and never sees the new one outside the "
+    "optimizer",
+)
 def test_a_layer_replaced_after_the_optimizer(gradflow_server, gradflow_env):
     """Pruning "speedup" replaces layers with new smaller ones and copies the weights
     in: the optimizer still holds the old layers' parameters, so fine-tuning the
@@ -65,6 +80,8 @@ def test_a_layer_replaced_after_the_optimizer(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss), before=speedup)
     changed = moved(state["before"], model)
     assert "hidden.weight" not in changed and "head.weight" in changed
+    assert model.hidden.weight.grad is not None
+    assert id(model.hidden.weight) not in {id(p) for p in optimizer.param_groups[0]["params"]}
     verdict(gradflow_server, run_id, "param_not_in_optimizer", "hidden")
 
 
