@@ -78,7 +78,8 @@ def test_what_cannot_be_delivered_is_said_at_close(tmp_path, capfd):
     kept = spool / f"{gf.run_id}.{os.getpid()}.ndjson"
     records = [json.loads(line) for line in kept.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
-    assert f"gradflow-server import {kept}" in err
+    assert f"`gradflow report {kept}`" in err
+    assert f"`gradflow-server --db gradflow.db import {kept}`" in err
 
     # Later, the spool goes into a server's database, registration and all.
     db = tmp_path / "later.db"

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import threading
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from .errors import TrainingAlert
 
 logger = logging.getLogger("gradflow")
+# Alerts the server opened: shown whatever the warning filters say (see `show_alert`).
+alert_logger = logging.getLogger("gradflow.alerts")
 
 _reported: set[str] = set()
 _lock = threading.Lock()
@@ -28,6 +31,46 @@ F = TypeVar("F", bound=Callable[..., Any])
 def say(message: str) -> None:
     """A line for the person running training (run id, delivery summary)."""
     print(f"gradflow: {message}", file=sys.stderr, flush=True)
+
+
+def show_alert(level: int, message: str) -> None:
+    """An alert for the person running training, through ``logging`` (so that
+    ``-W ignore`` and ``warnings.filterwarnings("ignore")`` do not hide it). When the
+    program has configured no logging, gradflow adds a handler writing to stderr."""
+    if not alert_logger.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("gradflow: %(message)s"))
+        alert_logger.addHandler(handler)
+        alert_logger.propagate = False  # logging configured later does not print it twice
+        alert_logger.setLevel(logging.INFO)
+    alert_logger.log(level, message)
+
+
+# Frames that are never where the user called gradflow from: gradflow itself and the
+# training frameworks that call it for the user.
+_FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning", "torch")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the caller of this function that
+    attributes the warning to the user's code: the first frame outside gradflow and
+    the frameworks (under the Hugging Face Trainer, the line calling ``train()``)."""
+    roots = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    for name in _FRAMEWORKS:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            roots.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    level = 1
+    frame: Optional[Any] = sys._getframe(1)
+    while frame is not None and frame.f_back is not None:
+        filename = frame.f_code.co_filename
+        if not os.path.abspath(filename).startswith(tuple(roots)) and not filename.startswith(
+            "<frozen"
+        ):
+            return level
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def swallow(where: str, exc: BaseException) -> None:

@@ -10,7 +10,6 @@ could not be delivered. It knows nothing of torch.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from typing import List, Optional
@@ -36,6 +35,7 @@ class Delivery:
         rank: Optional[int],
         alerts: Optional[AlertBox],
         label: str,
+        announce: bool = True,
     ) -> None:
         self.options = options
         self.run_id = run_id
@@ -46,6 +46,7 @@ class Delivery:
         spool = Spool(
             os.path.join(directory, f"{run_id}.{who}{os.getpid()}.ndjson"),
             options.spool_max_bytes,
+            sidecar={"run_id": run_id, "registration": registration},
         )
         self.reporter = Reporter(
             [Client(url, options.token) for url in options.servers],
@@ -54,6 +55,7 @@ class Delivery:
             spool,
             alerts,
             queue_size=options.queue_size,
+            announce=announce,
         )
 
     def start(self) -> None:
@@ -72,14 +74,32 @@ class Delivery:
         Refused)."""
         return self.reporter.client.alerts(self.run_id)
 
+    def dashboard(self) -> str:
+        """The run's page on the server spoken to now."""
+        return self.reporter.dashboard()
+
     def close(self, timeout: float) -> DeliverySummary:
         """Delivers what is left within `timeout` seconds, marks the run finished, and
-        says what was not delivered and where it is kept."""
-        self.reporter.close(timeout)
-        summary = self.reporter.summary()
-        self.reporter.spool.close()
-        if summary.pending:
-            _write_sidecar(summary.spool_path, self.run_id, self.reporter.registration)
+        says what was not delivered and where it is kept. While the server is out of
+        reach the wait is said first; Ctrl-C during it stops waiting, and what is left
+        stays in the spool (whose registration was written beside it already)."""
+        r = self.reporter
+        if r.outage is not None and r.pending and timeout > 1.0:
+            say(
+                f"{self.label}: waiting up to {timeout:.0f} s for {r.client.server} to take "
+                f"{r.pending} steps (Ctrl-C to stop waiting; they are kept in {r.spool.path})"
+            )
+        try:
+            r.close(timeout)
+        except KeyboardInterrupt:
+            # The thread may still be writing the spool: leave the file as it is (its
+            # lines are flushed as written; a line delivered already is a duplicate
+            # the server skips on import).
+            summary = r.summary()
+            say(f"{self.label}: interrupted; {describe(summary, self.options.servers)}")
+            return summary
+        summary = r.summary()
+        r.spool.close()
         line = describe(summary, self.options.servers)
         if line is not None:
             say(f"{self.label}: {line}")
@@ -95,9 +115,11 @@ def describe(summary: DeliverySummary, servers: List[str]) -> Optional[str]:
     if s.pending or s.dropped or s.rejected or s.broken:
         parts = []
         if s.pending:
+            why = " because the server refused the ingest token" if s.token_refused else ""
             parts.append(
-                f"{s.pending} still queued (kept in {s.spool_path}; load them later with "
-                f"`gradflow-server import {s.spool_path}`)"
+                f"{s.pending} still queued{why} (kept in {s.spool_path}; read them with "
+                f"`gradflow report {s.spool_path}`, or load them into a server's database "
+                f"with `gradflow-server --db gradflow.db import {s.spool_path}`)"
             )
         if s.dropped:
             parts.append(f"{s.dropped} dropped (queue or spool full)")
@@ -109,10 +131,3 @@ def describe(summary: DeliverySummary, servers: List[str]) -> Optional[str]:
     if s.switches:
         return f"delivered all {s.delivered} steps ({where})"
     return None
-
-
-def _write_sidecar(spool_path: str, run_id: str, registration: wire.RunRegistration) -> None:
-    """Beside an undelivered spool: the run id and registration that
-    ``gradflow-server import SPOOL`` needs to load it."""
-    with open(spool_path + ".registration.json", "w") as f:
-        json.dump({"run_id": run_id, "registration": registration}, f)

@@ -23,7 +23,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Protocol, Sequence, Set, Tuple
+from urllib.parse import quote
 
 from . import wire
 from ._log import logger, say, swallow
@@ -32,6 +33,11 @@ from .spool import Spool
 from .transport import Client, Refused, Unreachable
 
 _STOP = object()
+
+
+class _TokenRefused(Exception):
+    """The server refused the ingest token: records are spooled, so that a run whose
+    token is fixed can still be loaded (``gradflow-server import``)."""
 
 
 class Pending(Protocol):
@@ -52,6 +58,7 @@ class DeliverySummary:
     rejected: int  # refused by the server
     broken: Optional[str]  # why nothing could be delivered any more
     spool_path: str
+    token_refused: Optional[str] = None  # why the server refused the token
     switches: List[Tuple[str, str]] = field(default_factory=list)
 
 
@@ -67,6 +74,7 @@ class Reporter:
         batch_size: int = 256,
         flush_interval: float = 0.5,
         alert_interval: float = 1.0,
+        announce: bool = False,
     ) -> None:
         if not clients:
             raise ValueError("no gradflow server to report to")
@@ -82,6 +90,12 @@ class Reporter:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self.registered = False
         self.broken: Optional[str] = None  # why nothing can be delivered any more
+        # Why the server refuses this run's token: records are spooled, not sent.
+        self.token_refused: Optional[str] = None
+        # Says the run's dashboard URL when the registration is first accepted.
+        self.announce = announce
+        self._announced = False
+        self.outage: Optional[str] = None  # why the server is out of reach, while it is
         self.dropped = 0
         self.delivered = 0
         self.delivered_to: Dict[str, int] = {}  # server -> step records it acknowledged
@@ -117,9 +131,14 @@ class Reporter:
             self._register(timeout)
             return True
         except Unreachable as err:
-            logger.info("gradflow: server unreachable at registration (%s); will retry", err)
-            self._offline()
+            self._offline(err)
             return False
+        except _TokenRefused:
+            return False
+
+    def dashboard(self) -> str:
+        """The run's page on the server spoken to now."""
+        return f"{self.client.server}/runs/{quote(self.run_id)}"
 
     def poll_alerts(self) -> None:
         if self.alerts is None or self.broken or not self.registered:
@@ -148,6 +167,7 @@ class Reporter:
             rejected=self.rejected,
             broken=self.broken,
             spool_path=self.spool.path,
+            token_refused=self.token_refused,
             switches=list(self.switches),
         )
 
@@ -198,9 +218,17 @@ class Reporter:
     def _is_offline(self) -> bool:
         return time.monotonic() < self._retry_at
 
-    def _offline(self) -> None:
+    def _offline(self, err: Exception) -> None:
+        """No server answered: wait before the next try, and say so once an outage."""
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, 5.0)
+        if self.outage is None:
+            self.outage = str(err)
+            servers = ", ".join(c.server for c in self.clients)
+            say(
+                f"server {servers} unreachable ({err}); spooling the steps of run "
+                f"{self.run_id} to {self.spool.path} until it answers"
+            )
 
     def _online(self) -> None:
         self._retry_at = 0.0
@@ -209,6 +237,9 @@ class Reporter:
     def _deliver(self, lines: List[str]) -> None:
         if self.broken:
             self.rejected += len(lines)
+            return
+        if self.token_refused:
+            self.dropped += self.spool.append(lines)
             return
         if lines and (len(self.spool) or self._is_offline()):
             self.dropped += self.spool.append(lines)
@@ -223,18 +254,25 @@ class Reporter:
             chunk = lines[start : start + self.batch_size]
             try:
                 self._send(chunk)
-            except Unreachable:
-                self._offline()
+            except Unreachable as err:
+                self._offline(err)
+                self.dropped += self.spool.append(lines[start:])
+                return
+            except _TokenRefused:
                 self.dropped += self.spool.append(lines[start:])
                 return
 
     def _drain_spool(self) -> bool:
         while len(self.spool) and not self.broken:
+            if self.token_refused:
+                return False
             chunk = self.spool.peek(self.batch_size)
             try:
                 self._send(chunk)
-            except Unreachable:
-                self._offline()
+            except Unreachable as err:
+                self._offline(err)
+                return False
+            except _TokenRefused:
                 return False
             self.spool.advance(len(chunk))
         return True
@@ -260,6 +298,9 @@ class Reporter:
     def _answered(self) -> None:
         self._said.clear()
         self._online()
+        if self.outage is not None:
+            self.outage = None
+            say(f"server {self.client.server} answers again; sending the spooled steps")
 
     def _register(self, timeout: Optional[float] = None) -> None:
         """Registers on the current server, or on the next ones in turn when it does
@@ -278,6 +319,8 @@ class Reporter:
         except Refused as err:
             # In a multi-rank run every rank registers: the server compares their bodies
             # without `rank` and `host`, so a conflict is a real one, said on each rank.
+            if err.status in (401, 403):
+                self._refuse_token(err)
             if err.status == 409:
                 say(
                     f"run {self.run_id} already exists with a different registration "
@@ -288,6 +331,9 @@ class Reporter:
                 say(self.broken)
         self.registered = True
         self._answered()
+        if self.announce and not self._announced:
+            self._announced = True
+            say(f"run {self.run_id}: {self.dashboard()}")
 
     def _send(self, lines: List[str]) -> None:
         """Delivers lines (to the current server, or the next ones in turn when it does
@@ -322,11 +368,10 @@ class Reporter:
                 self._send(lines[half:])
                 return
             else:
+                if err.status in (401, 403):
+                    self._refuse_token(err)
                 self.rejected += len(lines)
                 swallow(f"the server refused step records ({err.code})", err)
-                if err.status in (401, 403):
-                    self.broken = f"the server refused the ingest token: {err}"
-                    say(self.broken)
                 return
         self._answered()
         self.delivered += len(lines)
@@ -334,12 +379,26 @@ class Reporter:
         self.delivered_to[server] = self.delivered_to.get(server, 0) + len(lines)
         del answer
 
+    def _refuse_token(self, err: Refused) -> NoReturn:
+        """The server refused the ingest token: from now on records are spooled."""
+        if self.token_refused is None:
+            self.token_refused = str(err)
+            say(
+                f"the server refused the ingest token ({err}); the steps of run "
+                f"{self.run_id} are spooled to {self.spool.path}: set GRADFLOW_INGEST_TOKEN "
+                "(or token=) to this server's ingest token, then load them with "
+                f"`gradflow-server import`"
+            )
+        raise _TokenRefused(str(err))
+
     def _finish(self) -> None:
         """Flush everything within the deadline, then tell the server the run ended."""
         deadline = self._deadline or time.monotonic()
         while True:
             self._retry_at = 0.0
             try:
+                if self.token_refused:
+                    break
                 if not self.registered and not self.broken:
                     self.register()
                 if self.registered and self._drain_spool():

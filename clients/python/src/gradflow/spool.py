@@ -3,22 +3,33 @@
 Records go here while the server is out of reach, and everything after them too, so
 that the server always receives steps in order. The file lives until every line in
 it has been delivered; a run that ends with lines still in it names the file.
+
+Beside it, from the moment it is created, lies ``FILE.registration.json``: the run
+id and registration that ``gradflow report`` and ``gradflow-server import`` need, so
+that a spool left by a run that never reached its close (a second Ctrl-C, a killed
+process) can still be read. Both files go when the spool is emptied at close.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-from typing import BinaryIO, List, Optional
+from typing import Any, BinaryIO, List, Optional
 
 
 class Spool:
-    def __init__(self, path: str, max_bytes: int) -> None:
+    def __init__(self, path: str, max_bytes: int, sidecar: Optional[Any] = None) -> None:
         self.path = path
         self.max_bytes = max_bytes
+        self.sidecar = sidecar  # JSON written beside the spool when it is created
         self._offsets: List[int] = []  # start of each undelivered line
         self._end = 0
         self._file: Optional[BinaryIO] = None
+
+    @property
+    def sidecar_path(self) -> str:
+        return self.path + ".registration.json"
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -27,6 +38,9 @@ class Spool:
         if self._file is None:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             self._file = open(self.path, "w+b")  # noqa: SIM115 (kept open for the run)
+            if self.sidecar is not None:
+                with open(self.sidecar_path, "w") as f:
+                    json.dump(self.sidecar, f)
         return self._file
 
     def append(self, lines: List[str]) -> int:
@@ -76,5 +90,6 @@ class Spool:
             self._file.close()
             self._file = None
             if not self._offsets:
-                with contextlib.suppress(OSError):
-                    os.remove(self.path)
+                for path in (self.path, self.sidecar_path):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)

@@ -13,7 +13,8 @@ through an :class:`gradflow.alerts.AlertBox`.
 from __future__ import annotations
 
 import atexit
-import contextlib
+import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
@@ -122,7 +123,9 @@ class Watcher:
             rank=self.rank,
             alerts=self._alerts if options.on_alert is not None and lead else None,
             label=self._label,
+            announce=lead,
         )
+        self._alerts.dashboard = self.delivery.dashboard
         if generated_id and lead:
             say(f"run id {run_id} (set GRADFLOW_RUN_ID or run_id= to choose one)")
         self.delivery.start()
@@ -130,6 +133,7 @@ class Watcher:
         # user's objects unless all of the above worked.
         self.instruments.attach(self.optimizer, scaler)
         atexit.register(_close_at_exit, weakref.ref(self))
+        _note_interrupts()
         try:
             self._alerts.deliver()
         except TrainingAlert:
@@ -197,7 +201,14 @@ class Watcher:
 
     def close(self) -> None:
         """Removes the hooks, delivers what is left (bounded by ``close_timeout``),
-        marks the run finished and says what could not be delivered."""
+        marks the run finished and says what could not be delivered. With
+        ``on_alert="raise"``, a critical alert that arrived meanwhile (the last
+        steps' verdicts) raises :class:`gradflow.TrainingAlert` here."""
+        self._close(self.close_timeout)
+
+    def _close(self, timeout: float, *, raising: bool = True) -> None:
+        """`close`; `raising=False` where an exception is unwinding already (the alert
+        is then shown, not raised)."""
         if self._closed:
             return
         self._closed = True
@@ -206,18 +217,20 @@ class Watcher:
             if last is not None:
                 self.delivery.submit(last)
             self.instruments.detach()
-            self.delivery.close(self.close_timeout)
+            self.delivery.close(timeout)
         except Exception as exc:
             swallow("gf.close", exc)
-        # The run is over: a critical alert is not raised from close.
-        with contextlib.suppress(TrainingAlert):
+        try:
             self._alerts.deliver()
+        except TrainingAlert:
+            if raising:
+                raise
 
     def __enter__(self) -> Watcher:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self._close(self.close_timeout, raising=exc[0] is None)
 
 
 def _registration(
@@ -248,9 +261,44 @@ def _registration(
 
 
 def _close_at_exit(ref: Any) -> None:
+    """The interpreter is exiting with the watcher still open. After Ctrl-C the
+    delivery waits a second, not ``close_timeout``. A critical alert that
+    ``on_alert="raise"`` would raise cannot be raised here (Python ignores exceptions
+    from exit callbacks): it is shown, and the process exits with status 1."""
     watcher = ref()
-    if watcher is not None:
-        watcher.close()
+    if watcher is None:
+        return
+    timeout = min(watcher.close_timeout, 1.0) if _interrupted else watcher.close_timeout
+    try:
+        watcher._close(timeout)
+    except TrainingAlert as alert:
+        say(
+            f"{watcher._label}: stopping with exit status 1: on_alert='raise' and a critical "
+            f"alert arrived as the run ended ({alert.kind} on {alert.alert.get('subject')})"
+        )
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
+
+
+# Whether the program is ending on an uncaught KeyboardInterrupt (Ctrl-C): Python
+# calls sys.excepthook before the exit callbacks.
+_interrupted = False
+
+
+def _note_interrupts() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_gradflow", False):
+        return
+
+    def excepthook(kind: Any, value: Any, tb: Any) -> None:
+        global _interrupted
+        if isinstance(kind, type) and issubclass(kind, KeyboardInterrupt):
+            _interrupted = True
+        previous(kind, value, tb)
+
+    excepthook._gradflow = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
 
 
 def _partitioned(model: nn.Module) -> Optional[str]:
