@@ -130,6 +130,7 @@ gf.close()
 EOF
 port=$("$fresh/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 url="http://127.0.0.1:$port"
+: >"$work/server.log"
 in_fresh gradflow server --listen "127.0.0.1:$port" --db "$work/gradflow.db" >"$work/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 1 150); do
@@ -156,9 +157,14 @@ kill "$server_pid"
 wait "$server_pid" || true
 server_pid=""
 
-# 6. `gradflow check` starts the wheel's own server.
+# 6. `gradflow check` starts the wheel's own server, found beside it even with the
+#    environment not activated (its bin/ off the PATH).
+bare_path="${path#"$fresh:"}"
+in_fresh env PATH="$bare_path" sh -c '! command -v gradflow-server' >/dev/null ||
+    { echo "error: another gradflow-server is on the PATH" >&2; exit 1; }
 status=0
-(cd "$work" && in_fresh gradflow check -- python train.py) >"$work/check.log" 2>&1 || status=$?
+(cd "$work" && in_fresh env PATH="$bare_path" "$fresh/gradflow" check -- "$fresh/python" train.py) \
+    >"$work/check.log" 2>&1 || status=$?
 if [ "$status" != 1 ] || ! grep -q "\[critical\] grad_stuck_zero on encoder" "$work/check.log"; then
     echo "error: gradflow check exited $status:" >&2
     cat "$work/check.log" >&2

@@ -52,9 +52,9 @@ from urllib.parse import quote
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 
-# How many reported steps each streak detector needs before it can call a verdict
-# (server/src/detect/: the server's default thresholds, which a run's own `detectors`
-# overrides), and what in the registration makes it apply.
+# How many reported steps each streak detector needs before it can call a verdict:
+# the server's default thresholds (docs/PROTOCOL.md; the detectors' Thresholds), which
+# a run's own `detectors` override.
 STREAK_STEPS = {
     "grad_stuck_zero": ("stuck_zero_steps", 50),
     "norm_weight_frozen": ("frozen_norm_steps", 20),
