@@ -214,8 +214,8 @@ def test_internal_failures_never_reach_the_training_loop(gradflow_server, monkey
     def broken(*_args, **_kwargs):
         raise RuntimeError("measurement exploded")
 
-    monkeypatch.setattr(gf.measurer, "measure_grads", broken)
-    monkeypatch.setattr(gf.measurer, "collect", broken)
+    monkeypatch.setattr(gf.instruments.measurer, "measure_grads", broken)
+    monkeypatch.setattr(gf.instruments.measurer, "collect", broken)
     losses = train(model, optimizer, gf, 3)  # no exception
     gf.close()
     assert len(losses) == 3
