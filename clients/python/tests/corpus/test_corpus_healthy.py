@@ -95,7 +95,9 @@ def test_warmup_from_lr_zero(gradflow_server, gradflow_env):
 
 def test_torch_compiled_model(gradflow_server, gradflow_env):
     """A `torch.compile`d model watched like any other (the compiled wrapper shares
-    the original's parameters).
+    the original's parameters). The `aot_eager` backend traces forward and backward
+    through AOTAutograd as inductor does, without inductor's C++ build (about 40 s
+    on CPU here).
 
     Thread: https://github.com/wandb/wandb/issues/10221
     """
