@@ -121,8 +121,8 @@ def test_a_prompt_without_grad_history_names_the_consumer(gradflow_server, cut):
     assert (evidence["module"], evidence["upstream"]) == ("agent.prompt_proj", "qwen")
     # The first frame of the user's code is the head's own forward; its caller is the
     # line that passed the prompt in.
-    conftest = shown(HERE.parent / "conftest.py")
-    assert evidence["stack"][0]["file"] == conftest
+    models = shown(HERE.parent / "tiny_models.py")
+    assert evidence["stack"][0]["file"] == models
     assert evidence["stack"][0]["function"] == "forward"
     caller = {"file": shown(HERE), "line": line_of("agent call"), "function": "forward"}
     assert evidence["stack"][1] == caller
