@@ -7,7 +7,8 @@
 #   - the README's quickstart loop (real torch, a `torch.no_grad()` that cuts the graph)
 #     reports to `gradflow server` and gets its alert back, in the training process and
 #     from the server;
-#   - `gradflow check` starts the wheel's server by itself and fails the script.
+#   - `gradflow check` starts the wheel's server by itself and fails the script;
+#   - `gradflow report` diagnoses a run no server saw, from its spool, on that server.
 #
 #   GRADFLOW_VENV           the test environment with torch (default ~/.cache/gradflow/venv);
 #                           the fresh environment borrows its torch through a .pth file
@@ -171,4 +172,16 @@ if [ "$status" != 1 ] || ! grep -q "\[critical\] grad_stuck_zero on encoder" "$w
     exit 1
 fi
 echo "gradflow check with the wheel's server: exit 1, grad_stuck_zero on encoder"
+
+# 7. A run no server saw: `gradflow report` diagnoses its spool on the wheel's server.
+dead=$("$fresh/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+(cd "$work" && in_fresh env GRADFLOW_SERVER="http://127.0.0.1:$dead" GRADFLOW_RUN_ID=offline \
+    GRADFLOW_SPOOL_DIR="$work/spool" GRADFLOW_CLOSE_TIMEOUT=1 python train.py) \
+    >"$work/offline.log" 2>&1 || { cat "$work/offline.log" >&2; exit 1; }
+spool=$(ls "$work"/spool/offline.*.ndjson)
+in_fresh env PATH="$bare_path" "$fresh/gradflow" report "$spool" --out "$work/report.html" \
+    >"$work/report.log" 2>&1 || { cat "$work/report.log" >&2; exit 1; }
+grep -q "run offline, 60 steps" "$work/report.log" && grep -q "grad_stuck_zero" "$work/report.html" ||
+    { echo "error: the offline report misses the alert:" >&2; cat "$work/report.log" >&2; exit 1; }
+echo "gradflow report with the wheel's server: $(head -1 "$work/report.log")"
 echo "=== wheel smoke test passed ==="
