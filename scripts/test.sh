@@ -47,7 +47,7 @@ if [ -n "$postgres_url" ]; then
     export GRADFLOW_TEST_POSTGRES_URL=$postgres_url
     # A filter among the arguments may leave one of the two runs with no test.
     GRADFLOW_TEST_BACKEND=postgres cargo nextest run -p gradflow-server --no-tests=warn "$@"
-    cargo nextest run -p gradflow-e2e --test replicas --no-tests=warn "$@"
+    cargo nextest run -p gradflow-e2e --test e2e -E "test(/^replicas::/)" --no-tests=warn "$@"
     stop_postgres
     postgres_dir=""
 fi

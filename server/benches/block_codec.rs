@@ -19,9 +19,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use gradflow_server::store::block::{self, BLOCK_STEPS, BlockRow};
-use gradflow_server::store::codec::{self, Packed};
-use gradflow_server::store::columns::SeriesKind;
+use gradflow_core::columnar::block::{self, BLOCK_STEPS, BlockRow};
+use gradflow_core::columnar::codec::{self, Packed};
+use gradflow_core::columnar::columns::SeriesKind;
 use pco::{ChunkConfig, DeltaSpec, ModeSpec, PagingSpec};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -10,11 +10,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use gradflow_core::detect::{Detection, Thresholds};
+use gradflow_core::model::series_kind::SeriesKind;
 use gradflow_protocol::{Float, ModuleStep, RunId, RunRegistration, StepRecord};
 use gradflow_server::charts::{self, ChartKind, Format};
-use gradflow_server::detect::{Detection, Thresholds};
 use gradflow_server::ingest::Ingest;
-use gradflow_server::model::series_kind::SeriesKind;
 use gradflow_server::store::{DatabaseUrl, SeriesRequest, Store, StoreConfig, SyncMode};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use gradflow_core::detect::{Detection, DetectorSet, RunContext, Thresholds};
 use gradflow_protocol::{RunId, RunRegistration, StepRecord};
-use gradflow_server::detect::{Detection, DetectorSet, RunContext, Thresholds};
 use gradflow_server::ingest::Ingest;
 use gradflow_server::store::{DatabaseUrl, Store, StoreConfig, SyncMode};
 use rand::rngs::StdRng;

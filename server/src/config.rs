@@ -7,9 +7,9 @@ use std::time::Duration;
 use clap::Parser;
 use gradflow_protocol::{AlertSeverity, Webhook, WebhookFormat};
 
-use crate::detect::{Detection, Thresholds};
 use crate::store::{DatabaseUrl, StoreConfig, SyncMode};
 use crate::webhooks::WebhookSettings;
+use gradflow_core::detect::{Detection, Thresholds};
 
 /// gradflow-server: stores gradient-flow telemetry from instrumented trainers in
 /// SQLite or PostgreSQL and serves it back over HTTP (protocol v1 under /api/v1).

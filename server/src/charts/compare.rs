@@ -8,8 +8,8 @@ use std::collections::HashSet;
 
 use gradflow_protocol::{Role, RunId};
 
-use crate::model::series_kind::SeriesKind;
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
+use gradflow_core::model::series_kind::SeriesKind;
 
 use super::data::{Axis, LegendPlace, LineChart, Window, line_of};
 

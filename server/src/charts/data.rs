@@ -3,12 +3,12 @@
 
 use gradflow_protocol::{Dtype, RunId};
 
-use crate::detect::precision::{describe_magnitude, smallest_change};
-use crate::detect::{AlertKind, sci};
-use crate::model::cell::{Cell, widen_for_display};
-use crate::model::series_kind::SeriesKind;
 use crate::store::alerts::AlertFilter;
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
+use gradflow_core::detect::precision::{describe_magnitude, smallest_change};
+use gradflow_core::detect::{AlertKind, sci};
+use gradflow_core::model::cell::{Cell, widen_for_display};
+use gradflow_core::model::series_kind::SeriesKind;
 
 use super::ChartKind;
 

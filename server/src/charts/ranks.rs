@@ -10,11 +10,11 @@
 
 use gradflow_protocol::RunId;
 
-use crate::detect::AlertKind;
-use crate::model::cell::{Cell, widen_for_display};
-use crate::model::series_kind::SeriesKind;
 use crate::store::alerts::{Alert, AlertFilter};
 use crate::store::{RUN_STREAM, SeriesRequest, Store, StoreResult, StoredRun, rank_stream};
+use gradflow_core::detect::AlertKind;
+use gradflow_core::model::cell::{Cell, widen_for_display};
+use gradflow_core::model::series_kind::SeriesKind;
 
 use super::DEFAULT_HEIGHT;
 use super::data::{Axis, Band, LegendPlace, LineChart, Window, bands, line_of};

@@ -10,19 +10,20 @@ use anyhow::Context;
 use gradflow_protocol::{Amendment, InvalidBody, StepRecord};
 
 use super::IngestOutcome;
-use super::state::{Episode, Episodes, OpenBucket, Registry, RunState, StreamTail};
-use crate::detect::ranks::RankView;
-use crate::detect::{Detection, DetectorSet, Thresholds, Transition};
-use crate::model::series_kind::SeriesKind;
-use crate::store::block::{self, BlockRow, block_index};
-use crate::store::codec::{self, ABSENT_BITS};
-use crate::store::columns::ColumnAssigner;
-use crate::store::flatten::flatten;
-use crate::store::rollup::{BucketSummary, ROLLUP_WIDTHS};
+use super::registry::Registry;
+use super::state::{Episode, Episodes, OpenBucket, RunState, StreamTail};
 use crate::store::{
     AlertOp, AlertRef, BatchWrite, BlockWrite, NewColumn, Progress, RUN_STREAM, RollupRow,
     StoreError, StoreResult,
 };
+use gradflow_core::columnar::block::{self, BlockRow, block_index};
+use gradflow_core::columnar::codec::{self, ABSENT_BITS};
+use gradflow_core::columnar::columns::ColumnAssigner;
+use gradflow_core::columnar::flatten::flatten;
+use gradflow_core::columnar::rollup::{BucketSummary, ROLLUP_WIDTHS};
+use gradflow_core::detect::ranks::RankView;
+use gradflow_core::detect::{Detection, DetectorSet, Thresholds, Transition};
+use gradflow_core::model::series_kind::SeriesKind;
 
 /// A batch ready to write, and the run's state once it is written.
 pub struct Prepared {

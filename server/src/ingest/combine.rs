@@ -31,11 +31,11 @@ use std::collections::BTreeMap;
 
 use gradflow_protocol::GraphCut;
 
-use super::state::Registry;
-use crate::detect::ranks::{Divergence, RankView, ShardSuspect};
-use crate::model::cell::{ABSENT_BITS, Cell, to_stored_f32};
-use crate::model::series_kind::SeriesKind;
-use crate::store::columns::ColumnDictionary;
+use super::registry::Registry;
+use gradflow_core::columnar::columns::ColumnDictionary;
+use gradflow_core::detect::ranks::{Divergence, RankView, ShardSuspect};
+use gradflow_core::model::cell::{ABSENT_BITS, Cell, to_stored_f32};
+use gradflow_core::model::series_kind::SeriesKind;
 
 /// A step waits at most until some rank is this many steps past it.
 pub const LAG_STEPS: u64 = 256;
@@ -409,7 +409,7 @@ impl PendingStep {
                 let largest = largest as u64;
                 if largest < registered
                     && (sum as f64 - registered as f64).abs()
-                        <= crate::detect::ranks::SHARD_SUM_TOLERANCE * registered as f64
+                        <= gradflow_core::detect::ranks::SHARD_SUM_TOLERANCE * registered as f64
                 {
                     shard_suspects.push(ShardSuspect {
                         module: subject.to_owned(),

@@ -16,6 +16,7 @@
 //! # Layout
 //!
 //! - `state`: [`state::RunState`], what is kept of a run between its batches.
+//! - `registry`: the registration in force and the lookups derived from it.
 //! - `cache`: the runs' states, bounded, one slot per run.
 //! - `batch`: preparing a batch (pure: flatten, compress, rollups, detectors).
 //! - `ranks`: preparing a batch of a multi-rank run: each rank's records into its
@@ -28,6 +29,7 @@ mod cache;
 mod combine;
 mod ranks;
 mod register;
+mod registry;
 mod state;
 
 use std::sync::Arc;
@@ -40,12 +42,12 @@ use self::batch::{prepare, with_codec};
 use self::cache::RunCache;
 use self::ranks::{Clock, prepare_ranks};
 use self::state::{Episode, RunState};
-use crate::detect::{Detection, registration};
 use crate::events::EventBus;
 use crate::store::notify::Notice;
 use crate::store::{
     AlertRef, NewRun, Registered, Store, StoreError, StoreResult, StoredRun, now_seconds,
 };
+use gradflow_core::detect::{Detection, registration};
 
 /// The answer to a batch, as docs/PROTOCOL.md words it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]

@@ -17,12 +17,13 @@ use super::batch::{
     Codec, Prepared, StepCells, check_amendment, check_params, detect, new_columns, write_stream,
 };
 use super::combine::{Combined, LAG_STEPS, PendingStep};
-use super::state::{Registry, RunState};
-use crate::detect::Detection;
-use crate::store::codec::ABSENT_BITS;
-use crate::store::columns::ColumnAssigner;
-use crate::store::flatten::{flatten, unflatten};
+use super::registry::Registry;
+use super::state::RunState;
 use crate::store::{BatchWrite, Progress, RUN_STREAM, StoreError, StoreResult, rank_stream};
+use gradflow_core::columnar::codec::ABSENT_BITS;
+use gradflow_core::columnar::columns::ColumnAssigner;
+use gradflow_core::columnar::flatten::{flatten, unflatten};
+use gradflow_core::detect::Detection;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -211,8 +212,11 @@ pub fn prepare_ranks(
     // The combined steps: records for the detectors, rows for stream 0.
     let mut assigner = ColumnAssigner::new(&next.columns);
     let mut run_rows = Vec::with_capacity(combined.len());
-    let mut run_records: Vec<(StepRecord, Arc<Registry>, crate::detect::ranks::RankView)> =
-        Vec::with_capacity(combined.len());
+    let mut run_records: Vec<(
+        StepRecord,
+        Arc<Registry>,
+        gradflow_core::detect::ranks::RankView,
+    )> = Vec::with_capacity(combined.len());
     for step_combined in combined {
         let registry = next.registry_at(step_combined.step).clone();
         let mut record = unflatten(step_combined.step, &step_combined.cells, &next.columns);

@@ -8,15 +8,15 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use anyhow::Context;
-use gradflow_protocol::{Amendment, RunRegistration};
-use rustc_hash::{FxHashMap, FxHashSet};
+use gradflow_protocol::RunRegistration;
 
 use super::combine::{Pending, PendingStep};
-use crate::detect::{DetectorSet, RunContext, Thresholds};
-use crate::model::alert::AlertKind;
-use crate::store::columns::ColumnDictionary;
-use crate::store::rollup::{BucketSummary, ROLLUP_WIDTHS};
+use super::registry::Registry;
 use crate::store::{AlertRef, LoadedRun, RunHead, StoreResult, Written};
+use gradflow_core::columnar::columns::ColumnDictionary;
+use gradflow_core::columnar::rollup::{BucketSummary, ROLLUP_WIDTHS};
+use gradflow_core::detect::{DetectorSet, Thresholds};
+use gradflow_core::model::alert::AlertKind;
 
 /// A run's ingest state, as of `head`.
 #[derive(Debug, Clone)]
@@ -79,66 +79,6 @@ pub struct Episode {
 /// The open episodes of a run by (kind, subject).
 pub type Episodes = HashMap<(AlertKind, String), Episode>;
 
-/// A registration in force (as first sent, with every amendment up to some step
-/// applied) and the lookups ingest derives from it.
-#[derive(Debug)]
-pub struct Registry {
-    pub registration: RunRegistration,
-    /// Parameter names: a step may only report these.
-    pub params: FxHashSet<String>,
-    /// Module → group, from the parameters.
-    pub module_groups: FxHashMap<String, String>,
-    /// What the detectors know of the run.
-    pub context: Arc<RunContext>,
-    /// v1.4: parameters laid out `sharded`, and the modules that own one.
-    pub sharded_params: FxHashSet<String>,
-    pub sharded_modules: FxHashSet<String>,
-    /// v1.4: each module's elements as registered (the sum of its parameters'
-    /// shapes), where every one of its parameters has a shape.
-    pub module_numel: FxHashMap<String, u64>,
-}
-
-impl Registry {
-    pub fn new(registration: RunRegistration, thresholds: Thresholds) -> Registry {
-        let mut module_numel: FxHashMap<String, Option<u64>> = FxHashMap::default();
-        for param in &registration.params {
-            let total = module_numel
-                .entry(param.module_name().to_owned())
-                .or_insert(Some(0));
-            *total = total.zip(param.numel()).map(|(a, b)| a.saturating_add(b));
-        }
-        let sharded: Vec<&gradflow_protocol::ParamSpec> = registration
-            .params
-            .iter()
-            .filter(|p| p.layout() == gradflow_protocol::Layout::Sharded)
-            .collect();
-        Registry {
-            sharded_params: sharded.iter().map(|p| p.name.clone()).collect(),
-            sharded_modules: sharded.iter().map(|p| p.module_name().to_owned()).collect(),
-            module_numel: module_numel
-                .into_iter()
-                .filter_map(|(module, numel)| Some((module, numel?)))
-                .collect(),
-            params: registration.params.iter().map(|p| p.name.clone()).collect(),
-            module_groups: registration
-                .params
-                .iter()
-                .map(|p| (p.module_name().to_owned(), p.group_name().to_owned()))
-                .collect(),
-            context: Arc::new(RunContext::new(&registration, thresholds)),
-            registration,
-        }
-    }
-
-    /// This registration with `amendment` applied (the protocol's defaults written
-    /// out, as for a registration).
-    pub fn amended(&self, amendment: &Amendment, thresholds: Thresholds) -> Registry {
-        let mut registration = self.registration.clone();
-        registration.amend(amendment);
-        Registry::new(registration.normalized(), thresholds)
-    }
-}
-
 impl RunState {
     /// The state of a run just registered under `key`.
     pub fn new(key: i64, registration: &RunRegistration, thresholds: Thresholds) -> RunState {
@@ -200,7 +140,7 @@ impl RunState {
             state.columns.restore(kind, &subject, position);
         }
         for (stream, index, blob) in loaded.open_blocks {
-            let header = crate::store::block::peek(&blob)
+            let header = gradflow_core::columnar::block::peek(&blob)
                 .with_context(|| format!("reading block {index} of stream {stream}"))?;
             let Some(last) = crate::store::last_present(index, header.mask) else {
                 continue;
@@ -237,7 +177,7 @@ impl RunState {
         // What the ranks sent of steps not combined yet, folded again from their
         // stored rows.
         for (stream, index, blob) in &loaded.rank_blocks {
-            let block = crate::store::block::decode(blob)
+            let block = gradflow_core::columnar::block::decode(blob)
                 .with_context(|| format!("reading block {index} of stream {stream}"))?;
             let rank = stream - 1;
             for (position, &step) in block.steps().iter().enumerate() {

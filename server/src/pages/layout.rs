@@ -3,7 +3,7 @@
 use maud::{DOCTYPE, Markup, html};
 
 use super::assets;
-use crate::model::cell::{Cell, widen_for_display};
+use gradflow_core::model::cell::{Cell, widen_for_display};
 
 /// A whole page: `title` in the tab, `page` names the script's behaviour
 /// (`data-page` on `<body>`), `body` inside `<main>`.
@@ -37,7 +37,7 @@ pub fn page(title: &str, page: Option<(&str, Option<&str>)>, body: Markup) -> Ma
 /// A stored value for a person: `1.23e-4`, `NaN`, or `None` when absent or null.
 pub fn number(cell: Option<Cell>) -> Option<String> {
     match cell {
-        Some(Cell::Value(v)) => Some(crate::detect::sci(widen_for_display(v))),
+        Some(Cell::Value(v)) => Some(gradflow_core::detect::sci(widen_for_display(v))),
         _ => None,
     }
 }

@@ -19,11 +19,11 @@ use super::{PageError, page_response};
 use crate::charts::PALETTE;
 use crate::charts::ranks::{MAX_RANK_LINES, RankMetric, RankState, Ranks};
 use crate::error::ApiError;
-use crate::model::series_kind::SeriesKind;
 use crate::routes::charts::RANKS_CHART;
 use crate::state::AppState;
 use crate::store::StoredRun;
 use crate::store::alerts::Alert;
+use gradflow_core::model::series_kind::SeriesKind;
 
 /// The charts' width on the page: the full width, like the heatmap.
 const CHART_WIDTH: u32 = 1200;

@@ -16,14 +16,14 @@ use super::layout::{self, ago, number, thousands};
 use super::runs_page::{severity_counts, severity_rank};
 use super::{PageError, page_response};
 use crate::charts::ChartKind;
-use crate::detect::step_range;
 use crate::error::ApiError;
-use crate::model::cell::Cell;
-use crate::model::series_kind::SeriesKind;
 use crate::routes::extract::check_step_range;
 use crate::state::AppState;
 use crate::store::alerts::{Alert, AlertFilter, OpenAlertCounts};
 use crate::store::{LatestValues, StoredRun, now_seconds};
+use gradflow_core::detect::step_range;
+use gradflow_core::model::cell::Cell;
+use gradflow_core::model::series_kind::SeriesKind;
 
 /// The step range, as the form sends it: an emptied field arrives as `""`.
 #[derive(Debug, Default, Deserialize)]

@@ -6,10 +6,10 @@ use serde::Deserialize;
 
 use super::extract::{ApiQuery, RunIdParam, run_id_query};
 use crate::api_types::AlertList;
-use crate::detect::{AlertKind, Severity};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::store::alerts::AlertFilter;
+use gradflow_core::detect::{AlertKind, Severity};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -14,9 +14,9 @@ use crate::charts::compare::{self, CompareMetric, ComparedRun, MAX_RUNS, MIN_RUN
 use crate::charts::ranks::{self, RankMetric, Ranks};
 use crate::charts::{self, ChartData, ChartKind, Format, MAX_SIDE, MIN_SIDE};
 use crate::error::ApiError;
-use crate::model::series_kind::SeriesKind;
 use crate::state::AppState;
 use crate::store::{Store, StoreError};
+use gradflow_core::model::series_kind::SeriesKind;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -14,10 +14,10 @@ use serde_json::Value;
 use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::api_types::{Series, SeriesPoint};
 use crate::error::ApiError;
-use crate::model::cell::{Cell, widen_for_display};
-use crate::model::series_kind::SeriesKind;
 use crate::state::AppState;
 use crate::store::SeriesRequest;
+use gradflow_core::model::cell::{Cell, widen_for_display};
+use gradflow_core::model::series_kind::SeriesKind;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -8,7 +8,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::{Store, StoreError, StoreResult, Tx, now_seconds, on_tx, with_reader};
-use crate::model::alert::{AlertKind, Opened, Severity};
+use gradflow_core::model::alert::{AlertKind, Opened, Severity};
 
 /// An alert as the API shows it (docs/PROTOCOL.md's alert object), decoded straight from
 /// its row.

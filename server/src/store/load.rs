@@ -15,9 +15,9 @@
 use anyhow::Context;
 use gradflow_protocol::{Amendment, RunRegistration};
 
-use super::columns::SeriesKind;
-use super::rollup::ROLLUP_WIDTHS;
 use super::{Db, Store, StoreError, StoreResult, Tx, runs};
+use gradflow_core::columnar::columns::SeriesKind;
+use gradflow_core::columnar::rollup::ROLLUP_WIDTHS;
 
 /// A run's key and version: which state of the run a batch builds on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,7 +187,9 @@ async fn load(tx: &mut Tx, run_id: &str) -> StoreResult<LoadedRun> {
     }
     let mut rank_blocks = Vec::new();
     if registration.world_size() > 1 {
-        let from = last_step.map_or(0, |last| super::block::block_index(last as u64 + 1));
+        let from = last_step.map_or(0, |last| {
+            gradflow_core::columnar::block::block_index(last as u64 + 1)
+        });
         let rows: Vec<(i64, i64, Vec<u8>)> = super::on_tx!(tx, |c| {
             sqlx::query_as(
                 "SELECT stream, block, vals FROM blocks WHERE run = $1 AND stream > 0 \
@@ -233,5 +235,7 @@ async fn load(tx: &mut Tx, run_id: &str) -> StoreResult<LoadedRun> {
 
 /// The last present step of block `index` with `mask`.
 pub fn last_present(index: u64, mask: u64) -> Option<u64> {
-    (mask != 0).then(|| super::block::first_step(index) + 63 - u64::from(mask.leading_zeros()))
+    (mask != 0).then(|| {
+        gradflow_core::columnar::block::first_step(index) + 63 - u64::from(mask.leading_zeros())
+    })
 }

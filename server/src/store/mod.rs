@@ -28,16 +28,11 @@
 //! - `sqlite`, `postgres`: opening each database and what only it has.
 
 pub mod alerts;
-pub mod block;
-pub mod codec;
-pub mod columns;
-pub mod flatten;
 mod load;
 pub mod notify;
 mod postgres;
 pub mod ranks_read;
 mod read;
-pub mod rollup;
 mod runs;
 mod sqlite;
 pub mod webhooks;

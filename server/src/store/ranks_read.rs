@@ -5,12 +5,12 @@ use anyhow::Context;
 use futures_util::TryStreamExt;
 use gradflow_protocol::RunId;
 
-use super::block::{self, BLOCK_STEPS};
-use super::codec::Cell;
-use super::columns::SeriesKind;
 use super::load::last_present;
 use super::read::LATEST_LOOKBACK;
 use super::{Store, StoreResult, with_reader};
+use gradflow_core::columnar::block::{self, BLOCK_STEPS};
+use gradflow_core::columnar::codec::Cell;
+use gradflow_core::columnar::columns::SeriesKind;
 
 /// A rank's latest value of one series, from its own stream.
 #[derive(Debug, Clone, Copy, PartialEq)]

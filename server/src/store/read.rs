@@ -11,13 +11,13 @@ use anyhow::Context;
 use futures_util::TryStreamExt;
 use gradflow_protocol::RunId;
 
-use super::block::{self, DecodedBlock, block_index};
-use super::codec::{ABSENT_BITS, Cell, decompressor};
-use super::columns::SeriesKind;
 use super::load::last_present;
-use super::rollup::{CHUNK_COLUMNS, ROLLUP_WIDTHS, decode_columns};
 use super::{Store, StoreError, StoreResult, with_reader};
-use crate::series::{MinMax, Source, plan};
+use gradflow_core::columnar::block::{self, DecodedBlock, block_index};
+use gradflow_core::columnar::codec::{ABSENT_BITS, Cell, decompressor};
+use gradflow_core::columnar::columns::SeriesKind;
+use gradflow_core::columnar::rollup::{CHUNK_COLUMNS, ROLLUP_WIDTHS, decode_columns};
+use gradflow_core::series::{MinMax, Source, plan};
 
 /// The stream that holds a run's steps (combined across ranks).
 pub const RUN_STREAM: u32 = 0;

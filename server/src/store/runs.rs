@@ -7,7 +7,7 @@ use super::notify::{self, Notice};
 use super::{
     Db, Store, StoreError, StoreResult, Tx, alerts, now_seconds, on_tx, webhooks, with_reader,
 };
-use crate::model::alert::Opened;
+use gradflow_core::model::alert::Opened;
 
 /// A run as stored: its registration (with the protocol's defaults written out) and
 /// where its stream stands.

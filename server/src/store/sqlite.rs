@@ -22,8 +22,9 @@ use sqlx::sqlite::{
 };
 use sqlx::{Connection, SqliteConnection};
 
-use super::columns::SeriesKind;
-use super::{SyncMode, block, codec};
+use super::SyncMode;
+use gradflow_core::columnar::columns::SeriesKind;
+use gradflow_core::columnar::{block, codec};
 
 /// Readers open at once.
 const READERS: u32 = 4;

@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::alerts::Alert;
 use super::{Store, StoreResult, Tx, now_seconds, on_tx, with_reader};
-use crate::model::alert::Opened;
+use gradflow_core::model::alert::Opened;
 
 /// Most deliveries waiting at once; past it the oldest waiting one is dropped.
 pub const MAX_PENDING: i64 = 10_000;

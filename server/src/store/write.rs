@@ -14,11 +14,11 @@
 
 use sqlx::QueryBuilder;
 
-use super::columns::SeriesKind;
 use super::load::RunLock;
 use super::notify::Notice;
 use super::{Store, StoreError, StoreResult, alerts, now_seconds, on_tx, webhooks};
-use crate::model::alert::Opened;
+use gradflow_core::columnar::columns::SeriesKind;
+use gradflow_core::model::alert::Opened;
 
 /// Block rows upserted by one statement (five bound values each, far below both
 /// databases' limits on bound values).

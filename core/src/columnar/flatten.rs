@@ -1,0 +1,601 @@
+//! One step record → one row of cells, in the run's column order. This is also where
+//! the server derives group norms (docs/PROTOCOL.md: "the L2 norm of the group's module
+//! norms").
+
+use rustc_hash::FxHashMap as HashMap;
+
+use gradflow_protocol::{Float, GpuStat, ModuleStep, ParamStep, StepRecord, default_group};
+
+use super::codec::{ABSENT_BITS, Cell, widen_for_display};
+use super::columns::{ColumnAssigner, ColumnDictionary, SeriesKind};
+
+/// Flattens `record`; `module_groups` maps module names to their group, as the
+/// registration's parameters say (modules not in it fall in their name's first part).
+pub fn flatten(
+    record: &StepRecord,
+    module_groups: &HashMap<String, String>,
+    columns: &mut ColumnAssigner<'_>,
+) -> Vec<u32> {
+    columns.begin_row();
+    let mut row = Row::new(columns.column_count());
+    let mut put = |columns: &mut ColumnAssigner<'_>, kind, subject: &str, cell: Cell| {
+        let position = columns.position(kind, subject);
+        row.set(position, cell);
+    };
+    let wire = |value: Option<Float>| value.map(Float::get);
+
+    if let Some(loss) = record.loss {
+        put(
+            columns,
+            SeriesKind::Loss,
+            "",
+            Cell::from_wire(Some(loss.get())),
+        );
+    }
+    if let Some(lr) = record.lr {
+        put(columns, SeriesKind::Lr, "", Cell::from_wire(Some(lr.get())));
+    }
+    // v1.1: each optimizer parameter group's lr, under the group's name.
+    for (group, lr) in &record.lrs {
+        put(
+            columns,
+            SeriesKind::Lr,
+            group,
+            Cell::from_wire(Some(lr.get())),
+        );
+    }
+    if let Some(dropped) = record.dropped_steps {
+        put(
+            columns,
+            SeriesKind::DroppedSteps,
+            "",
+            Cell::from_wire(Some(dropped as f64)),
+        );
+    }
+    if let Some(scaler) = &record.scaler {
+        if let Some(scale) = scaler.scale {
+            put(
+                columns,
+                SeriesKind::ScalerScale,
+                "",
+                Cell::from_wire(Some(scale.get())),
+            );
+        }
+        if let Some(tracker) = scaler.growth_tracker {
+            put(
+                columns,
+                SeriesKind::ScalerGrowthTracker,
+                "",
+                Cell::from_wire(Some(tracker as f64)),
+            );
+        }
+        if let Some(found_inf) = scaler.found_inf {
+            put(columns, SeriesKind::FoundInf, "", flag(found_inf));
+        }
+        if let Some(skipped) = scaler.step_skipped {
+            put(columns, SeriesKind::StepSkipped, "", flag(skipped));
+        }
+    }
+
+    // Columns are handed out kind by kind (all module norms, then all hook hits, then
+    // each parameter field), not module by module: the run's first step fixes the
+    // order, and keeping a kind's columns together keeps the constant ones (hook hits
+    // of 1, update norms of 0) contiguous, which is what lets zstd squeeze them out.
+    //
+    // Group norms: sqrt of the sum of squared module norms. A group none of whose
+    // reported modules had a gradient is null; one with no reported module, absent.
+    if let Some(seconds) = record.step_time {
+        put(
+            columns,
+            SeriesKind::StepTime,
+            "",
+            Cell::from_wire(Some(seconds.get())),
+        );
+    }
+    if let Some(carried) = record.grads_carried_over {
+        put(columns, SeriesKind::GradsCarriedOver, "", flag(carried));
+    }
+    if let Some(absmax) = record.input_absmax {
+        put(
+            columns,
+            SeriesKind::InputAbsmax,
+            "",
+            Cell::from_wire(Some(absmax.get())),
+        );
+    }
+
+    let mut groups: Vec<(&str, GroupNorm)> = Vec::new();
+    for module in &record.modules {
+        // v1.4: a rank may send its partial sum of squares alone; its norm is the
+        // square root (the server adds squares across ranks).
+        let norm = wire(module.grad_norm).or_else(|| wire(module.grad_sumsq).map(f64::sqrt));
+        put(
+            columns,
+            SeriesKind::ModuleGradNorm,
+            &module.module,
+            Cell::from_wire(norm),
+        );
+        let group = module_groups
+            .get(&module.module)
+            .map(String::as_str)
+            .unwrap_or_else(|| default_group(&module.module));
+        let entry = match groups.iter_mut().find(|(name, _)| *name == group) {
+            Some((_, entry)) => entry,
+            None => {
+                groups.push((group, GroupNorm::default()));
+                &mut groups.last_mut().expect("just pushed").1
+            }
+        };
+        entry.add(norm);
+    }
+    for module in &record.modules {
+        if let Some(hits) = module.hook_hits {
+            put(
+                columns,
+                SeriesKind::HookHits,
+                &module.module,
+                Cell::from_wire(Some(hits as f64)),
+            );
+        }
+    }
+    for (kind, field) in [
+        (
+            SeriesKind::ModuleNumel,
+            (|m| m.numel) as fn(&gradflow_protocol::ModuleStep) -> Option<u64>,
+        ),
+        (SeriesKind::ModuleNonfinite, |m| m.nonfinite),
+    ] {
+        for module in &record.modules {
+            if let Some(count) = field(module) {
+                put(
+                    columns,
+                    kind,
+                    &module.module,
+                    Cell::from_wire(Some(count as f64)),
+                );
+            }
+        }
+    }
+    for (group, norm) in &groups {
+        put(columns, SeriesKind::GroupGradNorm, group, norm.cell());
+    }
+
+    type ParamField = fn(&gradflow_protocol::ParamStep) -> Option<Float>;
+    let fields: [(SeriesKind, ParamField); 9] = [
+        (SeriesKind::ParamGradNorm, |p| p.grad_norm),
+        (SeriesKind::UpdateNorm, |p| p.update_norm),
+        (SeriesKind::Drift, |p| p.drift),
+        (SeriesKind::ParamMean, |p| p.mean),
+        (SeriesKind::IntendedUpdateNorm, |p| p.intended_update_norm),
+        (SeriesKind::IntendedUpdateMaxUlp, |p| {
+            p.intended_update_max_ulp
+        }),
+        (SeriesKind::IntendedNonzero, |p| {
+            p.intended_nonzero.map(|n| Float(n as f64))
+        }),
+        (SeriesKind::RoundedAway, |p| {
+            p.rounded_away.map(|n| Float(n as f64))
+        }),
+        (SeriesKind::ParamNumel, |p| p.numel.map(|n| Float(n as f64))),
+    ];
+
+    for (kind, field) in fields {
+        for param in &record.params {
+            if let Some(value) = field(param) {
+                put(
+                    columns,
+                    kind,
+                    &param.name,
+                    Cell::from_wire(Some(value.get())),
+                );
+            }
+        }
+    }
+
+    for gpu in &record.gpu {
+        let subject = gpu.index.to_string();
+        let bytes = |b: Option<u64>| b.map(|b| b as f64);
+        for (kind, value) in [
+            (SeriesKind::GpuMemoryUsedBytes, bytes(gpu.memory_used_bytes)),
+            (
+                SeriesKind::GpuMemoryTotalBytes,
+                bytes(gpu.memory_total_bytes),
+            ),
+            (SeriesKind::GpuUtilizationPct, wire(gpu.utilization_pct)),
+            (SeriesKind::GpuTemperatureC, wire(gpu.temperature_c)),
+            (SeriesKind::GpuPowerW, wire(gpu.power_w)),
+        ] {
+            if let Some(value) = value {
+                put(columns, kind, &subject, Cell::from_wire(Some(value)));
+            }
+        }
+    }
+
+    for (name, value) in &record.metrics {
+        put(
+            columns,
+            SeriesKind::Metric,
+            name,
+            Cell::from_wire(wire(*value)),
+        );
+    }
+
+    row.into_bits()
+}
+
+/// The step record a row of cells stands for: [`flatten`]'s inverse, for a row the
+/// server computed (a multi-rank step combined from its ranks' rows) that the
+/// detectors must see as a record. Group norms are left out (the detectors derive
+/// them from the modules); values come back as the `f32`s they were stored as.
+pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRecord {
+    let mut record = StepRecord {
+        step,
+        ..StepRecord::default()
+    };
+    let mut modules: Vec<ModuleStep> = Vec::new();
+    let mut module_at: HashMap<&str, usize> = HashMap::default();
+    let mut params: Vec<ParamStep> = Vec::new();
+    let mut param_at: HashMap<&str, usize> = HashMap::default();
+    let mut gpus: Vec<GpuStat> = Vec::new();
+    for (position, &bits) in cells.iter().enumerate() {
+        let cell = Cell::from_bits(bits);
+        if cell == Cell::Absent {
+            continue;
+        }
+        let Some((kind, subject)) = columns.entry(position) else {
+            continue;
+        };
+        let value = match cell {
+            Cell::Value(v) => Some(widen_for_display(v)),
+            _ => None,
+        };
+        let float = value.map(Float);
+        let count = value.map(|v| v as u64);
+        let mut module = |modules: &mut Vec<ModuleStep>| -> usize {
+            *module_at.entry(subject).or_insert_with(|| {
+                modules.push(ModuleStep {
+                    module: subject.to_owned(),
+                    ..ModuleStep::default()
+                });
+                modules.len() - 1
+            })
+        };
+        let mut param = |params: &mut Vec<ParamStep>| -> usize {
+            *param_at.entry(subject).or_insert_with(|| {
+                params.push(ParamStep {
+                    name: subject.to_owned(),
+                    ..ParamStep::default()
+                });
+                params.len() - 1
+            })
+        };
+        let scaler = &mut record.scaler;
+        match kind {
+            SeriesKind::Loss => record.loss = float,
+            SeriesKind::Lr if subject.is_empty() => record.lr = float,
+            SeriesKind::Lr => {
+                if let Some(lr) = float {
+                    record.lrs.insert(subject.to_owned(), lr);
+                }
+            }
+            SeriesKind::ScalerScale => scaler.get_or_insert_with(Default::default).scale = float,
+            SeriesKind::ScalerGrowthTracker => {
+                scaler.get_or_insert_with(Default::default).growth_tracker = count
+            }
+            SeriesKind::FoundInf => {
+                scaler.get_or_insert_with(Default::default).found_inf = value.map(|v| v != 0.0)
+            }
+            SeriesKind::StepSkipped => {
+                scaler.get_or_insert_with(Default::default).step_skipped = value.map(|v| v != 0.0)
+            }
+            SeriesKind::DroppedSteps => record.dropped_steps = count,
+            SeriesKind::StepTime => record.step_time = float,
+            SeriesKind::GradsCarriedOver => record.grads_carried_over = value.map(|v| v != 0.0),
+            SeriesKind::InputAbsmax => record.input_absmax = float,
+            SeriesKind::Metric => {
+                record.metrics.insert(subject.to_owned(), float);
+            }
+            SeriesKind::ModuleGradNorm => {
+                let i = module(&mut modules);
+                modules[i].grad_norm = float;
+            }
+            SeriesKind::HookHits => {
+                let i = module(&mut modules);
+                modules[i].hook_hits = count.map(|c| c as u32);
+            }
+            SeriesKind::ModuleNumel => {
+                let i = module(&mut modules);
+                modules[i].numel = count;
+            }
+            SeriesKind::ModuleNonfinite => {
+                let i = module(&mut modules);
+                modules[i].nonfinite = count;
+            }
+            SeriesKind::GroupGradNorm => {}
+            SeriesKind::ParamGradNorm => {
+                let i = param(&mut params);
+                params[i].grad_norm = float;
+            }
+            SeriesKind::UpdateNorm => {
+                let i = param(&mut params);
+                params[i].update_norm = float;
+            }
+            SeriesKind::Drift => {
+                let i = param(&mut params);
+                params[i].drift = float;
+            }
+            SeriesKind::ParamMean => {
+                let i = param(&mut params);
+                params[i].mean = float;
+            }
+            SeriesKind::IntendedUpdateNorm => {
+                let i = param(&mut params);
+                params[i].intended_update_norm = float;
+            }
+            SeriesKind::IntendedUpdateMaxUlp => {
+                let i = param(&mut params);
+                params[i].intended_update_max_ulp = float;
+            }
+            SeriesKind::IntendedNonzero => {
+                let i = param(&mut params);
+                params[i].intended_nonzero = count;
+            }
+            SeriesKind::RoundedAway => {
+                let i = param(&mut params);
+                params[i].rounded_away = count;
+            }
+            SeriesKind::ParamNumel => {
+                let i = param(&mut params);
+                params[i].numel = count;
+            }
+            SeriesKind::GpuMemoryUsedBytes
+            | SeriesKind::GpuMemoryTotalBytes
+            | SeriesKind::GpuUtilizationPct
+            | SeriesKind::GpuTemperatureC
+            | SeriesKind::GpuPowerW => {
+                let Ok(index) = subject.parse::<u32>() else {
+                    continue;
+                };
+                let gpu = match gpus.iter_mut().position(|g| g.index == index) {
+                    Some(i) => &mut gpus[i],
+                    None => {
+                        gpus.push(GpuStat {
+                            index,
+                            memory_used_bytes: None,
+                            memory_total_bytes: None,
+                            utilization_pct: None,
+                            temperature_c: None,
+                            power_w: None,
+                        });
+                        gpus.last_mut().expect("just pushed")
+                    }
+                };
+                match kind {
+                    SeriesKind::GpuMemoryUsedBytes => gpu.memory_used_bytes = count,
+                    SeriesKind::GpuMemoryTotalBytes => gpu.memory_total_bytes = count,
+                    SeriesKind::GpuUtilizationPct => gpu.utilization_pct = float,
+                    SeriesKind::GpuTemperatureC => gpu.temperature_c = float,
+                    _ => gpu.power_w = float,
+                }
+            }
+        }
+    }
+    record.modules = modules;
+    record.params = params;
+    record.gpu = gpus;
+    record
+}
+
+fn flag(on: bool) -> Cell {
+    Cell::Value(if on { 1.0 } else { 0.0 })
+}
+
+#[derive(Default)]
+struct GroupNorm {
+    sum_of_squares: f64,
+    any_value: bool,
+}
+
+impl GroupNorm {
+    fn add(&mut self, norm: Option<f64>) {
+        if let Some(norm) = norm {
+            self.sum_of_squares += norm * norm;
+            self.any_value = true;
+        }
+    }
+
+    fn cell(&self) -> Cell {
+        if self.any_value {
+            Cell::from_wire(Some(self.sum_of_squares.sqrt()))
+        } else {
+            Cell::Null
+        }
+    }
+}
+
+/// A row that grows as columns are added while it is being filled.
+struct Row(Vec<u32>);
+
+impl Row {
+    fn new(len: u32) -> Self {
+        Row(vec![ABSENT_BITS; len as usize])
+    }
+
+    fn set(&mut self, position: u32, cell: Cell) {
+        let position = position as usize;
+        if position >= self.0.len() {
+            self.0.resize(position + 1, ABSENT_BITS);
+        }
+        self.0[position] = cell.to_bits();
+    }
+
+    fn into_bits(self) -> Vec<u32> {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::columnar::columns::ColumnDictionary;
+
+    fn record(json: &str) -> StepRecord {
+        gradflow_protocol::parse_steps_json(format!("[{json}]").as_bytes())
+            .unwrap()
+            .remove(0)
+    }
+
+    fn cell(row: &[u32], dictionary: &ColumnDictionary, kind: SeriesKind, subject: &str) -> Cell {
+        let position = dictionary.get(kind, subject).expect("column exists") as usize;
+        Cell::from_bits(row.get(position).copied().unwrap_or(ABSENT_BITS))
+    }
+
+    fn run(json: &str, groups: &HashMap<String, String>) -> (Vec<u32>, ColumnDictionary) {
+        let base = ColumnDictionary::default();
+        let mut assigner = ColumnAssigner::new(&base);
+        let row = flatten(&record(json), groups, &mut assigner);
+        let mut dictionary = ColumnDictionary::default();
+        for (kind, subject, _) in assigner.added() {
+            dictionary.push(kind, &subject);
+        }
+        (row, dictionary)
+    }
+
+    #[test]
+    fn a_row_reads_back_as_the_record_it_came_from() {
+        let sent = record(
+            r#"{"step": 7, "loss": 2.5, "lr": 0.25, "lrs": {"decay": 0.125},
+                "step_time": 0.5, "grads_carried_over": false, "input_absmax": 3.0,
+                "scaler": {"scale": 65536, "growth_tracker": 3, "found_inf": true, "step_skipped": true},
+                "modules": [{"module": "a.x", "grad_norm": 0.75, "hook_hits": 2, "numel": 64, "nonfinite": 0},
+                            {"module": "a.y", "grad_norm": null, "hook_hits": 0}],
+                "params": [{"name": "a.x.weight", "grad_norm": 0.5, "update_norm": 0.0625,
+                            "drift": 0.25, "mean": 1.0, "intended_update_norm": 0.125,
+                            "intended_update_max_ulp": 0.5, "intended_nonzero": 8,
+                            "rounded_away": 2, "numel": 16}],
+                "gpu": [{"index": 1, "memory_used_bytes": 1024, "utilization_pct": 50}],
+                "metrics": {"reward": 0.5, "missing": null},
+                "dropped_steps": 4}"#,
+        );
+        let base = ColumnDictionary::default();
+        let mut assigner = ColumnAssigner::new(&base);
+        let row = flatten(&sent, &HashMap::default(), &mut assigner);
+        let mut dictionary = ColumnDictionary::default();
+        for (kind, subject, _) in assigner.added() {
+            dictionary.push(kind, &subject);
+        }
+        let back = unflatten(7, &row, &dictionary);
+        assert_eq!(back, sent);
+    }
+
+    #[test]
+    fn a_partial_sum_alone_stands_for_its_norm() {
+        let (row, dict) = run(
+            r#"{"step": 1, "modules": [{"module": "a.x", "grad_sumsq": 6.25, "numel": 3}]}"#,
+            &HashMap::default(),
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::ModuleGradNorm, "a.x"),
+            Cell::Value(2.5)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::ModuleNumel, "a.x"),
+            Cell::Value(3.0)
+        );
+    }
+
+    #[test]
+    fn group_norm_is_the_l2_norm_of_module_norms() {
+        let (row, dict) = run(
+            r#"{"step": 1, "modules": [
+                {"module": "qwen.a", "grad_norm": 3.0, "hook_hits": 1},
+                {"module": "qwen.b", "grad_norm": 4.0, "hook_hits": 1},
+                {"module": "agent.x", "grad_norm": null, "hook_hits": 0}]}"#,
+            &HashMap::default(),
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::GroupGradNorm, "qwen"),
+            Cell::Value(5.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::GroupGradNorm, "agent"),
+            Cell::Null
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::ModuleGradNorm, "agent.x"),
+            Cell::Null
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::HookHits, "agent.x"),
+            Cell::Value(0.0)
+        );
+    }
+
+    #[test]
+    fn registered_groups_override_the_name_rule() {
+        let groups = HashMap::from_iter([("backbone.mlp".to_owned(), "qwen".to_owned())]);
+        let (row, dict) = run(
+            r#"{"step": 1, "modules": [{"module": "backbone.mlp", "grad_norm": 2.0}]}"#,
+            &groups,
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::GroupGradNorm, "qwen"),
+            Cell::Value(2.0)
+        );
+        assert_eq!(dict.get(SeriesKind::GroupGradNorm, "backbone"), None);
+    }
+
+    #[test]
+    fn non_finite_module_norms_poison_their_group() {
+        let (row, dict) = run(
+            r#"{"step": 1, "modules": [{"module": "q.a", "grad_norm": "NaN"}, {"module": "q.b", "grad_norm": 1}]}"#,
+            &HashMap::default(),
+        );
+        assert!(
+            matches!(cell(&row, &dict, SeriesKind::GroupGradNorm, "q"), Cell::Value(v) if v.is_nan())
+        );
+    }
+
+    #[test]
+    fn scalars_params_gpus_and_metrics_get_their_own_columns() {
+        let (row, dict) = run(
+            r#"{"step": 1, "loss": 2.5, "lr": 0.001,
+                "scaler": {"scale": 65536, "growth_tracker": 3, "found_inf": true, "step_skipped": false},
+                "params": [{"name": "w", "grad_norm": 0.1, "update_norm": 0, "drift": 0, "mean": 1}],
+                "gpu": [{"index": 1, "memory_used_bytes": 1024, "utilization_pct": 50}],
+                "metrics": {"reward": null, "acc": 0.5}}"#,
+            &HashMap::default(),
+        );
+        assert_eq!(cell(&row, &dict, SeriesKind::Loss, ""), Cell::Value(2.5));
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::FoundInf, ""),
+            Cell::Value(1.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::StepSkipped, ""),
+            Cell::Value(0.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::ScalerGrowthTracker, ""),
+            Cell::Value(3.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::ParamMean, "w"),
+            Cell::Value(1.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::UpdateNorm, "w"),
+            Cell::Value(0.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::GpuMemoryUsedBytes, "1"),
+            Cell::Value(1024.0)
+        );
+        assert_eq!(cell(&row, &dict, SeriesKind::Metric, "reward"), Cell::Null);
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::Metric, "acc"),
+            Cell::Value(0.5)
+        );
+        assert_eq!(dict.get(SeriesKind::GpuTemperatureC, "1"), None);
+    }
+}

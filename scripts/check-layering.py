@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Checks the layering rules ARCHITECTURE.md states, from the source alone.
+
+- Within each crate, a top-level module imports only modules of a lower layer
+  (LAYERS below, highest first); within one module, files import freely.
+- No two files import each other in a circle (file-level cycles, any length).
+- The pure core crate depends on no I/O crate (its Cargo.toml and its `use` lines).
+
+An import is any `crate::a::b` or `super::x` path in a file's code (comments
+stripped), resolved to the file that defines it. Exits non-zero, naming every
+violation, or prints a one-line summary.
+
+    python3 scripts/check-layering.py
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Top-level modules of each crate by layer, highest first. A module imports only
+# modules in later entries of its crate's list.
+LAYERS: dict[str, list[set[str]]] = {
+    "server/src": [
+        {"main"},
+        {"demo"},
+        {"startup", "import"},
+        {"config"},
+        {"app"},
+        {"pages", "openapi"},
+        {"routes"},
+        {"state", "charts"},
+        {"metrics", "api_types", "body"},
+        {"error"},
+        {"ingest", "webhooks", "retention"},
+        {"events"},
+        {"store"},
+    ],
+    "core/src": [
+        {"detect"},
+        {"columnar", "series"},
+        {"model"},
+    ],
+}
+
+# Crates the core must never depend on: they do I/O or drawing.
+CORE_FORBIDDEN = {
+    "tokio",
+    "sqlx",
+    "axum",
+    "hyper",
+    "reqwest",
+    "plotters",
+    "tower",
+    "tower-http",
+    "tracing-subscriber",
+    "mimalloc",
+}
+
+COMMENT = re.compile(r"//[^\n]*")
+PATH = re.compile(r"\b(crate|super)((?:::[A-Za-z_][A-Za-z0-9_]*)+|::\{)")
+GROUP = re.compile(r"\b(crate|super)::\{([^}]*)\}", re.DOTALL)
+
+
+def module_files(src: Path) -> dict[tuple[str, ...], Path]:
+    """Module path (`("ingest", "state")`) → file, for every .rs file of a crate."""
+    files = {}
+    for path in src.rglob("*.rs"):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "mod":
+            parts.pop()
+        if parts in (["lib"],):
+            parts = []
+        files[tuple(parts)] = path
+    return files
+
+
+def references(text: str, here: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The module paths a file's code names, as absolute paths."""
+    code = COMMENT.sub("", text)
+    # `super` is the parent of the file's module (for `a/mod.rs`, module `a`: the root).
+    parent = here[:-1]
+    out: list[tuple[str, ...]] = []
+
+    def absolute(root: str, rest: list[str]) -> tuple[str, ...]:
+        base = () if root == "crate" else parent
+        return tuple(base) + tuple(rest)
+
+    for m in GROUP.finditer(code):
+        for item in m.group(2).split(","):
+            name = item.strip().split("::")
+            if name and name[0] and name[0] not in ("self",):
+                out.append(absolute(m.group(1), [n.strip() for n in name if n.strip()]))
+    for m in PATH.finditer(code):
+        if m.group(2) == "::{":
+            continue
+        rest = [p for p in m.group(2).split("::") if p]
+        out.append(absolute(m.group(1), rest))
+    return out
+
+
+def resolve(path: tuple[str, ...], files: dict[tuple[str, ...], Path]) -> tuple[str, ...] | None:
+    for n in range(len(path), 0, -1):
+        if path[:n] in files:
+            return path[:n]
+    return None
+
+
+def check_crate(src_dir: str, errors: list[str]) -> tuple[int, int]:
+    src = ROOT / src_dir
+    files = module_files(src)
+    layer_of = {m: i for i, layer in enumerate(LAYERS[src_dir]) for m in layer}
+    graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {m: set() for m in files}
+    for module, path in files.items():
+        if not module:
+            continue
+        text = path.read_text()
+        # Unit tests may reach anywhere in their own crate.
+        text = text.split("#[cfg(test)]")[0]
+        for ref in references(text, module):
+            target = resolve(ref, files)
+            if target is None or target == module or not target:
+                continue
+            graph[module].add(target)
+            a, b = module[0], target[0]
+            if a == b:
+                continue
+            la, lb = layer_of.get(a), layer_of.get(b)
+            if la is None or lb is None:
+                errors.append(
+                    f"{src_dir}: module `{a if la is None else b}` has no layer in {Path(__file__).name}"
+                )
+            elif lb <= la:
+                errors.append(
+                    f"{src_dir}/{path.relative_to(src)}: `{a}` imports `{'::'.join(target)}`, "
+                    f"which is not in a layer below it"
+                )
+    cycles = find_cycles(graph)
+    for cycle in cycles:
+        errors.append(
+            f"{src_dir}: files import each other in a circle: "
+            + " -> ".join("::".join(m) for m in cycle)
+        )
+    return len(files), sum(len(v) for v in graph.values())
+
+
+def find_cycles(graph: dict[tuple[str, ...], set[tuple[str, ...]]]) -> list[list[tuple[str, ...]]]:
+    """One cycle per strongly connected component of more than one file (Tarjan)."""
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    on_stack: set = set()
+    found: list = []
+    counter = [0]
+    sys.setrecursionlimit(10_000)
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component) + [min(component)])
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def check_core_dependencies(errors: list[str]) -> None:
+    manifest = (ROOT / "core/Cargo.toml").read_text()
+    deps = manifest.split("[dependencies]", 1)[1].split("\n[", 1)[0]
+    for line in deps.splitlines():
+        name = line.split("=", 1)[0].split(".", 1)[0].strip()
+        if name in CORE_FORBIDDEN:
+            errors.append(f"core/Cargo.toml: the pure core depends on `{name}`")
+    for path in (ROOT / "core/src").rglob("*.rs"):
+        code = COMMENT.sub("", path.read_text())
+        for crate in CORE_FORBIDDEN:
+            if re.search(rf"\b{crate.replace('-', '_')}::", code):
+                errors.append(f"{path.relative_to(ROOT)}: names the I/O crate `{crate}`")
+
+
+def main() -> int:
+    errors: list[str] = []
+    totals = [check_crate(src, errors) for src in LAYERS]
+    check_core_dependencies(errors)
+    if errors:
+        for e in errors:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    files = sum(t[0] for t in totals)
+    edges = sum(t[1] for t in totals)
+    print(f"layering ok: {files} files, {edges} imports, every import downward, no circle")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
