@@ -7,6 +7,8 @@
 //! - `param_not_in_optimizer`: `requires_grad` parameters the optimizer does not hold.
 //! - `group_not_training`: a group the registration declares meant to train
 //!   (`train`, v1.1) has no trainable parameter (a wrong name filter froze it).
+//! - `nothing_trains`: no parameter at all is both `requires_grad` and in the
+//!   optimizer: whatever the run computes, no weight can change.
 //!
 //! One alert per kind and group, listing the parameters.
 
@@ -24,7 +26,65 @@ pub fn check(context: &RunContext) -> Vec<Opened> {
     dtype_mismatch(context, &mut alerts);
     param_not_in_optimizer(context, &mut alerts);
     group_not_training(context, &mut alerts);
+    nothing_trains(context, &mut alerts);
     alerts
+}
+
+/// A run none of whose parameters can change: every one frozen, or the optimizer
+/// holding none of the trainable ones (an adapter loaded frozen, `"trainable params:
+/// 0"`, an optimizer built before unfreezing). Needs no `train` declaration: a run
+/// that registers parameters registers them to train some of them.
+fn nothing_trains(context: &RunContext, out: &mut Vec<Opened>) {
+    let params = &context.registration.params;
+    if params.is_empty() || params.iter().any(|p| p.requires_grad() && p.in_optimizer()) {
+        return;
+    }
+    let frozen = params.iter().filter(|p| !p.requires_grad()).count();
+    let outside = params.len() - frozen;
+    let (cause, detail, fix) = if outside == 0 {
+        (
+            "all_frozen",
+            format!(
+                "All {} registered parameters have requires_grad=False: backward computes no \
+                 gradient for any of them and the optimizer has nothing to update, so the \
+                 loss can only move through randomness (dropout, data order).",
+                params.len()
+            ),
+            "Unfreeze what should train before building the optimizer: for an adapter \
+             loaded from disk, PeftModel.from_pretrained(..., is_trainable=True); otherwise \
+             call requires_grad_(True) on the modules meant to train (print the count of \
+             parameters with requires_grad to check).",
+        )
+    } else {
+        (
+            "none_in_optimizer",
+            format!(
+                "{outside} parameters require a gradient and {frozen} are frozen, but the \
+                 optimizer holds none of the trainable ones: its parameter groups are empty \
+                 or hold other tensors (frozen ones, or ones replaced since), so no step \
+                 changes a weight."
+            ),
+            "Build the optimizer after freezing and unfreezing, from the parameters that \
+             require grad: torch.optim.AdamW(p for p in model.parameters() if \
+             p.requires_grad).",
+        )
+    };
+    out.push(Opened {
+        kind: AlertKind::NothingTrains,
+        subject: "run".into(),
+        severity: Severity::Critical,
+        first_step: None,
+        step: None,
+        title: "Nothing in this run can train".into(),
+        detail,
+        fix: fix.into(),
+        evidence: json!({
+            "cause": cause,
+            "registered_params": params.len(),
+            "frozen_params": frozen,
+            "trainable_outside_optimizer": outside,
+        }),
+    });
 }
 
 fn group_not_training(context: &RunContext, out: &mut Vec<Opened>) {
@@ -264,6 +324,45 @@ mod tests {
     }
 
     #[test]
+    fn a_run_with_nothing_trainable_is_critical_without_any_declaration() {
+        // "trainable params: 0" (tloen/alpaca-lora#352): all frozen, the optimizer over all.
+        let found = alerts(json!({"params": [
+            {"name": "model.layers.0.mlp.weight", "requires_grad": false},
+            {"name": "lm_head.weight", "requires_grad": false}
+        ]}));
+        let [alert] = &found[..] else {
+            panic!("{found:?}")
+        };
+        assert_eq!(
+            (alert.kind, alert.subject.as_str()),
+            (AlertKind::NothingTrains, "run")
+        );
+        assert_eq!(alert.severity, Severity::Critical);
+        assert_eq!(alert.evidence["cause"], "all_frozen");
+        assert!(alert.fix.contains("is_trainable=True"), "{}", alert.fix);
+        // An adapter loaded frozen beside an optimizer of empty groups (huggingface/trl#6700):
+        // trainable tensors exist, the optimizer holds none of them.
+        let found = alerts(json!({"params": [
+            {"name": "base.w", "requires_grad": false, "in_optimizer": false},
+            {"name": "lora.a", "in_optimizer": false}
+        ]}));
+        let nothing: Vec<&Opened> = found
+            .iter()
+            .filter(|a| a.kind == AlertKind::NothingTrains)
+            .collect();
+        assert_eq!(nothing.len(), 1, "{found:?}");
+        assert_eq!(nothing[0].evidence["cause"], "none_in_optimizer");
+        assert_eq!(nothing[0].evidence["frozen_params"], 1);
+        // One trainable parameter in the optimizer is enough; no parameters says nothing.
+        let one = alerts(json!({"params": [
+            {"name": "base.w", "requires_grad": false},
+            {"name": "lora.a"}
+        ]}));
+        assert!(one.is_empty(), "{one:?}");
+        assert!(alerts(json!({"params": []})).is_empty());
+    }
+
+    #[test]
     fn a_group_meant_to_train_with_nothing_trainable_is_flagged() {
         let found = alerts(json!({
             "train": ["qwen", "agent"],
@@ -281,7 +380,11 @@ mod tests {
             .collect();
         // vision is frozen too, but nobody said it should train.
         assert_eq!(groups, ["agent"]);
-        assert!(alerts(json!({"params": [{"name": "a.w", "requires_grad": false}]})).is_empty());
+        let frozen = alerts(json!({"params": [
+            {"name": "a.w", "requires_grad": false},
+            {"name": "b.w"}
+        ]}));
+        assert!(frozen.is_empty(), "{frozen:?}");
     }
 
     #[test]
@@ -329,7 +432,7 @@ mod tests {
         assert!(
             alerts(
                 json!({"precision": {"param_dtype": "f32", "loss_scaler": "dynamic"},
-            "params": [{"name": "a.w", "dtype": "bf16", "requires_grad": false}]})
+            "params": [{"name": "a.w", "dtype": "bf16", "requires_grad": false}, {"name": "b.w"}]})
             )
             .is_empty()
         );

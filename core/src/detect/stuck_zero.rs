@@ -88,6 +88,10 @@ struct Streak {
     hooks_silent: u32,
     /// Steps of the streak on which no gradient tensor existed (`null`).
     missing: u32,
+    /// Steps of the streak on which every backward hook fired (`hook_hits` > 0): a
+    /// gradient was accumulated, whatever was left of it at the optimizer step.
+    #[serde(default)]
+    hooks_fired: u32,
     open: bool,
     /// The subject of the alert this module's episode belongs to, when it is one
     /// of several modules under a common alert.
@@ -100,6 +104,7 @@ struct Streak {
 struct Reading {
     zero: bool,
     hooks_silent: bool,
+    hooks_fired: bool,
     missing: bool,
     modules: usize,
     norm: f64,
@@ -109,6 +114,7 @@ impl Reading {
     fn merge(&mut self, other: Reading) {
         self.zero &= other.zero;
         self.hooks_silent &= other.hooks_silent;
+        self.hooks_fired &= other.hooks_fired;
         self.missing &= other.missing;
         self.modules += other.modules;
         self.norm = (self.norm * self.norm + other.norm * other.norm).sqrt();
@@ -120,12 +126,18 @@ enum Cause {
     BackwardNotReached,
     ZeroGradient,
     GradMissing,
+    /// Backward accumulated a gradient (its hooks fired), yet none was left when the
+    /// step was read: something set `.grad` to None in between, a `zero_grad()`
+    /// between `backward()` and `step()`.
+    ClearedBeforeStep,
 }
 
 impl Cause {
     fn of(streak: &Streak) -> Cause {
         if streak.hooks_silent == streak.len {
             Cause::BackwardNotReached
+        } else if streak.missing == streak.len && streak.hooks_fired == streak.len {
+            Cause::ClearedBeforeStep
         } else if streak.missing == streak.len {
             Cause::GradMissing
         } else {
@@ -138,6 +150,7 @@ impl Cause {
             Cause::BackwardNotReached => "backward_not_reached",
             Cause::ZeroGradient => "zero_gradient",
             Cause::GradMissing => "grad_missing",
+            Cause::ClearedBeforeStep => "cleared_before_step",
         }
     }
 }
@@ -164,6 +177,7 @@ impl Streak {
         }
         self.len += 1;
         self.hooks_silent += u32::from(reading.hooks_silent);
+        self.hooks_fired += u32::from(reading.hooks_fired);
         self.missing += u32::from(reading.missing);
         false
     }
@@ -183,6 +197,7 @@ impl StuckZeroGrad {
             let reading = Reading {
                 zero: norm.is_none_or(|n| n == 0.0),
                 hooks_silent: module.hook_hits == Some(0),
+                hooks_fired: module.hook_hits.is_some_and(|hits| hits > 0),
                 missing: norm.is_none(),
                 modules: 1,
                 norm: norm.filter(|n| n.is_finite()).unwrap_or(0.0),
@@ -498,6 +513,9 @@ fn open(
         Cause::BackwardNotReached => format!("Backward never reaches {subject}"),
         Cause::ZeroGradient => format!("Gradient of {subject} is exactly zero"),
         Cause::GradMissing => format!("{subject} gets no gradient"),
+        Cause::ClearedBeforeStep => {
+            format!("{subject}'s gradients are cleared before the optimizer step")
+        }
     } + &format!(": gradient norm 0 for {} steps", streak.span(step));
     let why = match cause {
         Cause::BackwardNotReached => {
@@ -510,6 +528,12 @@ fn open(
         }
         Cause::GradMissing => {
             "No gradient tensor was produced for their parameters (grad is None after backward)."
+        }
+        Cause::ClearedBeforeStep => {
+            "Their backward hooks fired on every one of these steps, so backward did \
+             accumulate a gradient, yet at the optimizer step no gradient tensor was left \
+             (grad is None): it was cleared in between, and the optimizer skips parameters \
+             without a gradient, so nothing is updated."
         }
     };
     let mut detail = format!(
@@ -550,6 +574,11 @@ fn open(
              uses the same parameter objects the optimizer holds (not a copy made before \
              wrapping or loading), and that requires_grad was not switched off."
         ),
+        Cause::ClearedBeforeStep => "Call optimizer.zero_grad() (or model.zero_grad()) at the \
+             start of the iteration or right after optimizer.step(), never between \
+             loss.backward() and optimizer.step(); look for a zero_grad inside a helper called \
+             after backward (a logging or clipping function)."
+            .to_owned(),
     };
     let mut opened = Opened {
         kind: AlertKind::GradStuckZero,
@@ -782,7 +811,7 @@ mod tests {
                 ],
             )
         };
-        let missing = |s| {
+        let cleared = |s| {
             record(
                 s,
                 &[
@@ -792,8 +821,16 @@ mod tests {
                 ],
             )
         };
+        // No hook counts (a client without backward hooks): nothing says a gradient
+        // ever existed.
+        let missing = |s| {
+            let modules =
+                ["qwen.a", "qwen.b", "qwen.c"].map(|m| json!({"module": m, "grad_norm": null}));
+            serde_json::from_value(json!({"step": s, "modules": modules})).unwrap()
+        };
         for (make, cause) in [
             (&zero as &dyn Fn(u64) -> StepRecord, "zero_gradient"),
+            (&cleared, "cleared_before_step"),
             (&missing, "grad_missing"),
             (&detached, "backward_not_reached"),
         ] {

@@ -29,10 +29,11 @@ pub enum AlertKind {
     RankNonfinite,
     ReplicaDivergence,
     ShardReportedAsGlobal,
+    NothingTrains,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 21] = [
+    pub const ALL: [AlertKind; 22] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -54,6 +55,7 @@ impl AlertKind {
         AlertKind::RankNonfinite,
         AlertKind::ReplicaDivergence,
         AlertKind::ShardReportedAsGlobal,
+        AlertKind::NothingTrains,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -79,6 +81,7 @@ impl AlertKind {
             AlertKind::RankNonfinite => "rank_nonfinite",
             AlertKind::ReplicaDivergence => "replica_divergence",
             AlertKind::ShardReportedAsGlobal => "shard_reported_as_global",
+            AlertKind::NothingTrains => "nothing_trains",
         }
     }
 
