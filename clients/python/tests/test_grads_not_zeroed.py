@@ -3,6 +3,9 @@ gradient accumulation."""
 
 from __future__ import annotations
 
+import urllib.error
+
+import pytest
 import torch
 from conftest import PromptAgent, batches, new_run_id
 from torch import nn
@@ -12,7 +15,9 @@ import gradflow
 
 def loop(server, zero: str, steps: int = 10, accumulate: int = 1):
     """zero: "none" (the bug), "before" (zero_grad before backward), "after" (after the
-    optimizer step), "data" (the old idiom p.grad.data.zero_())."""
+    optimizer step), "data" (the old idiom p.grad.data.zero_()), "inside" and
+    "inside_zeros" (zero_grad in the micro-batch loop, to None or to zeros: the bug
+    that keeps the last micro-batch only)."""
     model = PromptAgent()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gf = gradflow.watch(model, optimizer, server=server.url, run_id=new_run_id("zero"))
@@ -21,6 +26,8 @@ def loop(server, zero: str, steps: int = 10, accumulate: int = 1):
         if zero == "before":
             optimizer.zero_grad(set_to_none=True)
         for _micro in range(accumulate):
+            if zero in ("inside", "inside_zeros"):
+                optimizer.zero_grad(set_to_none=zero == "inside")
             tokens, target = next(data)
             loss = nn.functional.cross_entropy(model(tokens), target) / accumulate
             loss.backward()
@@ -52,3 +59,32 @@ def test_zeroing_before_after_or_by_data_and_accumulation_stay_silent(gradflow_s
         kinds = [a["kind"] for a in gradflow_server.alerts(run_id)]
         assert "grads_not_zeroed" not in kinds, (zero, accumulate, kinds)
         assert gradflow_server.run(run_id)["step_count"] == 10
+
+
+RESETS = "grads_reset_between_backwards"
+
+
+def test_zero_grad_inside_the_micro_batch_loop_is_counted_every_step(gradflow_server):
+    """The record says, per step with several backward passes, how many of the later
+    ones found the gradient the earlier ones accumulated reset: 3 of 4 micro-batches
+    lost, whether zero_grad sets gradients to None or to zeros."""
+    for zero in ("inside", "inside_zeros"):
+        run_id = loop(gradflow_server, zero, accumulate=4)
+        resets = gradflow_server.series(run_id, "metric", RESETS)
+        # Step 0 has no probe yet (it is placed at the first optimizer step).
+        assert [step for step, _ in resets] == list(range(1, 10)), (zero, resets)
+        assert all(value == 3 for _, value in resets), (zero, resets)
+
+
+def test_intended_accumulation_reports_no_reset_and_one_backward_reports_nothing(
+    gradflow_server,
+):
+    for zero in ("before", "after"):
+        run_id = loop(gradflow_server, zero, accumulate=3)
+        resets = gradflow_server.series(run_id, "metric", RESETS)
+        assert len(resets) == 9 and all(value == 0 for _, value in resets), (zero, resets)
+    # One backward per step: nothing to compare, nothing sent (no such series).
+    run_id = loop(gradflow_server, "before")
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        gradflow_server.series(run_id, "metric", RESETS)
+    assert missing.value.code == 404

@@ -7,7 +7,10 @@ callback for the end of the backward pass (:meth:`ModelHooks.arm_backward_end`).
 A read-only forward pre-hook on the model keeps the step's largest input magnitude
 on the device, and a tensor hook on one parameter looks, just before the first
 backward after an optimizer step, whether its gradient still holds values (nothing
-zeroed it: ``grads_carried_over``). Every hook is removed by :meth:`ModelHooks.remove`.
+zeroed it: ``grads_carried_over``), and before each later backward of the same step
+whether the gradient the earlier ones accumulated is gone (reset between the
+micro-batches of one step: ``grads_reset_between_backwards``). Every hook is removed
+by :meth:`ModelHooks.remove`.
 """
 
 from __future__ import annotations
@@ -38,8 +41,16 @@ class ModelHooks:
         self._sentinel: Optional[torch.Tensor] = None
         self._sentinel_hook: Any = None
         self._probe_armed = False
+        # Backward passes that reached the sentinel since the last optimizer step.
+        self._backwards = 0
         # None, False, or a device scalar (> 0: carried)
         self.carried: Optional[Any] = None
+        # Later backward passes of this step that found the gradient the earlier ones
+        # accumulated gone: set to None (counted here) or zeroed (a device count).
+        self.resets_seen = 0
+        self.resets_zeroed: Optional[torch.Tensor] = None
+        # Backward passes that reached the sentinel in the step that just ended.
+        self.step_backwards = 0
         # The largest |value| of the floating-point inputs of the watched model's
         # forward passes this step (a device scalar).
         self.input_absmax: Optional[torch.Tensor] = None
@@ -48,7 +59,19 @@ class ModelHooks:
         )
 
     def rebuild(self) -> None:
-        """After registration or an amendment: hooks on parameters that have none."""
+        """After registration or an amendment: hooks on parameters that have none, and
+        none left on tensors the model no longer uses (a replaced parameter)."""
+        live = {id(p.tensor) for p in self.registry.params}
+        for key in [k for k in self._handles if k not in live]:
+            self._handles.pop(key).remove()
+            self._hits.pop(key, None)
+            self._fresh.discard(key)
+        if self._sentinel is not None and id(self._sentinel) not in live:
+            if self._sentinel_hook is not None:
+                self._sentinel_hook.remove()
+                self._sentinel_hook = None
+            self._sentinel = None
+            self._probe_armed = False
         for p in self.registry.params:
             self._hook(p)
 
@@ -126,6 +149,7 @@ class ModelHooks:
                 if sentinel is not None:
                     self._sentinel_hook = sentinel.register_hook(self._probe)
         self._probe_armed = self._sentinel is not None
+        self.step_backwards, self._backwards = self._backwards, 0
 
     def _pick_sentinel(self) -> Optional[torch.Tensor]:
         """A parameter the optimizer steps that got a gradient this step (one outside
@@ -140,6 +164,15 @@ class ModelHooks:
         return None
 
     def _probe(self, _grad: torch.Tensor) -> None:
+        """Just before a backward pass adds to the sentinel's gradient. The first one
+        after an optimizer step answers ``grads_carried_over``; each later one of the
+        same step looks whether the gradient the earlier passes accumulated is still
+        there (``zero_grad`` inside the micro-batch loop keeps the last one only)."""
+        earlier = self._backwards
+        self._backwards += 1
+        if earlier > 0:
+            self._look_for_reset()
+            return
         if not self._probe_armed:
             return
         self._probe_armed = False
@@ -152,10 +185,27 @@ class ModelHooks:
         except Exception:  # never break the backward pass
             self.carried = None
 
+    def _look_for_reset(self) -> None:
+        """A later backward pass of one optimizer step: a gradient set to None since
+        the earlier ones is counted on the host; one zeroed in place, on the device."""
+        try:
+            old = self._sentinel.grad if self._sentinel is not None else None
+            if old is None:
+                self.resets_seen += 1
+                return
+            zeroed = (old.detach().abs().amax() == 0).float().reshape(1)
+            previous = self.resets_zeroed
+            self.resets_zeroed = zeroed if previous is None else previous + zeroed
+        except Exception:  # never break the backward pass
+            self.resets_zeroed = None
+
     def reset(self) -> None:
         """A new step: counts, the input peak and the probe's answer start over."""
         self._at_backward_end = None
         self.carried = None
+        self.resets_seen = 0
+        self.resets_zeroed = None
+        self.step_backwards = 0
         self.input_absmax = None
         self._hits.clear()
         self._fresh.clear()

@@ -326,6 +326,13 @@ class Measurer:
             pending.carried_at = add(carried.reshape(1))
         elif carried is False:
             pending.carried = False
+        if self.hooks.step_backwards > 1:
+            # Several backward passes before one optimizer step: how many of the later
+            # ones found the gradient reset (None, or zeroed in place).
+            pending.resets = self.hooks.resets_seen
+            zeroed = self.hooks.resets_zeroed
+            if zeroed is not None:
+                pending.resets_at = add(zeroed.reshape(1))
         nothing: List[Optional[int]] = [None] * len(self._modules)
         no_norms: List[Optional[int]] = []
         module_slot, norm_slot, module_numel = self._grad_meta or (nothing, no_norms, nothing)

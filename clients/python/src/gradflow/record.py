@@ -17,6 +17,10 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from . import encode, wire
 
+# Metrics the client adds itself: the step record's fields are closed (the server
+# refuses unknown ones), its metrics are not.
+RESETS_METRIC = "grads_reset_between_backwards"
+
 
 class NormStats(NamedTuple):
     """A norm weight's numbers after the optimizer step."""
@@ -133,6 +137,10 @@ class PendingStep:
     graph_cuts: List[wire.GraphCut] = field(default_factory=list)
     carried: Optional[bool] = None
     carried_at: Optional[int] = None
+    # Several backward passes in this optimizer step: of the later ones, how many found
+    # the gradient reset (host count, plus a device count of zeroed ones).
+    resets: Optional[int] = None
+    resets_at: Optional[int] = None
     input_at: Optional[int] = None
     updates: Optional[UpdatesAt] = None
     metrics: Dict[str, Any] = field(default_factory=dict)
@@ -177,6 +185,11 @@ class PendingStep:
             rec["params"] = params
         if self.scaler_at is not None:
             rec["scaler"] = _scaler(read(ScalerNumbers, v, self.scaler_at))
+        if self.resets is not None:
+            resets = float(self.resets)
+            if self.resets_at is not None:
+                resets += v[self.resets_at]
+            self.metrics.setdefault(RESETS_METRIC, resets)
         if self.metrics:
             rec["metrics"] = _metrics(self.metrics)
         if self.amend:

@@ -108,6 +108,35 @@ class Registry:
                 )
             )
         self.params = params
+        self._structure = self._read_structure()
+
+    def _read_structure(self) -> Optional[List[Tuple[nn.Module, Dict[str, Any], Tuple[int, ...]]]]:
+        """Each module of the model, its children and the identity of its own
+        parameters, as registered: what :meth:`replaced` compares with. None for a
+        model with sharded (DTensor) parameters, whose modules swap their parameters
+        between the sharded and the gathered tensor on their own."""
+        if any(_torch_compat.is_dtensor(p.tensor) for p in self.params):
+            return None
+        return [
+            (m, dict(m._modules), tuple(id(t) for t in m._parameters.values()))
+            for m in self.model.modules()
+        ]
+
+    def replaced(self) -> bool:
+        """Whether a parameter name now resolves to another tensor than the one
+        registered: a parameter or module replaced, added or removed since (a
+        ``resize_token_embeddings``, a layer swapped for a new one). Host-side identity
+        checks only, one per module and parameter: a few hundred microseconds for an
+        80-layer model, called at most twice a step."""
+        structure = self._structure
+        if structure is None:
+            return False
+        for module, children, own in structure:
+            if module._modules != children:
+                return True
+            if tuple(id(t) for t in module._parameters.values()) != own:
+                return True
+        return False
 
     def _membership(self) -> Dict[int, int]:
         """id(parameter) -> index of the optimizer's parameter group holding it."""
@@ -252,10 +281,15 @@ class Registry:
         Checked every step through a signature of the parameters' requires_grad and
         dtype and the optimizer's group count; only a change rebuilds the specs.
         """
+        replaced = self.replaced()
+        if replaced:
+            # A parameter was replaced by a new tensor (or added, or removed): the hooks
+            # and measurements move to the tensors the model uses now.
+            self._rescan()
         signature = self._live_signature()
-        if signature == self._signature:
+        if signature == self._signature and not replaced:
             return None
-        if signature[2:] != self._signature[2:]:
+        if signature[2:] != self._signature[2:] and not replaced:
             # The optimizer changed (add_param_group): the model may have new parameters.
             self._rescan()
             signature = self._live_signature()
@@ -268,6 +302,18 @@ class Registry:
             if self._sent_specs.get(p.name) != spec:
                 changed.append(spec)
                 self._sent_specs[p.name] = spec
+        live = {p.name for p in self.params}
+        for name, sent in list(self._sent_specs.items()):
+            if name in live:
+                continue
+            # It left the model: the protocol keeps it, frozen and outside the optimizer.
+            gone = dict(sent, requires_grad=False)
+            if self.optimizer is not None:
+                gone["in_optimizer"] = False
+                gone.pop("param_group", None)
+            if gone != sent:
+                changed.append(gone)
+                self._sent_specs[name] = gone
         groups = []
         for i, g in enumerate(self._param_groups()):
             without_lr = param_group_spec(i, g, with_lr=False)
