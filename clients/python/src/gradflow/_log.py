@@ -14,9 +14,10 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from typing import Any, Callable, Optional, TypeVar
 
-from .errors import TrainingAlert
+from .errors import GradflowWarning, TrainingAlert
 
 logger = logging.getLogger("gradflow")
 # Alerts the server opened: shown whatever the warning filters say (see `show_alert`).
@@ -71,6 +72,17 @@ def user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+def notice(message: str) -> None:
+    """Something the client itself saw go wrong in the training loop, said once by the
+    caller: a :class:`~gradflow.errors.GradflowWarning` at the user's line and the
+    alerts' log line (which warning filters do not silence)."""
+    try:
+        show_alert(logging.WARNING, message)
+        warnings.warn(message, GradflowWarning, stacklevel=user_stacklevel())
+    except Exception as exc:  # warnings turned into errors must not stop training
+        swallow("showing a notice", exc)
 
 
 def swallow(where: str, exc: BaseException) -> None:

@@ -12,6 +12,11 @@ trainable parameters look at the first module of each group to run in a step:
   with gradients (a ``.detach()``, a tensor rebuilt with ``torch.tensor(x.tolist())``,
   a cached value).
 
+A ``no_grad`` cut inside a reentrant activation checkpoint whose inputs do not require
+grad (adapters on a frozen base, without ``enable_input_require_grads()``) is also said
+at once on the client, naming the checkpoint and the fix: backward will never enter
+the block.
+
 Each cut is recorded with the user's call site (the first frame outside torch,
 transformers, accelerate, the standard library, installed packages and gradflow,
 then its callers) once per module per episode: again only after the module has run
@@ -28,13 +33,13 @@ import os
 import sys
 import sysconfig
 from types import FrameType
-from typing import Any, Dict, List, Optional, Set, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import nn
 
 from . import wire
-from ._log import guarded
+from ._log import guarded, notice
 from .hooks import float_inputs
 from .registration import Registry
 
@@ -103,6 +108,9 @@ class CutTracer:
         self._pending: List[Dict[str, Any]] = []
         # Episodes reported and still going: (module, kind) -> the module's group.
         self._active: Dict[Tuple[str, str], str] = {}
+        # Says what the client saw (set to a no-op when alerts are not shown).
+        self.notify: Callable[[str], None] = notice
+        self._told_reentrant = False
         self._reset_step()
         self.rebuild()
 
@@ -171,6 +179,11 @@ class CutTracer:
         if key in self._active:
             return  # this episode was reported already
         self._active[key] = group
+        if kind == "no_grad" and not self._told_reentrant:
+            starved = reentrant_checkpoint_without_input_grad()
+            if starved is not None:
+                self._told_reentrant = True
+                self.notify(_reentrant_message(module, starved))
         cut: Dict[str, Any] = {"module": module, "kind": kind, "group": group}
         if upstream is not None:
             cut["upstream"] = upstream
@@ -191,3 +204,52 @@ class CutTracer:
         self._reset_step()
         pending, self._pending = self._pending, []
         return cast(List[wire.GraphCut], pending)
+
+
+def _torch_root() -> str:
+    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def reentrant_checkpoint_without_input_grad() -> Optional[str]:
+    """When the forward now running is inside a reentrant activation checkpoint
+    (``torch.utils.checkpoint(..., use_reentrant=True)``, which runs the block under
+    ``no_grad`` and lets backward in only through inputs that require grad) and none of
+    the checkpoint's tensor inputs requires grad: where ``checkpoint(...)`` was called
+    (``file:line``, the first frame outside torch), else None. A reentrant checkpoint
+    whose input requires grad is healthy (backward recomputes the block)."""
+    torch_root = _torch_root()
+    frame: Optional[FrameType] = sys._getframe(1)
+    inside = None
+    while frame is not None:
+        code = frame.f_code
+        if (
+            code.co_name == "forward"
+            and "run_function" in code.co_varnames
+            and os.path.basename(code.co_filename) == "checkpoint.py"
+        ):
+            inside = frame
+            break
+        frame = frame.f_back
+    if inside is None:
+        return None
+    inputs = inside.f_locals.get("args", ())
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if any(t.requires_grad for t in tensors):
+        return None
+    caller = inside.f_back
+    while caller is not None and os.path.abspath(caller.f_code.co_filename).startswith(torch_root):
+        caller = caller.f_back
+    if caller is None:
+        return "an unknown place"
+    return f"{_shown(caller.f_code.co_filename)}:{caller.f_lineno}"
+
+
+def _reentrant_message(module: str, where: str) -> str:
+    return (
+        f"{module} runs inside a reentrant activation checkpoint (torch.utils.checkpoint with "
+        f"use_reentrant=True, called from {where}) whose inputs do not require grad: backward "
+        "never enters the checkpointed block, so its trainable parameters (adapters on a frozen "
+        "base) get no gradient. Call model.enable_input_require_grads() before training, or "
+        "checkpoint with use_reentrant=False (gradient_checkpointing_enable("
+        'gradient_checkpointing_kwargs={"use_reentrant": False})).'
+    )

@@ -55,6 +55,11 @@ class Instruments:
         self._handles: List[Any] = []
         self.scaler: Optional[ScalerTap] = None
 
+    def quiet(self) -> None:
+        """What the client sees go wrong itself is not said (``on_alert=None``, or a
+        rank other than the one that shows the run's alerts)."""
+        self.tracer.notify = _silent
+
     # -- attaching ---------------------------------------------------------------
 
     def attach(self, optimizer: Any, scaler: Any) -> None:
@@ -194,3 +199,7 @@ class Instruments:
             # what a v1.3 server accepts.
             pending.rank = self.rank
         return pending
+
+
+def _silent(_message: str) -> None:
+    return None

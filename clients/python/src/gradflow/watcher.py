@@ -116,6 +116,8 @@ class Watcher:
         )
         # In a multi-rank run only rank 0 reads and shows the run's alerts.
         lead = self.rank in (None, 0)
+        if options.on_alert is None or not lead:
+            self.instruments.quiet()
         self.delivery = Delivery(
             options,
             run_id,

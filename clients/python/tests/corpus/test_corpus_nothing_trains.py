@@ -4,6 +4,7 @@ checkpointing over frozen inputs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from corpus_support import (
     STEPS,
@@ -19,6 +20,8 @@ from corpus_support import (
     train_step,
     verdict,
 )
+
+import gradflow
 
 
 def frozen_adapter_model():
@@ -143,7 +146,12 @@ def test_reentrant_checkpointing_over_a_frozen_base_starves_lora(gradflow_server
     checkpoint_layers(model, reentrant=True)
     optimizer = torch.optim.AdamW(adapters + list(model.lm_head.parameters()), lr=1e-3)
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, train_step(model, optimizer))
+    # The client says it at once, naming the checkpoint and the fix.
+    with pytest.warns(gradflow.GradflowWarning, match="reentrant activation checkpoint") as seen:
+        run_id = quickstart(model, optimizer, train_step(model, optimizer))
+    (notice,) = [w for w in seen if "reentrant" in str(w.message)]
+    assert "enable_input_require_grads()" in str(notice.message)
+    assert "use_reentrant=False" in str(notice.message)
     changed = moved(before, model)
     assert not [n for n in changed if "lora_" in n] and "lm_head.weight" in changed
     verdict(
