@@ -310,6 +310,40 @@ def test_an_fp16_overflow_from_the_inputs_names_the_batch(gradflow_server):
     assert "the batch is the likely cause" in alert["detail"]
 
 
+class EncoderHead(nn.Module):
+    """Two groups the loop calls itself, never through a forward of the whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+
+def test_an_fp16_overflow_from_the_inputs_of_a_loop_calling_submodules(gradflow_server):
+    """The loop calls model.encoder(x) and model.head(h), never model(x): the batch
+    is measured at the groups' roots (the head's input, an activation, is not)."""
+    model = EncoderHead()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    gf = watch(
+        gradflow_server, model, optimizer, scaler=scaler, detectors={"overflow_streak_steps": 6}
+    )
+    for _ in range(8):
+        x = torch.randn(8, 16) * 3e5  # past fp16's 65504
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model.head(model.encoder(x)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        gf.step(loss=loss)
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "scaler_overflow_streak")
+    assert alert["evidence"]["cause"] == "input_overflow", alert
+    assert alert["evidence"]["input_absmax"] > 65504
+
+
 def test_the_first_steps_already_hint_at_a_cut_encoder(gradflow_server):
     """Long before the 50-step verdict, the second step says what the first showed."""
     model = PromptAgent(detach_prompt=True)

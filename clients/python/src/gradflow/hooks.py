@@ -5,12 +5,14 @@ its parameters: a host counter, no tensor work, and training stays bit-identical
 (module full-backward hooks would change its numerics). The same hook can queue a
 callback for the end of the backward pass (:meth:`ModelHooks.arm_backward_end`).
 A read-only forward pre-hook on the model keeps the step's largest input magnitude
-on the device, and a tensor hook on one parameter looks, just before the first
-backward after an optimizer step, whether its gradient still holds values (nothing
-zeroed it: ``grads_carried_over``), and before each later backward of the same step
-whether the gradient the earlier ones accumulated is gone (reset between the
-micro-batches of one step: ``grads_reset_between_backwards``). Every hook is removed
-by :meth:`ModelHooks.remove`.
+on the device (or, in a loop that calls the groups' root modules itself and never the
+model, on each group root: its inputs without autograd history), and a tensor hook
+on one parameter looks, just before the first backward after an optimizer step,
+whether its gradient still holds values (nothing zeroed it: ``grads_carried_over``),
+and before each later backward of the same step whether the gradient the earlier
+ones accumulated is gone (reset between the micro-batches of one step:
+``grads_reset_between_backwards``). Every hook is removed by
+:meth:`ModelHooks.remove`.
 """
 
 from __future__ import annotations
@@ -54,9 +56,18 @@ class ModelHooks:
         # The largest |value| of the floating-point inputs of the watched model's
         # forward passes this step (a device scalar).
         self.input_absmax: Optional[torch.Tensor] = None
+        # Forward passes of the watched model with gradients enabled, since watch.
+        self.forwards = 0
         self._input_hook: Any = registry.model.register_forward_pre_hook(
             self._on_model_input, with_kwargs=True
         )
+        # Whether the model's own forward, or else a group's root, ran this step.
+        self._root_ran = False
+        self._group_ran = False
+        self._group_hooks = [
+            module.register_forward_pre_hook(self._on_group_input, with_kwargs=True)
+            for module in _group_roots(registry)
+        ]
 
     def rebuild(self) -> None:
         """After registration or an amendment: hooks on parameters that have none, and
@@ -113,24 +124,46 @@ class ModelHooks:
         if self._input_hook is not None:
             self._input_hook.remove()
             self._input_hook = None
+        for handle in self._group_hooks:
+            handle.remove()
+        self._group_hooks = []
 
     def _on_model_input(self, _module: Any, args: Any, kwargs: Any) -> None:
         """The step's largest input magnitude, on the device (a NaN propagates)."""
         try:
             if not torch.is_grad_enabled():
                 return  # evaluation: not the batch the optimizer steps on
+            self._root_ran = True
+            self.forwards += 1
             if self.clock is not None:
                 self.clock.on_forward()
-            peaks = [
-                t.detach().abs().amax().float() for t in float_inputs(args, kwargs) if t.numel() > 0
-            ]
-            if not peaks:
-                return
-            peak = torch.stack([p.to(peaks[0].device) for p in peaks]).amax()
-            previous = self.input_absmax
-            self.input_absmax = peak if previous is None else torch.maximum(previous, peak)
+            self._keep_peak(float_inputs(args, kwargs))
         except Exception:  # never break the forward pass
             self.input_absmax = None
+
+    def _on_group_input(self, _module: Any, args: Any, kwargs: Any) -> None:
+        """A group's root called by the loop itself (``model.encode(...)``,
+        ``model.agent(...)``, never ``model(...)``): its inputs that come from outside
+        the model (no autograd history: the batch, not another group's activations)."""
+        try:
+            if self._root_ran or not torch.is_grad_enabled():
+                return
+            if not self._group_ran:
+                self._group_ran = True
+                self.forwards += 1
+                if self.clock is not None:
+                    self.clock.on_forward()
+            self._keep_peak([t for t in float_inputs(args, kwargs) if t.grad_fn is None])
+        except Exception:  # never break the forward pass
+            self.input_absmax = None
+
+    def _keep_peak(self, tensors: List[torch.Tensor]) -> None:
+        peaks = [t.detach().abs().amax().float() for t in tensors if t.numel() > 0]
+        if not peaks:
+            return
+        peak = torch.stack([p.to(peaks[0].device) for p in peaks]).amax()
+        previous = self.input_absmax
+        self.input_absmax = peak if previous is None else torch.maximum(previous, peak)
 
     def arm_carry_probe(self) -> None:
         """After an optimizer step: look at one parameter's gradient just before the
@@ -207,6 +240,8 @@ class ModelHooks:
         self.resets_zeroed = None
         self.step_backwards = 0
         self.input_absmax = None
+        self._root_ran = False
+        self._group_ran = False
         self._hits.clear()
         self._fresh.clear()
 
@@ -224,6 +259,17 @@ class ModelHooks:
                 continue
             hits[m] = max(seen, self._hits.get(key, 0))
         return hits
+
+
+def _group_roots(registry: Registry) -> List[torch.nn.Module]:
+    """The modules named by the registry's groups, other than the model itself."""
+    modules = dict(registry.model.named_modules())
+    roots = []
+    for group in registry.groups():
+        module = modules.get(group)
+        if module is not None and module is not registry.model and module not in roots:
+            roots.append(module)
+    return roots
 
 
 def float_inputs(args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:

@@ -18,6 +18,7 @@ from . import wire
 from ._log import guarded
 from .cuts import CutTracer
 from .hooks import ModelHooks
+from .loopshape import LoopShape
 from .measure import Measurer
 from .record import PendingStep
 from .registration import Registry
@@ -54,11 +55,18 @@ class Instruments:
         self._pending_amend: Optional[wire.Amendment] = None
         self._handles: List[Any] = []
         self.scaler: Optional[ScalerTap] = None
+        self.shape = LoopShape(self.tracer.notify)
+        # Since the last gf.step: optimizer steps taken, scaler updates, and the
+        # forward count at the last optimizer step.
+        self._steps_since = 0
+        self._updates_seen = 0
+        self._forwards_at_step = 0
 
     def quiet(self) -> None:
         """What the client sees go wrong itself is not said (``on_alert=None``, or a
         rank other than the one that shows the run's alerts)."""
         self.tracer.notify = _silent
+        self.shape.notify = _silent
 
     # -- attaching ---------------------------------------------------------------
 
@@ -127,6 +135,8 @@ class Instruments:
     def _post_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self.hooks.clock is not None:
             self.hooks.clock.on_optimizer_step()
+        self._steps_since += 1
+        self._forwards_at_step = self.hooks.forwards
         if self.reporting():
             self.measurer.after_step()
             self.updates.after_step()
@@ -151,6 +161,7 @@ class Instruments:
         """``gf.step``: this step's pending record when it is reported, else None;
         the step number moves on either way."""
         # This rank's own work on the step (a multi-rank run): what shows a straggler.
+        self._observe_shape()
         clock = self.hooks.clock
         step_span = clock.take() if clock is not None else None
         if step is not None:
@@ -174,6 +185,20 @@ class Instruments:
                 self.scaler.captured = None
         self.step += 1
         return pending
+
+    @guarded("checking where gf.step is called")
+    def _observe_shape(self) -> None:
+        if not self._handles:
+            return  # no optimizer hooks: optimizer steps are not seen
+        steps = self._steps_since
+        if self.scaler is not None:
+            updates = self.scaler.updates - self._updates_seen
+            self._updates_seen = self.scaler.updates
+            if updates > steps:  # steps the scaler skipped: not compared with forwards
+                self._forwards_at_step = self.hooks.forwards
+                steps = updates
+        self._steps_since = 0
+        self.shape.observe(steps, steps > 0 and self.hooks.forwards > self._forwards_at_step)
 
     def unreported(self) -> Optional[PendingStep]:
         """A step that never reached ``gf.step`` (training died inside it: the

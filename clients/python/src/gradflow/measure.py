@@ -29,6 +29,7 @@ from . import _torch_compat, intended, wire
 from .hooks import ModelHooks
 from .ranks import StepClock, local
 from .record import (
+    TRAINING_METRIC,
     Intended,
     ModuleAt,
     NormAt,
@@ -300,6 +301,9 @@ class Measurer:
         )
         if metrics:
             pending.metrics.update(metrics)
+        # Whether the model was in training mode at gf.step (dropout on): a model left
+        # in eval() after an evaluation trains without it. 1 or 0.
+        pending.metrics.setdefault(TRAINING_METRIC, 1.0 if self.registry.model.training else 0.0)
         pieces: List[torch.Tensor] = []
         slots = Slots()
 

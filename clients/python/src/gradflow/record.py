@@ -20,6 +20,7 @@ from . import encode, wire
 # Metrics the client adds itself: the step record's fields are closed (the server
 # refuses unknown ones), its metrics are not.
 RESETS_METRIC = "grads_reset_between_backwards"
+TRAINING_METRIC = "model_training"
 
 
 class NormStats(NamedTuple):

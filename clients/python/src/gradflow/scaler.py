@@ -32,6 +32,8 @@ class ScalerTap:
         self._before_step = before_step
         self._wants_grads = wants_grads
         self.captured: Optional[torch.Tensor] = None
+        # scaler.update() calls: one per optimizer step, taken or skipped.
+        self.updates = 0
         self._original_step = scaler.step
         self._original_update = scaler.update
         self._original_unscale = scaler.unscale_
@@ -47,6 +49,7 @@ class ScalerTap:
             return tap._original_step(optimizer, *args, **kwargs)
 
         def update(*args: Any, **kwargs: Any) -> Any:
+            tap.updates += 1
             tap._on_update()
             return tap._original_update(*args, **kwargs)
 
