@@ -29,8 +29,8 @@ class DropoutNet(nn.Module):
 
 
 @not_caught(
-    "missed: dropout off changes no gradient flow signal; the client does not "
-    "report the model's training flag",
+    "missed: dropout off changes no gradient flow signal; the client sends the "
+    "model's training flag (metric model_training), no detector reads it yet",
 )
 def test_model_left_in_eval_mode_after_evaluation(gradflow_server, gradflow_env):
     """`evaluate()` calls `model.eval()` and training never calls `model.train()`
