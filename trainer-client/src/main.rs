@@ -48,11 +48,12 @@ fn main() -> ExitCode {
                 }
                 Some(s) => {
                     eprintln!(
-                        "gradflow-trainer: delivered {} steps; NOT delivered: {} still spooled, {} dropped, {} rejected{}",
+                        "gradflow-trainer: delivered {} steps; NOT delivered: {} still spooled, {} dropped, {} rejected, {} refused as late{}",
                         s.delivered,
                         s.undelivered,
                         s.dropped,
                         s.rejected,
+                        s.late,
                         s.registration_error
                             .map(|e| format!("; registration failed: {e}"))
                             .unwrap_or_default()

@@ -80,6 +80,7 @@ pub fn prepare(
         return Ok(Err(IngestOutcome {
             accepted: 0,
             duplicates: duplicates.len(),
+            late: 0,
             last_step: last_stored,
             values: 0,
         }));
@@ -143,6 +144,7 @@ pub fn prepare(
     let outcome = IngestOutcome {
         accepted: new.len(),
         duplicates: duplicates.len(),
+        late: 0,
         last_step: Some(last),
         values: rows
             .iter()

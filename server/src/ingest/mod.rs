@@ -45,7 +45,8 @@ use self::state::{Episode, RunState};
 use crate::events::EventBus;
 use crate::store::notify::Notice;
 use crate::store::{
-    AlertRef, NewRun, Registered, Store, StoreError, StoreResult, StoredRun, now_seconds,
+    AlertRef, NewRun, RUN_STREAM, Registered, Store, StoreError, StoreResult, StoredRun,
+    now_seconds, rank_stream,
 };
 use gradflow_core::detect::{Detection, registration};
 
@@ -54,14 +55,24 @@ use gradflow_core::detect::{Detection, registration};
 pub struct IngestOutcome {
     /// Records stored by this request.
     pub accepted: usize,
-    /// Records whose step was not after the run's last stored step: ignored.
+    /// Records whose step is already stored: ignored, as a resend after a timeout.
     pub duplicates: usize,
+    /// *(v1.5)* Records whose step is below the run's (or the rank's) last stored step
+    /// but was never stored: refused, not stored. Sent only when some were. Another
+    /// writer moved the run past them (two clients, or a resend racing a batch still
+    /// in flight): what a client should say, since these steps are lost.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub late: usize,
     /// The run's last stored step after this request.
     pub last_step: Option<u64>,
     /// Values stored by this request (for the server's own metrics; not in the
     /// response).
     #[serde(skip)]
     pub values: usize,
+}
+
+fn is_zero(count: &usize) -> bool {
+    *count == 0
 }
 
 /// Completes timed-out steps of multi-rank runs (see
@@ -260,6 +271,24 @@ impl Ingest {
                     })?
                 }
             };
+            // Records at or below their stream's last stored step are not new; which
+            // of them are stored (duplicates) and which never were (late) only the
+            // stored blocks can say.
+            let behind = behind_stored(&state, records);
+            let late = if behind.is_empty() {
+                0
+            } else {
+                let stored = self.store.stored_steps(state.head.key, &behind).await?;
+                stored.iter().filter(|present| !**present).count()
+            };
+            let settle_late = |mut outcome: IngestOutcome| {
+                if late > 0 {
+                    tracing::warn!(run_id = %run_id, late, "steps below the run's last stored step that were never stored: refused as late");
+                }
+                outcome.duplicates -= late;
+                outcome.late = late;
+                outcome
+            };
             let clock = Clock {
                 now: now_seconds(),
                 rank_timeout: self.settings.rank_timeout.as_secs_f64(),
@@ -274,7 +303,7 @@ impl Ingest {
                     Ok(prepared) => prepared,
                     Err((duplicates, state)) => {
                         *cached = Some(state);
-                        return Ok(duplicates);
+                        return Ok(settle_late(duplicates));
                     }
                 }
             } else {
@@ -284,7 +313,7 @@ impl Ingest {
                     Ok(Ok(prepared)) => prepared,
                     Ok(Err(duplicates)) => {
                         *cached = Some(state);
-                        return Ok(duplicates);
+                        return Ok(settle_late(duplicates));
                     }
                     Err(error) => {
                         // The batch was wrong, not the state.
@@ -308,11 +337,33 @@ impl Ingest {
             self.events
                 .committed(Notice::of_batch(&prepared.write, &written))
                 .await;
-            return Ok(prepared.outcome);
+            return Ok(settle_late(prepared.outcome));
         }
         Err(StoreError::Unavailable(format!(
             "run {run_id} kept moving on under this batch ({ATTEMPTS} attempts): another \
              writer is storing the same steps; retry"
         )))
     }
+}
+
+/// The records of a batch that are not after their stream's last stored step (the
+/// run's stream, or each rank's in a multi-rank run), as (stream, step): ingest
+/// counts them as duplicates, or as late where the stored blocks lack their step.
+fn behind_stored(state: &RunState, records: &[StepRecord]) -> Vec<(u32, u64)> {
+    records
+        .iter()
+        .filter_map(|record| {
+            let (stream, last) = if state.world_size > 1 {
+                let stream = rank_stream(record.rank?);
+                (
+                    stream,
+                    state.streams.get(&stream).map(|tail| tail.last_step),
+                )
+            } else {
+                (RUN_STREAM, state.last_step)
+            };
+            last.is_some_and(|last| record.step <= last)
+                .then_some((stream, record.step))
+        })
+        .collect()
 }

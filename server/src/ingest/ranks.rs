@@ -203,6 +203,7 @@ pub fn prepare_ranks(
         let outcome = IngestOutcome {
             accepted: 0,
             duplicates,
+            late: 0,
             last_step: next.last_step,
             values: 0,
         };
@@ -273,6 +274,7 @@ pub fn prepare_ranks(
     let outcome = IngestOutcome {
         accepted,
         duplicates,
+        late: 0,
         last_step,
         values,
     };

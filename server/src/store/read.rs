@@ -303,6 +303,41 @@ impl Store {
         Ok((rows > max_points as u64).then_some(max_points))
     }
 
+    /// Whether each (stream, step) of the run stored under `key` is stored: the
+    /// presence masks of the blocks that hold them. Read outside any batch's
+    /// transaction: a step once stored stays stored, so a committed answer is final.
+    pub async fn stored_steps(&self, key: i64, wanted: &[(u32, u64)]) -> StoreResult<Vec<bool>> {
+        let blocks = wanted.iter().map(|(_, step)| block::block_index(*step));
+        let (Some(from), Some(to)) = (blocks.clone().min(), blocks.max()) else {
+            return Ok(Vec::new());
+        };
+        let rows: Vec<(i64, i64, i64)> = with_reader!(self, |pool| {
+            sqlx::query_as(
+                "SELECT stream, block, mask FROM blocks WHERE run = $1 AND block >= $2 \
+                 AND block <= $3",
+            )
+            .bind(key)
+            .bind(from as i64)
+            .bind(to as i64)
+            .fetch_all(pool)
+            .await?
+        });
+        let masks: HashMap<(u32, u64), u64> = rows
+            .into_iter()
+            .map(|(stream, index, mask)| ((stream as u32, index as u64), mask as u64))
+            .collect();
+        Ok(wanted
+            .iter()
+            .map(|(stream, step)| {
+                let index = block::block_index(*step);
+                let bit = step - block::first_step(index);
+                masks
+                    .get(&(*stream, index))
+                    .is_some_and(|mask| mask & (1 << bit) != 0)
+            })
+            .collect())
+    }
+
     /// Each rank's last stored step of a multi-rank run, by rank (ranks that have
     /// sent nothing are absent).
     pub async fn rank_progress(&self, run_id: &RunId) -> StoreResult<Vec<(u32, u64)>> {

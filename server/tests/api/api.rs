@@ -200,6 +200,49 @@ async fn resent_batches_are_counted_as_duplicates_and_stored_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_below_the_last_stored_that_were_never_stored_are_refused_as_late() {
+    // Two writers of one run, interleaved: the second moved the run past steps the
+    // first had not sent yet. Those are refused and counted apart from duplicates.
+    let app = TestApp::spawn().await;
+    app.register("r1", &registration()).await;
+    assert_eq!(app.post_steps("r1", &steps(0..5)).await.status(), 200);
+    assert_eq!(app.post_steps("r1", &steps(10..15)).await.status(), 200);
+
+    let late = app.post_steps("r1", &steps(5..10)).await;
+    assert_eq!(late.status(), 200);
+    assert_eq!(
+        late.json::<Value>().await.unwrap(),
+        json!({"accepted": 0, "duplicates": 0, "late": 5, "last_step": 14})
+    );
+    // Stored steps sent again stay plain duplicates (no `late` field), a mixed batch
+    // is split between the two, and the new part of an overlapping batch is stored.
+    let resent = app.post_steps("r1", &steps(0..5)).await;
+    assert_eq!(
+        resent.json::<Value>().await.unwrap(),
+        json!({"accepted": 0, "duplicates": 5, "last_step": 14})
+    );
+    let mixed = app
+        .post_steps(
+            "r1",
+            &json!([step(3), step(8), step(12), step(70), step(71)]),
+        )
+        .await;
+    assert_eq!(
+        mixed.json::<Value>().await.unwrap(),
+        json!({"accepted": 2, "duplicates": 2, "late": 1, "last_step": 71})
+    );
+    // Nothing late was stored: the series holds exactly what was acknowledged.
+    let stored: Vec<u64> = app
+        .points("r1", "metric=loss")
+        .await
+        .iter()
+        .map(|p| p.0)
+        .collect();
+    let expected: Vec<u64> = (0..5).chain(10..15).chain([70, 71]).collect();
+    assert_eq!(stored, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_with_one_bad_record_is_rejected_whole() {
     let app = TestApp::spawn().await;
     app.register("r1", &registration()).await;

@@ -207,6 +207,8 @@ async fn register(client: &reqwest::Client, server: &ServerProcess, run: &str) -
 struct Acknowledged {
     accepted: u64,
     duplicates: u64,
+    /// Steps refused as late (below the run's last stored step, never stored).
+    late: u64,
     last_step: u64,
 }
 
@@ -229,6 +231,7 @@ async fn send_batch(
                 return Acknowledged {
                     accepted: body["accepted"].as_u64().unwrap(),
                     duplicates: body["duplicates"].as_u64().unwrap(),
+                    late: body["late"].as_u64().unwrap_or(0),
                     last_step: body["last_step"].as_u64().unwrap(),
                 };
             }
@@ -486,6 +489,65 @@ impl EventStream {
             self.buffer.extend_from_slice(&chunk);
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_writers_through_two_replicas_get_no_acknowledgement_for_a_step_not_stored() {
+    let Some(postgres) = shared_postgres() else {
+        return;
+    };
+    let (a, b, client) = two_ready_replicas(&postgres).await;
+    register(&client, &a, "two-writers").await;
+    // Two writers of one run, each with its own replica: the even batches of ten
+    // steps through A, the odd ones through B, at once. Whichever gets ahead moves
+    // the run past the other's next batch.
+    let records = records();
+    let (raced, last) = records.split_at(records.len() - 20);
+    let batches: Vec<Vec<Value>> = raced.chunks(10).map(<[Value]>::to_vec).collect();
+    let (mut even, odd) = tokio::join!(
+        write_every_other(&client, &a, &batches, 0),
+        write_every_other(&client, &b, &batches, 1)
+    );
+    // And once for certain: B's batch arrives after A stored the steps past it.
+    let ahead = send_batch(&client, &a, "two-writers", &last[10..]).await;
+    let behind = send_batch(&client, &b, "two-writers", &last[..10]).await;
+    assert_eq!((ahead.accepted, ahead.late), (10, 0), "{ahead:?}");
+    assert_eq!((behind.accepted, behind.late), (0, 10), "{behind:?}");
+    even.accepted += ahead.accepted;
+    even.late += behind.late;
+    let sent = records.len() as u64;
+    // Every step sent is either stored or refused as late: none is a duplicate (no
+    // step was sent twice), and none is acknowledged without being stored.
+    assert_eq!(even.duplicates + odd.duplicates, 0, "{even:?} {odd:?}");
+    assert_eq!(
+        even.accepted + odd.accepted + even.late + odd.late,
+        sent,
+        "{even:?} {odd:?}"
+    );
+    let info = get_json(&client, &b, "/api/v1/runs/two-writers").await;
+    assert_eq!(
+        info["step_count"].as_u64(),
+        Some(even.accepted + odd.accepted),
+        "{info}"
+    );
+}
+
+/// Sends every other batch of `batches` (from the `parity`-th) to `server`, in order:
+/// one writer of two.
+async fn write_every_other(
+    client: &reqwest::Client,
+    server: &ServerProcess,
+    batches: &[Vec<Value>],
+    parity: usize,
+) -> Acknowledged {
+    let mut total = Acknowledged::default();
+    for batch in batches.iter().skip(parity).step_by(2) {
+        let answer = send_batch(client, server, "two-writers", batch).await;
+        total.accepted += answer.accepted;
+        total.duplicates += answer.duplicates;
+        total.late += answer.late;
+    }
+    total
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -75,6 +75,9 @@ pub struct Summary {
     pub delivered: u64,
     /// Records the server already had (resends).
     pub duplicates: u64,
+    /// Records the server refused as late: below the run's last stored step, never
+    /// stored (another writer moved the run past them). Lost.
+    pub late: u64,
     /// Records the server rejected as invalid (a bug in the client; logged).
     pub rejected: u64,
     /// Records still in the spool when the deadline passed.
@@ -92,6 +95,7 @@ impl Summary {
     pub fn complete(&self) -> bool {
         self.undelivered == 0
             && self.dropped == 0
+            && self.late == 0
             && self.rejected == 0
             && self.registration_error.is_none()
     }
@@ -600,6 +604,16 @@ impl Worker {
                     let outcome: serde_json::Value = r.json().unwrap_or_default();
                     self.summary.delivered += outcome["accepted"].as_u64().unwrap_or(0);
                     self.summary.duplicates += outcome["duplicates"].as_u64().unwrap_or(0);
+                    let late = outcome["late"].as_u64().unwrap_or(0);
+                    if late > 0 && self.summary.late == 0 {
+                        // Once a run: the count is in the summary at exit.
+                        tracing::warn!(
+                            late,
+                            "the server refused steps as late: another writer of this run \
+                             moved it past them, so they are not stored"
+                        );
+                    }
+                    self.summary.late += late;
                     return Ok(());
                 }
                 Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {

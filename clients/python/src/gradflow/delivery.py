@@ -112,7 +112,7 @@ def describe(summary: DeliverySummary, servers: List[str]) -> Optional[str]:
     s = summary
     where = ", ".join(f"{n} to {url}" for url, n in s.delivered_to.items())
     where = where or f"none to {', '.join(servers)}"
-    if s.pending or s.dropped or s.rejected or s.broken:
+    if s.pending or s.dropped or s.rejected or s.late or s.broken:
         parts = []
         if s.pending:
             why = " because the server refused the ingest token" if s.token_refused else ""
@@ -125,6 +125,8 @@ def describe(summary: DeliverySummary, servers: List[str]) -> Optional[str]:
             parts.append(f"{s.dropped} dropped (queue or spool full)")
         if s.rejected:
             parts.append(f"{s.rejected} refused by the server")
+        if s.late:
+            parts.append(f"{s.late} refused as late (another writer moved the run past them)")
         return f"delivered {s.delivered} steps ({where}); NOT delivered: " + (
             ", ".join(parts) or str(s.broken)
         )

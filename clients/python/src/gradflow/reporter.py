@@ -60,6 +60,7 @@ class DeliverySummary:
     spool_path: str
     token_refused: Optional[str] = None  # why the server refused the token
     switches: List[Tuple[str, str]] = field(default_factory=list)
+    late: int = 0  # refused as late: below the run's last stored step, never stored
 
 
 class Reporter:
@@ -102,6 +103,7 @@ class Reporter:
         self.switches: List[Tuple[str, str]] = []
         self._said: Set[Tuple[str, str]] = set()  # switches said since a server answered
         self.rejected = 0
+        self.late = 0
         self._retry_at = 0.0
         self._backoff = 0.5
         self._next_poll = 0.0
@@ -169,6 +171,7 @@ class Reporter:
             spool_path=self.spool.path,
             token_refused=self.token_refused,
             switches=list(self.switches),
+            late=self.late,
         )
 
     # -- reporter thread ---------------------------------------------------------
@@ -374,10 +377,17 @@ class Reporter:
                 swallow(f"the server refused step records ({err.code})", err)
                 return
         self._answered()
-        self.delivered += len(lines)
+        late = int(answer.get("late", 0) or 0)
+        if late and not self.late:
+            say(
+                f"the server refused {late} steps of run {self.run_id} as late: another writer "
+                "of this run moved it past them, so they are not stored (told once; the "
+                "count is in the summary at close)"
+            )
+        self.late += late
+        self.delivered += len(lines) - late
         server = self.client.server
-        self.delivered_to[server] = self.delivered_to.get(server, 0) + len(lines)
-        del answer
+        self.delivered_to[server] = self.delivered_to.get(server, 0) + len(lines) - late
 
     def _refuse_token(self, err: Refused) -> NoReturn:
         """The server refused the ingest token: from now on records are spooled."""
