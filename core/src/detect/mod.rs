@@ -17,6 +17,9 @@
 //! - [`loss_nonfinite`]: `loss_nonfinite`, a NaN or infinite loss.
 //! - [`loss_divergence`]: `loss_divergence`, the loss running away from its start.
 //! - [`grads_not_zeroed`]: `grads_not_zeroed`, gradients carried over optimizer steps.
+//! - [`accumulation_reset`]: `accumulation_reset`, gradients reset between the
+//!   backward passes of one optimizer step (only the last micro-batch counts).
+//! - [`eval_mode`]: `model_in_eval_mode`, a model left in eval mode mid-run.
 //! - [`first_step`]: `first_step_hint` (info), what the first step already shows.
 //! - [`update_rounded_away`]: `update_rounded_away`, a group's low-precision weights
 //!   whose every intended update rounds away.
@@ -32,8 +35,12 @@
 //! - [`context`]: what the detectors know of a run from its registration.
 //! - [`layers`]: stacks of numbered layers, named once at registration.
 //! - [`precision`]: floating-point spacing arithmetic (the bf16 ulp story).
+//! - [`episode`]: the streak that opens and resolves an episode.
 
+pub mod accumulation_reset;
 pub mod context;
+pub mod episode;
+pub mod eval_mode;
 pub mod explosion;
 pub mod first_step;
 pub mod frozen_norm;
@@ -65,6 +72,28 @@ mod amendment_tests {
     fn context(value: serde_json::Value) -> RunContext {
         let registration: RunRegistration = serde_json::from_value(value).unwrap();
         RunContext::new(&registration, Thresholds::default())
+    }
+
+    #[test]
+    fn a_parameter_the_optimizer_held_that_leaves_it_was_replaced() {
+        let before = context(serde_json::json!({"params": [
+            {"name": "model.embed_tokens.weight"}, {"name": "lm_head.weight"}
+        ]}));
+        let after = context(serde_json::json!({"params": [
+            {"name": "model.embed_tokens.weight"},
+            {"name": "lm_head.weight", "in_optimizer": false}
+        ]}));
+        let t = DetectorSet::default().on_amendment(&before, &after, 12);
+        let [Transition::Open(o)] = &t[..] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(
+            (o.kind, o.subject.as_str()),
+            (AlertKind::ParamNotInOptimizer, "lm_head")
+        );
+        assert_eq!(o.evidence["cause"], "replaced_after_optimizer");
+        assert!(o.title.contains("replaced"), "{}", o.title);
+        assert!(o.fix.contains("add_param_group"), "{}", o.fix);
     }
 
     #[test]
@@ -184,6 +213,8 @@ pub struct DetectorSet {
     pub unused: unused::UnusedParameters,
     pub loss_divergence: loss_divergence::LossDivergence,
     pub grads_not_zeroed: grads_not_zeroed::GradsNotZeroed,
+    pub accumulation_reset: accumulation_reset::AccumulationReset,
+    pub eval_mode: eval_mode::EvalMode,
     pub first_step: first_step::FirstStepHint,
     pub update_rounded_away: update_rounded_away::UpdateRoundedAway,
     pub ranks: ranks::RankDetectors,
@@ -199,6 +230,8 @@ impl DetectorSet {
             .on_step(context, record, &mut transitions);
         self.grad_nonfinite.on_step(&step, &mut transitions);
         self.grads_not_zeroed.on_step(record, &mut transitions);
+        self.accumulation_reset.on_step(record, &mut transitions);
+        self.eval_mode.on_step(record, &mut transitions);
         self.stuck_zero.on_step(&step, &mut transitions);
         self.frozen_norm.on_step(&step, &mut transitions);
         self.update_rounded_away.on_step(&step, &mut transitions);
@@ -230,6 +263,9 @@ impl DetectorSet {
             .into_iter()
             .filter(|a| !known.contains(&(a.kind, a.subject.clone())))
             .map(|mut alert| {
+                if alert.kind == AlertKind::ParamNotInOptimizer {
+                    registration::explain_replaced(&mut alert, before, step);
+                }
                 alert.first_step = Some(step);
                 alert.step = Some(step);
                 alert.detail = format!(

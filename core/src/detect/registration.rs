@@ -278,6 +278,42 @@ fn dtype_mismatch(context: &RunContext, out: &mut Vec<Opened>) {
     }
 }
 
+/// A `param_not_in_optimizer` opened by an amendment whose parameters the optimizer
+/// held before it: the names now resolve to other tensors (`resize_token_embeddings`
+/// after building the optimizer, a module swapped or re-created), and the optimizer
+/// still steps the old ones, which the model no longer uses. Says that instead of the
+/// generic text.
+pub fn explain_replaced(alert: &mut Opened, before: &RunContext, step: u64) {
+    let held: Vec<&str> = before
+        .registration
+        .params
+        .iter()
+        .filter(|p| p.requires_grad() && p.in_optimizer())
+        .map(|p| p.name.as_str())
+        .collect();
+    let names: Vec<&str> = alert.evidence["params"]
+        .as_array()
+        .map(|names| names.iter().filter_map(|n| n.as_str()).collect())
+        .unwrap_or_default();
+    if names.is_empty() || !names.iter().all(|name| held.contains(name)) {
+        return;
+    }
+    let subject = alert.subject.clone();
+    alert.title = format!("{subject} was replaced after the optimizer was built");
+    alert.detail = format!(
+        "At step {step} the names {} resolve to new tensors (a resize_token_embeddings, a \
+         module swapped or re-created after the optimizer was built). The model now uses \
+         the new tensors and they get gradients, but the optimizer still holds the old \
+         ones, which nothing uses any more: {subject} stops learning.",
+        name_list(&names, 3)
+    );
+    alert.fix = "Build the optimizer (and its learning-rate scheduler) after resizing or \
+                 replacing modules; if it must exist before, rebuild it afterwards or give \
+                 it the new parameters with optimizer.add_param_group."
+        .into();
+    alert.evidence["cause"] = json!("replaced_after_optimizer");
+}
+
 fn param_not_in_optimizer(context: &RunContext, out: &mut Vec<Opened>) {
     let missing = trainable(context).filter(|p| !p.in_optimizer());
     for (group, names) in by_group(missing) {

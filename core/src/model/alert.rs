@@ -30,10 +30,12 @@ pub enum AlertKind {
     ReplicaDivergence,
     ShardReportedAsGlobal,
     NothingTrains,
+    AccumulationReset,
+    ModelInEvalMode,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 22] = [
+    pub const ALL: [AlertKind; 24] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -56,6 +58,8 @@ impl AlertKind {
         AlertKind::ReplicaDivergence,
         AlertKind::ShardReportedAsGlobal,
         AlertKind::NothingTrains,
+        AlertKind::AccumulationReset,
+        AlertKind::ModelInEvalMode,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -82,6 +86,8 @@ impl AlertKind {
             AlertKind::ReplicaDivergence => "replica_divergence",
             AlertKind::ShardReportedAsGlobal => "shard_reported_as_global",
             AlertKind::NothingTrains => "nothing_trains",
+            AlertKind::AccumulationReset => "accumulation_reset",
+            AlertKind::ModelInEvalMode => "model_in_eval_mode",
         }
     }
 

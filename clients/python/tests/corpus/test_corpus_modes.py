@@ -28,10 +28,6 @@ class DropoutNet(nn.Module):
         return self.head(self.encoder(x))
 
 
-@not_caught(
-    "missed: dropout off changes no gradient flow signal; the client sends the "
-    "model's training flag (metric model_training), no detector reads it yet",
-)
 def test_model_left_in_eval_mode_after_evaluation(gradflow_server, gradflow_env):
     """`evaluate()` calls `model.eval()` and training never calls `model.train()`
     again: after the first evaluation, the rest of training runs without dropout.
@@ -57,7 +53,8 @@ def test_model_left_in_eval_mode_after_evaluation(gradflow_server, gradflow_env)
     )
     run_id = quickstart(model, optimizer, step)
     assert modes[:5] == [True] * 5 and not any(modes[5:])  # dropout off from step 5 on
-    verdict(gradflow_server, run_id)
+    alert = verdict(gradflow_server, run_id, "model_in_eval_mode", "model", "left_in_eval")
+    assert alert["first_step"] == 5 and "model.train()" in alert["fix"], alert
 
 
 class Encoder(nn.Module):

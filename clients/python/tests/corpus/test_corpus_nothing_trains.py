@@ -12,7 +12,6 @@ from corpus_support import (
     checkpoint_layers,
     lm_loss,
     moved,
-    not_caught,
     quickstart,
     snapshot,
     tiny_qwen,
@@ -70,10 +69,6 @@ def test_trainable_params_zero_with_an_optimizer_over_all_parameters(gradflow_se
     learns_nothing(gradflow_server, model, optimizer, "all_frozen")
 
 
-@not_caught(
-    "missed: the client counts the resets between micro-batches (metric "
-    "grads_reset_between_backwards), no detector reads it yet",
-)
 def test_zero_grad_inside_the_micro_batch_loop(gradflow_server, gradflow_env):
     """Gradient accumulation over 4 micro-batches with `zero_grad` called per micro-
     batch: every optimizer step sees only the last micro-batch's gradient.
@@ -100,7 +95,8 @@ def test_zero_grad_inside_the_micro_batch_loop(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, step, steps=12)
     # What the optimizer stepped on is the last micro-batch's gradient alone.
     assert all(only_last)
-    verdict(gradflow_server, run_id)
+    alert = verdict(gradflow_server, run_id, "accumulation_reset", "gradients")
+    assert alert["evidence"]["resets"] == 3 and "about 4 times smaller" in alert["detail"], alert
 
 
 def test_zero_grad_between_backward_and_step(gradflow_server, gradflow_env):

@@ -44,6 +44,7 @@ def test_resize_token_embeddings_after_the_optimizer(gradflow_server, gradflow_e
     assert "model.embed_tokens.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
     alert = verdict(gradflow_server, run_id, "param_not_in_optimizer", "lm_head")
     assert alert["evidence"]["params"] == ["lm_head.weight"]
+    assert alert["evidence"]["cause"] == "replaced_after_optimizer", alert
     # The new head is measured: backward reaches it, so nothing says the graph is cut.
     assert not [a for a in gradflow_server.serious(run_id) if a["kind"] == "grad_stuck_zero"]
 
@@ -75,6 +76,7 @@ def test_a_layer_replaced_after_the_optimizer(gradflow_server, gradflow_env):
     assert id(model.hidden.weight) not in {id(p) for p in optimizer.param_groups[0]["params"]}
     alert = verdict(gradflow_server, run_id, "param_not_in_optimizer", "hidden")
     assert sorted(alert["evidence"]["params"]) == ["hidden.bias", "hidden.weight"]
+    assert alert["evidence"]["cause"] == "replaced_after_optimizer", alert
     assert not [a for a in gradflow_server.serious(run_id) if a["kind"] == "grad_stuck_zero"]
 
 

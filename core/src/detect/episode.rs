@@ -1,0 +1,82 @@
+//! The streak behind most detectors' episodes: a condition seen on consecutive
+//! reported steps opens an alert once it has held long enough, and the first
+//! reported step without it resolves the alert. Detectors say what the condition is
+//! and what the alert says; this type keeps the counting, so that it is written once.
+
+use serde::{Deserialize, Serialize};
+
+/// A condition's run of consecutive reported steps, and whether its alert is open.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Streak {
+    /// The first step of the current run of the condition.
+    pub since: Option<u64>,
+    /// Reported steps in the current run.
+    pub count: u32,
+    pub open: bool,
+}
+
+/// What one observation changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Edge {
+    /// The condition has held on `persist` reported steps: open the alert.
+    Open,
+    /// The condition stopped while the alert was open: resolve it.
+    Resolve,
+}
+
+impl Streak {
+    /// Folds in one reported step on which the condition is `holds`; opens once it
+    /// has held on `persist` reported steps running.
+    pub fn observe(&mut self, holds: bool, step: u64, persist: u32) -> Option<Edge> {
+        if !holds {
+            let was_open = self.open;
+            *self = Streak::default();
+            return was_open.then_some(Edge::Resolve);
+        }
+        self.since.get_or_insert(step);
+        self.count += 1;
+        if self.count >= persist && !self.open {
+            self.open = true;
+            return Some(Edge::Open);
+        }
+        None
+    }
+
+    /// The first step of the run (`step` when none has begun).
+    pub fn first_step(&self, step: u64) -> u64 {
+        self.since.unwrap_or(step)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_once_after_persist_steps_and_resolves_on_the_first_step_without() {
+        let mut streak = Streak::default();
+        let edges: Vec<Option<Edge>> = [true, true, true, true, false, false]
+            .iter()
+            .zip(10..)
+            .map(|(holds, step)| streak.observe(*holds, step, 3))
+            .collect();
+        assert_eq!(
+            edges,
+            [
+                None,
+                None,
+                Some(Edge::Open),
+                None,
+                Some(Edge::Resolve),
+                None
+            ]
+        );
+        // A run broken before it persists opens nothing.
+        let mut streak = Streak::default();
+        assert_eq!(streak.observe(true, 0, 3), None);
+        assert_eq!(streak.observe(false, 1, 3), None);
+        assert_eq!(streak.observe(true, 2, 3), None);
+        assert_eq!(streak.first_step(9), 2);
+    }
+}

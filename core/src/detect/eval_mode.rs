@@ -1,0 +1,147 @@
+//! `model_in_eval_mode` (gradflow's own kind): a model that trained in training
+//! mode and then kept training in eval mode, usually left there by an evaluation
+//! that called `model.eval()` and never `model.train()` again.
+//!
+//! # The rule
+//!
+//! The Python client sends the model's training flag at each `gf.step` as the
+//! metric [`METRIC`] (1 or 0). The alert opens when the flag, after at least one
+//! reported step at 1, is 0 on every reported step spanning [`STEPS`] step numbers,
+//! and resolves on a step at 1. A run in eval mode from its first step never opens
+//! it: some setups train that way on purpose, and nothing in the numbers tells a
+//! mistake from a choice; a switch in the middle of the run does.
+//!
+//! # Why
+//!
+//! Gradients keep flowing and the loss keeps falling, so nothing looks wrong:
+//! dropout is off and batch norm stops updating its statistics, so the model trains
+//! without the regularisation it was configured with and overfits.
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::{AlertKind, Opened, Severity, Transition, step_range};
+use gradflow_protocol::StepRecord;
+
+/// The metric the Python client sends: `model.training` at `gf.step`, 1 or 0.
+pub const METRIC: &str = "model_training";
+/// Step numbers in eval mode that open the alert.
+pub const STEPS: u64 = 20;
+const SUBJECT: &str = "model";
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EvalMode {
+    /// The last step reported in training mode.
+    last_training: Option<u64>,
+    /// The first step of the current run of eval-mode reports.
+    eval_since: Option<u64>,
+    open: bool,
+}
+
+impl EvalMode {
+    pub fn on_step(&mut self, record: &StepRecord, out: &mut Vec<Transition>) {
+        let Some(flag) = record.metrics.get(METRIC).and_then(|v| v.map(|f| f.get())) else {
+            return;
+        };
+        let training = flag >= 0.5;
+        if training {
+            self.last_training = Some(record.step);
+        }
+        let Some(last_training) = self.last_training else {
+            return;
+        };
+        if training {
+            self.eval_since = None;
+            if std::mem::take(&mut self.open) {
+                out.push(Transition::Resolve {
+                    kind: AlertKind::ModelInEvalMode,
+                    subject: SUBJECT.into(),
+                    step: record.step,
+                });
+            }
+            return;
+        }
+        // Judged by step numbers (docs/PROTOCOL.md), not by reports.
+        let first = *self.eval_since.get_or_insert(record.step);
+        if !self.open && record.step + 1 - first >= STEPS {
+            self.open = true;
+            out.push(Transition::Open(self.opened(record, first, last_training)));
+        }
+    }
+
+    fn opened(&self, record: &StepRecord, first: u64, last_training: u64) -> Opened {
+        Opened {
+            kind: AlertKind::ModelInEvalMode,
+            subject: SUBJECT.into(),
+            severity: Severity::Warning,
+            first_step: Some(first),
+            step: Some(record.step),
+            title: "The model trains in eval mode".into(),
+            detail: format!(
+                "The model was in training mode up to step {last_training} and has been in \
+                 eval mode (model.training is False at gf.step) on every reported step since, \
+                 {}, while the optimizer keeps stepping: dropout is off and batch norm no \
+                 longer updates its running statistics, so the model trains without the \
+                 regularisation it was built with.",
+                step_range(first, record.step),
+            ),
+            fix: "Call model.train() after each evaluation (or at the top of every training \
+                  iteration); evaluation code usually calls model.eval() and leaves the model \
+                  that way."
+                .into(),
+            evidence: json!({
+                "cause": "left_in_eval",
+                "last_training_step": last_training,
+                "first_step": first,
+                "steps": record.step + 1 - first,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::testing::{record, transitions};
+
+    fn step(step: u64, training: f64) -> StepRecord {
+        record(json!({"step": step, "metrics": {METRIC: training}}))
+    }
+
+    #[test]
+    fn eval_mode_after_training_opens_after_twenty_steps_and_train_resolves() {
+        let mut detector = EvalMode::default();
+        let records: Vec<StepRecord> = (0..5)
+            .map(|s| step(s, 1.0))
+            .chain((5..40).map(|s| step(s, 0.0)))
+            .chain([step(40, 1.0)])
+            .collect();
+        let t = transitions(&records, |r, out| detector.on_step(r, out));
+        assert_eq!(t.len(), 2, "{t:?}");
+        let (24, Transition::Open(opened)) = &t[0] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(opened.first_step, Some(5));
+        assert_eq!(opened.evidence["last_training_step"], 4);
+        assert!(opened.fix.contains("model.train()"));
+        assert!(matches!(t[1], (40, Transition::Resolve { .. })));
+    }
+
+    #[test]
+    fn eval_from_the_start_periodic_evaluation_and_no_flag_stay_silent() {
+        let mut detector = EvalMode::default();
+        // Eval mode from step 0 on: a choice the numbers cannot tell from a mistake.
+        let from_start: Vec<StepRecord> = (0..100).map(|s| step(s, 0.0)).collect();
+        assert!(transitions(&from_start, |r, out| detector.on_step(r, out)).is_empty());
+        // An evaluation every 10 steps that leaves the flag at 0 on that step only.
+        let mut detector = EvalMode::default();
+        let periodic: Vec<StepRecord> = (0..100)
+            .map(|s| step(s, if s % 10 == 9 { 0.0 } else { 1.0 }))
+            .collect();
+        assert!(transitions(&periodic, |r, out| detector.on_step(r, out)).is_empty());
+        let mut detector = EvalMode::default();
+        let none: Vec<StepRecord> = (0..50).map(|s| record(json!({"step": s}))).collect();
+        assert!(transitions(&none, |r, out| detector.on_step(r, out)).is_empty());
+    }
+}
