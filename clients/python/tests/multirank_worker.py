@@ -10,8 +10,11 @@ its contiguous share of them, so the averaged gradients are the single process's
 Faults on demand, one rank's own (``STEP:RANK``): a NaN in its gradient after the
 all-reduce (``--nan``), its process killed after its backward pass (``--exit``), its
 gradient scaled after the all-reduce from that step on, a desynchronised replica
-(``--desync``); ``--sleep RANK:SECONDS`` makes a rank sleep before every forward (a
-straggler). ``--reporter naive`` reports without gradflow, as a hand-written client
+(``--desync``); a NaN in its batch (its embedded input) at that step, which the
+all-reduce spreads to every rank's gradients (``--nan-input``); its loop no longer
+calling ``gf.step`` after that step while it goes on training and closes with the
+others (``--stop-reporting``); ``--sleep RANK:SECONDS`` makes a rank sleep before
+every forward (a straggler). ``--reporter naive`` reports without gradflow, as a hand-written client
 that reads each rank's local shard as the whole tensor would (:class:`NaiveReporter`).
 """
 
@@ -132,6 +135,14 @@ class NaiveReporter:
             response.read()
 
 
+def _nan_in_first_row(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook: the embedded batch with a NaN in its first sample, as a corrupt
+    sample would bring."""
+    output = output.clone()
+    output[0, 0, 0] = float("nan")
+    return output
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrap", choices=["ddp", "fsdp", "hsdp"], required=True)
@@ -148,6 +159,14 @@ def main() -> None:
         "--desync",
         default=None,
         help="STEP:RANK: from that step on, that rank scales its head.weight gradient by 1.1",
+    )
+    parser.add_argument(
+        "--nan-input", default=None, help="STEP:RANK: a NaN in that rank's batch (embedded)"
+    )
+    parser.add_argument(
+        "--stop-reporting",
+        default=None,
+        help="STEP:RANK: after that step, that rank trains on without calling gf.step",
     )
     parser.add_argument(
         "--sleep", default=None, help="RANK:SECONDS: that rank sleeps before every forward"
@@ -189,6 +208,8 @@ def main() -> None:
     nan_step, nan_rank = _at(args.nan)
     exit_step, exit_rank = _at(args.exit)
     desync_step, desync_rank = _at(args.desync)
+    nan_input_step, nan_input_rank = _at(args.nan_input)
+    stop_step, stop_rank = _at(args.stop_reporting)
     sleep_rank, sleep = (
         (int(args.sleep.split(":")[0]), float(args.sleep.split(":")[1]))
         if args.sleep
@@ -212,7 +233,12 @@ def main() -> None:
             time.sleep(sleep)
         tokens, target = batch(step, rank, world_size)
         optimizer.zero_grad(set_to_none=True)
+        corrupt = None
+        if step == nan_input_step and rank == nan_input_rank:
+            corrupt = model.embed.register_forward_hook(_nan_in_first_row)
         loss = nn.functional.cross_entropy(wrapped(tokens), target)
+        if corrupt is not None:
+            corrupt.remove()
         loss.backward()
         head = model.head.weight.grad
         head = getattr(head, "_local_tensor", head)
@@ -224,6 +250,8 @@ def main() -> None:
             print(f"rank {rank}: dying at step {step}", flush=True)
             os._exit(1)
         optimizer.step()
+        if step > stop_step >= 0 and rank == stop_rank:
+            continue  # trains on, reporting nothing
         gf.step(loss=loss)
         if naive is not None:
             naive.step(step, loss.item())

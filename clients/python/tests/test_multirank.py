@@ -589,3 +589,70 @@ def test_multirank_a_real_registration_conflict_is_said_on_every_rank(gradflow_s
     said = [line for line in output.splitlines() if "different registration" in line]
     assert len(said) == 2, output
     assert gradflow_server.run(run_id)["step_count"] == 3
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_multirank_a_rank_that_stops_reporting_is_missing_when_the_job_ends(
+    gradflow_server, tmp_path, nproc
+):
+    """Rank 1 trains on but stops calling gf.step after step 20; every rank closes at
+    the end. The server's rank timeout is its default 60 s, yet rank 1's close (its
+    finish names its rank, v1.5) completes the steps waiting for it at once:
+    rank_missing on rank 1 from step 21, before the test has waited 60 s."""
+    steps, stop_step = 26, 20
+    run_id, output = served(
+        gradflow_server,
+        nproc,
+        tmp_path,
+        "mr-stops",
+        *("--wrap", "ddp", "--steps", str(steps), "--stop-reporting", f"{stop_step}:1"),
+    )
+    ended = time.monotonic()
+    alert = gradflow_server.wait_for_alert(run_id, "rank_missing", "rank 1", timeout=15)
+    assert time.monotonic() - ended < 30, "completed by the close, not by the rank timeout"
+    assert alert["first_step"] == stop_step + 1, alert
+    evidence = alert["evidence"]
+    assert evidence["last_step"] == stop_step and evidence["closed"] is True, alert
+    assert evidence["ranks_reported"] == nproc - 1, alert
+    run = gradflow_server.run(run_id)
+    assert (run["last_step"], run["step_count"]) == (steps - 1, steps), run
+    assert run["status"] == "finished", run
+    kinds = {(a["kind"], a["subject"]) for a in gradflow_server.alerts(run_id)}
+    missing = {subject for kind, subject in kinds if kind == "rank_missing"}
+    assert missing == {"rank 1"}, kinds
+    assert max(points(gradflow_server, run_id, "loss", rank=1)) == stop_step
+    assert max(points(gradflow_server, run_id, "loss", rank=0)) == steps - 1
+    ranks = gradflow_server.get(f"/api/v1/runs/{run_id}/ranks")["ranks"]
+    assert "rank_missing" in ranks[1]["open_alerts"], ranks
+    assert "NOT delivered" not in output, output
+
+
+def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(gradflow_server, tmp_path):
+    """A NaN enters rank 1's batch at step 10 under DDP. Its gradients are NaN, and the
+    all-reduce spreads them to rank 0 before either rank's record is read, so both
+    records' gradients are non-finite; only rank 1's own loss is. rank_nonfinite names
+    rank 1 at step 10 from the losses, and rank 0 not at all."""
+    nan_step, steps = 10, 12
+    run_id, _ = served(
+        gradflow_server,
+        2,
+        tmp_path,
+        "mr-nan-batch",
+        *("--wrap", "ddp", "--steps", str(steps), "--nan-input", f"{nan_step}:1"),
+    )
+    alert = gradflow_server.wait_for_alert(run_id, "rank_nonfinite", "rank 1")
+    assert alert["first_step"] == nan_step, alert
+    evidence = alert["evidence"]
+    assert evidence["rank"] == 1 and evidence["origin"] == "loss", alert
+    assert evidence["spread_to"] == [0], alert
+    others = [a for a in gradflow_server.alerts(run_id) if a["kind"] == "rank_nonfinite"]
+    assert [a["subject"] for a in others] == ["rank 1"], others
+
+    def finite(value: Any) -> bool:
+        return isinstance(value, float) and math.isfinite(value)
+
+    loss = [points(gradflow_server, run_id, "loss", rank=rank) for rank in (0, 1)]
+    assert finite(loss[0][nan_step]) and not finite(loss[1][nan_step]), loss
+    head = [points(gradflow_server, run_id, "grad_norm", "head", rank) for rank in (0, 1)]
+    assert not finite(head[0][nan_step]) and not finite(head[1][nan_step]), head
+    assert all(finite(loss[r][s]) for r in (0, 1) for s in range(nan_step)), loss

@@ -3,7 +3,8 @@
 //!
 //! - `rank_missing`: a step was completed without a rank's record — the rank
 //!   stopped reporting, or fell so far behind that the others could not wait for
-//!   it. Resolves when the rank's records reach the combined steps again.
+//!   it, or closed (v1.5: its client finished) without having sent it. Resolves
+//!   when the rank's records reach the combined steps again.
 //! - `rank_straggler`: a rank's own work on each step (`step_time`) takes at least
 //!   [`STRAGGLER_RATIO`]× the other ranks' median, on [`STRAGGLER_STEPS`] step
 //!   numbers running. In lockstep data parallelism every rank's wall-clock step is
@@ -12,7 +13,11 @@
 //! - `rank_nonfinite`: a NaN or infinite reading (loss, a module's gradient) on some
 //!   ranks but not all. After the gradient all-reduce a rank's NaN spreads to every
 //!   rank, so the step where it shows on a few ranks only names where it began: that
-//!   rank's batch, or rank-local code after the reduce.
+//!   rank's batch, or rank-local code after the reduce. When a NaN in one rank's
+//!   batch reaches every rank's gradients within the step (the all-reduce comes
+//!   before the record is read), the ranks' own losses still tell: the loss is
+//!   computed before the reduce, so the ranks whose loss alone is not finite are
+//!   where it began.
 //! - `replica_divergence`: modules or parameters laid out `replicated` whose ranks
 //!   disagree, beyond float noise, on [`DIVERGENCE_STEPS`] step numbers running.
 //!   After the all-reduce every replica holds the same gradient and takes the same
@@ -74,6 +79,12 @@ pub struct RankView {
     pub divergences: Vec<Divergence>,
     /// Replicated modules whose ranks each report part of the elements.
     pub shard_suspects: Vec<ShardSuspect>,
+    /// Of the `missing` ranks, those that had closed (v1.5: their client said it
+    /// finished), so the step was completed at once instead of waited for.
+    pub closed: Vec<u32>,
+    /// Reporting ranks whose own loss was not finite (computed before any
+    /// all-reduce, so it says which ranks a NaN began on).
+    pub loss_nonfinite: Vec<u32>,
 }
 
 /// A replicated module's or parameter's value on which its ranks disagree.
@@ -124,6 +135,11 @@ pub struct RankDetectors {
     divergence: Streak,
     /// Open `shard_reported_as_global` alerts, by group.
     shards: BTreeSet<String>,
+    /// Ranks whose client said it closed (v1.5, `POST .../finish?rank=N`): the
+    /// steps they did not send are completed at once, without waiting for them. A
+    /// record from a closed rank reopens it. Kept here so that it is stored with the
+    /// run's detector state.
+    pub closed: BTreeSet<u32>,
 }
 
 /// A run of step numbers on which a condition held (or, once open, did not).
@@ -179,6 +195,14 @@ impl RankDetectors {
                 Some(last) => format!("its last record was of step {last}"),
                 None => "it has sent no record at all".to_owned(),
             };
+            let closed = view.closed.contains(&rank);
+            let why = if closed {
+                format!(
+                    "rank {rank} closed (its client finished) without having sent it, so                      the step was completed at once"
+                )
+            } else {
+                "the other ranks moved on and the server could not wait longer".to_owned()
+            };
             out.push(Transition::Open(Opened {
                 kind: AlertKind::RankMissing,
                 subject: rank_subject(rank),
@@ -191,12 +215,20 @@ impl RankDetectors {
                 ),
                 detail: format!(
                     "Step {} of this {}-rank run was completed from {} ranks' records without \
-                     rank {rank}'s: the other ranks moved on and the server could not wait \
-                     longer; {last_text}. Its process may have died (out of memory, a \
-                     collective timeout), hung, or lost its way to the server (then its \
-                     records arrive later from its spool). Until it is back the run's norms of \
-                     sharded parameters lack its shards.",
-                    view.step, view.world_size, view.reported
+                     rank {rank}'s: {why}; {last_text}. {}Until it is back the run's norms \
+                     of sharded parameters lack its shards.",
+                    view.step,
+                    view.world_size,
+                    view.reported,
+                    if closed {
+                        "Its training loop stopped calling gf.step (a branch only that rank \
+                         takes, an exception caught around it, a loop that ends early on that \
+                         rank) while the job went on. "
+                    } else {
+                        "Its process may have died (out of memory, a collective timeout), \
+                         hung, or lost its way to the server (then its records arrive later \
+                         from its spool). "
+                    }
                 ),
                 fix: format!(
                     "Look at rank {rank}'s process and log first (OOM killer, NCCL/gloo \
@@ -210,6 +242,7 @@ impl RankDetectors {
                     "world_size": view.world_size,
                     "ranks_reported": view.reported,
                     "last_step": last,
+                    "closed": closed,
                 }),
             }));
         }
@@ -259,11 +292,39 @@ impl RankDetectors {
                 step: view.step,
             });
         }
-        // Only a strict subset of the reporting ranks says where it began.
+        // Only a strict subset of the reporting ranks says where it began: of those
+        // with any non-finite reading, or else of those whose own loss was not finite
+        // (a NaN in one rank's batch reaches every rank's gradients in the same step).
+        let loss_count = view.loss_nonfinite.len() as u32;
+        let by_loss =
+            view.nonfinite_count >= view.reported && loss_count > 0 && loss_count < view.reported;
         let subset = view.nonfinite_count > 0 && view.nonfinite_count < view.reported;
-        if !subset {
+        if !subset && !by_loss {
             return;
         }
+        let origin: BTreeMap<u32, Vec<String>> = if by_loss {
+            view.loss_nonfinite
+                .iter()
+                .map(|r| {
+                    let subjects = ranks
+                        .get(r)
+                        .map_or_else(|| vec!["loss".to_owned()], |s| (*s).clone());
+                    (*r, subjects)
+                })
+                .collect()
+        } else {
+            ranks.iter().map(|(r, s)| (*r, (*s).clone())).collect()
+        };
+        let spread: Vec<u32> = if by_loss {
+            ranks
+                .keys()
+                .filter(|r| !origin.contains_key(r))
+                .copied()
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let ranks = origin;
         for (&rank, subjects) in &ranks {
             if self.nonfinite.contains_key(&rank) {
                 continue;
@@ -278,24 +339,46 @@ impl RankDetectors {
                 first_step: Some(view.step),
                 step: Some(view.step),
                 title: format!(
-                    "Non-finite values on rank {rank} only, at step {}",
+                    "Non-finite {} on rank {rank} only, at step {}",
+                    if by_loss { "loss" } else { "values" },
                     view.step
                 ),
-                detail: format!(
-                    "At step {}, {} of the {} reporting ranks had NaN or infinite readings \
-                     (rank {rank}: {}){}; the others were finite. In data-parallel training \
-                     a rank's NaN reaches every rank at the next gradient all-reduce, so this \
-                     step shows where it began: something only rank {rank} computed.",
-                    view.step,
-                    view.nonfinite_count,
-                    view.reported,
-                    name_list(&names, 5),
-                    if others.is_empty() {
-                        String::new()
-                    } else {
-                        format!(", also ranks {others:?}")
-                    }
-                ),
+                detail: if by_loss {
+                    format!(
+                        "At step {}, every reporting rank's gradients were NaN or infinite, \
+                         but only {} of the {} ranks computed a non-finite loss (rank {rank}: \
+                         {}){}. The loss is each rank's own, computed before the gradient \
+                         all-reduce; the all-reduce then spread rank {rank}'s non-finite \
+                         gradients to the others ({spread:?}) within the same step. It began \
+                         in something only rank {rank} computed: its batch.",
+                        view.step,
+                        ranks.len(),
+                        view.reported,
+                        name_list(&names, 5),
+                        if others.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", also ranks {others:?}")
+                        }
+                    )
+                } else {
+                    format!(
+                        "At step {}, {} of the {} reporting ranks had NaN or infinite readings \
+                         (rank {rank}: {}){}; the others were finite. In data-parallel \
+                         training a rank's NaN reaches every rank at the next gradient \
+                         all-reduce, so this step shows where it began: something only rank \
+                         {rank} computed.",
+                        view.step,
+                        view.nonfinite_count,
+                        view.reported,
+                        name_list(&names, 5),
+                        if others.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", also ranks {others:?}")
+                        }
+                    )
+                },
                 fix: format!(
                     "Look at rank {rank}'s batch at this step (its shard of the dataset: a \
                      corrupt sample, an empty mask, labels out of range) and at code that \
@@ -309,6 +392,8 @@ impl RankDetectors {
                     "ranks": ranks.keys().collect::<Vec<_>>(),
                     "ranks_reported": view.reported,
                     "subjects": subjects,
+                    "origin": if by_loss { "loss" } else { "readings" },
+                    "spread_to": spread,
                 }),
             }));
         }
@@ -574,6 +659,15 @@ mod tests {
         }
     }
 
+    /// Step `step` of four ranks, completed without `rank` (last seen at `last`).
+    fn missing(step: u64, rank: u32, last: u64) -> RankView {
+        RankView {
+            reported: 3,
+            missing: vec![(rank, Some(last))],
+            ..view(step)
+        }
+    }
+
     fn opened(out: &[Transition]) -> Vec<(AlertKind, String)> {
         out.iter()
             .filter_map(|t| match t {
@@ -621,10 +715,7 @@ mod tests {
     fn a_missing_rank_opens_once_and_resolves_when_back() {
         let mut detectors = RankDetectors::default();
         let mut out = Vec::new();
-        let mut v = view(10);
-        v.reported = 3;
-        v.missing = vec![(2, Some(7))];
-        detectors.on_step(&v, &mut out);
+        detectors.on_step(&missing(10, 2, 7), &mut out);
         assert_eq!(
             opened(&out),
             [(AlertKind::RankMissing, "rank 2".to_owned())]
@@ -634,10 +725,7 @@ mod tests {
         };
         assert_eq!(o.evidence["last_step"], 7);
         out.clear();
-        let mut v = view(11);
-        v.reported = 3;
-        v.missing = vec![(2, Some(7))];
-        detectors.on_step(&v, &mut out);
+        detectors.on_step(&missing(11, 2, 7), &mut out);
         assert!(out.is_empty(), "{out:?}");
         detectors.on_step(&view(12), &mut out);
         assert_eq!(
@@ -716,6 +804,62 @@ mod tests {
             resolved(&out),
             [(AlertKind::RankNonfinite, "rank 1".to_owned(), 32)]
         );
+    }
+
+    #[test]
+    fn nan_spread_within_the_step_is_traced_to_the_rank_whose_loss_is_not_finite() {
+        let mut detectors = RankDetectors::default();
+        let mut out = Vec::new();
+        // Every rank's gradients are NaN (the all-reduce spread them), only rank 1's
+        // own loss is.
+        let mut v = view(10);
+        v.nonfinite = vec![
+            (0, vec!["agent.head".into()]),
+            (1, vec!["loss".into(), "agent.head".into()]),
+            (2, vec!["agent.head".into()]),
+            (3, vec!["agent.head".into()]),
+        ];
+        v.nonfinite_count = 4;
+        v.loss_nonfinite = vec![1];
+        detectors.on_step(&v, &mut out);
+        assert_eq!(
+            opened(&out),
+            [(AlertKind::RankNonfinite, "rank 1".to_owned())]
+        );
+        let Transition::Open(o) = &out[0] else {
+            unreachable!()
+        };
+        assert_eq!(o.evidence["origin"], "loss");
+        assert_eq!(o.evidence["spread_to"], json!([0, 2, 3]));
+        out.clear();
+        // Then every loss is NaN too: nothing new.
+        let mut v = view(11);
+        v.nonfinite = (0..4).map(|r| (r, vec!["loss".into()])).collect();
+        v.nonfinite_count = 4;
+        v.loss_nonfinite = vec![0, 1, 2, 3];
+        detectors.on_step(&v, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+    }
+
+    #[test]
+    fn a_closed_rank_s_missing_steps_say_it_closed() {
+        let mut detectors = RankDetectors::default();
+        let mut out = Vec::new();
+        let v = RankView {
+            closed: vec![1],
+            ..missing(21, 1, 20)
+        };
+        detectors.on_step(&v, &mut out);
+        let Transition::Open(o) = &out[0] else {
+            unreachable!()
+        };
+        assert_eq!(
+            (o.kind, o.subject.as_str()),
+            (AlertKind::RankMissing, "rank 1")
+        );
+        assert_eq!(o.evidence["closed"], true);
+        assert_eq!(o.evidence["last_step"], 20);
+        assert!(o.detail.contains("closed"), "{}", o.detail);
     }
 
     #[test]

@@ -193,6 +193,9 @@ pub struct PendingStep {
     columns: Vec<ColumnAcc>,
     nonfinite: Vec<(u32, Vec<String>)>,
     nonfinite_ranks: u32,
+    /// Ranks whose own loss was not finite (all of them: how many tells whether
+    /// they are some ranks or every one).
+    loss_nonfinite: Vec<u32>,
     step_times: Vec<(u32, f64)>,
     graph_cuts: Vec<GraphCut>,
 }
@@ -218,6 +221,7 @@ impl PendingStep {
             columns: Vec::new(),
             nonfinite: Vec::new(),
             nonfinite_ranks: 0,
+            loss_nonfinite: Vec::new(),
             step_times: Vec::new(),
             graph_cuts: Vec::new(),
         }
@@ -264,6 +268,9 @@ impl PendingStep {
                 SeriesKind::ModuleNonfinite => value.is_some_and(|v| v > 0.0),
                 _ => false,
             };
+            if flags_nonfinite && kind == SeriesKind::Loss {
+                self.loss_nonfinite.push(rank);
+            }
             if flags_nonfinite {
                 any_nonfinite = true;
                 let name = if subject.is_empty() {
@@ -444,6 +451,8 @@ impl PendingStep {
                 nonfinite_count: self.nonfinite_ranks,
                 divergences,
                 shard_suspects,
+                closed: Vec::new(),
+                loss_nonfinite: self.loss_nonfinite,
             },
         }
     }

@@ -40,7 +40,7 @@ use serde::Serialize;
 
 use self::batch::{prepare, with_codec};
 use self::cache::RunCache;
-use self::ranks::{Clock, prepare_ranks};
+use self::ranks::{Clock, Close, prepare_ranks};
 use self::state::{Episode, RunState};
 use crate::events::EventBus;
 use crate::store::notify::Notice;
@@ -247,6 +247,24 @@ impl Ingest {
         run_id: &RunId,
         records: &[StepRecord],
     ) -> StoreResult<IngestOutcome> {
+        self.ingest_closing(run_id, records, None).await
+    }
+
+    /// A rank of a multi-rank run (`Some`), or the whole run (`None`), said it
+    /// finished (v1.5): the steps waiting only for closed ranks are completed now.
+    /// Nothing for a run of one process.
+    pub async fn close_ranks(&self, run_id: &RunId, rank: Option<u32>) -> StoreResult<()> {
+        let close = rank.map_or(Close::Run, Close::Rank);
+        self.ingest_closing(run_id, &[], Some(close)).await?;
+        Ok(())
+    }
+
+    async fn ingest_closing(
+        &self,
+        run_id: &RunId,
+        records: &[StepRecord],
+        close: Option<Close>,
+    ) -> StoreResult<IngestOutcome> {
         let slot = self.runs.slot(run_id.as_str());
         let mut cached = slot.lock().await;
         for attempt in 0..ATTEMPTS {
@@ -298,7 +316,15 @@ impl Ingest {
                 // Prepared in place (see prepare_ranks): a refused batch leaves the
                 // slot empty, and the next batch reads the state from the database.
                 match with_codec(|codec| {
-                    prepare_ranks(state, run_id.as_str(), records, detection, clock, codec)
+                    prepare_ranks(
+                        state,
+                        run_id.as_str(),
+                        records,
+                        detection,
+                        clock,
+                        close,
+                        codec,
+                    )
                 })? {
                     Ok(prepared) => prepared,
                     Err((duplicates, state)) => {

@@ -4,6 +4,11 @@
 //! can wait no longer — are combined, in order, into the run's steps, which the
 //! detectors judge and stream 0 stores.
 //!
+//! A rank that closes (v1.5: its client's `POST .../finish?rank=N`, sent once its
+//! records are delivered) will send nothing more: the steps it did not send are
+//! completed at once, without it, instead of waiting the rank timeout; a finish
+//! without a rank closes every rank. A record from a closed rank reopens it.
+//!
 //! A record's step is a duplicate when its rank's stream already holds it, so a
 //! rank may resend a batch as safely as a single process. A record that arrives
 //! after its step was combined without it (its rank was too late) is stored in its
@@ -35,6 +40,14 @@ pub struct Clock {
     pub rank_timeout: f64,
 }
 
+/// Ranks that said they closed with a batch (v1.5): they will send nothing more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Close {
+    Rank(u32),
+    /// The whole run finished (a finish that names no rank): every rank.
+    Run,
+}
+
 /// [`super::batch::prepare`] for a run of several ranks.
 ///
 /// It takes the run's state and turns it into the next one in place, instead of
@@ -50,6 +63,7 @@ pub fn prepare_ranks(
     records: &[StepRecord],
     detection: Detection,
     clock: Clock,
+    close: Option<Close>,
     codec: &mut Codec,
 ) -> StoreResult<Result<Prepared, (IngestOutcome, RunState)>> {
     let world = state.world_size;
@@ -59,6 +73,7 @@ pub fn prepare_ranks(
     let mut duplicates = 0;
     let mut rows: Vec<(u32, StepCells, usize)> = Vec::new();
     let mut assigner = ColumnAssigner::new(&next.columns);
+    let mut closed_changed = false;
     // Each stream's last step, as this batch moves it.
     let mut last_of: BTreeMap<u32, u64> = next
         .streams
@@ -90,6 +105,9 @@ pub fn prepare_ranks(
             continue;
         }
         last_of.insert(stream, record.step);
+        // A closed rank that sends again is back (a resumed job).
+        let reopened = next.detectors.ranks.closed.remove(&rank);
+        closed_changed |= reopened;
         // Every rank sends the same amendment at the same step; the first to arrive
         // puts it in force.
         if let Some(amendment) = &record.amend
@@ -172,13 +190,31 @@ pub fn prepare_ranks(
             );
     }
 
+    match close {
+        Some(Close::Rank(rank)) if rank >= world => {
+            return Err(invalid(
+                "rank".to_owned(),
+                format!("rank {rank} is not below the run's world_size {world}"),
+            ));
+        }
+        Some(Close::Rank(rank)) => closed_changed |= next.detectors.ranks.closed.insert(rank),
+        Some(Close::Run) => {
+            for rank in 0..world {
+                closed_changed |= next.detectors.ranks.closed.insert(rank);
+            }
+        }
+        None => {}
+    }
+    let closed = next.detectors.ranks.closed.clone();
+
     // The steps that are complete, or can wait no longer, in order.
     let front = (0..world)
         .filter_map(|rank| next.streams.get(&rank_stream(rank)).map(|t| t.last_step))
         .max();
     let mut combined: Vec<Combined> = Vec::new();
     while let Some((&step, waiting)) = next.pending.first_key_value() {
-        let complete = waiting.arrived.len() >= world;
+        let complete = waiting.arrived.len() >= world
+            || (0..world).all(|rank| waiting.arrived.contains(rank) || closed.contains(&rank));
         let left_behind = front.is_some_and(|front| front.saturating_sub(step) > LAG_STEPS);
         let timed_out = clock.now - waiting.first_seen > clock.rank_timeout;
         if !(complete || left_behind || timed_out) {
@@ -195,10 +231,17 @@ pub fn prepare_ranks(
                 (rank, last)
             })
             .collect();
+        step_combined.view.closed = step_combined
+            .view
+            .missing
+            .iter()
+            .map(|(rank, _)| *rank)
+            .filter(|rank| closed.contains(rank))
+            .collect();
         combined.push(step_combined);
     }
 
-    if accepted == 0 && combined.is_empty() && amendments.is_empty() {
+    if accepted == 0 && combined.is_empty() && amendments.is_empty() && !closed_changed {
         // Nothing was new, so nothing above changed the state.
         let outcome = IngestOutcome {
             accepted: 0,

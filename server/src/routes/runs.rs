@@ -7,7 +7,7 @@ use axum::http::{HeaderMap, StatusCode};
 use gradflow_protocol::{RunRegistration, Timestamp};
 use serde_json::{Value, json};
 
-use super::extract::RunIdParam;
+use super::extract::{ApiQuery, RunIdParam};
 use crate::api_types::{Deleted, RunList, RunListItem, RunProgress};
 use crate::body::{self, BodyFormat};
 use crate::error::ApiError;
@@ -102,18 +102,34 @@ pub async fn list_runs(State(state): State<AppState>) -> Result<Json<RunList>, A
 
 /// `POST /api/v1/runs/{run_id}/finish`: the trainer says the run is over, so the
 /// dashboard shows it finished rather than stale. Takes no body; answers the run.
+/// *(v1.5)* In a multi-rank run, `?rank=N` says that rank closed: the steps it did
+/// not send are completed at once (without it: `rank_missing`); with no rank every
+/// rank closed.
 #[utoipa::path(post, path = "/api/v1/runs/{run_id}/finish", tag = "runs",
-    params(crate::api_types::RunIdPath),
+    params(crate::api_types::RunIdPath,
+        ("rank" = Option<u32>, Query, description = "(v1.5) the rank of a multi-rank run that closed; none: every rank")),
     responses((status = 200, description = "Marked finished", body = crate::api_types::RunView), (status = 400, response = crate::api_types::BadRequest), (status = 401, response = crate::api_types::Unauthorized), (status = 404, response = crate::api_types::RunNotFound)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn finish_run(
     State(state): State<AppState>,
     run_id: RunIdParam,
+    ApiQuery(finish): ApiQuery<FinishQuery>,
 ) -> Result<Json<Value>, ApiError> {
     let RunIdParam(run_id) = run_id;
+    // Before the run is marked finished: completing steps is a write, which counts as
+    // hearing from the run.
+    state.ingest.close_ranks(&run_id, finish.rank).await?;
     let run = state.store.finish_run(&run_id).await?;
     let open_alerts = open_alerts_of(&state, run_id.as_str()).await?;
     Ok(Json(run_view(&run, open_alerts)))
+}
+
+/// `POST .../finish`'s query *(v1.5)*.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinishQuery {
+    /// The rank of a multi-rank run that closed; none: the whole run.
+    pub rank: Option<u32>,
 }
 
 /// `DELETE /api/v1/runs/{run_id}`: removes the run and everything of it.

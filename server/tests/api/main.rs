@@ -18,6 +18,7 @@ mod openapi;
 mod pages;
 mod protocol_doc;
 mod ranks;
+mod ranks_close;
 mod ranks_view;
 mod retention;
 mod store_reads;

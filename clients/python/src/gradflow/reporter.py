@@ -401,6 +401,12 @@ class Reporter:
             )
         raise _TokenRefused(str(err))
 
+    def _closing_rank(self) -> Optional[int]:
+        """This rank, in a run of several (its finish says that rank closed)."""
+        if int(self.registration.get("world_size", 1)) > 1 and "rank" in self.registration:
+            return int(self.registration["rank"])
+        return None
+
     def _finish(self) -> None:
         """Flush everything within the deadline, then tell the server the run ended."""
         deadline = self._deadline or time.monotonic()
@@ -421,7 +427,7 @@ class Reporter:
             time.sleep(0.5)
         if self.registered and not self.broken and not len(self.spool):
             try:
-                self.client.finish(self.run_id)
+                self.client.finish(self.run_id, self._closing_rank())
             except (Unreachable, Refused) as err:
                 logger.debug("gradflow: finish not recorded: %s", err)
             self.poll_alerts()

@@ -84,8 +84,11 @@ class Client:
             body = gzip.compress(body, compresslevel=1)
         return self._request("POST", f"/api/v1/runs/{quote(run_id)}/steps", body, gzipped) or {}
 
-    def finish(self, run_id: str) -> None:
-        self._request("POST", f"/api/v1/runs/{quote(run_id)}/finish", b"")
+    def finish(self, run_id: str, rank: Optional[int] = None) -> None:
+        """Marks the run finished; with `rank` (v1.5), that rank of a multi-rank run
+        closed, so the steps it did not send are completed without waiting for it."""
+        query = "" if rank is None else f"?rank={int(rank)}"
+        self._request("POST", f"/api/v1/runs/{quote(run_id)}/finish{query}", b"")
 
     def runs(self) -> List[str]:
         """The ids of every run the server has."""

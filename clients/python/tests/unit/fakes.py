@@ -35,9 +35,10 @@ class FakeServer:
         self.steps.extend(json.loads(line)["step"] for line in lines)
         return {"accepted": len(lines)}
 
-    def finish(self, run_id: str) -> None:
+    def finish(self, run_id: str, rank: Optional[int] = None) -> None:
         self._answer()
         self.finished = True
+        self.finished_rank = rank
 
     def alerts(self, run_id: str, status: str = "open") -> List[Dict[str, Any]]:
         self._answer()
