@@ -423,13 +423,7 @@ fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> 
             });
             (
                 format!("Norm weights of {group} are frozen: {dtype} rounds every update away"),
-                format!(
-                    "Keep fp32 master weights: store the parameters in float32 and run the forward \
-                     under autocast (torch.autocast(device_type='cuda', dtype=torch.bfloat16)), or \
-                     at least keep norm weights in float32. For pure-{dtype} training use an \
-                     optimizer with Kahan summation or stochastic rounding. Raising the learning \
-                     rate until updates exceed half an ulp is not a fix."
-                ),
+                super::precision::MASTER_WEIGHTS_FIX.to_owned(),
             )
         }
         Verdict::UnfrozenOutsideOptimizer => {

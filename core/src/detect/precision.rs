@@ -86,6 +86,17 @@ pub fn evidence_number(value: Option<f64>) -> serde_json::Value {
     }
 }
 
+/// The one remedy for updates that round away, said by every detector that finds
+/// them (norm weights and other weights alike), whatever the device: the update must
+/// be applied to a wider copy of the weights, not made larger.
+pub const MASTER_WEIGHTS_FIX: &str = "Keep fp32 master weights: store the parameters in \
+    float32 and run the forward under autocast (torch.autocast(device_type=x.device.type, \
+    dtype=torch.bfloat16), with x an input), so the optimizer applies every update to a \
+    float32 copy; or at least keep these weights in float32. For pure low-precision \
+    training, use an optimizer with f32 master copies, Kahan summation or stochastic \
+    rounding. Raising the learning rate until updates exceed half the dtype's spacing is \
+    not a fix: it changes the step of every other parameter too.";
+
 #[cfg(test)]
 mod tests {
     use super::*;

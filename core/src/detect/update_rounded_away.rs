@@ -8,8 +8,8 @@
 //! A client reports, for some steps, each such parameter's intended update:
 //! `intended_nonzero` elements meant to change and `rounded_away` of them that kept
 //! their stored value. A group is *frozen by rounding* on a step when, over its
-//! reported parameters, at least [`LOST_FRACTION`] of the intended changes were lost.
-//! The alert opens
+//! reported parameters, at least [`LOST_FRACTION`] of the intended changes were lost,
+//! and *mostly frozen* when at least [`WARN_FRACTION`] were. The alert opens
 //! when that holds on every report over at least `frozen_norm_steps` steps (by step
 //! number) and at least two reports, and resolves on the first report where any
 //! intended change survived. Parameters without intended-update fields say nothing.
@@ -22,7 +22,10 @@
 //! tiny bf16 Qwen2 + agent under AdamW (steps 6–10): lr 1e-6 loses 99.1 % (Qwen) and
 //! 100 % (agent) of the intended changes; 1e-5, 95–96 % and 99.3–99.5 %; 1e-4, 59–66 %
 //! and 92–93 %; 1e-3, 8–11 % and 35–46 %. A group that loses 98 % learns through a
-//! few near-zero elements only.
+//! few near-zero elements only; one that loses 95 % learns through a twentieth of its
+//! elements, which is a warning (a healthy bf16 run at a usual lr loses far less: the
+//! 1e-4 figures above). Either way the remedy is the same as for frozen norm weights
+//! ([`super::precision::MASTER_WEIGHTS_FIX`]): f32 master weights, not a higher lr.
 
 use std::collections::BTreeMap;
 
@@ -44,11 +47,21 @@ struct Streak {
     reports: u32,
     /// The largest |intended update| / ulp seen over the streak.
     max_ulp: f64,
+    /// The smallest share of intended changes lost on a report of the streak.
+    #[serde(default = "one")]
+    min_lost: f64,
     open: bool,
 }
 
-/// The share of a group's intended changes that must round away to call it frozen.
+/// The share of a group's intended changes that must round away to call it frozen
+/// (critical).
 pub const LOST_FRACTION: f64 = 0.98;
+/// The share that calls it mostly frozen (warning).
+pub const WARN_FRACTION: f64 = 0.95;
+
+fn one() -> f64 {
+    1.0
+}
 
 /// One step's reading of a group.
 #[derive(Default)]
@@ -93,7 +106,7 @@ impl UpdateRoundedAway {
         }
         let threshold = u64::from(context.thresholds.frozen_norm_steps);
         for (group, reading) in readings {
-            if reading.lost_fraction() < LOST_FRACTION {
+            if reading.lost_fraction() < WARN_FRACTION {
                 if let Some(streak) = self.groups.remove(group)
                     && streak.open
                 {
@@ -108,8 +121,10 @@ impl UpdateRoundedAway {
             let streak = self.groups.entry(group.to_owned()).or_default();
             if streak.reports == 0 {
                 streak.first_step = record.step;
+                streak.min_lost = 1.0;
             }
             streak.reports += 1;
+            streak.min_lost = streak.min_lost.min(reading.lost_fraction());
             streak.max_ulp = streak.max_ulp.max(reading.max_ulp);
             let span = record.step.saturating_sub(streak.first_step) + 1;
             if !streak.open && streak.reports >= 2 && span >= threshold {
@@ -127,36 +142,50 @@ impl UpdateRoundedAway {
 
 fn opened(group: &str, reading: &Reading<'_>, streak: &Streak, step: u64) -> Opened {
     let n = reading.params.len();
+    let frozen = streak.min_lost >= LOST_FRACTION;
+    let (severity, title, share, outcome) = if frozen {
+        (
+            Severity::Critical,
+            format!(
+                "Every update of {group}'s low-precision weights rounds away: it does not train"
+            ),
+            LOST_FRACTION,
+            "Its gradients flow; its updates do not land.",
+        )
+    } else {
+        (
+            Severity::Warning,
+            format!(
+                "{:.1} % of the updates of {group}'s low-precision weights round away",
+                reading.lost_fraction() * 100.0
+            ),
+            WARN_FRACTION,
+            "It learns through a few elements only, far more slowly than the optimizer \
+             means it to.",
+        )
+    };
     Opened {
         kind: AlertKind::UpdateRoundedAway,
         subject: group.to_owned(),
-        severity: Severity::Critical,
+        severity,
         first_step: Some(streak.first_step),
         step: Some(step),
-        title: format!(
-            "Every update of {group}'s low-precision weights rounds away: it does not train"
-        ),
+        title,
         detail: format!(
             "On each of the {} reports over {}, at least {:.0} % of the changes the \
              optimizer meant to make to {group}'s {n} low-precision parameter(s) ({}) were lost \
              when the result was rounded to their dtype: on the last, {} of {} elements kept \
              their values exactly. Only elements near 0, whose spacing is tiny, still move \
-             (the largest intended change was {} of the spacing at its value). Its gradients \
-             flow; its updates do not land.",
+             (the largest intended change was {} of the spacing at its value). {outcome}",
             streak.reports,
             step_range(streak.first_step, step),
-            LOST_FRACTION * 100.0,
+            share * 100.0,
             name_list(&reading.params, 6),
             reading.lost,
             reading.intended,
             sci(streak.max_ulp),
         ),
-        fix: "Keep f32 master weights and let only the compute run in bf16/fp16 (parameters in \
-              f32 under torch.autocast, or an optimizer with f32 master copies or Kahan \
-              summation), or raise the learning rate of this group: an update lands only when \
-              it is at least half the spacing of the parameter's dtype at its value (2^-8 of \
-              the value for bf16)."
-            .into(),
+        fix: super::precision::MASTER_WEIGHTS_FIX.into(),
         evidence: json!({
             "cause": "low_precision_underflow",
             "params": n,
@@ -166,6 +195,7 @@ fn opened(group: &str, reading: &Reading<'_>, streak: &Streak, step: u64) -> Ope
             "max_intended_update_ulp": streak.max_ulp,
             "reports": streak.reports,
             "first_step": streak.first_step,
+            "min_lost_fraction": streak.min_lost,
         }),
     }
 }
@@ -248,10 +278,20 @@ mod tests {
         // 170 of 200 lost is 85 %.
         assert!(run(&(0..8).map(|i| record(i * 5, 70)).collect::<Vec<_>>()).is_empty());
         // 99 % lost is frozen: only elements near 0 move.
-        assert_eq!(
-            run(&(0..3).map(|i| record(i * 5, 98)).collect::<Vec<_>>()).len(),
-            1
-        );
+        let frozen = run(&(0..3).map(|i| record(i * 5, 98)).collect::<Vec<_>>());
+        let [(_, Transition::Open(o))] = &frozen[..] else {
+            panic!("{frozen:?}")
+        };
+        assert_eq!(o.severity, Severity::Critical);
+        // 97.5 % lost (195 of 200) is mostly frozen: a warning, with the same remedy.
+        let mostly = run(&(0..3).map(|i| record(i * 5, 95)).collect::<Vec<_>>());
+        let [(_, Transition::Open(o))] = &mostly[..] else {
+            panic!("{mostly:?}")
+        };
+        assert_eq!(o.severity, Severity::Warning);
+        assert!(o.title.starts_with("97.5 % of the updates"), "{}", o.title);
+        assert!(o.fix.contains("not a fix"), "{}", o.fix);
+        assert!(!o.fix.contains("'cuda'"), "{}", o.fix);
         // Norm weights are norm_weight_frozen's.
         let norm: StepRecord = serde_json::from_value(json!({"step": 0, "params": [
             {"name": "qwen.norm.weight", "intended_nonzero": 8, "rounded_away": 8}]}))
