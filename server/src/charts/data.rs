@@ -1,7 +1,7 @@
 //! What each chart shows, gathered from the store (its rollups, through series reads)
 //! and the run's alerts. No drawing here.
 
-use gradflow_protocol::{Dtype, RunId};
+use gradflow_protocol::{Dtype, RunId, RunRegistration};
 
 use crate::store::alerts::AlertFilter;
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
@@ -63,6 +63,9 @@ pub enum LegendPlace {
     Inside,
     /// Beside the plot, right of it: many entries, which would cover the lines.
     Right,
+    /// Under the plot, in as many columns as fit: long entries, over lines that
+    /// fill the plot (the norm weights' drift and references).
+    Below,
 }
 
 /// One cell of the gradient-flow heatmap.
@@ -416,6 +419,28 @@ async fn grad_flow(
     })
 }
 
+/// Whether updates of weights of `dtype` round away at sizes a chart shows: its
+/// smallest change is drawn as a reference line.
+fn rounds_visibly(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::Bf16 | Dtype::F16)
+}
+
+/// The dtype whose smallest change the norm-weight chart draws for `registration`
+/// (its first norm weight in bf16 or f16), and whether it draws the optimizer's
+/// step (≈ lr) beside it; `None` when its norm weights are all in a wider dtype.
+/// The line needs the weights' mean too, which a client may not send.
+pub fn norm_reference(registration: &RunRegistration) -> Option<(Dtype, bool)> {
+    let run_dtype = registration.precision.as_ref().and_then(|p| p.param_dtype);
+    let dtype = registration
+        .params
+        .iter()
+        .filter(|p| p.role() == gradflow_protocol::Role::Norm)
+        .filter_map(|p| p.dtype.or(run_dtype))
+        .find(|d| rounds_visibly(*d))?;
+    let lr = registration.optimizer.as_ref().and_then(|o| o.lr).is_some();
+    Some((dtype, lr))
+}
+
 async fn norm_drift(
     store: &Store,
     run: &RunId,
@@ -454,7 +479,7 @@ async fn norm_drift(
         merge_max(&mut entry.2, &update, window.from, span, columns);
         if references.is_empty()
             && let Some(dtype) = param.dtype.or(run_dtype)
-            && matches!(dtype, Dtype::Bf16 | Dtype::F16)
+            && rounds_visibly(dtype)
         {
             let mean = read(store, run, SeriesKind::ParamMean, &param.name, window).await?;
             if let Some(&(_, m)) = mean.points.last()
@@ -498,7 +523,7 @@ async fn norm_drift(
         markers: Vec::new(),
         references,
         notes: Vec::new(),
-        legend: LegendPlace::Inside,
+        legend: LegendPlace::Below,
     }))
 }
 

@@ -16,6 +16,176 @@ use super::{
 const TOP: i32 = 44;
 const LEGEND: i32 = 70;
 const AXIS: i32 = 36;
+/// The label column's left edge, and the gap between the group and module labels.
+const LABEL_LEFT: i32 = 6;
+const LABEL_GAP: i32 = 10;
+
+/// Where things go: the heatmap's cells, and left of them the group labels'
+/// column then the module labels' column, which never share a pixel.
+struct Frame {
+    x0: i32,
+    x1: i32,
+    y0: i32,
+    y1: i32,
+    row_height: f64,
+    column_width: f64,
+    /// Where the module labels start, and how wide they may be.
+    module_x: i32,
+    module_px: i32,
+    /// How wide the group labels may be.
+    group_px: i32,
+}
+
+impl Frame {
+    fn of<DB: DrawingBackend>(
+        root: &DrawingArea<DB, Shift>,
+        chart: &GradFlow,
+        columns: usize,
+    ) -> Frame {
+        let (width, height) = root.dim_in_pixel();
+        let (width, height) = (width as i32, height as i32);
+        let measure = |text: &str, font: &TextStyle<'_>| {
+            root.estimate_text_size(text, font)
+                .map_or(0, |(w, _)| w as i32)
+        };
+        let group_style = group_font(LABEL_SIZE);
+        let widest_group = groups(chart)
+            .iter()
+            .map(|(group, _, _)| measure(&group_label(group), &group_style))
+            .max()
+            .unwrap_or(0);
+        let module_style = text_style(12);
+        let widest_module = chart
+            .modules
+            .iter()
+            .map(|(module, group)| measure(short_name(module, group), &module_style))
+            .max()
+            .unwrap_or(0);
+        // As wide as the labels need, up to a third of the chart and a bit.
+        let label_width = (LABEL_LEFT + widest_group + LABEL_GAP + widest_module + 6)
+            .clamp(110, (f64::from(width) * 0.35).clamp(110.0, 420.0) as i32);
+        let x0 = label_width + 6;
+        let y0 = TOP;
+        let y1 = (height - LEGEND - AXIS).max(y0 + chart.modules.len() as i32);
+        // The group column is as wide as its widest label, up to half the room.
+        let group_px = widest_group.min((x0 - LABEL_LEFT - LABEL_GAP) / 2);
+        let module_x = LABEL_LEFT + group_px + LABEL_GAP;
+        Frame {
+            x0,
+            x1: width - 14,
+            y0,
+            y1,
+            row_height: (y1 - y0) as f64 / chart.modules.len() as f64,
+            column_width: (width - 14 - x0) as f64 / columns as f64,
+            module_x,
+            module_px: x0 - 6 - module_x,
+            group_px,
+        }
+    }
+
+    /// The top of row `r` (and the bottom of row `r - 1`).
+    fn row_top(&self, r: usize) -> i32 {
+        self.y0 + (r as f64 * self.row_height) as i32
+    }
+}
+
+/// The groups of the heatmap's rows in order: (group, first row, end row).
+fn groups(chart: &GradFlow) -> Vec<(String, usize, usize)> {
+    let mut out: Vec<(String, usize, usize)> = Vec::new();
+    for (r, (_, group)) in chart.modules.iter().enumerate() {
+        match out.last_mut() {
+            Some(last) if last.0 == *group => last.2 = r + 1,
+            _ => out.push((group.clone(), r, r + 1)),
+        }
+    }
+    out
+}
+
+/// A module's name in its group's rows: without the group's prefix.
+fn short_name<'a>(module: &'a str, group: &str) -> &'a str {
+    module
+        .strip_prefix(group)
+        .and_then(|rest| rest.strip_prefix('.'))
+        .unwrap_or(module)
+}
+
+fn group_label(group: &str) -> String {
+    format!("[{group}]")
+}
+
+fn group_font(size: u32) -> TextStyle<'static> {
+    TextStyle::from((FONT, size).into_font().style(FontStyle::Bold))
+}
+
+/// `text` cut from the front (`…` standing for what is cut) until it is at most
+/// `max_px` wide in `font`.
+fn fit_from_the_end<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    text: &str,
+    font: &TextStyle<'_>,
+    max_px: i32,
+) -> String {
+    let width = |t: &str| {
+        root.estimate_text_size(t, font)
+            .map_or(0, |(w, _)| w as i32)
+    };
+    if width(text) <= max_px {
+        return text.to_owned();
+    }
+    let chars: Vec<char> = text.chars().collect();
+    (1..chars.len())
+        .map(|cut| format!("…{}", chars[cut..].iter().collect::<String>()))
+        .find(|t| width(t) <= max_px)
+        .unwrap_or_default()
+}
+
+/// The colour scale: log10 of the smallest and largest positive norms.
+#[derive(Debug, Clone, Copy)]
+struct ColourScale {
+    lo: f64,
+    hi: f64,
+}
+
+impl ColourScale {
+    fn of(chart: &GradFlow) -> ColourScale {
+        let (mut lo, mut hi) = chart
+            .cells
+            .iter()
+            .flatten()
+            .filter_map(|c| match c {
+                FlowCell::Norm(v) if *v > 0.0 => Some(v.log10()),
+                _ => None,
+            })
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+                (lo.min(v), hi.max(v))
+            });
+        if !lo.is_finite() {
+            (lo, hi) = (-1.0, 0.0);
+        }
+        if hi - lo < 1e-9 {
+            (lo, hi) = (lo - 0.5, hi + 0.5);
+        }
+        ColourScale { lo, hi }
+    }
+
+    fn at(&self, log: f64) -> RGBColor {
+        ViridisRGB.get_color_normalized(log as f32, self.lo as f32, self.hi as f32)
+    }
+
+    fn colour(&self, cell: FlowCell) -> Option<RGBColor> {
+        match cell {
+            FlowCell::Absent => None,
+            FlowCell::NotReached => Some(NOT_REACHED),
+            FlowCell::Zero => Some(ZERO),
+            FlowCell::NonFinite => Some(NON_FINITE),
+            FlowCell::Norm(v) => Some(self.at(v.log10())),
+        }
+    }
+}
+
+fn text_style(size: u32) -> TextStyle<'static> {
+    (FONT, size).into_font().color(&BLACK)
+}
 
 pub fn draw<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
@@ -28,63 +198,38 @@ where
     if chart.modules.is_empty() || columns == 0 {
         return draw_empty(root, &chart.title, chart.from, chart.to);
     }
-    let (width, height) = root.dim_in_pixel();
-    let (width, height) = (width as i32, height as i32);
-    let text = |size: u32| (FONT, size).into_font().color(&BLACK);
     root.draw(&Text::new(
         chart.title.clone(),
         (12, 10),
         (FONT, TITLE_SIZE),
     ))
     .map_err(plot_error)?;
+    let frame = Frame::of(root, chart, columns);
+    let scale = ColourScale::of(chart);
+    draw_cells(root, chart, &frame, &scale)?;
+    draw_row_labels(root, chart, &frame)?;
+    draw_step_axis(root, chart, &frame)?;
+    draw_legend(root, &scale)
+}
 
-    let label_width = (width as f64 * 0.3).clamp(110.0, 280.0) as i32;
-    let x0 = label_width + 6;
-    let x1 = width - 14;
-    let y0 = TOP;
-    let y1 = (height - LEGEND - AXIS).max(y0 + chart.modules.len() as i32);
-    let row_height = (y1 - y0) as f64 / chart.modules.len() as f64;
-    let column_width = (x1 - x0) as f64 / columns as f64;
-
-    let logs: Vec<f64> = chart
-        .cells
-        .iter()
-        .flatten()
-        .filter_map(|c| match c {
-            FlowCell::Norm(v) if *v > 0.0 => Some(v.log10()),
-            _ => None,
-        })
-        .collect();
-    let (mut lo, mut hi) = logs
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-            (lo.min(*v), hi.max(*v))
-        });
-    if !lo.is_finite() {
-        (lo, hi) = (-1.0, 0.0);
-    }
-    if hi - lo < 1e-9 {
-        (lo, hi) = (lo - 0.5, hi + 0.5);
-    }
-    let colour = |cell: FlowCell| -> Option<RGBColor> {
-        match cell {
-            FlowCell::Absent => None,
-            FlowCell::NotReached => Some(NOT_REACHED),
-            FlowCell::Zero => Some(ZERO),
-            FlowCell::NonFinite => Some(NON_FINITE),
-            FlowCell::Norm(v) => {
-                Some(ViridisRGB.get_color_normalized(v.log10() as f32, lo as f32, hi as f32))
-            }
-        }
-    };
-
+/// A rectangle per measured cell, then the frame around them.
+fn draw_cells<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &GradFlow,
+    frame: &Frame,
+    scale: &ColourScale,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
     for (r, row) in chart.cells.iter().enumerate() {
-        let top = y0 + (r as f64 * row_height) as i32;
-        let bottom = (y0 + ((r + 1) as f64 * row_height).ceil() as i32).max(top + 1);
+        let top = frame.row_top(r);
+        let bottom = (frame.y0 + ((r + 1) as f64 * frame.row_height).ceil() as i32).max(top + 1);
         for (c, cell) in row.iter().enumerate() {
-            if let Some(fill) = colour(*cell) {
-                let left = x0 + (c as f64 * column_width) as i32;
-                let right = (x0 + ((c + 1) as f64 * column_width).ceil() as i32).max(left + 1);
+            if let Some(fill) = scale.colour(*cell) {
+                let left = frame.x0 + (c as f64 * frame.column_width) as i32;
+                let right =
+                    (frame.x0 + ((c + 1) as f64 * frame.column_width).ceil() as i32).max(left + 1);
                 root.draw(&Rectangle::new(
                     [(left, top), (right, bottom)],
                     fill.filled(),
@@ -94,53 +239,67 @@ where
         }
     }
     root.draw(&Rectangle::new(
-        [(x0, y0), (x1, y1)],
+        [(frame.x0, frame.y0), (frame.x1, frame.y1)],
         RGBColor(120, 120, 120).stroke_width(1),
     ))
     .map_err(plot_error)?;
+    Ok(())
+}
 
-    // Row labels when rows are tall enough to read; group names and separators always.
-    let label_size = (row_height - 1.0).clamp(0.0, 12.0) as u32;
-    let mut group_start = 0;
-    for r in 0..=chart.modules.len() {
-        let boundary =
-            r == chart.modules.len() || (r > 0 && chart.modules[r].1 != chart.modules[r - 1].1);
-        if boundary {
-            let (_, group) = &chart.modules[group_start];
-            let top = y0 + (group_start as f64 * row_height) as i32;
-            let bottom = y0 + (r as f64 * row_height) as i32;
-            root.draw(&PathElement::new(
-                vec![(4, top), (x1, top)],
-                BLACK.stroke_width(1),
-            ))
-            .map_err(plot_error)?;
-            let middle = (top + bottom) / 2 - LABEL_SIZE as i32 / 2;
-            let at = if label_size >= 7 { top + 1 } else { middle };
-            root.draw(&Text::new(
-                format!("[{group}]"),
-                (6, at),
-                (FONT, LABEL_SIZE).into_font().style(FontStyle::Bold),
-            ))
-            .map_err(plot_error)?;
-            group_start = r;
+/// Group names and separators in the group column, module names (without their
+/// group's prefix) in the module column when rows are tall enough to read. A group
+/// name is as tall as its rows allow, and left out when even 7 px do not fit.
+fn draw_row_labels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &GradFlow,
+    frame: &Frame,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let label_size = (frame.row_height - 1.0).clamp(0.0, 12.0) as u32;
+    for (group, first, end) in groups(chart) {
+        let (top, bottom) = (frame.row_top(first), frame.row_top(end));
+        root.draw(&PathElement::new(
+            vec![(4, top), (frame.x1, top)],
+            BLACK.stroke_width(1),
+        ))
+        .map_err(plot_error)?;
+        let size = (bottom - top - 1).clamp(0, LABEL_SIZE as i32) as u32;
+        if size < 7 {
+            continue;
         }
+        let font = group_font(size);
+        let text = fit_from_the_end(root, &group_label(&group), &font, frame.group_px);
+        root.draw(&Text::new(text, (LABEL_LEFT, top + 1), font.clone()))
+            .map_err(plot_error)?;
     }
-    if label_size >= 7 {
-        let max_chars = ((label_width - 70) as f64 / (label_size as f64 * 0.55)) as usize;
-        for (r, (module, group)) in chart.modules.iter().enumerate() {
-            let short = module.strip_prefix(&format!("{group}.")).unwrap_or(module);
-            let short = if short.len() > max_chars.max(8) {
-                format!("…{}", &short[short.len() - max_chars.max(8) + 1..])
-            } else {
-                short.to_owned()
-            };
-            let top = y0 + (r as f64 * row_height) as i32;
-            root.draw(&Text::new(short, (64, top), text(label_size)))
-                .map_err(plot_error)?;
-        }
+    if label_size < 7 {
+        return Ok(());
     }
+    let font = text_style(label_size);
+    for (r, (module, group)) in chart.modules.iter().enumerate() {
+        let short = fit_from_the_end(root, short_name(module, group), &font, frame.module_px);
+        root.draw(&Text::new(
+            short,
+            (frame.module_x, frame.row_top(r)),
+            text_style(label_size),
+        ))
+        .map_err(plot_error)?;
+    }
+    Ok(())
+}
 
-    // The step axis.
+/// Five step ticks under the cells, and the axis name.
+fn draw_step_axis<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &GradFlow,
+    frame: &Frame,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let (x0, x1, y1) = (frame.x0, frame.x1, frame.y1);
     let span = chart.to.saturating_sub(chart.from).max(1);
     for i in 0..=4u64 {
         let step = chart.from + span * i / 4;
@@ -153,51 +312,57 @@ where
         root.draw(&Text::new(
             step.to_string(),
             (x - 10, y1 + 8),
-            text(LABEL_SIZE),
+            text_style(LABEL_SIZE),
         ))
         .map_err(plot_error)?;
     }
     root.draw(&Text::new(
         "step".to_owned(),
         ((x0 + x1) / 2 - 12, y1 + 22),
-        text(LABEL_SIZE),
+        text_style(LABEL_SIZE),
     ))
     .map_err(plot_error)?;
+    Ok(())
+}
 
-    // The legend: the colour scale, then the special states.
+/// The legend: the colour scale, then the special states.
+fn draw_legend<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    scale: &ColourScale,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let (width, height) = root.dim_in_pixel();
+    let (width, height) = (width as i32, height as i32);
     let legend_top = height - LEGEND + 10;
     let bar_left = 12;
     let bar_width = 180;
     for i in 0..bar_width {
-        let v = lo + (hi - lo) * i as f64 / (bar_width - 1) as f64;
-        let fill: RGBColor = ViridisRGB.get_color_normalized(v as f32, lo as f32, hi as f32);
+        let v = scale.lo + (scale.hi - scale.lo) * i as f64 / (bar_width - 1) as f64;
         root.draw(&Rectangle::new(
             [
                 (bar_left + i, legend_top),
                 (bar_left + i + 1, legend_top + 14),
             ],
-            fill.filled(),
+            scale.at(v).filled(),
         ))
         .map_err(plot_error)?;
     }
-    root.draw(&Text::new(
-        power_of_ten_label(lo),
-        (bar_left, legend_top + 18),
-        text(LABEL_SIZE - 1),
-    ))
-    .map_err(plot_error)?;
-    root.draw(&Text::new(
-        power_of_ten_label(hi),
-        (bar_left + bar_width - 30, legend_top + 18),
-        text(LABEL_SIZE - 1),
-    ))
-    .map_err(plot_error)?;
-    root.draw(&Text::new(
-        "gradient norm (log)".to_owned(),
-        (bar_left + 40, legend_top + 34),
-        text(LABEL_SIZE - 1),
-    ))
-    .map_err(plot_error)?;
+    for (text, at) in [
+        (power_of_ten_label(scale.lo), (bar_left, legend_top + 18)),
+        (
+            power_of_ten_label(scale.hi),
+            (bar_left + bar_width - 30, legend_top + 18),
+        ),
+        (
+            "gradient norm (log)".to_owned(),
+            (bar_left + 40, legend_top + 34),
+        ),
+    ] {
+        root.draw(&Text::new(text, at, text_style(LABEL_SIZE - 1)))
+            .map_err(plot_error)?;
+    }
     let swatches = [
         (ZERO, "exactly 0"),
         (NOT_REACHED, "no gradient: backward never reached"),
@@ -222,7 +387,7 @@ where
         root.draw(&Text::new(
             label.to_owned(),
             (x + 20, y),
-            text(LABEL_SIZE - 1),
+            text_style(LABEL_SIZE - 1),
         ))
         .map_err(plot_error)?;
         x += label_width;

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 
+use plotters::chart::DualCoordChartContext;
 use plotters::coord::Shift;
 use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
@@ -26,15 +27,22 @@ struct Scale {
     hi: f64,
     /// Where values ≤ 0 go on a log axis.
     floor: f64,
+    /// On a log axis, how far apart the lines at 0 are drawn: each line with a
+    /// zero gets its own lane at and below the floor, so none hides another.
+    lane: f64,
 }
 
+/// A lane at the floor, as a share of a log axis's span (a few pixels).
+const LANE_SHARE: f64 = 0.014;
+
 impl Scale {
-    fn of(axis: &Axis, extra: Option<f64>) -> Option<Scale> {
+    /// The scale of `axis`, stretched to hold `extra` (reference values) too.
+    fn of(axis: &Axis, extra: &[f64]) -> Option<Scale> {
         let values = axis
             .lines
             .iter()
             .flat_map(|l| l.points.iter().map(|(_, v)| *v))
-            .chain(extra);
+            .chain(extra.iter().copied());
         if axis.log {
             let positives: Vec<f64> = values.filter(|v| *v > 0.0).map(f64::log10).collect();
             let any = axis.lines.iter().any(|l| !l.points.is_empty());
@@ -43,32 +51,46 @@ impl Scale {
             }
             let (lo, hi) = min_max(&positives).unwrap_or((-1.0, 0.0));
             let floor = lo.floor() - 1.0;
+            let lanes = zero_lanes(axis).into_iter().flatten().count().clamp(1, 20);
+            let span = hi + 0.3 - (floor - 0.3);
+            let lane = LANE_SHARE * span / (1.0 - LANE_SHARE * (lanes - 1) as f64);
             Some(Scale {
                 log: true,
-                lo: floor - 0.3,
+                lo: floor - 0.3 - (lanes - 1) as f64 * lane,
                 hi: hi + 0.3,
                 floor,
+                lane,
             })
         } else {
             let values: Vec<f64> = values.collect();
             let (lo, hi) = min_max(&values)?;
-            let pad = ((hi - lo) * 0.06).max(hi.abs() * 0.02).max(1e-12);
+            // A line that barely moves (a constant lr) gets a tenth of its value
+            // each way, not ticks that differ in the fourth digit.
+            let flat = hi - lo < hi.abs().max(lo.abs()) * 0.01;
+            let share = if flat { 0.1 } else { 0.02 };
+            let pad = ((hi - lo) * 0.06).max(hi.abs() * share).max(1e-12);
             Some(Scale {
                 log: false,
                 lo: lo - pad,
                 hi: hi + pad,
                 floor: lo,
+                lane: 0.0,
             })
         }
     }
 
     fn map(&self, value: f64) -> f64 {
+        self.map_in_lane(value, 0)
+    }
+
+    /// Where `value` of the line in zero lane `lane` is drawn.
+    fn map_in_lane(&self, value: f64, lane: usize) -> f64 {
         if !self.log {
             value
         } else if value > 0.0 {
             value.log10()
         } else {
-            self.floor
+            self.floor - self.lane * lane.min(19) as f64
         }
     }
 
@@ -81,15 +103,55 @@ impl Scale {
         } else if self.log {
             power_of_ten_label(y)
         } else {
-            let text = format!("{y:.4}");
-            let text = text.trim_end_matches('0').trim_end_matches('.');
-            if y.abs() >= 1e5 || (y != 0.0 && y.abs() < 1e-3) {
-                format!("{y:.2e}")
-            } else {
-                text.to_owned()
-            }
+            // Ticks are at least a tenth of the axis apart: digits down to a
+            // twentieth of it tell every tick from its neighbours.
+            let magnitude = self.hi.abs().max(self.lo.abs());
+            linear_label(y, (self.hi - self.lo) / 20.0, magnitude)
         }
     }
+}
+
+/// `y` with the digits that tell apart values `resolution` apart, no more
+/// (`0.0012`, `3.2`, `1.005e-5`), in scientific notation when the axis reaches
+/// `magnitude` of 1e5 or more, or stays below 1e-3.
+fn linear_label(y: f64, resolution: f64, magnitude: f64) -> String {
+    if y.abs() < resolution / 2.0 {
+        return "0".to_owned();
+    }
+    let finest = resolution.log10().floor();
+    if !(1e-3..1e5).contains(&magnitude) {
+        let digits = (y.abs().log10().floor() - finest).clamp(0.0, 15.0) as usize;
+        let text = format!("{y:.digits$e}");
+        match text.split_once('e') {
+            Some((mantissa, exponent)) if mantissa.contains('.') => {
+                let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+                format!("{mantissa}e{exponent}")
+            }
+            _ => text,
+        }
+    } else {
+        let decimals = (-finest).clamp(0.0, 15.0) as usize;
+        let text = format!("{y:.decimals$}");
+        if text.contains('.') {
+            text.trim_end_matches('0').trim_end_matches('.').to_owned()
+        } else {
+            text
+        }
+    }
+}
+
+/// For each line of `axis`, its lane at the floor when it has a value ≤ 0.
+fn zero_lanes(axis: &Axis) -> Vec<Option<usize>> {
+    let mut next = 0;
+    axis.lines
+        .iter()
+        .map(|line| {
+            line.points.iter().any(|(_, v)| *v <= 0.0).then(|| {
+                next += 1;
+                next - 1
+            })
+        })
+        .collect()
 }
 
 /// The legend's sample (the stretch of line before each entry), its box's margin,
@@ -97,13 +159,155 @@ impl Scale {
 const LEGEND_SAMPLE_PX: u32 = 30;
 const LEGEND_MARGIN_PX: u32 = 10;
 const LEGEND_GAP_PX: u32 = 10;
+/// The space between two columns of a legend under the plot.
+const LEGEND_COLUMN_GAP_PX: u32 = 16;
 /// A row of a legend drawn beside the plot: the label font and some air.
 pub(super) const LEGEND_ROW_PX: u32 = LABEL_SIZE + 8;
+/// The chart's outer margin and its axes' label areas, in pixels.
+const MARGIN_PX: u32 = 12;
+const X_LABEL_PX: u32 = 40;
+const Y_LABEL_PX: u32 = 72;
 
 fn min_max(values: &[f64]) -> Option<(f64, f64)> {
     let mut it = values.iter().copied().filter(|v| v.is_finite());
     let first = it.next()?;
     Some(it.fold((first, first), |(lo, hi), v| (lo.min(v), hi.max(v))))
+}
+
+/// The chart's plotters context: steps against the primary axis, and the
+/// secondary axis on the right.
+type Plot<'a, DB> = DualCoordChartContext<
+    'a,
+    DB,
+    Cartesian2d<RangedCoordu64, RangedCoordf64>,
+    Cartesian2d<RangedCoordu64, RangedCoordf64>,
+>;
+
+/// What [`draw`] works out before drawing: the step range, the scales, and the
+/// room the secondary axis and the legend take.
+struct Frame {
+    from: u64,
+    to: u64,
+    primary: Scale,
+    secondary: Option<Scale>,
+    /// Right of the plot: the secondary axis's labels.
+    secondary_px: u32,
+    /// Right of the plot: a legend beside it.
+    legend_right_px: u32,
+    /// Under the plot: a legend below it, and its columns.
+    legend_below: Option<BelowLegend>,
+}
+
+/// A legend under the plot: entries in columns, filled row by row; an entry too
+/// long for a column takes a row of its own.
+#[derive(Debug, Clone, Copy)]
+struct BelowLegend {
+    columns: usize,
+    column_px: u32,
+    height_px: u32,
+}
+
+impl BelowLegend {
+    fn of<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) -> BelowLegend {
+        let widths = label_widths(root, &legend_of(chart));
+        let room = root
+            .dim_in_pixel()
+            .0
+            .saturating_sub(2 * MARGIN_PX + 2 * LEGEND_MARGIN_PX);
+        // Columns as wide as the widest entry that fits half the room.
+        let half = (room + LEGEND_COLUMN_GAP_PX) / 2;
+        let entry = |w: u32| w + LEGEND_SAMPLE_PX + LEGEND_COLUMN_GAP_PX;
+        let column_px = widths
+            .iter()
+            .map(|w| entry(*w))
+            .filter(|w| *w <= half)
+            .max()
+            .unwrap_or(half)
+            .max(1);
+        let columns = ((room + LEGEND_COLUMN_GAP_PX) / column_px).max(1) as usize;
+        let rows = legend_cells(&widths, columns, column_px)
+            .last()
+            .map_or(0, |(_, row)| row + 1);
+        BelowLegend {
+            columns,
+            column_px,
+            height_px: rows as u32 * LEGEND_ROW_PX + 2 * LEGEND_MARGIN_PX,
+        }
+    }
+}
+
+/// The (column, row) of each entry of a legend in `columns` columns `column_px`
+/// wide, whose labels are `widths` wide: filled row by row, an entry too wide for a
+/// column alone on its row.
+fn legend_cells(widths: &[u32], columns: usize, column_px: u32) -> Vec<(usize, usize)> {
+    let (mut column, mut row) = (0, 0);
+    let mut cells = Vec::with_capacity(widths.len());
+    for &width in widths {
+        let wide = columns > 1 && width + LEGEND_SAMPLE_PX + LEGEND_COLUMN_GAP_PX > column_px;
+        if column > 0 && (wide || column == columns) {
+            (column, row) = (0, row + 1);
+        }
+        cells.push((column, row));
+        column = if wide { columns } else { column + 1 };
+    }
+    cells
+}
+
+/// The width of each legend label of `entries`, in pixels.
+fn label_widths<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    entries: &[(String, Sample)],
+) -> Vec<u32> {
+    let font = TextStyle::from((FONT, LABEL_SIZE).into_font());
+    entries
+        .iter()
+        .map(|(label, _)| root.estimate_text_size(label, &font).map_or(0, |(w, _)| w))
+        .collect()
+}
+
+/// The widest legend label of `entries`, in pixels.
+fn widest_label<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    entries: &[(String, Sample)],
+) -> u32 {
+    let font = TextStyle::from((FONT, LABEL_SIZE).into_font());
+    entries
+        .iter()
+        .filter_map(|(label, _)| root.estimate_text_size(label, &font).ok())
+        .map(|(w, _)| w)
+        .max()
+        .unwrap_or(0)
+}
+
+impl Frame {
+    fn of<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) -> Option<Frame> {
+        // Every reference line is inside the axis: the chart is drawn to compare
+        // them with the lines (an lr far below the smallest change bf16 can make).
+        let references: Vec<f64> = chart.references.iter().map(|r| r.0).collect();
+        let primary = Scale::of(&chart.primary, &references)?;
+        let secondary = chart.secondary.as_ref().and_then(|a| Scale::of(a, &[]));
+        // A legend beside the plot gets its own room: its widest entry, the sample
+        // before it and the box's margins.
+        let legend_right_px = match chart.legend {
+            LegendPlace::Right => {
+                widest_label(root, &legend_of(chart))
+                    + LEGEND_SAMPLE_PX
+                    + 2 * LEGEND_MARGIN_PX
+                    + LEGEND_GAP_PX
+            }
+            LegendPlace::Inside | LegendPlace::Below => 0,
+        };
+        Some(Frame {
+            from: chart.from,
+            to: chart.to.max(chart.from + 1),
+            primary,
+            secondary,
+            secondary_px: if secondary.is_some() { 72 } else { 12 },
+            legend_right_px,
+            legend_below: (chart.legend == LegendPlace::Below)
+                .then(|| BelowLegend::of(root, chart)),
+        })
+    }
 }
 
 pub fn draw<DB: DrawingBackend>(
@@ -113,45 +317,47 @@ pub fn draw<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let from = chart.from;
-    let to = chart.to.max(chart.from + 1);
-    let highest_reference = chart
-        .references
-        .iter()
-        .map(|r| r.0)
-        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
-    let Some(primary) = Scale::of(&chart.primary, highest_reference) else {
+    let Some(frame) = Frame::of(root, chart) else {
         return draw_empty(root, &chart.title, chart.from, chart.to);
     };
-    let secondary = chart
-        .secondary
-        .as_ref()
-        .and_then(|axis| Scale::of(axis, None));
-    let secondary_px = if secondary.is_some() { 72 } else { 12 };
-    // A legend beside the plot gets its own room: its widest entry, the sample
-    // before it and the box's margins.
-    let legend_px = match chart.legend {
-        LegendPlace::Inside => 0,
-        LegendPlace::Right => {
-            let font = TextStyle::from((FONT, LABEL_SIZE).into_font());
-            let widest = legend_of(chart)
-                .iter()
-                .filter_map(|(label, _)| root.estimate_text_size(label, &font).ok())
-                .map(|(w, _)| w)
-                .max()
-                .unwrap_or(0);
-            widest + LEGEND_SAMPLE_PX + 2 * LEGEND_MARGIN_PX + LEGEND_GAP_PX
+    let plot_area = match frame.legend_below {
+        Some(below) => {
+            let height = root.dim_in_pixel().1;
+            root.split_vertically(height.saturating_sub(below.height_px + LEGEND_GAP_PX))
+                .0
         }
+        None => root.clone(),
     };
-    let mut cc = ChartBuilder::on(root)
+    let mut cc = draw_axes(&plot_area, chart, &frame)?;
+    draw_bands(root, &mut cc, chart, &frame)?;
+    draw_references(&mut cc, chart, &frame)?;
+    draw_lines(&mut cc, chart, &frame)?;
+    draw_marks(&mut cc, chart, &frame)?;
+    draw_legend(root, &mut cc, chart, &frame)
+}
+
+/// The frame of the plot: caption, mesh, the step axis and the value axes.
+fn draw_axes<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    chart: &LineChart,
+    frame: &Frame,
+) -> anyhow::Result<Plot<'a, DB>>
+where
+    DB::ErrorType: 'static,
+{
+    let (primary, secondary) = (frame.primary, frame.secondary);
+    let mut cc = ChartBuilder::on(area)
         .caption(&chart.title, (FONT, TITLE_SIZE))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(72)
-        .right_y_label_area_size(secondary_px + legend_px)
-        .build_cartesian_2d(from..to, primary.lo..primary.hi)
+        .margin(MARGIN_PX)
+        .x_label_area_size(X_LABEL_PX)
+        .y_label_area_size(Y_LABEL_PX)
+        .right_y_label_area_size(frame.secondary_px + frame.legend_right_px)
+        .build_cartesian_2d(frame.from..frame.to, primary.lo..primary.hi)
         .map_err(plot_error)?
-        .set_secondary_coord(from..to, secondary.map_or(0.0..1.0, |s| s.lo..s.hi));
+        .set_secondary_coord(
+            frame.from..frame.to,
+            secondary.map_or(0.0..1.0, |s| s.lo..s.hi),
+        );
     cc.configure_mesh()
         .x_desc("step")
         .y_desc(chart.primary.label.as_str())
@@ -170,10 +376,22 @@ where
             .draw()
             .map_err(plot_error)?;
     }
+    Ok(cc)
+}
 
-    // Alert episodes behind everything, each labelled; one legend entry per label.
-    // The labels go below the legend box (upper right), which would otherwise cover
-    // the label of an episode that starts in the right part of the chart.
+/// Alert episodes behind everything, each labelled; one legend entry per label.
+/// The labels go below the legend box (upper right), which would otherwise cover
+/// the label of an episode that starts in the right part of the chart.
+fn draw_bands<'a, DB: DrawingBackend + 'a>(
+    root: &DrawingArea<DB, Shift>,
+    cc: &mut Plot<'a, DB>,
+    chart: &LineChart,
+    frame: &Frame,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let primary = frame.primary;
     let label_top = LabelRows::below_legend(chart, cc.plotting_area().dim_in_pixel().1);
     let mut legended = BTreeSet::new();
     for (i, band) in chart.bands.iter().enumerate() {
@@ -194,7 +412,7 @@ where
         let text_px = root
             .estimate_text_size(&band.label, &font)
             .map_or(0, |(w, _)| w as i32);
-        let at = label_step(&cc, band.from, text_px);
+        let at = label_step(cc, band.from, text_px);
         cc.draw_series(std::iter::once(Text::new(
             band.label.clone(),
             // Stacked, so that bands starting at the same step keep readable labels.
@@ -206,12 +424,28 @@ where
         )))
         .map_err(plot_error)?;
     }
+    Ok(())
+}
 
+/// The colour of reference line `i`.
+fn reference_colour(i: usize) -> RGBColor {
+    [BLACK, RGBColor(120, 120, 120)][i % 2]
+}
+
+/// Horizontal dashed lines at the reference values.
+fn draw_references<'a, DB: DrawingBackend + 'a>(
+    cc: &mut Plot<'a, DB>,
+    chart: &LineChart,
+    frame: &Frame,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
     for (i, (value, label)) in chart.references.iter().enumerate() {
-        let y = primary.map(*value);
-        let colour = [BLACK, RGBColor(120, 120, 120)][i % 2];
+        let y = frame.primary.map(*value);
+        let colour = reference_colour(i);
         cc.draw_series(DashedLineSeries::new(
-            vec![(from, y), (to, y)],
+            vec![(frame.from, y), (frame.to, y)],
             6,
             4,
             colour.stroke_width(1),
@@ -220,16 +454,29 @@ where
         .label(label.as_str())
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(1)));
     }
+    Ok(())
+}
 
+/// The lines of both axes. Past the palette's ten colours the lines are dashed,
+/// so that no two look the same (a chart of sixteen ranks).
+fn draw_lines<'a, DB: DrawingBackend + 'a>(
+    cc: &mut Plot<'a, DB>,
+    chart: &LineChart,
+    frame: &Frame,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let primary = frame.primary;
+    let lanes = zero_lanes(&chart.primary);
     for (i, line) in chart.primary.lines.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
+        let lane = lanes[i].unwrap_or(0);
         let points: Vec<(u64, f64)> = line
             .points
             .iter()
-            .map(|(s, v)| (*s, primary.map(*v)))
+            .map(|(s, v)| (*s, primary.map_in_lane(*v, lane)))
             .collect();
-        // Past the palette's ten colours the lines are dashed, so that no two look
-        // the same (a chart of sixteen ranks).
         if i < PALETTE.len() {
             cc.draw_series(LineSeries::new(points, color.stroke_width(2)))
                 .map_err(plot_error)?
@@ -251,7 +498,7 @@ where
                 });
         }
     }
-    if let (Some(axis), Some(scale)) = (&chart.secondary, secondary) {
+    if let (Some(axis), Some(scale)) = (&chart.secondary, frame.secondary) {
         for (i, line) in axis.lines.iter().enumerate() {
             let color = PALETTE[(i + chart.primary.lines.len()) % PALETTE.len()];
             let points: Vec<(u64, f64)> = line
@@ -267,8 +514,19 @@ where
                 });
         }
     }
+    Ok(())
+}
 
-    // NaN/Inf along the top, per line.
+/// NaN/Inf readings along the top, per line, and the step markers along the bottom.
+fn draw_marks<'a, DB: DrawingBackend + 'a>(
+    cc: &mut Plot<'a, DB>,
+    chart: &LineChart,
+    frame: &Frame,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let primary = frame.primary;
     let lines = chart
         .primary
         .lines
@@ -290,7 +548,7 @@ where
         .enumerate()
         .filter(|(_, (_, s))| !s.is_empty())
     {
-        let color = [BAND, RGBColor(255, 127, 14)][i % 2];
+        let color = marker_colour(i);
         let y = primary.lo + (primary.hi - primary.lo) * (0.03 + 0.04 * i as f64);
         cc.draw_series(
             steps
@@ -301,9 +559,28 @@ where
         .label(label.as_str())
         .legend(move |(x, y)| TriangleMarker::new((x + 8, y), 5, color.filled()));
     }
+    Ok(())
+}
 
-    match chart.legend {
-        LegendPlace::Inside => {
+/// The colour of marker row `i`.
+fn marker_colour(i: usize) -> RGBColor {
+    [BAND, RGBColor(255, 127, 14)][i % 2]
+}
+
+/// The legend where the chart wants it: plotters' own over the plot, or a box of
+/// ours beside or under it.
+fn draw_legend<'a, DB: DrawingBackend + 'a>(
+    root: &DrawingArea<DB, Shift>,
+    cc: &mut Plot<'a, DB>,
+    chart: &LineChart,
+    frame: &Frame,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let (xs, ys) = cc.plotting_area().get_pixel_range();
+    match (chart.legend, frame.legend_below) {
+        (LegendPlace::Inside, _) => {
             for note in &chart.notes {
                 cc.draw_series(std::iter::empty::<PathElement<(u64, f64)>>())
                     .map_err(plot_error)?
@@ -316,23 +593,35 @@ where
                 .border_style(RGBColor(160, 160, 160))
                 .label_font((FONT, LABEL_SIZE))
                 .draw()
-                .map_err(plot_error)?;
+                .map_err(plot_error)
         }
-        LegendPlace::Right => {
-            // plotters clips shapes to the plotting area, so a legend beside it is
-            // drawn here, on the whole chart, entry by entry.
-            let (xs, ys) = cc.plotting_area().get_pixel_range();
-            draw_legend_beside(
+        // plotters clips shapes to the plotting area, so a legend beside or under it
+        // is drawn here, on the whole chart, entry by entry.
+        (LegendPlace::Right, _) => draw_legend_box(
+            root,
+            chart,
+            (
+                xs.end + frame.secondary_px as i32 + LEGEND_GAP_PX as i32,
+                ys.start,
+            ),
+            1,
+            0,
+        ),
+        (LegendPlace::Below, Some(below)) => {
+            let height = root.dim_in_pixel().1 as i32;
+            draw_legend_box(
                 root,
                 chart,
                 (
-                    xs.end + secondary_px as i32 + LEGEND_GAP_PX as i32,
-                    ys.start,
+                    MARGIN_PX as i32,
+                    height - MARGIN_PX as i32 / 2 - below.height_px as i32,
                 ),
-            )?;
+                below.columns,
+                below.column_px,
+            )
         }
+        (LegendPlace::Below, None) => Ok(()),
     }
-    Ok(())
 }
 
 /// The sample drawn before a legend entry, as [`draw`] draws its series.
@@ -360,11 +649,10 @@ fn legend_of(chart: &LineChart) -> Vec<(String, Sample)> {
         }
     }
     for (i, (_, label)) in chart.references.iter().enumerate() {
-        let color = [BLACK, RGBColor(120, 120, 120)][i % 2];
         entries.push((
             label.clone(),
             Sample::Line {
-                color,
+                color: reference_colour(i),
                 width: 1,
                 dashed: false,
             },
@@ -407,8 +695,7 @@ fn legend_of(chart: &LineChart) -> Vec<(String, Sample)> {
     }
     for (i, (label, steps)) in chart.markers.iter().enumerate() {
         if !steps.is_empty() {
-            let color = [BAND, RGBColor(255, 127, 14)][i % 2];
-            entries.push((label.clone(), Sample::Marker(color)));
+            entries.push((label.clone(), Sample::Marker(marker_colour(i))));
         }
     }
     for note in &chart.notes {
@@ -417,12 +704,15 @@ fn legend_of(chart: &LineChart) -> Vec<(String, Sample)> {
     entries
 }
 
-/// A legend box with its top left corner at `at` (pixels of `root`): a row per
-/// entry, its sample then its label, like plotters' own.
-fn draw_legend_beside<DB: DrawingBackend>(
+/// A legend box with its top left corner at `at` (pixels of `root`): its entries
+/// in `columns` columns `column_px` apart, filled row by row, each its sample then
+/// its label, like plotters' own.
+fn draw_legend_box<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     chart: &LineChart,
     at: (i32, i32),
+    columns: usize,
+    column_px: u32,
 ) -> anyhow::Result<()>
 where
     DB::ErrorType: 'static,
@@ -432,22 +722,24 @@ where
         return Ok(());
     }
     let font = TextStyle::from((FONT, LABEL_SIZE).into_font());
-    let widest = entries
-        .iter()
-        .filter_map(|(label, _)| root.estimate_text_size(label, &font).ok())
-        .map(|(w, _)| w as i32)
-        .max()
-        .unwrap_or(0);
+    let widest = widest_label(root, &entries) as i32;
     let (margin, sample, row) = (
         LEGEND_MARGIN_PX as i32,
         LEGEND_SAMPLE_PX as i32,
         LEGEND_ROW_PX as i32,
     );
+    let widths = label_widths(root, &entries);
+    let cells = legend_cells(&widths, columns.max(1), column_px);
+    let rows = cells.last().map_or(0, |(_, row)| row + 1) as i32;
+    // As wide as its widest row.
+    let right = cells
+        .iter()
+        .zip(&widths)
+        .map(|((column, _), w)| *column as i32 * column_px as i32 + *w as i32)
+        .max()
+        .unwrap_or(widest);
     let (x, y) = at;
-    let (width, height) = (
-        widest + sample + 2 * margin,
-        entries.len() as i32 * row + 2 * margin,
-    );
+    let (width, height) = (right + sample + 2 * margin, rows * row + 2 * margin);
     root.draw(&Rectangle::new(
         [(x, y), (x + width, y + height)],
         WHITE.mix(0.85).filled(),
@@ -458,49 +750,57 @@ where
         RGBColor(160, 160, 160),
     ))
     .map_err(plot_error)?;
-    for (i, (label, kind)) in entries.iter().enumerate() {
-        let top = y + margin + i as i32 * row;
-        let (sx, sy) = (x + margin, top + row / 2);
-        match *kind {
-            Sample::Line {
-                color,
-                width,
-                dashed: false,
-            } => root.draw(&PathElement::new(
-                vec![(sx, sy), (sx + 16, sy)],
-                color.stroke_width(width),
-            )),
-            Sample::Line {
-                color,
-                width,
-                dashed: true,
-            } => root.draw(&plotters::element::DashedPathElement::new(
-                vec![(sx, sy), (sx + 16, sy)],
-                5,
-                3,
-                color.stroke_width(width),
-            )),
-            Sample::Band => root.draw(&Rectangle::new(
-                [(sx, sy - 5), (sx + 16, sy + 5)],
-                BAND.mix(0.3).filled(),
-            )),
-            Sample::NonFinite => {
-                root.draw(&Cross::new((sx + 8, sy), 5, NON_FINITE.stroke_width(2)))
-            }
-            Sample::Marker(color) => {
-                root.draw(&TriangleMarker::new((sx + 8, sy), 5, color.filled()))
-            }
-            Sample::Nothing => Ok(()),
-        }
-        .map_err(plot_error)?;
+    for ((label, kind), (column, line)) in entries.iter().zip(cells) {
+        let left = x + margin + column as i32 * column_px as i32;
+        let top = y + margin + line as i32 * row;
+        draw_sample(root, *kind, (left, top + row / 2))?;
         root.draw(&Text::new(
             label.clone(),
-            (x + margin + sample, top + (row - LABEL_SIZE as i32) / 2 - 1),
+            (left + sample, top + (row - LABEL_SIZE as i32) / 2 - 1),
             font.clone(),
         ))
         .map_err(plot_error)?;
     }
     Ok(())
+}
+
+/// A legend entry's sample, its left end at `(sx, sy)`.
+fn draw_sample<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    kind: Sample,
+    (sx, sy): (i32, i32),
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    match kind {
+        Sample::Line {
+            color,
+            width,
+            dashed: false,
+        } => root.draw(&PathElement::new(
+            vec![(sx, sy), (sx + 16, sy)],
+            color.stroke_width(width),
+        )),
+        Sample::Line {
+            color,
+            width,
+            dashed: true,
+        } => root.draw(&plotters::element::DashedPathElement::new(
+            vec![(sx, sy), (sx + 16, sy)],
+            5,
+            3,
+            color.stroke_width(width),
+        )),
+        Sample::Band => root.draw(&Rectangle::new(
+            [(sx, sy - 5), (sx + 16, sy + 5)],
+            BAND.mix(0.3).filled(),
+        )),
+        Sample::NonFinite => root.draw(&Cross::new((sx + 8, sy), 5, NON_FINITE.stroke_width(2))),
+        Sample::Marker(color) => root.draw(&TriangleMarker::new((sx + 8, sy), 5, color.filled())),
+        Sample::Nothing => Ok(()),
+    }
+    .map_err(plot_error)
 }
 
 /// The step an episode label starting at `from` is drawn at: `from`, or further
@@ -547,8 +847,8 @@ impl LabelRows {
         let row_px = f64::from(LABEL_SIZE) + 8.0;
         let legend_px = entries as f64 * row_px + 16.0;
         let plot_px = f64::from(plot_px.max(1));
-        let first_px = if chart.legend == LegendPlace::Right {
-            // The legend is beside the plot: the labels start at its top.
+        let first_px = if chart.legend != LegendPlace::Inside {
+            // The legend is beside or under the plot: the labels start at its top.
             4.0
         } else if legend_px + 3.0 * row_px < plot_px {
             legend_px + 4.0

@@ -8,14 +8,14 @@ use std::collections::HashMap;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use gradflow_protocol::{LossScaler, RunId, RunRegistration};
+use gradflow_protocol::{Dtype, LossScaler, RunId, RunRegistration};
 use maud::{Markup, html};
 use serde::Deserialize;
 
 use super::layout::{self, ago, number, thousands};
 use super::runs_page::{severity_counts, severity_rank};
 use super::{PageError, page_response};
-use crate::charts::ChartKind;
+use crate::charts::{self, ChartKind};
 use crate::error::ApiError;
 use crate::routes::extract::check_step_range;
 use crate::state::AppState;
@@ -117,6 +117,45 @@ pub async fn show_run(
     ))
 }
 
+/// The norm-weight chart's height on the run page, in pixels: the others' 420 and
+/// its legend under the plot.
+const NORM_DRIFT_HEIGHT: u32 = 520;
+
+/// What the norm-weight chart draws, for its alt text: the reference lines only
+/// where the weights' dtype rounds updates away at sizes the chart shows.
+fn norm_drift_alt(reference: Option<(Dtype, bool)>) -> String {
+    match reference {
+        Some((dtype, _)) => format!(
+            "Drift and update norm of the norm weights over steps, with the smallest change {} can make at their magnitude",
+            dtype.as_str()
+        ),
+        None => "Drift and update norm of the norm weights over steps".to_owned(),
+    }
+}
+
+/// The norm-weight chart's caption, which describes the dashed lines only when
+/// the chart draws them (bf16 or f16 norm weights).
+fn norm_drift_caption(reference: Option<(Dtype, bool)>) -> String {
+    let lines = "Norm weights: how far they moved (drift) and how much each update changed them, \
+                 the largest per group; lines at 0 lie along the floor, one under another.";
+    match reference {
+        Some((dtype, true)) => format!(
+            "{lines} The black dashed line is the smallest change {dtype} can make at the weights' magnitude: \
+             updates below it round away. The grey dashed line is one optimizer step (≈ lr for Adam): \
+             when it lies below the black one, the weights cannot move.",
+            dtype = dtype.as_str()
+        ),
+        Some((dtype, false)) => format!(
+            "{lines} The black dashed line is the smallest change {dtype} can make at the weights' magnitude: \
+             updates below it round away.",
+            dtype = dtype.as_str()
+        ),
+        None => format!(
+            "{lines} Their dtype can represent changes far smaller than these, so no rounding line is drawn."
+        ),
+    }
+}
+
 struct RunView<'a> {
     run: &'a StoredRun,
     from: Option<u64>,
@@ -212,14 +251,20 @@ impl RunView<'_> {
             url
         };
         let figure = |kind: ChartKind, width: u32, class: &str, alt: &str, caption: &str| {
+            let mut src = src(kind, width);
+            // The norm-weight chart's legend goes under its plot: room for both.
+            if kind == ChartKind::NormDrift {
+                src.push_str(&format!("&height={NORM_DRIFT_HEIGHT}"));
+            }
             html! {
                 figure class=(class) {
-                    img id={"chart-" (kind.name())} src=(src(kind, width)) alt=(alt) width=(width) loading="lazy";
+                    img id={"chart-" (kind.name())} src=(src) alt=(alt) width=(width) loading="lazy";
                     figcaption { (caption) }
-                    a.chart-link href=(src(kind, width).replace(".svg?", ".png?")) { "PNG" }
+                    a.chart-link href=(src.replace(".svg?", ".png?")) { "PNG" }
                 }
             }
         };
+        let reference = charts::data::norm_reference(&self.run.registration);
         html! {
             section #charts aria-labelledby="charts-heading" {
                 h2 #charts-heading { "Charts" }
@@ -236,8 +281,8 @@ impl RunView<'_> {
                             "Gradient norm of each group over steps, on a log axis, with stuck-at-zero stretches shaded",
                             "Gradient norm per group (log axis). Shaded stretches are under a grad_stuck_zero alert."))
                         (figure(ChartKind::NormDrift, 600, "chart",
-                            "Drift and update norm of the norm weights over steps, with the smallest representable step of their dtype",
-                            "Norm weights: how far they moved and how much each update changed them. The dashed line is the smallest change the weight's dtype can represent at its magnitude: updates below it round away."))
+                            &norm_drift_alt(reference),
+                            &norm_drift_caption(reference)))
                         (figure(ChartKind::Loss, 600, "chart",
                             "Loss and learning rate over steps",
                             "Loss and learning rate."))
