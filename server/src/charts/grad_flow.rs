@@ -67,8 +67,10 @@ impl Frame {
         let x0 = label_width + 6;
         let y0 = TOP;
         let y1 = (height - LEGEND - AXIS).max(y0 + chart.modules.len() as i32);
-        // The group column is as wide as its widest label, up to half the room.
-        let group_px = widest_group.min((x0 - LABEL_LEFT - LABEL_GAP) / 2);
+        // The group column is as wide as its widest label, unless the module
+        // labels would not fit beside it: then it has half the room.
+        let room = x0 - 6 - LABEL_LEFT - LABEL_GAP;
+        let group_px = widest_group.min((room - widest_module).max(room / 2));
         let module_x = LABEL_LEFT + group_px + LABEL_GAP;
         Frame {
             x0,

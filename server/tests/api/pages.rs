@@ -362,3 +362,26 @@ async fn ranks_page_of_a_single_process_and_of_no_run() {
         "{html}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_norm_chart_caption_names_the_dashed_lines_only_when_drawn() {
+    let app = TestApp::spawn().await;
+    crate::charts::hf_run(&app, "f32", "f32").await;
+    crate::charts::hf_run(&app, "bf16", "bf16").await;
+    let (_, _, f32_page) = get_page(&app, "/runs/f32").await;
+    assert!(
+        f32_page.contains("no rounding line is drawn"),
+        "f32 caption"
+    );
+    assert!(
+        !f32_page.contains("dashed"),
+        "an f32 run has no dashed line"
+    );
+    let (_, _, bf16_page) = get_page(&app, "/runs/bf16").await;
+    assert!(
+        bf16_page.contains("The black dashed line is the smallest change bf16 can make"),
+        "bf16 caption"
+    );
+    assert!(bf16_page.contains("The grey dashed line is one optimizer step"));
+    assert!(bf16_page.contains("charts/norm-drift.svg?width=600"));
+}
