@@ -26,6 +26,7 @@ pub mod run;
 pub mod step;
 pub mod timestamp;
 mod validate;
+pub mod wiring;
 
 pub use amend::Amendment;
 pub use error::InvalidBody;
@@ -41,6 +42,7 @@ pub use step::{
     validate_batch,
 };
 pub use timestamp::Timestamp;
+pub use wiring::{WiringFinding, WiringKind};
 
 /// Formats a float for an error message: `NaN`, `Infinity`, `-Infinity` as the wire
 /// spells them, other values in Rust's shortest round-trip form.

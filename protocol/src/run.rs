@@ -348,6 +348,10 @@ pub struct RunRegistration {
     /// the server's own `--webhook`s. Absent: only those.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub webhooks: Vec<Webhook>,
+    /// v1.5: what the client found wrong in the model's wiring (see [`crate::wiring`]).
+    /// Absent: nothing found, or a client that does not look.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub wiring: Vec<crate::wiring::WiringFinding>,
 }
 
 /// Most webhooks one registration may name.
@@ -515,6 +519,7 @@ impl RunRegistration {
             }
         }
         validate_params(&root.field("params"), &self.params)?;
+        crate::wiring::validate_wiring(&root.field("wiring"), &self.wiring)?;
         check_shard_ranks(&root.field("params"), &self.params, self.world_size())?;
         if let Some(train) = &self.train {
             let path = root.field("train");

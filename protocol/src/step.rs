@@ -200,6 +200,12 @@ pub struct ModuleStep {
     /// v1.4: how many of those elements are NaN or infinite.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nonfinite: Option<u64>,
+    /// v1.5: a fingerprint of the module's weights after the step's optimizer step:
+    /// the sum (f64) of the elements the sending rank holds of its own parameters.
+    /// Sent by each rank of a multi-rank run now and then; the replicas of a
+    /// replicated module must agree (`replica_divergence`, subject `weights`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param_sum: Option<Float>,
 }
 
 /// A parameter's state after this step's optimizer step.

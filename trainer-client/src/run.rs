@@ -123,6 +123,7 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
         config: Some(config),
         train: None,
         webhooks: Vec::new(),
+        wiring: Vec::new(),
     }
 }
 

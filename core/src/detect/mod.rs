@@ -32,6 +32,8 @@
 //! - [`registration`]: the checks made once, at registration (and again at each
 //!   amendment): `scaler_bf16_incompatible`, `dtype_mismatch`, `param_not_in_optimizer`,
 //!   `group_not_training`.
+//! - [`wiring`]: `freeze_flag_ignored`, `modules_not_registered`,
+//!   `tied_weights_untied`: the client's findings about the model's wiring.
 //! - [`context`]: what the detectors know of a run from its registration.
 //! - [`layers`]: stacks of numbered layers, named once at registration.
 //! - [`precision`]: floating-point spacing arithmetic (the bf16 ulp story).
@@ -57,6 +59,7 @@ pub mod stuck_zero;
 pub mod unused;
 pub mod update_rounded_away;
 pub mod vanishing;
+pub mod wiring;
 
 use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};

@@ -7,6 +7,8 @@
 //! - `param_not_in_optimizer`: `requires_grad` parameters the optimizer does not hold.
 //! - `group_not_training`: a group the registration declares meant to train
 //!   (`train`, v1.1) has no trainable parameter (a wrong name filter froze it).
+//! - `freeze_flag_ignored`, `modules_not_registered`, `tied_weights_untied`: what the
+//!   client found wrong in the model's wiring ([`super::wiring`]).
 //! - `nothing_trains`: no parameter at all is both `requires_grad` and in the
 //!   optimizer: whatever the run computes, no weight can change.
 //!
@@ -27,6 +29,7 @@ pub fn check(context: &RunContext) -> Vec<Opened> {
     param_not_in_optimizer(context, &mut alerts);
     group_not_training(context, &mut alerts);
     nothing_trains(context, &mut alerts);
+    super::wiring::check(context, &mut alerts);
     alerts
 }
 

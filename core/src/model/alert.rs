@@ -32,10 +32,13 @@ pub enum AlertKind {
     NothingTrains,
     AccumulationReset,
     ModelInEvalMode,
+    FreezeFlagIgnored,
+    ModulesNotRegistered,
+    TiedWeightsUntied,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 24] = [
+    pub const ALL: [AlertKind; 27] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -60,6 +63,9 @@ impl AlertKind {
         AlertKind::NothingTrains,
         AlertKind::AccumulationReset,
         AlertKind::ModelInEvalMode,
+        AlertKind::FreezeFlagIgnored,
+        AlertKind::ModulesNotRegistered,
+        AlertKind::TiedWeightsUntied,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -88,6 +94,9 @@ impl AlertKind {
             AlertKind::NothingTrains => "nothing_trains",
             AlertKind::AccumulationReset => "accumulation_reset",
             AlertKind::ModelInEvalMode => "model_in_eval_mode",
+            AlertKind::FreezeFlagIgnored => "freeze_flag_ignored",
+            AlertKind::ModulesNotRegistered => "modules_not_registered",
+            AlertKind::TiedWeightsUntied => "tied_weights_untied",
         }
     }
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple, cast
 import torch
 from torch import nn
 
-from . import _torch_compat, layout, ranks, wire
+from . import _torch_compat, layout, ranks, wire, wiring
 
 
 @dataclass
@@ -240,6 +240,9 @@ class Registry:
             body["train"] = list(train)
         if webhooks:
             body["webhooks"] = webhooks
+        found = wiring.findings(self.model)
+        if found:
+            body["wiring"] = found
         # Only what stays the same when the same job restarts: registering again with
         # the same body is then accepted as the same run.
         cfg: Dict[str, Any] = {"client": "gradflow-python", "torch": torch.__version__}

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NoReturn, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Protocol, Sequence, Set, Tuple, cast
 from urllib.parse import quote
 
 from . import wire
@@ -318,7 +318,18 @@ class Reporter:
 
     def _register_here(self, timeout: Optional[float] = None) -> None:
         try:
-            self.client.register(self.run_id, self.registration, timeout)
+            try:
+                self.client.register(self.run_id, self.registration, timeout)
+            except Refused as err:
+                # A server older than protocol v1.5 refuses the wiring findings (an
+                # unknown field): register without them rather than not at all.
+                if err.status != 400 or "wiring" not in self.registration:
+                    raise
+                self.registration = cast(
+                    wire.RunRegistration,
+                    {k: v for k, v in self.registration.items() if k != "wiring"},
+                )
+                self.client.register(self.run_id, self.registration, timeout)
         except Refused as err:
             # In a multi-rank run every rank registers: the server compares their bodies
             # without `rank` and `host`, so a conflict is a real one, said on each rank.

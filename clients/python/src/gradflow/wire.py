@@ -49,6 +49,7 @@ class ModuleStep(_ModuleStepName, total=False):
     grad_sumsq: Optional[Float]  # multi-rank runs: this rank's partial sum
     numel: int
     nonfinite: int
+    param_sum: Float  # multi-rank runs, now and then: the sum of this rank's weights
 
 
 class _ParamStepName(TypedDict):
@@ -166,6 +167,18 @@ class Optimizer(TypedDict, total=False):
     param_groups: List[ParamGroup]
 
 
+class _WiringKind(TypedDict):
+    kind: str  # freeze_flag_ignored | modules_not_registered | tied_weights_untied
+    module: str
+
+
+class WiringFinding(_WiringKind, total=False):
+    """``WiringFinding`` (``protocol/src/wiring.rs``, v1.5)."""
+
+    attribute: str
+    params: int
+
+
 class RunRegistration(TypedDict, total=False):
     """``RunRegistration``: the body of ``PUT /api/v1/runs/{id}``."""
 
@@ -181,6 +194,7 @@ class RunRegistration(TypedDict, total=False):
     config: Any
     train: List[str]
     webhooks: List[Webhook]
+    wiring: List[WiringFinding]
 
 
 # -- what the server answers ---------------------------------------------------------

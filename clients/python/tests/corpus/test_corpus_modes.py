@@ -77,10 +77,6 @@ class Net(nn.Module):
         return self.logits(self.enc(x))
 
 
-@not_caught(
-    "missed: the encoder meant frozen trains like any module; the intent to "
-    "freeze it is nowhere in the registration",
-)
 def test_frozen_flag_set_on_the_module_not_its_parameters(gradflow_server, gradflow_env):
     """`frozen=True` sets `encoder.requires_grad = False` on the module, an attribute
     nothing reads: the parameters still require grad and the "frozen" pretrained
@@ -96,7 +92,8 @@ def test_frozen_flag_set_on_the_module_not_its_parameters(gradflow_server, gradf
     step = train_step(model, optimizer, class_loss)
     run_id = quickstart(model, optimizer, step)
     assert "enc.net.0.weight" in moved(before, model)
-    verdict(gradflow_server, run_id, subject="enc")
+    alert = verdict(gradflow_server, run_id, "freeze_flag_ignored", "enc")
+    assert "enc.requires_grad_(False)" in alert["fix"], alert
 
 
 class TaskNet(nn.Module):

@@ -154,10 +154,6 @@ class ListModel(nn.Module):
         return self.head(x)
 
 
-@not_caught(
-    "missed: parameters held in a Python list are not the model's, so gradflow "
-    "never registers them",
-)
 def test_hidden_layers_in_a_python_list(gradflow_server, gradflow_env):
     """Layers stored in a Python list are not registered: `model.parameters()` leaves
     them out, so the optimizer never updates them while they get gradients.
@@ -170,7 +166,10 @@ def test_hidden_layers_in_a_python_list(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
     assert model.layers[0].weight.grad is not None
     assert torch.equal(model.layers[0].weight.detach(), before)
-    verdict(gradflow_server, run_id)
+    alert = verdict(
+        gradflow_server, run_id, "modules_not_registered", cause="modules_not_registered"
+    )
+    assert alert["evidence"]["attribute"] == "layers" and "nn.ModuleList" in alert["fix"], alert
 
 
 class SmallGPT(nn.Module):
@@ -193,10 +192,6 @@ class SmallGPT(nn.Module):
         return self.lm_head(h + self.block(h))
 
 
-@not_caught(
-    "missed: two tensors that should be one both train normally; the "
-    "registration does not say they were meant to be tied",
-)
 def test_tied_embeddings_left_untied(gradflow_server, gradflow_env):
     """The model is meant to share its token embedding with the LM head, but the
     weights were never tied: they start equal and train apart, a model with twice the
@@ -210,4 +205,5 @@ def test_tied_embeddings_left_untied(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, train_step(model, optimizer, next_token_loss))
     assert model.lm_head.weight is not model.wte.weight
     assert not torch.equal(model.lm_head.weight, model.wte.weight)  # drifted apart
-    verdict(gradflow_server, run_id, subject="lm_head")
+    alert = verdict(gradflow_server, run_id, "tied_weights_untied", "lm_head")
+    assert "tie_weights" in alert["fix"], alert

@@ -1,0 +1,105 @@
+"""What is wrong in how the model is wired, seen once when the run registers: facts
+only the live objects show, sent as the registration's ``wiring`` (protocol v1.5)
+for the server to word as alerts.
+
+- ``freeze_flag_ignored``: ``module.requires_grad = False`` set as a plain attribute,
+  which ``nn.Module`` never reads, on a module whose parameters still require grad.
+- ``modules_not_registered``: modules held in a plain list, tuple or dict attribute,
+  so ``model.parameters()`` (and the optimizer built from it) never sees them.
+- ``tied_weights_untied``: a Hugging Face config with ``tie_word_embeddings`` whose
+  input and output embeddings are two tensors.
+
+Host-side attribute reads only, once per run; nothing here touches a tensor's data.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from torch import nn
+
+from . import wire
+
+# Findings sent at most (the protocol's limit is 256).
+MAX_FINDINGS = 64
+
+
+def findings(model: nn.Module) -> List[wire.WiringFinding]:
+    out: List[wire.WiringFinding] = []
+    # Held elsewhere in the model (a child keeping a list of its siblings) is fine.
+    registered = {id(p) for p in model.parameters()}
+    for name, module in model.named_modules():
+        out.extend(_freeze_flag(name, module))
+        out.extend(_plain_containers(name, module, registered))
+    out.extend(_untied_embeddings(model))
+    return out[:MAX_FINDINGS]
+
+
+def _freeze_flag(name: str, module: nn.Module) -> List[wire.WiringFinding]:
+    # An instance attribute: nn.Module defines no `requires_grad`, so the assignment
+    # landed in the module's __dict__ and changed nothing.
+    if vars(module).get("requires_grad") is not False:
+        return []
+    live = [p for p in module.parameters() if p.requires_grad]
+    if not live:
+        return []
+    return [{"kind": "freeze_flag_ignored", "module": name, "params": len(live)}]
+
+
+def _plain_containers(
+    name: str, module: nn.Module, registered: Set[int]
+) -> List[wire.WiringFinding]:
+    found: List[wire.WiringFinding] = []
+    for attribute, value in vars(module).items():
+        if attribute.startswith("_") or not isinstance(value, (list, tuple, dict)):
+            continue
+        items = value.values() if isinstance(value, dict) else value
+        held = [m for m in items if isinstance(m, nn.Module)]
+        if not held:
+            continue
+        outside = {id(p): p for m in held for p in m.parameters() if id(p) not in registered}
+        if outside:
+            found.append(
+                {
+                    "kind": "modules_not_registered",
+                    "module": name,
+                    "attribute": attribute,
+                    "params": len(outside),
+                }
+            )
+    return found
+
+
+def _untied_embeddings(model: nn.Module) -> List[wire.WiringFinding]:
+    config: Any = getattr(model, "config", None)
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is None:  # a model of its own that says it on itself
+        tied = getattr(model, "tie_word_embeddings", False)
+    if tied is not True:
+        return []
+    inputs, outputs = _embeddings(model)
+    weight_in = getattr(inputs, "weight", None)
+    weight_out = getattr(outputs, "weight", None)
+    if weight_in is None or weight_out is None or weight_in is weight_out:
+        return []
+    names: Dict[int, str] = {id(m): n for n, m in model.named_modules()}
+    return [{"kind": "tied_weights_untied", "module": names.get(id(outputs), ""), "params": 2}]
+
+
+def _embeddings(model: nn.Module) -> Tuple[Optional[nn.Module], Optional[nn.Module]]:
+    """The input embedding and the output projection: Hugging Face's accessors, else
+    the first ``nn.Embedding`` and the last ``nn.Linear`` of the same shape."""
+    try:
+        return model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError, TypeError):
+        pass
+    modules = list(model.modules())
+    embedding = next((m for m in modules if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        return None, None
+    shape = embedding.weight.shape
+    head = next(
+        (m for m in reversed(modules) if isinstance(m, nn.Linear) and m.weight.shape == shape),
+        None,
+    )
+    return embedding, head

@@ -1,0 +1,144 @@
+//! Registration checks of the model's wiring, from the findings a client sends with
+//! the registration (`wiring`, v1.5): what only the live Python objects show, said
+//! with the fix. One alert per finding.
+//!
+//! - `freeze_flag_ignored` (warning): `module.requires_grad = False` set as a plain
+//!   attribute; the module's parameters still require grad and train.
+//! - `modules_not_registered` (critical): modules kept in a plain list, tuple or
+//!   dict; their parameters are not the model's, so `model.parameters()` (the
+//!   optimizer, `.to()`, `state_dict`, DDP) never sees them.
+//! - `tied_weights_untied` (warning): the config ties input and output embeddings,
+//!   and they are two tensors.
+
+use gradflow_protocol::{WiringFinding, WiringKind};
+use serde_json::json;
+
+use super::{AlertKind, Opened, RunContext, Severity};
+
+pub fn check(context: &RunContext, out: &mut Vec<Opened>) {
+    for finding in &context.registration.wiring {
+        out.push(opened(finding));
+    }
+}
+
+fn opened(finding: &WiringFinding) -> Opened {
+    let module = if finding.module.is_empty() {
+        "the model".to_owned()
+    } else {
+        finding.module.clone()
+    };
+    let attribute = finding.attribute.as_deref().unwrap_or("?");
+    let params = finding
+        .params
+        .map(|n| format!("{n} parameter tensors"))
+        .unwrap_or_else(|| "its parameters".to_owned());
+    let (kind, severity, title, detail, fix) = match finding.kind {
+        WiringKind::FreezeFlagIgnored => (
+            AlertKind::FreezeFlagIgnored,
+            Severity::Warning,
+            format!("{module}.requires_grad = False freezes nothing"),
+            format!(
+                "{module} has a plain attribute requires_grad = False. nn.Module does not read \
+                 it: {params} of {module} still have requires_grad=True, get gradients and \
+                 are updated, so the module meant to stay frozen trains."
+            ),
+            format!(
+                "Freeze the parameters, not the module object: {module}.requires_grad_(False) \
+                 (or `for p in {module}.parameters(): p.requires_grad = False`), before \
+                 building the optimizer."
+            ),
+        ),
+        WiringKind::ModulesNotRegistered => (
+            AlertKind::ModulesNotRegistered,
+            Severity::Critical,
+            format!("Layers in {module}.{attribute} are not part of the model"),
+            format!(
+                "{module}.{attribute} is a plain Python list, tuple or dict holding modules \
+                 ({params}). nn.Module registers only modules assigned directly or held in an \
+                 nn.ModuleList/nn.ModuleDict, so these are missing from model.parameters(): an \
+                 optimizer built from it never updates them, .to(device) does not move them, \
+                 and state_dict does not save them."
+            ),
+            format!(
+                "Hold them in nn.ModuleList (nn.ModuleDict for a dict): {module}.{attribute} = \
+                 nn.ModuleList([...]), then rebuild the optimizer from model.parameters()."
+            ),
+        ),
+        WiringKind::TiedWeightsUntied => (
+            AlertKind::TiedWeightsUntied,
+            Severity::Warning,
+            format!("{module}: input and output embeddings are meant to be tied but are not"),
+            format!(
+                "The model's config sets tie_word_embeddings, yet the input embedding and the \
+                 output projection of {module} are two tensors: the model has twice the \
+                 embedding parameters it was designed with, and the two drift apart as they \
+                 train."
+            ),
+            "Call model.tie_weights() after building or resizing the model (and after \
+             loading weights), before building the optimizer; or set \
+             tie_word_embeddings=False in the config if separate embeddings are intended."
+                .to_owned(),
+        ),
+    };
+    Opened {
+        kind,
+        subject: if finding.module.is_empty() {
+            "run".to_owned()
+        } else {
+            finding.module.clone()
+        },
+        severity,
+        first_step: None,
+        step: None,
+        title,
+        detail,
+        fix,
+        evidence: json!({
+            "cause": finding.kind.as_str(),
+            "module": finding.module,
+            "attribute": finding.attribute,
+            "params": finding.params,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::{Thresholds, registration};
+    use gradflow_protocol::RunRegistration;
+
+    #[test]
+    fn each_finding_is_one_registration_alert_with_its_fix() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "params": [{"name": "encoder.w"}, {"name": "head.w"}],
+            "wiring": [
+                {"kind": "freeze_flag_ignored", "module": "encoder", "params": 2},
+                {"kind": "modules_not_registered", "module": "", "attribute": "hidden", "params": 6},
+                {"kind": "tied_weights_untied", "module": "", "params": 2}
+            ]
+        }))
+        .unwrap();
+        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        let kinds: Vec<(AlertKind, &str, Severity)> = found
+            .iter()
+            .map(|a| (a.kind, a.subject.as_str(), a.severity))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (AlertKind::FreezeFlagIgnored, "encoder", Severity::Warning),
+                (AlertKind::ModulesNotRegistered, "run", Severity::Critical),
+                (AlertKind::TiedWeightsUntied, "run", Severity::Warning),
+            ]
+        );
+        assert!(found[0].fix.contains("encoder.requires_grad_(False)"));
+        assert!(
+            found[1].title.contains("the model.hidden"),
+            "{}",
+            found[1].title
+        );
+        assert!(found[1].fix.contains("nn.ModuleList"));
+        assert_eq!(found[2].evidence["cause"], "tied_weights_untied");
+    }
+}

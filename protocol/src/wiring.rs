@@ -1,0 +1,105 @@
+//! v1.5: what a client found wrong in how the model is wired when it registered the
+//! run — facts only the live Python objects show (a module attribute that freezes
+//! nothing, layers kept in a plain list, embeddings meant to be tied that are two
+//! tensors). The server words the alerts; the client only says what it saw.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{InvalidBody, Path};
+use crate::validate::check_name;
+
+/// Most wiring findings one registration may carry.
+pub const MAX_WIRING_FINDINGS: usize = 256;
+
+/// One finding about the model's wiring.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct WiringFinding {
+    pub kind: WiringKind,
+    /// The module it concerns, by its name in the model (`""` for the model itself).
+    pub module: String,
+    /// The attribute involved, where there is one (`layers` for `self.layers = [...]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attribute: Option<String>,
+    /// Parameter tensors concerned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<u64>,
+}
+
+/// What kind of wiring mistake a finding is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum WiringKind {
+    /// `module.requires_grad = False` set as a plain attribute, which `nn.Module`
+    /// ignores: the module's parameters still require grad (`requires_grad_(False)`
+    /// was meant).
+    FreezeFlagIgnored,
+    /// Modules held in a plain Python list, tuple or dict attribute instead of an
+    /// `nn.ModuleList`/`nn.ModuleDict`: their parameters are not the model's, so an
+    /// optimizer built from `model.parameters()` never updates them.
+    ModulesNotRegistered,
+    /// The model's config asks for tied input and output embeddings, and they are two
+    /// tensors.
+    TiedWeightsUntied,
+}
+
+impl WiringKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WiringKind::FreezeFlagIgnored => "freeze_flag_ignored",
+            WiringKind::ModulesNotRegistered => "modules_not_registered",
+            WiringKind::TiedWeightsUntied => "tied_weights_untied",
+        }
+    }
+}
+
+pub(crate) fn validate_wiring(
+    path: &Path<'_>,
+    findings: &[WiringFinding],
+) -> Result<(), InvalidBody> {
+    if findings.len() > MAX_WIRING_FINDINGS {
+        return Err(path.error(format!(
+            "{} wiring findings are more than the limit of {MAX_WIRING_FINDINGS}",
+            findings.len()
+        )));
+    }
+    for (i, finding) in findings.iter().enumerate() {
+        let path = path.index(i);
+        if !finding.module.is_empty() {
+            check_name(&path.field("module"), &finding.module)?;
+        }
+        if let Some(attribute) = &finding.attribute {
+            check_name(&path.field("attribute"), attribute)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RunRegistration;
+
+    #[test]
+    fn findings_parse_and_unknown_kinds_are_refused() {
+        let registration: RunRegistration = serde_json::from_value(serde_json::json!({
+            "params": [{"name": "encoder.w"}],
+            "wiring": [{"kind": "freeze_flag_ignored", "module": "encoder", "params": 1}]
+        }))
+        .unwrap();
+        registration.validate().unwrap();
+        assert_eq!(registration.wiring[0].kind, WiringKind::FreezeFlagIgnored);
+        let unknown = serde_json::from_value::<RunRegistration>(serde_json::json!({
+            "params": [], "wiring": [{"kind": "something_else", "module": "m"}]
+        }));
+        assert!(unknown.is_err());
+        let bad_name: RunRegistration = serde_json::from_value(serde_json::json!({
+            "params": [], "wiring": [{"kind": "tied_weights_untied", "module": "a\u{7}b"}]
+        }))
+        .unwrap();
+        let error = bad_name.validate().unwrap_err();
+        assert!(error.to_string().contains("wiring[0].module"), "{error}");
+    }
+}
