@@ -14,6 +14,7 @@ import { mkdirSync } from "node:fs";
 import { join } from "node:path";
 import assert from "node:assert/strict";
 import { chromium } from "playwright-core";
+import { makeHfRun } from "./hf_run.mjs";
 
 const base = process.env.GRADFLOW_BASE;
 const runs = (process.env.GRADFLOW_RUNS ?? "").split(",").filter(Boolean);
@@ -189,6 +190,76 @@ assert.ok(
   runCharts.some((chart) => chart.episodes > 0 && chart.legends > 0),
   `no chart with a labelled episode and a legend was checked: ${JSON.stringify(runCharts)}`,
 );
+
+// ---- A Hugging Face-shaped model, in f32 and in bf16 ----
+// Groups `model.embed_tokens`, `model.layers`, `model.norm`, `lm_head`, whose
+// labels once covered the module labels; a constant lr, whose axis once read
+// `0.001` five times; bf16 norm weights frozen at lr 1e-5, whose lr line once fell
+// below the chart.
+for (const dtype of ["f32", "bf16"]) {
+  const id = `hf-${dtype}`;
+  step(`an HF-shaped ${dtype} run: its charts laid out clear, each fix in place`);
+  await makeHfRun(base, id, dtype);
+  await page.goto(`${base}/runs/${id}`);
+  await chartsLoaded();
+  await shot(`run-${id}.png`);
+  const layout = await checkChartLayout(`run-${id}`);
+  const heatmap = layout.find((c) => c.id === "chart-grad-flow");
+  assert.equal(heatmap.width, 1200, "the heatmap at the page's size");
+
+  // Each chart's text and lines, as the browser lays them out.
+  const read = async (chartId) => {
+    await chartPage.goto(base + (await page.getAttribute(`#${chartId}`, "src")));
+    return chartPage.evaluate(() => {
+      const box = (el) => el.getBoundingClientRect();
+      return {
+        texts: [...document.querySelectorAll("text")].map((t) => ({ text: t.textContent.trim(), x: box(t).x, y: box(t).y + box(t).height / 2 })),
+        lines: [...document.querySelectorAll("polyline")].map((l) => ({
+          stroke: l.getAttribute("stroke"),
+          points: l.getAttribute("points").trim().split(/\s+/).map((p) => p.split(",").map(Number)),
+        })),
+        legends: [...document.querySelectorAll("rect")].filter((r) => r.getAttribute("opacity") === "0.85").map(box),
+      };
+    });
+  };
+  const flow = await read("chart-grad-flow");
+  for (const group of ["[model.embed_tokens]", "[model.layers]", "[model.norm]", "[lm_head]"]) {
+    assert.ok(flow.texts.some((t) => t.text === group), `the heatmap names ${group}: ${flow.texts.map((t) => t.text)}`);
+  }
+  assert.ok(flow.texts.some((t) => t.text === "0.self_attn.q_proj"), "the heatmap names each module");
+
+  const loss = await read("chart-loss");
+  const lrTicks = loss.texts.filter((t) => t.x > 500 && /^[0-9.e-]+$/.test(t.text)).map((t) => t.text);
+  assert.ok(lrTicks.length >= 3, `${id}: lr ticks ${lrTicks}`);
+  assert.equal(new Set(lrTicks).size, lrTicks.length, `${id}: an lr tick label repeats: ${lrTicks}`);
+
+  const norms = await read("chart-norm-drift");
+  // The legend is under the plot: no point of a plotted line lies under it.
+  assert.equal(norms.legends.length, 1, `${id}: the norm chart's legend`);
+  const [legend] = norms.legends;
+  for (const line of norms.lines.filter((l) => l.points.length > 2)) {
+    for (const [x, y] of line.points) {
+      assert.ok(!(x >= legend.x && x <= legend.x + legend.width && y >= legend.y && y <= legend.y + legend.height), `${id}: a line point ${x},${y} under the legend`);
+    }
+  }
+  const caption = await page.locator("#chart-norm-drift + figcaption").innerText();
+  if (dtype === "f32") {
+    assert.ok(!caption.includes("dashed"), `an f32 run draws no dashed line, yet: ${caption}`);
+    assert.ok(!norms.lines.some((l) => l.stroke === "#787878"), "no lr line in f32");
+  } else {
+    assert.match(caption, /black dashed line is the smallest change bf16/);
+    assert.match(caption, /grey dashed line is one optimizer step/);
+    // Both references inside the plot, the lr (grey) under the smallest change
+    // (black) and above the floor ("0"), where the chart shows why the weights froze.
+    const level = (stroke) => norms.lines.find((l) => l.stroke === stroke && l.points.length === 2 && l.points[1][0] - l.points[0][0] === 6)?.points[0][1];
+    const floor = norms.texts.find((t) => t.text === "0" && t.x < 78)?.y;
+    const [smallest, lr] = [level("#000000"), level("#787878")];
+    assert.ok(smallest < lr && lr < floor, `${id}: smallest change at y ${smallest}, lr at ${lr}, floor at ${floor}`);
+    // The four lines at 0 (drift and update of two groups) are drawn apart.
+    const zeros = new Set(norms.lines.filter((l) => l.points.length > 2 && l.stroke !== "#000000").map((l) => l.points[0][1]));
+    assert.ok(zeros.size >= 4, `${id}: lines at 0 on top of each other: ${[...zeros]}`);
+  }
+}
 
 step("two runs ticked on the runs page open their comparison");
 await page.goto(`${base}/`);

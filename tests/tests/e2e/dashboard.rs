@@ -4,7 +4,9 @@
 //! `/` and each run's page, checks the alert text word for word against the API, the
 //! charts (each one's text laid out without overlap at the size the page asks for),
 //! sorting, filtering, the step range in the URL, the comparison of two runs, a
-//! live update, and the per-rank page of a multi-rank run it makes over HTTP (four
+//! live update, two runs shaped like a Hugging Face model (f32 and bf16: the heatmap's
+//! group and module labels apart, each lr tick once, the norm chart's legend under
+//! its plot, its bf16 lr line inside it, its caption per dtype), and the per-rank page of a multi-rank run it makes over HTTP (four
 //! synthetic ranks, one straggling: the table, both charts, the alert, a module
 //! picked, a live update, a narrow screen), and fails on any console error.
 //! Screenshots land in `test-artifacts/dashboard/`.
@@ -82,6 +84,9 @@ fn dashboard_shows_the_diagnosis_and_updates_live() {
         "run-bf16-frozen-norms.png",
         "run-detached-prompt-live.png",
         "run-bf16-frozen-norms-chart-norm-drift.png",
+        "run-hf-f32.png",
+        "run-hf-bf16-chart-grad-flow.png",
+        "run-hf-bf16-chart-norm-drift.png",
         "compare-loss.png",
         "compare-grad-norm.png",
         "compare-grad-norm-chart-compare.png",
