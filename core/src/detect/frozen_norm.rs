@@ -472,18 +472,40 @@ fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> 
             )
         }
     };
+    let evidence = evidence(&verdict, example, &names, frozen.len(), lr);
+    Transition::Open(Opened {
+        kind: AlertKind::NormWeightFrozen,
+        subject: group.to_owned(),
+        severity: Severity::Critical,
+        first_step: Some(example.streak.first_step),
+        step: Some(step),
+        title,
+        detail,
+        fix,
+        evidence,
+    })
+}
+
+/// The alert's evidence: what was measured, and the numbers behind the verdict.
+fn evidence(
+    verdict: &Verdict,
+    example: &Frozen<'_>,
+    names: &[&str],
+    frozen: usize,
+    lr: Option<f64>,
+) -> serde_json::Value {
     let mut evidence = json!({
         "cause": verdict.cause(),
         "steps": example.streak.len,
         "first_step": example.streak.first_step,
         "params": names.iter().take(20).collect::<Vec<_>>(),
-        "frozen_params": frozen.len(),
+        "frozen_params": frozen,
         "dtype": example.info.dtype.map(|d| d.as_str()),
         "lr": lr,
         "mean": example.mean,
         "grad_norm": example.grad_norm,
     });
-    match verdict {
+    match *verdict {
         Verdict::Underflow(Basis::Bound {
             step_size,
             smallest,
@@ -507,17 +529,7 @@ fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> 
         evidence["intended_update_norm"] = json!(example.intended_norm);
         evidence["intended_nonzero"] = json!(example.intended_nonzero);
     }
-    Transition::Open(Opened {
-        kind: AlertKind::NormWeightFrozen,
-        subject: group.to_owned(),
-        severity: Severity::Critical,
-        first_step: Some(example.streak.first_step),
-        step: Some(step),
-        title,
-        detail,
-        fix,
-        evidence,
-    })
+    evidence
 }
 
 #[cfg(test)]
