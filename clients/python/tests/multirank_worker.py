@@ -13,7 +13,9 @@ gradient scaled after the all-reduce from that step on, a desynchronised replica
 (``--desync``); a NaN in its batch (its embedded input) at that step, which the
 all-reduce spreads to every rank's gradients (``--nan-input``); its loop no longer
 calling ``gf.step`` after that step while it goes on training and closes with the
-others (``--stop-reporting``); ``--sleep RANK:SECONDS`` makes a rank sleep before
+others (``--stop-reporting``); its head's weights nudged after every optimizer step
+from that step on, outside the optimizer, while the gradients stay all-reduced
+(``--drift``); ``--sleep RANK:SECONDS`` makes a rank sleep before
 every forward (a straggler). ``--reporter naive`` reports without gradflow, as a hand-written client
 that reads each rank's local shard as the whole tensor would (:class:`NaiveReporter`).
 """
@@ -169,6 +171,12 @@ def main() -> None:
         help="STEP:RANK: after that step, that rank trains on without calling gf.step",
     )
     parser.add_argument(
+        "--drift",
+        default=None,
+        help="STEP:RANK: from that step on, that rank adds 1e-3 to head.weight after each step",
+    )
+    parser.add_argument("--updates-every", type=int, default=10, help="updates_every= for watch")
+    parser.add_argument(
         "--sleep", default=None, help="RANK:SECONDS: that rank sleeps before every forward"
     )
     parser.add_argument("--reporter", choices=["gradflow", "naive"], default="gradflow")
@@ -210,6 +218,7 @@ def main() -> None:
     desync_step, desync_rank = _at(args.desync)
     nan_input_step, nan_input_rank = _at(args.nan_input)
     stop_step, stop_rank = _at(args.stop_reporting)
+    drift_step, drift_rank = _at(args.drift)
     sleep_rank, sleep = (
         (int(args.sleep.split(":")[0]), float(args.sleep.split(":")[1]))
         if args.sleep
@@ -225,7 +234,12 @@ def main() -> None:
     else:
         naive = None
         gf = gradflow.watch(
-            wrapped, optimizer, name=args.name, on_alert=None, rank=args.report_rank
+            wrapped,
+            optimizer,
+            name=args.name,
+            on_alert=None,
+            rank=args.report_rank,
+            updates_every=args.updates_every,
         )
     print(f"rank {rank}: watching run {gf.run_id} ({type(gf).__name__})", flush=True)
     for step in range(args.steps):
@@ -250,6 +264,9 @@ def main() -> None:
             print(f"rank {rank}: dying at step {step}", flush=True)
             os._exit(1)
         optimizer.step()
+        if step >= drift_step >= 0 and rank == drift_rank:
+            with torch.no_grad():
+                model.head.weight.add_(1e-3)
         if step > stop_step >= 0 and rank == stop_rank:
             continue  # trains on, reporting nothing
         gf.step(loss=loss)

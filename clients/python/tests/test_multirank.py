@@ -656,3 +656,29 @@ def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(gradflow_serv
     head = [points(gradflow_server, run_id, "grad_norm", "head", rank) for rank in (0, 1)]
     assert not finite(head[0][nan_step]) and not finite(head[1][nan_step]), head
     assert all(finite(loss[r][s]) for r in (0, 1) for s in range(nan_step)), loss
+
+
+def test_multirank_replicas_whose_weights_drift_apart_diverge(gradflow_server, tmp_path):
+    """From step 4 rank 1 nudges its head's weights after each optimizer step, outside
+    the optimizer. The all-reduce still gives both ranks the same gradients, so the
+    gradient norms agree; the weights' fingerprints (sent every 2 steps here) do not:
+    replica_divergence on weights, naming the head and rank 1, and nothing on the
+    gradients."""
+    drift_step = 4
+    run_id, _ = served(
+        gradflow_server,
+        2,
+        tmp_path,
+        "mr-drift",
+        *("--wrap", "ddp", "--steps", "10", "--updates-every", "2"),
+        *("--drift", f"{drift_step}:1"),
+    )
+    alert = gradflow_server.wait_for_alert(run_id, "replica_divergence", "weights")
+    assert alert["first_step"] == drift_step, alert
+    evidence = alert["evidence"]
+    assert evidence["series"] == "param_sum", alert
+    assert [s["subject"] for s in evidence["subjects"]] == ["head"], alert
+    kinds = {(a["kind"], a["subject"]) for a in gradflow_server.alerts(run_id)}
+    assert ("replica_divergence", "run") not in kinds, kinds
+    heads = [points(gradflow_server, run_id, "grad_norm", "head", rank) for rank in (0, 1)]
+    assert heads[0] == heads[1], "the gradients stay all-reduced"

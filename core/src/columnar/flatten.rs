@@ -156,6 +156,16 @@ pub fn flatten(
             }
         }
     }
+    for module in &record.modules {
+        if let Some(sum) = module.param_sum {
+            put(
+                columns,
+                SeriesKind::ModuleParamSum,
+                &module.module,
+                Cell::from_wire(Some(sum.get())),
+            );
+        }
+    }
     for (group, norm) in &groups {
         put(columns, SeriesKind::GroupGradNorm, group, norm.cell());
     }
@@ -310,6 +320,10 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
             SeriesKind::ModuleNonfinite => {
                 let i = module(&mut modules);
                 modules[i].nonfinite = count;
+            }
+            SeriesKind::ModuleParamSum => {
+                let i = module(&mut modules);
+                modules[i].param_sum = float;
             }
             SeriesKind::GroupGradNorm => {}
             SeriesKind::ParamGradNorm => {

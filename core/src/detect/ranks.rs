@@ -24,6 +24,12 @@
 //!   optimizer step, so a disagreement is a desynchronised replica: a rank that
 //!   skipped the reduce (`no_sync` left on), unsynchronised buffers, a module outside
 //!   the data-parallel wrapper.
+//!   *(v1.5)* Under DDP the gradients are all-reduced whatever the weights are, so
+//!   replicas whose weights have come apart (a rank that changes its weights outside
+//!   the optimizer, or steps with other settings) still agree on every gradient:
+//!   each rank then sends now and then a fingerprint of each module's weights (the
+//!   sum of its elements), and replicas that disagree on [`WEIGHTS_READINGS`]
+//!   fingerprints running are `replica_divergence` on the subject `weights`.
 //! - `shard_reported_as_global`: a parameter's module registered `replicated` whose
 //!   ranks each report a part of its elements, the parts adding up to the whole: a
 //!   client read each rank's local shard of a sharded tensor (FSDP2, ZeRO) as if it
@@ -54,6 +60,11 @@ pub const DIVERGENCE_TOLERANCE: f64 = 1e-4;
 /// Step numbers running with a disagreement that open `replica_divergence` (one
 /// step is a coincidence worth no alert; a desynchronised replica stays so).
 pub const DIVERGENCE_STEPS: u64 = 3;
+/// The series name of the weights' fingerprints among the compared values.
+pub const WEIGHTS_SERIES: &str = "param_sum";
+/// Fingerprint readings running (steps that carried one; a client sends them every
+/// few steps) on which replicas disagree that open `replica_divergence` on `weights`.
+pub const WEIGHTS_READINGS: usize = 2;
 /// The ranks' reported elements must add up to the registered whole within this
 /// fraction for `shard_reported_as_global`.
 pub const SHARD_SUM_TOLERANCE: f64 = 0.01;
@@ -85,6 +96,8 @@ pub struct RankView {
     /// Reporting ranks whose own loss was not finite (computed before any
     /// all-reduce, so it says which ranks a NaN began on).
     pub loss_nonfinite: Vec<u32>,
+    /// Whether replicas' weight fingerprints were compared at this step (v1.5).
+    pub fingerprinted: bool,
 }
 
 /// A replicated module's or parameter's value on which its ranks disagree.
@@ -133,6 +146,8 @@ pub struct RankDetectors {
     /// Open `rank_nonfinite` episodes: rank → the step it began.
     nonfinite: BTreeMap<u32, u64>,
     divergence: Streak,
+    /// Of the weights' fingerprints (v1.5): counted in readings, not steps.
+    weights: Streak,
     /// Open `shard_reported_as_global` alerts, by group.
     shards: BTreeSet<String>,
     /// Ranks whose client said it closed (v1.5, `POST .../finish?rank=N`): the
@@ -166,6 +181,7 @@ impl RankDetectors {
         self.on_stragglers(view, out);
         self.on_nonfinite(view, out);
         self.on_divergence(view, out);
+        self.on_weights(view, out);
         self.on_shards(view, out);
     }
 
@@ -403,7 +419,7 @@ impl RankDetectors {
         let mut diverged: Vec<&Divergence> = view
             .divergences
             .iter()
-            .filter(|d| d.relative() > DIVERGENCE_TOLERANCE)
+            .filter(|d| d.series != WEIGHTS_SERIES && d.relative() > DIVERGENCE_TOLERANCE)
             .collect();
         diverged.sort_by(|a, b| b.relative().total_cmp(&a.relative()));
         let streak = &mut self.divergence;
@@ -477,6 +493,85 @@ impl RankDetectors {
                     "relative": d.relative(),
                 })).collect::<Vec<_>>(),
                 "count": diverged.len(),
+                "tolerance": DIVERGENCE_TOLERANCE,
+            }),
+        }));
+    }
+
+    /// Replicas' weight fingerprints, judged on the steps that carry them.
+    fn on_weights(&mut self, view: &RankView, out: &mut Vec<Transition>) {
+        if !view.fingerprinted {
+            return;
+        }
+        let mut diverged: Vec<&Divergence> = view
+            .divergences
+            .iter()
+            .filter(|d| d.series == WEIGHTS_SERIES && d.relative() > DIVERGENCE_TOLERANCE)
+            .collect();
+        diverged.sort_by(|a, b| b.relative().total_cmp(&a.relative()));
+        let streak = &mut self.weights;
+        let Some(worst) = diverged.first() else {
+            if streak.open {
+                out.push(Transition::Resolve {
+                    kind: AlertKind::ReplicaDivergence,
+                    subject: "weights".into(),
+                    step: view.step,
+                });
+            }
+            *streak = Streak::default();
+            return;
+        };
+        let since = *streak.since.get_or_insert(view.step);
+        if streak.samples.len() < MAX_SAMPLES {
+            streak.samples.push((worst.relative(), 0.0));
+        }
+        if streak.open || streak.samples.len() < WEIGHTS_READINGS {
+            return;
+        }
+        streak.open = true;
+        let names: Vec<&str> = diverged.iter().map(|d| d.subject.as_str()).collect();
+        out.push(Transition::Open(Opened {
+            kind: AlertKind::ReplicaDivergence,
+            subject: "weights".into(),
+            severity: Severity::Critical,
+            first_step: Some(since),
+            step: Some(view.step),
+            title: format!(
+                "Replicas' weights disagree: {} differs across ranks ({} apart)",
+                worst.subject,
+                relative_text(worst.relative())
+            ),
+            detail: format!(
+                "On {} the ranks' fingerprints (sums of the weights) of replicated modules \
+                 differ: {}. Worst: {}, {} on rank {} and {} on rank {}. The gradients may \
+                 still agree — the all-reduce averages them whatever each replica's weights \
+                 are — but the replicas have come apart and now train different models.",
+                step_range(since, view.step),
+                name_list(&names, 6),
+                worst.subject,
+                sci(worst.min.0),
+                worst.min.1,
+                sci(worst.max.0),
+                worst.max.1
+            ),
+            fix: "Look for what changes weights on one rank outside the optimizer step: \
+                  code that edits parameters (`.data`, `copy_`, a weight clamp or \
+                  re-initialisation) only on some ranks, an optimizer or learning-rate \
+                  schedule that differs between ranks, a checkpoint loaded on one rank only \
+                  after the wrapper broadcast the weights. Broadcast the weights from rank \
+                  0 again (or restart from a checkpoint) once the cause is fixed."
+                .into(),
+            evidence: json!({
+                "cause": "replicas_disagree",
+                "series": WEIGHTS_SERIES,
+                "subjects": diverged.iter().take(16).map(|d| json!({
+                    "subject": d.subject,
+                    "min": d.min.0, "min_rank": d.min.1,
+                    "max": d.max.0, "max_rank": d.max.1,
+                    "relative": d.relative(),
+                })).collect::<Vec<_>>(),
+                "count": diverged.len(),
+                "readings": streak.samples.len(),
                 "tolerance": DIVERGENCE_TOLERANCE,
             }),
         }));
@@ -666,6 +761,26 @@ mod tests {
             missing: vec![(rank, Some(last))],
             ..view(step)
         }
+    }
+
+    /// Runs `steps` through `detectors`, each view shaped by `shape`; collects the
+    /// transitions in `all` and returns (step, opened) for each.
+    fn drive(
+        detectors: &mut RankDetectors,
+        all: &mut Vec<(u64, Transition)>,
+        steps: std::ops::Range<u64>,
+        shape: impl Fn(u64, &mut RankView),
+    ) -> Vec<(u64, bool)> {
+        for step in steps {
+            let mut v = view(step);
+            shape(step, &mut v);
+            let mut out = Vec::new();
+            detectors.on_step(&v, &mut out);
+            all.extend(out.into_iter().map(|t| (step, t)));
+        }
+        all.iter()
+            .map(|(s, t)| (*s, matches!(t, Transition::Open(_))))
+            .collect()
     }
 
     fn opened(out: &[Transition]) -> Vec<(AlertKind, String)> {
@@ -877,8 +992,7 @@ mod tests {
     fn disagreeing_replicas_open_after_three_steps() {
         let mut detectors = RankDetectors::default();
         let mut all = Vec::new();
-        for step in 0..10 {
-            let mut v = view(step);
+        let steps = drive(&mut detectors, &mut all, 0..10, |step, v| {
             if (2..7).contains(&step) {
                 v.divergences = vec![Divergence {
                     subject: "agent.head".into(),
@@ -887,15 +1001,33 @@ mod tests {
                     max: (0.51, 1),
                 }];
             }
-            let mut out = Vec::new();
-            detectors.on_step(&v, &mut out);
-            all.extend(out.into_iter().map(|t| (step, t)));
-        }
-        let steps: Vec<(u64, bool)> = all
-            .iter()
-            .map(|(s, t)| (*s, matches!(t, Transition::Open(_))))
-            .collect();
+        });
         assert_eq!(steps, [(4, true), (9, false)], "{all:?}");
+    }
+
+    #[test]
+    fn weights_that_come_apart_open_on_two_readings_and_steps_between_do_not_count() {
+        let mut detectors = RankDetectors::default();
+        let mut all = Vec::new();
+        // Fingerprints every 5 steps; from step 10 rank 1's weights are off.
+        let steps = drive(&mut detectors, &mut all, 0..40, |step, v| {
+            if step % 5 == 0 {
+                v.fingerprinted = true;
+                let off = if (10..30).contains(&step) { 0.01 } else { 0.0 };
+                v.divergences = vec![Divergence {
+                    subject: "agent.head".into(),
+                    series: WEIGHTS_SERIES,
+                    min: (0.5, 0),
+                    max: (0.5 + off, 1),
+                }];
+            }
+        });
+        assert_eq!(steps, [(15, true), (30, false)], "{all:?}");
+        let Transition::Open(o) = &all[0].1 else {
+            unreachable!()
+        };
+        assert_eq!((o.subject.as_str(), o.first_step), ("weights", Some(10)));
+        assert_eq!(o.evidence["subjects"][0]["max_rank"], 1);
     }
 
     #[test]

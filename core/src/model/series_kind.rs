@@ -40,10 +40,12 @@ pub enum SeriesKind {
     GradsCarriedOver,
     /// v1.2: the largest absolute input value of the step.
     InputAbsmax,
+    /// v1.5: the sum of a module's weights a rank holds (a replica's fingerprint).
+    ModuleParamSum,
 }
 
 impl SeriesKind {
-    pub const ALL: [SeriesKind; 30] = [
+    pub const ALL: [SeriesKind; 31] = [
         SeriesKind::Loss,
         SeriesKind::Lr,
         SeriesKind::ScalerScale,
@@ -74,6 +76,7 @@ impl SeriesKind {
         SeriesKind::ParamNumel,
         SeriesKind::GradsCarriedOver,
         SeriesKind::InputAbsmax,
+        SeriesKind::ModuleParamSum,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -108,6 +111,7 @@ impl SeriesKind {
             SeriesKind::ParamNumel => "param_numel",
             SeriesKind::GradsCarriedOver => "grads_carried_over",
             SeriesKind::InputAbsmax => "input_absmax",
+            SeriesKind::ModuleParamSum => "module_param_sum",
         }
     }
 

@@ -17,7 +17,9 @@
 //!   the lowest rank's (after the all-reduce they are the same, and whether they
 //!   are is what `replica_divergence` checks);
 //! - a sharded parameter's drift and largest intended ulp: the largest; its mean:
-//!   the mean weighted by each rank's elements; its element counts: the sum;
+//!   the mean weighted by each rank's elements; its element counts and (v1.5) the
+//!   sums of its weights, a module's fingerprint: the sum (replicated: the lowest
+//!   rank's, the others compared);
 //! - the loss and other metrics: the mean over ranks (a NaN on any rank is a NaN);
 //! - hook hits: the fewest (backward reached the module on every rank);
 //! - the scaler's overflow and skip flags, step time, input maximum, devices: the
@@ -91,7 +93,7 @@ fn rule(kind: SeriesKind, sharded: bool) -> Rule {
                 Rule::Lowest
             }
         }
-        IntendedNonzero | RoundedAway | ModuleNumel | ParamNumel => {
+        IntendedNonzero | RoundedAway | ModuleNumel | ParamNumel | ModuleParamSum => {
             if sharded {
                 Rule::Sum
             } else {
@@ -105,7 +107,7 @@ fn rule(kind: SeriesKind, sharded: bool) -> Rule {
 fn sharded(kind: SeriesKind, subject: &str, registry: &Registry) -> bool {
     use SeriesKind::*;
     match kind {
-        ModuleGradNorm | HookHits | ModuleNumel | ModuleNonfinite => {
+        ModuleGradNorm | HookHits | ModuleNumel | ModuleNonfinite | ModuleParamSum => {
             registry.sharded_modules.contains(subject)
         }
         ParamGradNorm | UpdateNorm | Drift | ParamMean | IntendedUpdateNorm
@@ -117,13 +119,15 @@ fn sharded(kind: SeriesKind, subject: &str, registry: &Registry) -> bool {
 }
 
 /// Whether replicas of a column's subject are compared (what `replica_divergence`
-/// reads): the gradient and update norms and the weights' means.
+/// reads): the gradient and update norms, the weights' means and (v1.5) the
+/// modules' weight fingerprints.
 fn compared(kind: SeriesKind) -> Option<&'static str> {
     match kind {
         SeriesKind::ModuleGradNorm => Some("grad_norm"),
         SeriesKind::ParamGradNorm => Some("param_grad_norm"),
         SeriesKind::UpdateNorm => Some("update_norm"),
         SeriesKind::ParamMean => Some("param_mean"),
+        SeriesKind::ModuleParamSum => Some(gradflow_core::detect::ranks::WEIGHTS_SERIES),
         _ => None,
     }
 }
@@ -370,6 +374,7 @@ impl PendingStep {
         let mut cells = vec![ABSENT_BITS; self.columns.len()];
         let mut divergences = Vec::new();
         let mut shard_suspects = Vec::new();
+        let mut fingerprinted = false;
         for (position, acc) in self.columns.iter().enumerate() {
             let Some((kind, subject)) = columns.entry(position) else {
                 continue;
@@ -399,6 +404,7 @@ impl PendingStep {
                 && let (Some(series), Some(min), Some(max)) = (compared(kind), acc.min, acc.max)
                 && acc.values >= 2
             {
+                fingerprinted |= kind == SeriesKind::ModuleParamSum;
                 divergences.push(Divergence {
                     subject: subject.to_owned(),
                     series,
@@ -453,6 +459,7 @@ impl PendingStep {
                 shard_suspects,
                 closed: Vec::new(),
                 loss_nonfinite: self.loss_nonfinite,
+                fingerprinted,
             },
         }
     }

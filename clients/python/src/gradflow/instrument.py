@@ -46,6 +46,7 @@ class Instruments:
         self.measurer = Measurer(registry, self.hooks)
         if rank is not None:
             self.measurer.partial = True
+            self.measurer.fingerprint_every = max(1, int(updates_every))
             self.hooks.clock = _ranks.StepClock(
                 _ranks.step_clock_device([p.tensor for p in registry.params])
             )

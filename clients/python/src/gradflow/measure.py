@@ -27,7 +27,7 @@ import torch
 
 from . import _torch_compat, intended, wire
 from .hooks import ModelHooks
-from .ranks import StepClock, local
+from .ranks import StepClock, local, param_sums
 from .record import (
     TRAINING_METRIC,
     Intended,
@@ -67,6 +67,9 @@ class Measurer:
         self.hooks = hooks
         # Set for a multi-rank run: records carry the partial sums (see the module).
         self.partial = False
+        # Multi-rank: every how many steps each module's weights are summed, the
+        # replicas' fingerprint (0: never).
+        self.fingerprint_every = 0
         self.optimizer = registry.optimizer
         self._family = intended.family(self.optimizer) if self.optimizer is not None else None
         self._norms: List[_Norm] = []
@@ -340,6 +343,13 @@ class Measurer:
         nothing: List[Optional[int]] = [None] * len(self._modules)
         no_norms: List[Optional[int]] = []
         module_slot, norm_slot, module_numel = self._grad_meta or (nothing, no_norms, nothing)
+        sums_at: Optional[int] = None
+        if self.partial and self.fingerprint_every and step % self.fingerprint_every == 0:
+            sums = param_sums(
+                [p.tensor for p in self.registry.params], self._module_of, len(self._modules)
+            )
+            if sums is not None:
+                sums_at = add(sums)
         hits = self.hooks.module_hits(self._module_of, len(self._modules))
         trainable = self._module_trainable()
         for m, name in enumerate(self._modules):
@@ -347,7 +357,8 @@ class Measurer:
                 continue
             slot = module_slot[m]
             grad_sq = None if slot is None else grad_base + slot
-            pending.modules.append(ModuleAt(name, grad_sq, hits[m], module_numel[m]))
+            fingerprint = None if sums_at is None else sums_at + m
+            pending.modules.append(ModuleAt(name, grad_sq, hits[m], module_numel[m], fingerprint))
         for k, n in enumerate(self._norms):
             grad = norm_slot[k] if k < len(norm_slot) else None
             stats = None if stats_base is None else stats_base + width(NormStats) * k

@@ -224,6 +224,32 @@ class StepClock:
         return began, done
 
 
+def param_sums(
+    tensors: List[torch.Tensor], module_of: List[int], modules: int
+) -> Optional[torch.Tensor]:
+    """Each module's fingerprint of its weights: the sum of the elements this rank
+    holds of its parameters (`tensors[i]` belongs to module `module_of[i]`), in f64
+    (f32 on Apple's MPS), on the first parameter's device; None when there is nothing
+    to sum. One reduction per parameter, no sync: read with the step's other numbers.
+    Replicas of a replicated module hold the same weights, so their sums are equal to
+    the bit; the server compares them (``replica_divergence``)."""
+    parts: List[torch.Tensor] = []
+    index: List[int] = []
+    for t, m in zip(tensors, module_of):
+        mine = local(t)
+        if not mine.is_floating_point() or mine.numel() == 0:
+            continue
+        wide = torch.float32 if mine.device.type == "mps" else torch.float64
+        parts.append(mine.detach().sum(dtype=wide))
+        index.append(m)
+    if not parts:
+        return None
+    device, dtype = parts[0].device, parts[0].dtype
+    sums = torch.zeros(modules, dtype=dtype, device=device)
+    at = torch.tensor(index, dtype=torch.long, device=device)
+    return sums.index_add_(0, at, torch.stack([p.to(device, dtype) for p in parts]))
+
+
 def step_clock_device(tensors: List[torch.Tensor]) -> Optional[torch.device]:
     """The device whose clock times a rank's steps: its first trainable parameter's
     (the host's for a CPU one)."""

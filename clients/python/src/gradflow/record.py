@@ -97,6 +97,7 @@ class ModuleAt:
     grad_sq: Optional[int]  # its squared gradient norm; None: no gradient this step
     hook_hits: Optional[int]
     numel: Optional[int]  # gradient elements covered (this rank's)
+    param_sum: Optional[int] = None  # multi-rank: the sum of its weights (a fingerprint)
 
 
 @dataclass
@@ -225,6 +226,8 @@ class PendingStep:
                         entry["nonfinite"] = 0
         if m.hook_hits is not None:
             entry["hook_hits"] = m.hook_hits
+        if m.param_sum is not None:
+            entry["param_sum"] = encode.number(v[m.param_sum])
         return entry
 
     def _norm(self, n: NormAt, v: List[float]) -> wire.ParamStep:
