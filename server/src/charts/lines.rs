@@ -392,7 +392,15 @@ where
     DB::ErrorType: 'static,
 {
     let primary = frame.primary;
-    let label_top = LabelRows::below_legend(chart, cc.plotting_area().dim_in_pixel().1);
+    let plot_px = cc.plotting_area().dim_in_pixel().1;
+    let references_px: Vec<f64> = chart
+        .references
+        .iter()
+        .map(|(v, _)| {
+            (primary.hi - primary.map(*v)) / (primary.hi - primary.lo) * f64::from(plot_px)
+        })
+        .collect();
+    let label_top = LabelRows::below_legend(chart, plot_px, &references_px);
     let mut legended = BTreeSet::new();
     for (i, band) in chart.bands.iter().enumerate() {
         let series = cc
@@ -452,7 +460,14 @@ where
         ))
         .map_err(plot_error)?
         .label(label.as_str())
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(1)));
+        .legend(move |(x, y)| {
+            plotters::element::DashedPathElement::new(
+                vec![(x, y), (x + 16, y)],
+                5,
+                3,
+                colour.stroke_width(1),
+            )
+        });
     }
     Ok(())
 }
@@ -654,7 +669,7 @@ fn legend_of(chart: &LineChart) -> Vec<(String, Sample)> {
             Sample::Line {
                 color: reference_colour(i),
                 width: 1,
-                dashed: false,
+                dashed: true,
             },
         ));
     }
@@ -829,8 +844,8 @@ fn label_step<DB: DrawingBackend>(
 /// Where the episode labels go: rows from the top of the plotting area, starting
 /// under the legend box when the legend leaves room, else at the top.
 struct LabelRows {
-    first_px: f64,
-    row_px: f64,
+    /// The tops of the rows a label may take, in pixels below the plot's top.
+    rows_px: Vec<f64>,
     plot_px: f64,
 }
 
@@ -840,7 +855,10 @@ pub fn legend_entries(chart: &LineChart) -> usize {
 }
 
 impl LabelRows {
-    fn below_legend(chart: &LineChart, plot_px: u32) -> LabelRows {
+    /// Rows under the legend when it is over the plot, none crossing a reference
+    /// line (at `references_px` below the plot's top), where a label would be
+    /// struck through.
+    fn below_legend(chart: &LineChart, plot_px: u32, references_px: &[f64]) -> LabelRows {
         let entries = legend_entries(chart);
         // plotters' legend: a row per entry at the label font's size plus spacing,
         // inside a box with a margin.
@@ -855,20 +873,30 @@ impl LabelRows {
         } else {
             4.0
         };
-        LabelRows {
-            first_px,
-            row_px,
-            plot_px,
+        let room = ((plot_px - first_px) / row_px).floor().max(1.0) as usize;
+        // Rows are half a row apart, so that one dodging a line stays close.
+        let all: Vec<f64> = (0..2 * room - 1)
+            .map(|k| first_px + k as f64 * row_px / 2.0)
+            .collect();
+        let mut rows_px: Vec<f64> = Vec::new();
+        for top in all.iter().copied() {
+            let clear = references_px
+                .iter()
+                .all(|r| *r < top - 6.0 || *r > top + row_px - 4.0);
+            if clear && rows_px.last().is_none_or(|last| top - last >= row_px) {
+                rows_px.push(top);
+            }
         }
+        if rows_px.is_empty() {
+            rows_px.push(first_px);
+        }
+        LabelRows { rows_px, plot_px }
     }
 
     /// How far below the top, as a fraction of the plotting area's height, label `i`
     /// starts (wrapping back up rather than leaving the area).
     fn fraction(&self, i: usize) -> f64 {
-        let room = ((self.plot_px - self.first_px) / self.row_px)
-            .floor()
-            .max(1.0) as usize;
-        (self.first_px + (i % room) as f64 * self.row_px) / self.plot_px
+        self.rows_px[i % self.rows_px.len()] / self.plot_px
     }
 }
 

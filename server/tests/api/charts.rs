@@ -342,6 +342,20 @@ async fn a_frozen_bf16_norm_chart_shows_the_lr_under_the_smallest_change_and_eve
         top.y,
         floor.y
     );
+    // The episodes' labels are not struck through by either line.
+    for label in texts
+        .iter()
+        .filter(|t| t.text.starts_with("norm_weight_frozen:"))
+    {
+        for line in [smallest, lr] {
+            assert!(
+                line < label.y - 5.0 || line > label.y + label.font_px + 2.0,
+                "{:?} at y {} crossed by a line at {line}",
+                label.text,
+                label.y
+            );
+        }
+    }
     // Four lines at 0 (drift and update of two groups), each seen on its own.
     let zero_levels: std::collections::BTreeSet<i64> = ["#1F77B4", "#FF7F0E", "#2CA02C", "#D62728"]
         .iter()
