@@ -40,7 +40,7 @@ use serde::Serialize;
 
 use self::batch::{prepare, with_codec};
 use self::cache::RunCache;
-use self::ranks::{Clock, Close, prepare_ranks};
+use self::ranks::{Clock, prepare_ranks};
 use self::state::{Episode, RunState};
 use crate::events::EventBus;
 use crate::store::notify::Notice;
@@ -250,12 +250,11 @@ impl Ingest {
         self.ingest_closing(run_id, records, None).await
     }
 
-    /// A rank of a multi-rank run (`Some`), or the whole run (`None`), said it
-    /// finished (v1.5): the steps waiting only for closed ranks are completed now.
-    /// Nothing for a run of one process.
-    pub async fn close_ranks(&self, run_id: &RunId, rank: Option<u32>) -> StoreResult<()> {
-        let close = rank.map_or(Close::Run, Close::Rank);
-        self.ingest_closing(run_id, &[], Some(close)).await?;
+    /// Rank `rank` of a multi-rank run said it finished (v1.5): it will send nothing
+    /// more, so the steps waiting only for closed ranks are completed now. Nothing
+    /// for a run of one process.
+    pub async fn close_rank(&self, run_id: &RunId, rank: u32) -> StoreResult<()> {
+        self.ingest_closing(run_id, &[], Some(rank)).await?;
         Ok(())
     }
 
@@ -263,7 +262,7 @@ impl Ingest {
         &self,
         run_id: &RunId,
         records: &[StepRecord],
-        close: Option<Close>,
+        closing: Option<u32>,
     ) -> StoreResult<IngestOutcome> {
         let slot = self.runs.slot(run_id.as_str());
         let mut cached = slot.lock().await;
@@ -322,7 +321,7 @@ impl Ingest {
                         records,
                         detection,
                         clock,
-                        close,
+                        closing,
                         codec,
                     )
                 })? {

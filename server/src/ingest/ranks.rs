@@ -6,8 +6,11 @@
 //!
 //! A rank that closes (v1.5: its client's `POST .../finish?rank=N`, sent once its
 //! records are delivered) will send nothing more: the steps it did not send are
-//! completed at once, without it, instead of waiting the rank timeout; a finish
-//! without a rank closes every rank. A record from a closed rank reopens it.
+//! completed at once, without it, instead of waiting the rank timeout; once every
+//! rank has closed, every waiting step is. A finish that names no rank means what
+//! it meant before v1.5 (the run is marked finished, its steps still wait for their
+//! ranks): an older client sends one from each rank as soon as that rank is done.
+//! A record from a closed rank reopens it.
 //!
 //! A record's step is a duplicate when its rank's stream already holds it, so a
 //! rank may resend a batch as safely as a single process. A record that arrives
@@ -40,14 +43,6 @@ pub struct Clock {
     pub rank_timeout: f64,
 }
 
-/// Ranks that said they closed with a batch (v1.5): they will send nothing more.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Close {
-    Rank(u32),
-    /// The whole run finished (a finish that names no rank): every rank.
-    Run,
-}
-
 /// [`super::batch::prepare`] for a run of several ranks.
 ///
 /// It takes the run's state and turns it into the next one in place, instead of
@@ -63,7 +58,7 @@ pub fn prepare_ranks(
     records: &[StepRecord],
     detection: Detection,
     clock: Clock,
-    close: Option<Close>,
+    closing: Option<u32>,
     codec: &mut Codec,
 ) -> StoreResult<Result<Prepared, (IngestOutcome, RunState)>> {
     let world = state.world_size;
@@ -190,20 +185,15 @@ pub fn prepare_ranks(
             );
     }
 
-    match close {
-        Some(Close::Rank(rank)) if rank >= world => {
+    // A rank that said it closed (v1.5) will send nothing more.
+    if let Some(rank) = closing {
+        if rank >= world {
             return Err(invalid(
                 "rank".to_owned(),
                 format!("rank {rank} is not below the run's world_size {world}"),
             ));
         }
-        Some(Close::Rank(rank)) => closed_changed |= next.detectors.ranks.closed.insert(rank),
-        Some(Close::Run) => {
-            for rank in 0..world {
-                closed_changed |= next.detectors.ranks.closed.insert(rank);
-            }
-        }
-        None => {}
+        closed_changed |= next.detectors.ranks.closed.insert(rank);
     }
     let closed = next.detectors.ranks.closed.clone();
 

@@ -103,11 +103,10 @@ pub async fn list_runs(State(state): State<AppState>) -> Result<Json<RunList>, A
 /// `POST /api/v1/runs/{run_id}/finish`: the trainer says the run is over, so the
 /// dashboard shows it finished rather than stale. Takes no body; answers the run.
 /// *(v1.5)* In a multi-rank run, `?rank=N` says that rank closed: the steps it did
-/// not send are completed at once (without it: `rank_missing`); with no rank every
-/// rank closed.
+/// not send are completed at once (without it: `rank_missing`).
 #[utoipa::path(post, path = "/api/v1/runs/{run_id}/finish", tag = "runs",
     params(crate::api_types::RunIdPath,
-        ("rank" = Option<u32>, Query, description = "(v1.5) the rank of a multi-rank run that closed; none: every rank")),
+        ("rank" = Option<u32>, Query, description = "(v1.5) the rank of a multi-rank run that closed")),
     responses((status = 200, description = "Marked finished", body = crate::api_types::RunView), (status = 400, response = crate::api_types::BadRequest), (status = 401, response = crate::api_types::Unauthorized), (status = 404, response = crate::api_types::RunNotFound)))]
 #[tracing::instrument(skip_all, fields(run_id = %run_id.0))]
 pub async fn finish_run(
@@ -118,7 +117,9 @@ pub async fn finish_run(
     let RunIdParam(run_id) = run_id;
     // Before the run is marked finished: completing steps is a write, which counts as
     // hearing from the run.
-    state.ingest.close_ranks(&run_id, finish.rank).await?;
+    if let Some(rank) = finish.rank {
+        state.ingest.close_rank(&run_id, rank).await?;
+    }
     let run = state.store.finish_run(&run_id).await?;
     let open_alerts = open_alerts_of(&state, run_id.as_str()).await?;
     Ok(Json(run_view(&run, open_alerts)))
@@ -128,7 +129,7 @@ pub async fn finish_run(
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FinishQuery {
-    /// The rank of a multi-rank run that closed; none: the whole run.
+    /// The rank of a multi-rank run that closed.
     pub rank: Option<u32>,
 }
 

@@ -86,13 +86,18 @@ async fn a_closed_rank_s_missing_steps_complete_at_once() {
 }
 
 #[tokio::test]
-async fn a_finish_without_a_rank_closes_every_rank() {
+async fn once_every_rank_closed_every_waiting_step_completes() {
     let app = TestApp::spawn().await;
     register(&app, "all").await;
     post(&app, "all", (0..6).map(|s| record(s, 0)).collect()).await;
     post(&app, "all", (0..3).map(|s| record(s, 1)).collect()).await;
+    // A finish naming no rank (a v1.4 client, from each rank as it is done) keeps
+    // its meaning: the steps still wait for their ranks.
     let (status, run) = finish(&app, "all", "").await;
     assert_eq!(status, 200, "{run}");
+    assert_eq!(run["last_step"], 2, "{run}");
+    finish(&app, "all", "?rank=1").await;
+    let (_, run) = finish(&app, "all", "?rank=0").await;
     assert_eq!(run["last_step"], 5, "{run}");
     let missing = alerts_of(&app, "all", "rank_missing").await;
     assert_eq!(missing.len(), 1, "{missing:?}");
