@@ -17,220 +17,217 @@ pub fn flatten(
     columns: &mut ColumnAssigner<'_>,
 ) -> Vec<u32> {
     columns.begin_row();
-    let mut row = Row::new(columns.column_count());
-    let mut put = |columns: &mut ColumnAssigner<'_>, kind, subject: &str, cell: Cell| {
-        let position = columns.position(kind, subject);
-        row.set(position, cell);
+    let mut writer = RowWriter {
+        row: Row::new(columns.column_count()),
+        columns,
     };
-    let wire = |value: Option<Float>| value.map(Float::get);
-
-    if let Some(loss) = record.loss {
-        put(
-            columns,
-            SeriesKind::Loss,
-            "",
-            Cell::from_wire(Some(loss.get())),
-        );
-    }
-    if let Some(lr) = record.lr {
-        put(columns, SeriesKind::Lr, "", Cell::from_wire(Some(lr.get())));
-    }
-    // v1.1: each optimizer parameter group's lr, under the group's name.
-    for (group, lr) in &record.lrs {
-        put(
-            columns,
-            SeriesKind::Lr,
-            group,
-            Cell::from_wire(Some(lr.get())),
-        );
-    }
-    if let Some(dropped) = record.dropped_steps {
-        put(
-            columns,
-            SeriesKind::DroppedSteps,
-            "",
-            Cell::from_wire(Some(dropped as f64)),
-        );
-    }
-    if let Some(scaler) = &record.scaler {
-        if let Some(scale) = scaler.scale {
-            put(
-                columns,
-                SeriesKind::ScalerScale,
-                "",
-                Cell::from_wire(Some(scale.get())),
-            );
-        }
-        if let Some(tracker) = scaler.growth_tracker {
-            put(
-                columns,
-                SeriesKind::ScalerGrowthTracker,
-                "",
-                Cell::from_wire(Some(tracker as f64)),
-            );
-        }
-        if let Some(found_inf) = scaler.found_inf {
-            put(columns, SeriesKind::FoundInf, "", flag(found_inf));
-        }
-        if let Some(skipped) = scaler.step_skipped {
-            put(columns, SeriesKind::StepSkipped, "", flag(skipped));
-        }
-    }
-
+    writer.run_fields(record);
     // Columns are handed out kind by kind (all module norms, then all hook hits, then
     // each parameter field), not module by module: the run's first step fixes the
     // order, and keeping a kind's columns together keeps the constant ones (hook hits
     // of 1, update norms of 0) contiguous, which is what lets zstd squeeze them out.
-    //
-    // Group norms: sqrt of the sum of squared module norms. A group none of whose
-    // reported modules had a gradient is null; one with no reported module, absent.
-    if let Some(seconds) = record.step_time {
-        put(
-            columns,
-            SeriesKind::StepTime,
-            "",
-            Cell::from_wire(Some(seconds.get())),
-        );
-    }
-    if let Some(carried) = record.grads_carried_over {
-        put(columns, SeriesKind::GradsCarriedOver, "", flag(carried));
-    }
-    if let Some(absmax) = record.input_absmax {
-        put(
-            columns,
-            SeriesKind::InputAbsmax,
-            "",
-            Cell::from_wire(Some(absmax.get())),
-        );
+    writer.module_fields(record, module_groups);
+    writer.param_fields(record);
+    writer.gpu_and_metrics(record);
+    writer.row.into_bits()
+}
+
+/// A row being filled: each value goes to its column, handed out on first use.
+struct RowWriter<'a, 'c> {
+    row: Row,
+    columns: &'a mut ColumnAssigner<'c>,
+}
+
+fn wire(value: Option<Float>) -> Option<f64> {
+    value.map(Float::get)
+}
+
+impl RowWriter<'_, '_> {
+    fn put(&mut self, kind: SeriesKind, subject: &str, cell: Cell) {
+        let position = self.columns.position(kind, subject);
+        self.row.set(position, cell);
     }
 
-    let mut groups: Vec<(&str, GroupNorm)> = Vec::new();
-    for module in &record.modules {
-        // v1.4: a rank may send its partial sum of squares alone; its norm is the
-        // square root (the server adds squares across ranks).
-        let norm = wire(module.grad_norm).or_else(|| wire(module.grad_sumsq).map(f64::sqrt));
-        put(
-            columns,
-            SeriesKind::ModuleGradNorm,
-            &module.module,
-            Cell::from_wire(norm),
-        );
-        let group = module_groups
-            .get(&module.module)
-            .map(String::as_str)
-            .unwrap_or_else(|| default_group(&module.module));
-        let entry = match groups.iter_mut().find(|(name, _)| *name == group) {
-            Some((_, entry)) => entry,
-            None => {
-                groups.push((group, GroupNorm::default()));
-                &mut groups.last_mut().expect("just pushed").1
+    /// The run's own numbers: loss, learning rates, the scaler, the step's timing.
+    fn run_fields(&mut self, record: &StepRecord) {
+        if let Some(loss) = record.loss {
+            self.put(SeriesKind::Loss, "", Cell::from_wire(Some(loss.get())));
+        }
+        if let Some(lr) = record.lr {
+            self.put(SeriesKind::Lr, "", Cell::from_wire(Some(lr.get())));
+        }
+        // v1.1: each optimizer parameter group's lr, under the group's name.
+        for (group, lr) in &record.lrs {
+            self.put(SeriesKind::Lr, group, Cell::from_wire(Some(lr.get())));
+        }
+        if let Some(dropped) = record.dropped_steps {
+            self.put(
+                SeriesKind::DroppedSteps,
+                "",
+                Cell::from_wire(Some(dropped as f64)),
+            );
+        }
+        if let Some(scaler) = &record.scaler {
+            if let Some(scale) = scaler.scale {
+                self.put(
+                    SeriesKind::ScalerScale,
+                    "",
+                    Cell::from_wire(Some(scale.get())),
+                );
             }
-        };
-        entry.add(norm);
-    }
-    for module in &record.modules {
-        if let Some(hits) = module.hook_hits {
-            put(
-                columns,
-                SeriesKind::HookHits,
-                &module.module,
-                Cell::from_wire(Some(hits as f64)),
+            if let Some(tracker) = scaler.growth_tracker {
+                self.put(
+                    SeriesKind::ScalerGrowthTracker,
+                    "",
+                    Cell::from_wire(Some(tracker as f64)),
+                );
+            }
+            if let Some(found_inf) = scaler.found_inf {
+                self.put(SeriesKind::FoundInf, "", flag(found_inf));
+            }
+            if let Some(skipped) = scaler.step_skipped {
+                self.put(SeriesKind::StepSkipped, "", flag(skipped));
+            }
+        }
+
+        if let Some(seconds) = record.step_time {
+            self.put(
+                SeriesKind::StepTime,
+                "",
+                Cell::from_wire(Some(seconds.get())),
+            );
+        }
+        if let Some(carried) = record.grads_carried_over {
+            self.put(SeriesKind::GradsCarriedOver, "", flag(carried));
+        }
+        if let Some(absmax) = record.input_absmax {
+            self.put(
+                SeriesKind::InputAbsmax,
+                "",
+                Cell::from_wire(Some(absmax.get())),
             );
         }
     }
-    for (kind, field) in [
-        (
-            SeriesKind::ModuleNumel,
-            (|m| m.numel) as fn(&gradflow_protocol::ModuleStep) -> Option<u64>,
-        ),
-        (SeriesKind::ModuleNonfinite, |m| m.nonfinite),
-    ] {
+
+    /// Per module: gradient norms, hook hits, counts and sums, then the group norms
+    /// derived from them: sqrt of the sum of squared module norms. A group none of
+    /// whose reported modules had a gradient is null; one with no reported module,
+    /// absent.
+    fn module_fields(&mut self, record: &StepRecord, module_groups: &HashMap<String, String>) {
+        let mut groups: Vec<(&str, GroupNorm)> = Vec::new();
         for module in &record.modules {
-            if let Some(count) = field(module) {
-                put(
-                    columns,
-                    kind,
-                    &module.module,
-                    Cell::from_wire(Some(count as f64)),
-                );
-            }
-        }
-    }
-    for module in &record.modules {
-        if let Some(sum) = module.param_sum {
-            put(
-                columns,
-                SeriesKind::ModuleParamSum,
+            // v1.4: a rank may send its partial sum of squares alone; its norm is the
+            // square root (the server adds squares across ranks).
+            let norm = wire(module.grad_norm).or_else(|| wire(module.grad_sumsq).map(f64::sqrt));
+            self.put(
+                SeriesKind::ModuleGradNorm,
                 &module.module,
-                Cell::from_wire(Some(sum.get())),
+                Cell::from_wire(norm),
             );
+            let group = module_groups
+                .get(&module.module)
+                .map(String::as_str)
+                .unwrap_or_else(|| default_group(&module.module));
+            let entry = match groups.iter_mut().find(|(name, _)| *name == group) {
+                Some((_, entry)) => entry,
+                None => {
+                    groups.push((group, GroupNorm::default()));
+                    &mut groups.last_mut().expect("just pushed").1
+                }
+            };
+            entry.add(norm);
         }
-    }
-    for (group, norm) in &groups {
-        put(columns, SeriesKind::GroupGradNorm, group, norm.cell());
-    }
-
-    type ParamField = fn(&gradflow_protocol::ParamStep) -> Option<Float>;
-    let fields: [(SeriesKind, ParamField); 9] = [
-        (SeriesKind::ParamGradNorm, |p| p.grad_norm),
-        (SeriesKind::UpdateNorm, |p| p.update_norm),
-        (SeriesKind::Drift, |p| p.drift),
-        (SeriesKind::ParamMean, |p| p.mean),
-        (SeriesKind::IntendedUpdateNorm, |p| p.intended_update_norm),
-        (SeriesKind::IntendedUpdateMaxUlp, |p| {
-            p.intended_update_max_ulp
-        }),
-        (SeriesKind::IntendedNonzero, |p| {
-            p.intended_nonzero.map(|n| Float(n as f64))
-        }),
-        (SeriesKind::RoundedAway, |p| {
-            p.rounded_away.map(|n| Float(n as f64))
-        }),
-        (SeriesKind::ParamNumel, |p| p.numel.map(|n| Float(n as f64))),
-    ];
-
-    for (kind, field) in fields {
-        for param in &record.params {
-            if let Some(value) = field(param) {
-                put(
-                    columns,
-                    kind,
-                    &param.name,
-                    Cell::from_wire(Some(value.get())),
+        for module in &record.modules {
+            if let Some(hits) = module.hook_hits {
+                self.put(
+                    SeriesKind::HookHits,
+                    &module.module,
+                    Cell::from_wire(Some(hits as f64)),
                 );
             }
         }
+        for (kind, field) in [
+            (
+                SeriesKind::ModuleNumel,
+                (|m| m.numel) as fn(&gradflow_protocol::ModuleStep) -> Option<u64>,
+            ),
+            (SeriesKind::ModuleNonfinite, |m| m.nonfinite),
+        ] {
+            for module in &record.modules {
+                if let Some(count) = field(module) {
+                    self.put(kind, &module.module, Cell::from_wire(Some(count as f64)));
+                }
+            }
+        }
+        for module in &record.modules {
+            if let Some(sum) = module.param_sum {
+                self.put(
+                    SeriesKind::ModuleParamSum,
+                    &module.module,
+                    Cell::from_wire(Some(sum.get())),
+                );
+            }
+        }
+        for (group, norm) in &groups {
+            self.put(SeriesKind::GroupGradNorm, group, norm.cell());
+        }
     }
 
-    for gpu in &record.gpu {
-        let subject = gpu.index.to_string();
-        let bytes = |b: Option<u64>| b.map(|b| b as f64);
-        for (kind, value) in [
-            (SeriesKind::GpuMemoryUsedBytes, bytes(gpu.memory_used_bytes)),
-            (
-                SeriesKind::GpuMemoryTotalBytes,
-                bytes(gpu.memory_total_bytes),
-            ),
-            (SeriesKind::GpuUtilizationPct, wire(gpu.utilization_pct)),
-            (SeriesKind::GpuTemperatureC, wire(gpu.temperature_c)),
-            (SeriesKind::GpuPowerW, wire(gpu.power_w)),
-        ] {
-            if let Some(value) = value {
-                put(columns, kind, &subject, Cell::from_wire(Some(value)));
+    /// Per parameter, field by field.
+    fn param_fields(&mut self, record: &StepRecord) {
+        type ParamField = fn(&gradflow_protocol::ParamStep) -> Option<Float>;
+        let fields: [(SeriesKind, ParamField); 9] = [
+            (SeriesKind::ParamGradNorm, |p| p.grad_norm),
+            (SeriesKind::UpdateNorm, |p| p.update_norm),
+            (SeriesKind::Drift, |p| p.drift),
+            (SeriesKind::ParamMean, |p| p.mean),
+            (SeriesKind::IntendedUpdateNorm, |p| p.intended_update_norm),
+            (SeriesKind::IntendedUpdateMaxUlp, |p| {
+                p.intended_update_max_ulp
+            }),
+            (SeriesKind::IntendedNonzero, |p| {
+                p.intended_nonzero.map(|n| Float(n as f64))
+            }),
+            (SeriesKind::RoundedAway, |p| {
+                p.rounded_away.map(|n| Float(n as f64))
+            }),
+            (SeriesKind::ParamNumel, |p| p.numel.map(|n| Float(n as f64))),
+        ];
+
+        for (kind, field) in fields {
+            for param in &record.params {
+                if let Some(value) = field(param) {
+                    self.put(kind, &param.name, Cell::from_wire(Some(value.get())));
+                }
             }
         }
     }
 
-    for (name, value) in &record.metrics {
-        put(
-            columns,
-            SeriesKind::Metric,
-            name,
-            Cell::from_wire(wire(*value)),
-        );
-    }
+    /// Device telemetry and the client's own named metrics.
+    fn gpu_and_metrics(&mut self, record: &StepRecord) {
+        for gpu in &record.gpu {
+            let subject = gpu.index.to_string();
+            let bytes = |b: Option<u64>| b.map(|b| b as f64);
+            for (kind, value) in [
+                (SeriesKind::GpuMemoryUsedBytes, bytes(gpu.memory_used_bytes)),
+                (
+                    SeriesKind::GpuMemoryTotalBytes,
+                    bytes(gpu.memory_total_bytes),
+                ),
+                (SeriesKind::GpuUtilizationPct, wire(gpu.utilization_pct)),
+                (SeriesKind::GpuTemperatureC, wire(gpu.temperature_c)),
+                (SeriesKind::GpuPowerW, wire(gpu.power_w)),
+            ] {
+                if let Some(value) = value {
+                    self.put(kind, &subject, Cell::from_wire(Some(value)));
+                }
+            }
+        }
 
-    row.into_bits()
+        for (name, value) in &record.metrics {
+            self.put(SeriesKind::Metric, name, Cell::from_wire(wire(*value)));
+        }
+    }
 }
 
 /// The step record a row of cells stands for: [`flatten`]'s inverse, for a row the
@@ -305,99 +302,111 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
             SeriesKind::Metric => {
                 record.metrics.insert(subject.to_owned(), float);
             }
-            SeriesKind::ModuleGradNorm => {
+            SeriesKind::ModuleGradNorm
+            | SeriesKind::HookHits
+            | SeriesKind::ModuleNumel
+            | SeriesKind::ModuleNonfinite
+            | SeriesKind::ModuleParamSum => {
                 let i = module(&mut modules);
-                modules[i].grad_norm = float;
-            }
-            SeriesKind::HookHits => {
-                let i = module(&mut modules);
-                modules[i].hook_hits = count.map(|c| c as u32);
-            }
-            SeriesKind::ModuleNumel => {
-                let i = module(&mut modules);
-                modules[i].numel = count;
-            }
-            SeriesKind::ModuleNonfinite => {
-                let i = module(&mut modules);
-                modules[i].nonfinite = count;
-            }
-            SeriesKind::ModuleParamSum => {
-                let i = module(&mut modules);
-                modules[i].param_sum = float;
+                set_module_field(&mut modules[i], kind, float, count);
             }
             SeriesKind::GroupGradNorm => {}
-            SeriesKind::ParamGradNorm => {
+            SeriesKind::ParamGradNorm
+            | SeriesKind::UpdateNorm
+            | SeriesKind::Drift
+            | SeriesKind::ParamMean
+            | SeriesKind::IntendedUpdateNorm
+            | SeriesKind::IntendedUpdateMaxUlp
+            | SeriesKind::IntendedNonzero
+            | SeriesKind::RoundedAway
+            | SeriesKind::ParamNumel => {
                 let i = param(&mut params);
-                params[i].grad_norm = float;
-            }
-            SeriesKind::UpdateNorm => {
-                let i = param(&mut params);
-                params[i].update_norm = float;
-            }
-            SeriesKind::Drift => {
-                let i = param(&mut params);
-                params[i].drift = float;
-            }
-            SeriesKind::ParamMean => {
-                let i = param(&mut params);
-                params[i].mean = float;
-            }
-            SeriesKind::IntendedUpdateNorm => {
-                let i = param(&mut params);
-                params[i].intended_update_norm = float;
-            }
-            SeriesKind::IntendedUpdateMaxUlp => {
-                let i = param(&mut params);
-                params[i].intended_update_max_ulp = float;
-            }
-            SeriesKind::IntendedNonzero => {
-                let i = param(&mut params);
-                params[i].intended_nonzero = count;
-            }
-            SeriesKind::RoundedAway => {
-                let i = param(&mut params);
-                params[i].rounded_away = count;
-            }
-            SeriesKind::ParamNumel => {
-                let i = param(&mut params);
-                params[i].numel = count;
+                set_param_field(&mut params[i], kind, float, count);
             }
             SeriesKind::GpuMemoryUsedBytes
             | SeriesKind::GpuMemoryTotalBytes
             | SeriesKind::GpuUtilizationPct
             | SeriesKind::GpuTemperatureC
-            | SeriesKind::GpuPowerW => {
-                let Ok(index) = subject.parse::<u32>() else {
-                    continue;
-                };
-                let gpu = match gpus.iter_mut().position(|g| g.index == index) {
-                    Some(i) => &mut gpus[i],
-                    None => {
-                        gpus.push(GpuStat {
-                            index,
-                            memory_used_bytes: None,
-                            memory_total_bytes: None,
-                            utilization_pct: None,
-                            temperature_c: None,
-                            power_w: None,
-                        });
-                        gpus.last_mut().expect("just pushed")
-                    }
-                };
-                match kind {
-                    SeriesKind::GpuMemoryUsedBytes => gpu.memory_used_bytes = count,
-                    SeriesKind::GpuMemoryTotalBytes => gpu.memory_total_bytes = count,
-                    SeriesKind::GpuUtilizationPct => gpu.utilization_pct = float,
-                    SeriesKind::GpuTemperatureC => gpu.temperature_c = float,
-                    _ => gpu.power_w = float,
-                }
-            }
+            | SeriesKind::GpuPowerW => set_gpu_field(&mut gpus, kind, subject, float, count),
         }
     }
     record.modules = modules;
     record.params = params;
     record.gpu = gpus;
     record
+}
+
+/// One module column's value, into the module's record.
+fn set_module_field(
+    module: &mut ModuleStep,
+    kind: SeriesKind,
+    float: Option<Float>,
+    count: Option<u64>,
+) {
+    match kind {
+        SeriesKind::ModuleGradNorm => module.grad_norm = float,
+        SeriesKind::HookHits => module.hook_hits = count.map(|c| c as u32),
+        SeriesKind::ModuleNumel => module.numel = count,
+        SeriesKind::ModuleNonfinite => module.nonfinite = count,
+        SeriesKind::ModuleParamSum => module.param_sum = float,
+        _ => {}
+    }
+}
+
+/// One parameter column's value, into the parameter's record.
+fn set_param_field(
+    param: &mut ParamStep,
+    kind: SeriesKind,
+    float: Option<Float>,
+    count: Option<u64>,
+) {
+    match kind {
+        SeriesKind::ParamGradNorm => param.grad_norm = float,
+        SeriesKind::UpdateNorm => param.update_norm = float,
+        SeriesKind::Drift => param.drift = float,
+        SeriesKind::ParamMean => param.mean = float,
+        SeriesKind::IntendedUpdateNorm => param.intended_update_norm = float,
+        SeriesKind::IntendedUpdateMaxUlp => param.intended_update_max_ulp = float,
+        SeriesKind::IntendedNonzero => param.intended_nonzero = count,
+        SeriesKind::RoundedAway => param.rounded_away = count,
+        SeriesKind::ParamNumel => param.numel = count,
+        _ => {}
+    }
+}
+
+/// One GPU column's value (its subject is the device index), into that device's
+/// telemetry.
+fn set_gpu_field(
+    gpus: &mut Vec<GpuStat>,
+    kind: SeriesKind,
+    subject: &str,
+    float: Option<Float>,
+    count: Option<u64>,
+) {
+    let Ok(index) = subject.parse::<u32>() else {
+        return;
+    };
+    let gpu = match gpus.iter().position(|g| g.index == index) {
+        Some(i) => &mut gpus[i],
+        None => {
+            gpus.push(GpuStat {
+                index,
+                memory_used_bytes: None,
+                memory_total_bytes: None,
+                utilization_pct: None,
+                temperature_c: None,
+                power_w: None,
+            });
+            gpus.last_mut().expect("just pushed")
+        }
+    };
+    match kind {
+        SeriesKind::GpuMemoryUsedBytes => gpu.memory_used_bytes = count,
+        SeriesKind::GpuMemoryTotalBytes => gpu.memory_total_bytes = count,
+        SeriesKind::GpuUtilizationPct => gpu.utilization_pct = float,
+        SeriesKind::GpuTemperatureC => gpu.temperature_c = float,
+        _ => gpu.power_w = float,
+    }
 }
 
 fn flag(on: bool) -> Cell {
