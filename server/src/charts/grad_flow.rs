@@ -292,7 +292,8 @@ where
     Ok(())
 }
 
-/// Five step ticks under the cells, and the axis name.
+/// Step ticks at round numbers under the cells (the line charts' 0/50/100, not
+/// 0/74/149), each at the left edge of its step's column, and the axis name.
 fn draw_step_axis<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     chart: &GradFlow,
@@ -302,29 +303,49 @@ where
     DB::ErrorType: 'static,
 {
     let (x0, x1, y1) = (frame.x0, frame.x1, frame.y1);
-    let span = chart.to.saturating_sub(chart.from).max(1);
-    for i in 0..=4u64 {
-        let step = chart.from + span * i / 4;
-        let x = x0 + ((x1 - x0) as f64 * i as f64 / 4.0) as i32;
+    let steps = chart.to.saturating_sub(chart.from) + 1;
+    let font = text_style(LABEL_SIZE);
+    for step in round_steps(chart.from, chart.to) {
+        let x = x0 + ((x1 - x0) as f64 * (step - chart.from) as f64 / steps as f64) as i32;
         root.draw(&PathElement::new(
             vec![(x, y1), (x, y1 + 5)],
             BLACK.stroke_width(1),
         ))
         .map_err(plot_error)?;
+        let label = step.to_string();
+        let text_px = root
+            .estimate_text_size(&label, &font)
+            .map_or(0, |(w, _)| w as i32);
         root.draw(&Text::new(
-            step.to_string(),
-            (x - 10, y1 + 8),
-            text_style(LABEL_SIZE),
+            label,
+            ((x - text_px / 2).min(x1 + 10 - text_px), y1 + 8),
+            font.clone(),
         ))
         .map_err(plot_error)?;
     }
     root.draw(&Text::new(
         "step".to_owned(),
         ((x0 + x1) / 2 - 12, y1 + 22),
-        text_style(LABEL_SIZE),
+        font,
     ))
     .map_err(plot_error)?;
     Ok(())
+}
+
+/// Multiples of 1, 2 or 5 × 10^k from `from` to `to`, about six of them.
+fn round_steps(from: u64, to: u64) -> Vec<u64> {
+    let raw = ((to - from + 1) as f64 / 6.0).max(1.0);
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let every = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * magnitude)
+        .find(|e| *e >= raw)
+        .unwrap_or(10.0 * magnitude) as u64;
+    let first = from.div_ceil(every) * every;
+    (0..)
+        .map(|i| first + i * every)
+        .take_while(|s| *s <= to)
+        .collect()
 }
 
 /// The legend: the colour scale, then the special states.
@@ -401,4 +422,21 @@ where
 pub fn natural_height(modules: usize) -> u32 {
     let rows = (modules as u32) * 12;
     (TOP as u32 + rows + (LEGEND + AXIS) as u32).clamp(super::DEFAULT_HEIGHT, super::MAX_SIDE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_steps;
+
+    #[test]
+    fn step_ticks_fall_on_round_numbers() {
+        assert_eq!(round_steps(0, 299), [0, 50, 100, 150, 200, 250]);
+        assert_eq!(round_steps(0, 119), [0, 20, 40, 60, 80, 100]);
+        assert_eq!(round_steps(37, 41), [37, 38, 39, 40, 41]);
+        assert_eq!(round_steps(5, 5), [5]);
+        assert_eq!(
+            round_steps(1_000, 1_900),
+            [1_000, 1_200, 1_400, 1_600, 1_800]
+        );
+    }
 }
