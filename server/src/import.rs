@@ -5,7 +5,8 @@
 //! The Python client leaves `SPOOL.registration.json` (`{"run_id", "registration"}`)
 //! beside a spool it could not deliver; `--run-id` and `--registration FILE` (a bare
 //! registration body) name them for any other client. Importing twice is harmless:
-//! the registration is idempotent and steps already stored are duplicates.
+//! the registration is idempotent and steps already stored are duplicates. An
+//! imported run is marked finished: its client has stopped.
 
 use std::path::{Path, PathBuf};
 
@@ -122,6 +123,11 @@ pub async fn import(config: &ServerConfig, options: &ImportOptions) -> anyhow::R
         imported.duplicates += outcome.duplicates as u64;
         imported.last_step = outcome.last_step.or(imported.last_step);
     }
+    // A spool is what a client left when it stopped: the run is over, not live.
+    store
+        .finish_run(&run_id)
+        .await
+        .with_context(|| format!("marking {} finished", run_id.as_str()))?;
     store.close().await?;
     Ok(imported)
 }

@@ -64,7 +64,7 @@ pub enum RunStatus {
 }
 
 /// How long a run may go without a batch before it counts as stale. Trainers that
-/// report every step send a batch every few seconds at most; a minute of silence
+/// report every step send a batch every few seconds at most; two minutes of silence
 /// longer than any checkpoint pause is worth a look.
 pub const STALE_AFTER_SECONDS: f64 = 120.0;
 

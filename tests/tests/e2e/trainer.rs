@@ -222,6 +222,8 @@ async fn a_spool_no_server_ever_saw_is_imported_later() {
     let client = reqwest::Client::new();
     let run = get(&client, server.url("/api/v1/runs/lost")).await;
     assert_eq!(run["step_count"], 20, "{run}");
+    // Its client has stopped: the imported run is finished, not live.
+    assert_eq!(run["status"], "finished", "{run}");
     assert_eq!(
         run["params"].as_array().unwrap().len(),
         meta["registration"]["params"].as_array().unwrap().len()
