@@ -233,15 +233,19 @@ for (const dtype of ["f32", "bf16"]) {
   assert.ok(lrTicks.length >= 3, `${id}: lr ticks ${lrTicks}`);
   assert.equal(new Set(lrTicks).size, lrTicks.length, `${id}: an lr tick label repeats: ${lrTicks}`);
 
-  const norms = await read("chart-norm-drift");
-  // The legend is under the plot: no point of a plotted line lies under it.
-  assert.equal(norms.legends.length, 1, `${id}: the norm chart's legend`);
-  const [legend] = norms.legends;
-  for (const line of norms.lines.filter((l) => l.points.length > 2)) {
-    for (const [x, y] of line.points) {
-      assert.ok(!(x >= legend.x && x <= legend.x + legend.width && y >= legend.y && y <= legend.y + legend.height), `${id}: a line point ${x},${y} under the legend`);
+  // The group norms' and norm weights' legends are under their plots: no point
+  // of a plotted line lies under them.
+  for (const chartId of ["chart-group-grad-norms", "chart-norm-drift"]) {
+    const drawn = await read(chartId);
+    assert.equal(drawn.legends.length, 1, `${id}: the legend of ${chartId}`);
+    const [legend] = drawn.legends;
+    for (const line of drawn.lines.filter((l) => l.points.length > 2)) {
+      for (const [x, y] of line.points) {
+        assert.ok(!(x >= legend.x && x <= legend.x + legend.width && y >= legend.y && y <= legend.y + legend.height), `${id} ${chartId}: a line point ${x},${y} under the legend`);
+      }
     }
   }
+  const norms = await read("chart-norm-drift");
   const caption = await page.locator("#chart-norm-drift + figcaption").innerText();
   if (dtype === "f32") {
     assert.ok(!caption.includes("dashed"), `an f32 run draws no dashed line, yet: ${caption}`);

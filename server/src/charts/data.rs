@@ -63,8 +63,8 @@ pub enum LegendPlace {
     Inside,
     /// Beside the plot, right of it: many entries, which would cover the lines.
     Right,
-    /// Under the plot, in as many columns as fit: long entries, over lines that
-    /// fill the plot (the norm weights' drift and references).
+    /// Under the plot, in as many columns as fit: long entries, or lines that
+    /// fill the plot (the norm weights' drift and references, a norm per group).
     Below,
 }
 
@@ -237,7 +237,7 @@ pub async fn gather(
                 markers: Vec::new(),
                 references: Vec::new(),
                 notes: Vec::new(),
-                legend: LegendPlace::Inside,
+                legend: LegendPlace::Below,
             })
         }
         ChartKind::NormDrift => norm_drift(store, run, stored, window).await?,

@@ -117,9 +117,9 @@ pub async fn show_run(
     ))
 }
 
-/// The norm-weight chart's height on the run page, in pixels: the others' 420 and
-/// its legend under the plot.
-const NORM_DRIFT_HEIGHT: u32 = 520;
+/// The height on the run page of the charts whose legend goes under the plot (the
+/// group norms, the norm weights), in pixels: the others' 420 and the legend.
+const LEGEND_BELOW_HEIGHT: u32 = 520;
 
 /// What the norm-weight chart draws, for its alt text: the reference lines only
 /// where the weights' dtype rounds updates away at sizes the chart shows.
@@ -252,9 +252,10 @@ impl RunView<'_> {
         };
         let figure = |kind: ChartKind, width: u32, class: &str, alt: &str, caption: &str| {
             let mut src = src(kind, width);
-            // The norm-weight chart's legend goes under its plot: room for both.
-            if kind == ChartKind::NormDrift {
-                src.push_str(&format!("&height={NORM_DRIFT_HEIGHT}"));
+            // These charts' legends go under their plots: room for both. They
+            // share a row of the grid, so they share a height.
+            if matches!(kind, ChartKind::NormDrift | ChartKind::GroupGradNorms) {
+                src.push_str(&format!("&height={LEGEND_BELOW_HEIGHT}"));
             }
             html! {
                 figure class=(class) {
