@@ -1,11 +1,14 @@
 //! Line charts: one or two value axes over steps, alert episodes shaded behind the
 //! lines and labelled, NaN/Inf readings marked at the top (they cannot be plotted,
-//! they must be seen), step markers (overflows) along the bottom, and an optional
-//! reference line.
+//! they must be seen), step markers (overflows) along the bottom, and reference
+//! lines, every one inside the value axis. The legend goes over the plot, beside it
+//! or under it ([`LegendPlace`]).
 //!
 //! Log axes draw log10 of the values on a linear axis with power-of-ten labels, so
 //! one code path serves both; zeros (and negatives) sit on a floor one decade below
-//! the smallest positive value, where a gradient stuck at 0 is plainly visible.
+//! the smallest positive value, where a gradient stuck at 0 is plainly visible, each
+//! line in its own lane a few pixels apart so that lines at 0 do not hide each other.
+//! Linear axes label each tick with the digits that tell it from its neighbours.
 
 use std::collections::BTreeSet;
 
