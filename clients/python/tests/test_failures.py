@@ -286,6 +286,20 @@ def test_a_head_meant_to_train_but_frozen_by_a_wrong_filter(gradflow_server):
     assert [a["subject"] for a in gradflow_server.alerts(gf.run_id)] == ["agent.head"]
 
 
+def test_frozen_modules_inside_a_group_meant_to_train_are_named(gradflow_server):
+    model = PromptAgent()
+    for name, p in model.named_parameters():
+        if "head" in name:  # the same wrong filter, with only the group declared
+            p.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    gf = watch(gradflow_server, model, optimizer, train=["agent"])
+    gf.close()
+    alert = gradflow_server.wait_for_alert(gf.run_id, "group_not_training")
+    assert (alert["subject"], alert["severity"]) == ("agent", "warning"), alert
+    assert alert["evidence"]["cause"] == "frozen_modules"
+    assert alert["evidence"]["modules"] == ["agent.head"], alert
+
+
 def test_an_fp16_overflow_from_the_inputs_names_the_batch(gradflow_server):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

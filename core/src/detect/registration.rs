@@ -94,19 +94,30 @@ fn group_not_training(context: &RunContext, out: &mut Vec<Opened>) {
     let Some(train) = &context.registration.train else {
         return;
     };
-    for group in train {
-        // A group's name, or a module prefix inside one (`agent.head`).
-        let params: Vec<&ParamSpec> = context
+    // A group's name, or a module prefix inside one (`agent.head`).
+    let params_of = |group: &str| -> Vec<&ParamSpec> {
+        context
             .registration
             .params
             .iter()
             .filter(|p| p.group_name() == group || is_within(&p.name, group))
-            .collect();
-        let trainable = params
-            .iter()
-            .filter(|p| p.requires_grad() && p.in_optimizer())
-            .count();
+            .collect()
+    };
+    let trains = |p: &ParamSpec| p.requires_grad() && p.in_optimizer();
+    // Entries with nothing trainable get their own critical alert; a wider entry
+    // does not name their modules again.
+    let dead: Vec<&str> = train
+        .iter()
+        .filter(|group| !params_of(group).iter().any(|p| trains(p)))
+        .map(String::as_str)
+        .collect();
+    for group in train {
+        let params = params_of(group);
+        let trainable = params.iter().filter(|p| trains(p)).count();
         if trainable > 0 {
+            if let Some(alert) = frozen_modules_inside(group, &params, trainable, &dead) {
+                out.push(alert);
+            }
             continue;
         }
         let (detail, cause) = if params.is_empty() {
@@ -153,6 +164,62 @@ fn group_not_training(context: &RunContext, out: &mut Vec<Opened>) {
             }),
         });
     }
+}
+
+/// Modules wholly frozen inside a group declared to train while most of the group
+/// trains (`train=["agent"]` with `agent.head` frozen by a name filter): a warning
+/// naming them. A group that is mostly frozen (a LoRA model's base, with adapters
+/// training) is a design, and says nothing here.
+fn frozen_modules_inside(
+    group: &str,
+    params: &[&ParamSpec],
+    trainable: usize,
+    named_elsewhere: &[&str],
+) -> Option<Opened> {
+    if trainable * 2 < params.len() {
+        return None;
+    }
+    let mut modules: BTreeMap<&str, bool> = BTreeMap::new();
+    for param in params {
+        let trains = param.requires_grad() && param.in_optimizer();
+        *modules.entry(param.module_name()).or_insert(false) |= trains;
+    }
+    let frozen: Vec<&str> = modules
+        .iter()
+        .filter(|(_, trains)| !**trains)
+        .map(|(module, _)| *module)
+        .filter(|module| !named_elsewhere.iter().any(|entry| is_within(module, entry)))
+        .collect();
+    if frozen.is_empty() {
+        return None;
+    }
+    Some(Opened {
+        kind: AlertKind::GroupNotTraining,
+        subject: group.to_owned(),
+        severity: Severity::Warning,
+        first_step: None,
+        step: None,
+        title: format!("{} modules of {group} will not train", frozen.len()),
+        detail: format!(
+            "The registration says {group} is meant to train, and {trainable} of its {} \
+             parameters do, but every parameter of {} is frozen or outside the optimizer: \
+             those modules keep their initial weights.",
+            params.len(),
+            name_list(&frozen, 5),
+        ),
+        fix: "Check the filter that freezes parameters (a name pattern that matches more than \
+              intended, e.g. 'head' in 'agent.head'), and build the optimizer from the \
+              parameters that should train after freezing; or leave these modules out of \
+              train= if they are frozen on purpose."
+            .into(),
+        evidence: json!({
+            "cause": "frozen_modules",
+            "modules": frozen.iter().take(20).collect::<Vec<_>>(),
+            "frozen_modules": frozen.len(),
+            "trainable_params": trainable,
+            "registered_params": params.len(),
+        }),
+    })
 }
 
 fn trainable(context: &RunContext) -> impl Iterator<Item = &ParamSpec> {
@@ -419,6 +486,45 @@ mod tests {
             .collect();
         // vision is frozen too, but nobody said it should train.
         assert_eq!(groups, ["agent"]);
+        // A declared group that mostly trains names the modules that do not.
+        let partly = alerts(json!({
+            "train": ["agent"],
+            "params": [
+                {"name": "agent.body.weight"}, {"name": "agent.body.bias"},
+                {"name": "agent.norm.weight"},
+                {"name": "agent.head.weight", "requires_grad": false}
+            ]
+        }));
+        let [alert] = &partly[..] else {
+            panic!("{partly:?}")
+        };
+        assert_eq!(
+            (alert.kind, alert.severity),
+            (AlertKind::GroupNotTraining, Severity::Warning)
+        );
+        assert_eq!(alert.evidence["cause"], "frozen_modules");
+        assert_eq!(alert.evidence["modules"], json!(["agent.head"]));
+        // A frozen module that is an entry of its own is named once, by that entry.
+        let once = alerts(json!({
+            "train": ["agent", "agent.head"],
+            "params": [
+                {"name": "agent.body.weight"}, {"name": "agent.norm.weight"},
+                {"name": "agent.head.weight", "requires_grad": false}
+            ]
+        }));
+        let subjects: Vec<&str> = once.iter().map(|a| a.subject.as_str()).collect();
+        assert_eq!(subjects, ["agent.head"], "{once:?}");
+        // A LoRA model's base, mostly frozen by design, says nothing.
+        let lora = alerts(json!({
+            "train": ["model"],
+            "params": [
+                {"name": "model.layers.0.q_proj.weight", "requires_grad": false},
+                {"name": "model.layers.0.v_proj.weight", "requires_grad": false},
+                {"name": "model.layers.0.mlp.weight", "requires_grad": false},
+                {"name": "model.layers.0.q_proj.lora_A.weight"}
+            ]
+        }));
+        assert!(lora.is_empty(), "{lora:?}");
         let frozen = alerts(json!({"params": [
             {"name": "a.w", "requires_grad": false},
             {"name": "b.w"}
