@@ -376,6 +376,8 @@ struct ModuleRow {
     roles: Vec<String>,
     dtypes: Vec<String>,
     params: usize,
+    /// Of `params`, those registered with requires_grad (and so measured).
+    trainable: usize,
     grad: Option<Cell>,
     hits: Option<Cell>,
 }
@@ -392,6 +394,7 @@ fn module_rows(registration: &RunRegistration, latest: Option<&LatestValues>) ->
                 roles: Vec::new(),
                 dtypes: Vec::new(),
                 params: 0,
+                trainable: 0,
                 grad: None,
                 hits: None,
             });
@@ -399,6 +402,7 @@ fn module_rows(registration: &RunRegistration, latest: Option<&LatestValues>) ->
         });
         let row = &mut rows[at];
         row.params += 1;
+        row.trainable += usize::from(param.requires_grad());
         let role = wire_name(&param.role());
         if !row.roles.contains(&role) {
             row.roles.push(role);
@@ -430,6 +434,7 @@ fn module_rows(registration: &RunRegistration, latest: Option<&LatestValues>) ->
                 roles: Vec::new(),
                 dtypes: Vec::new(),
                 params: 0,
+                trainable: 0,
                 grad: None,
                 hits: None,
             });
@@ -523,6 +528,10 @@ fn module_row(order: usize, row: &ModuleRow) -> Markup {
                     (_, "not-reached") => span.flag { "no gradient: backward never reached it" },
                     (Some(text), "zero") => { (text) " " span.flag { "exactly 0" } },
                     (Some(text), _) => (text),
+                    // A module with nothing to train has no gradient to measure.
+                    (None, _) if row.params > 0 && row.trainable == 0 => {
+                        span.muted { "frozen (requires_grad=False)" }
+                    }
                     (None, _) => span.muted { "not measured" },
                 }
             }

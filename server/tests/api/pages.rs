@@ -151,6 +151,36 @@ async fn run_page_shows_alerts_charts_modules_and_registration_escaped() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_module_reads_frozen_not_unmeasured() {
+    let app = TestApp::spawn().await;
+    let registration = json!({"params": [
+        {"name": "encoder.w", "requires_grad": false},
+        {"name": "head.w"},
+        {"name": "probe.w"}
+    ]});
+    assert_eq!(app.register("frozen", &registration).await.status(), 201);
+    let step = json!([{"step": 0, "loss": 1.0,
+        "modules": [{"module": "head", "grad_norm": 0.5, "hook_hits": 1}]}]);
+    assert_eq!(app.post_steps("frozen", &step).await.status(), 200);
+    let (status, _, html) = get_page(&app, "/runs/frozen").await;
+    assert_eq!(status, 200);
+    let row = |module: &str| {
+        let at = html
+            .find(&format!("data-module=\"{module}\""))
+            .unwrap_or_else(|| panic!("no row for {module}: {html}"));
+        html[at..at + html[at..].find("</tr>").unwrap()].to_owned()
+    };
+    assert!(
+        row("encoder").contains("frozen (requires_grad=False)"),
+        "{}",
+        row("encoder")
+    );
+    // A trainable module that was not reported is still "not measured".
+    assert!(row("probe").contains("not measured"), "{}", row("probe"));
+    assert!(!row("head").contains("not measured"), "{}", row("head"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn page_errors_are_pages_that_say_what_was_wrong() {
     let app = TestApp::spawn().await;
     hostile_cut_run(&app).await;
