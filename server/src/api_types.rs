@@ -49,22 +49,8 @@ pub struct Unsupported(pub ErrorBody);
 #[response(description = "Storage unavailable (disk full, locked): nothing stored, retry")]
 pub struct Unavailable(pub ErrorBody);
 
-/// docs/PROTOCOL.md's error body.
-#[derive(Serialize, ToSchema)]
-pub struct ErrorBody {
-    pub error: ErrorDetail,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct ErrorDetail {
-    /// Machine-readable: `invalid_body`, `run_not_found`, `conflict`, …
-    pub code: String,
-    /// What was wrong, for a person.
-    pub message: String,
-    /// Where, in the protocol's path notation (`steps[3].modules[0].grad_norm`).
-    #[schema(required = false)]
-    pub path: Option<String>,
-}
+/// docs/PROTOCOL.md's error body: [`ApiError`](crate::error::ApiError) answers with it.
+pub use crate::error::{ErrorBody, ErrorDetail};
 
 #[derive(Serialize, ToSchema)]
 pub struct Health {

@@ -3,12 +3,12 @@
 //! that imports all of them, so that none of them imports another's neighbour.
 
 use axum::Router;
-use axum::http::{Method, StatusCode, Uri};
+use axum::http::{Method, Uri};
 use axum::middleware;
 use axum::routing::{get, post, put};
 use tower_http::trace::TraceLayer;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 use crate::routes::{
     alerts, auth, charts, cors, events, health, limits, metrics, ranks, runs, series, steps,
     webhooks,
@@ -66,13 +66,15 @@ pub fn app(state: AppState) -> Router {
 }
 
 async fn no_route(method: Method, uri: Uri) -> ApiError {
-    ApiError::not_found("not_found", format!("no route for {method} {}", uri.path()))
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("no route for {method} {}", uri.path()),
+    )
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
+        ErrorCode::MethodNotAllowed,
         format!("{method} is not allowed on {}", uri.path()),
     )
 }

@@ -10,11 +10,11 @@
 use std::io::Read;
 
 use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, header};
 use flate2::read::MultiGzDecoder;
 use http_body_util::BodyExt;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 
 /// How a body is framed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,8 +40,7 @@ pub fn body_format(headers: &HeaderMap, allow_ndjson: bool) -> Result<BodyFormat
     };
     let unsupported = |what: String| {
         ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            ErrorCode::UnsupportedMediaType,
             format!("{what}: send Content-Type: {accepted}"),
         )
     };
@@ -86,8 +85,7 @@ pub fn body_encoding(headers: &HeaderMap) -> Result<BodyEncoding, ApiError> {
         Ok("identity") | Ok("") => Ok(BodyEncoding::Identity),
         Ok("gzip") | Ok("x-gzip") => Ok(BodyEncoding::Gzip),
         _ => Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_encoding",
+            ErrorCode::UnsupportedEncoding,
             format!(
                 "Content-Encoding {:?} is not supported: send the body uncompressed or as gzip",
                 String::from_utf8_lossy(value.as_bytes())
@@ -98,8 +96,7 @@ pub fn body_encoding(headers: &HeaderMap) -> Result<BodyEncoding, ApiError> {
 
 fn too_large(limit: usize, what: &str) -> ApiError {
     ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "body_too_large",
+        ErrorCode::BodyTooLarge,
         format!(
             "the {what} is larger than the server's limit of {limit} bytes: send smaller batches"
         ),
@@ -127,8 +124,7 @@ pub async fn receive(headers: &HeaderMap, body: Body, limit: usize) -> Result<By
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|error| {
             ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_body",
+                ErrorCode::InvalidBody,
                 format!("could not read the request body: {error}"),
             )
         })?;
@@ -170,8 +166,7 @@ pub fn decode(bytes: Bytes, encoding: BodyEncoding, limit: usize) -> Result<Byte
             let mut reader = MultiGzDecoder::new(&bytes[..]).take(limit as u64 + 1);
             reader.read_to_end(&mut decoded).map_err(|error| {
                 ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_gzip",
+                    ErrorCode::InvalidGzip,
                     format!("the gzip body could not be decompressed: {error}"),
                 )
             })?;
@@ -221,7 +216,11 @@ mod tests {
             ("application/json; charset=latin1", true),
         ] {
             let err = body_format(&ct(value), ndjson).unwrap_err();
-            assert_eq!(err.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "{value}");
+            assert_eq!(
+                err.status(),
+                axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "{value}"
+            );
         }
         assert!(body_format(&HeaderMap::new(), true).is_err());
     }
@@ -236,7 +235,7 @@ mod tests {
         assert_eq!(body_encoding(&ce("gzip")).unwrap(), BodyEncoding::Gzip);
         assert_eq!(
             body_encoding(&ce("br")).unwrap_err().code(),
-            "unsupported_encoding"
+            ErrorCode::UnsupportedEncoding
         );
     }
 
@@ -252,8 +251,8 @@ mod tests {
             10_000
         );
         let err = decode(gz, BodyEncoding::Gzip, 9_999).unwrap_err();
-        assert_eq!(err.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(err.status(), axum::http::StatusCode::PAYLOAD_TOO_LARGE);
         let err = decode(Bytes::from_static(b"not gzip"), BodyEncoding::Gzip, 100).unwrap_err();
-        assert_eq!(err.code(), "invalid_gzip");
+        assert_eq!(err.code(), ErrorCode::InvalidGzip);
     }
 }

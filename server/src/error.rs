@@ -5,22 +5,134 @@
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use gradflow_protocol::InvalidBody;
-use serde_json::json;
+use serde::Serialize;
 
 use crate::store::StoreError;
 
+/// Every `code` an error answer carries (docs/PROTOCOL.md lists them; a test holds
+/// the two together). The code decides the HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    InvalidBody,
+    InvalidRunId,
+    InvalidQuery,
+    InvalidGzip,
+    Unauthorized,
+    RunNotFound,
+    UnknownSubject,
+    UnknownChart,
+    NotFound,
+    MethodNotAllowed,
+    RequestTimeout,
+    Conflict,
+    BodyTooLarge,
+    UnsupportedMediaType,
+    UnsupportedEncoding,
+    StorageUnavailable,
+    Overloaded,
+    Internal,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 18] = [
+        ErrorCode::InvalidBody,
+        ErrorCode::InvalidRunId,
+        ErrorCode::InvalidQuery,
+        ErrorCode::InvalidGzip,
+        ErrorCode::Unauthorized,
+        ErrorCode::RunNotFound,
+        ErrorCode::UnknownSubject,
+        ErrorCode::UnknownChart,
+        ErrorCode::NotFound,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::RequestTimeout,
+        ErrorCode::Conflict,
+        ErrorCode::BodyTooLarge,
+        ErrorCode::UnsupportedMediaType,
+        ErrorCode::UnsupportedEncoding,
+        ErrorCode::StorageUnavailable,
+        ErrorCode::Overloaded,
+        ErrorCode::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidBody => "invalid_body",
+            ErrorCode::InvalidRunId => "invalid_run_id",
+            ErrorCode::InvalidQuery => "invalid_query",
+            ErrorCode::InvalidGzip => "invalid_gzip",
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::RunNotFound => "run_not_found",
+            ErrorCode::UnknownSubject => "unknown_subject",
+            ErrorCode::UnknownChart => "unknown_chart",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::RequestTimeout => "request_timeout",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::BodyTooLarge => "body_too_large",
+            ErrorCode::UnsupportedMediaType => "unsupported_media_type",
+            ErrorCode::UnsupportedEncoding => "unsupported_encoding",
+            ErrorCode::StorageUnavailable => "storage_unavailable",
+            ErrorCode::Overloaded => "overloaded",
+            ErrorCode::Internal => "internal",
+        }
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            ErrorCode::InvalidBody
+            | ErrorCode::InvalidRunId
+            | ErrorCode::InvalidQuery
+            | ErrorCode::InvalidGzip => StatusCode::BAD_REQUEST,
+            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::RunNotFound
+            | ErrorCode::UnknownSubject
+            | ErrorCode::UnknownChart
+            | ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorCode::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
+            ErrorCode::Conflict => StatusCode::CONFLICT,
+            ErrorCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::UnsupportedMediaType | ErrorCode::UnsupportedEncoding => {
+                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            }
+            ErrorCode::StorageUnavailable | ErrorCode::Overloaded => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+/// docs/PROTOCOL.md's error body.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// Machine-readable: what kind of error, which also decides the HTTP status.
+    pub code: ErrorCode,
+    /// What was wrong, for a person.
+    pub message: String,
+    /// Where, in the protocol's path notation (`steps[3].modules[0].grad_norm`).
+    #[schema(required = false)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+}
+
 #[derive(Debug)]
 pub struct ApiError {
-    status: StatusCode,
-    code: &'static str,
+    code: ErrorCode,
     message: String,
     path: Option<String>,
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         ApiError {
-            status,
             code,
             message: message.into(),
             path: None,
@@ -34,22 +146,18 @@ impl ApiError {
     }
 
     pub fn invalid_body(error: InvalidBody) -> Self {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_body", error.message).with_path(error.path)
+        ApiError::new(ErrorCode::InvalidBody, error.message).with_path(error.path)
     }
 
     pub fn invalid_query(message: impl Into<String>) -> Self {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_query", message)
-    }
-
-    pub fn not_found(code: &'static str, message: impl Into<String>) -> Self {
-        ApiError::new(StatusCode::NOT_FOUND, code, message)
+        ApiError::new(ErrorCode::InvalidQuery, message)
     }
 
     pub fn status(&self) -> StatusCode {
-        self.status
+        self.code.status()
     }
 
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         self.code
     }
 
@@ -61,13 +169,13 @@ impl ApiError {
 impl From<StoreError> for ApiError {
     fn from(error: StoreError) -> Self {
         match error {
-            StoreError::RunNotFound(run_id) => ApiError::not_found(
-                "run_not_found",
+            StoreError::RunNotFound(run_id) => ApiError::new(
+                ErrorCode::RunNotFound,
                 format!("run {run_id:?} is not registered: PUT /api/v1/runs/{run_id} first"),
             ),
             StoreError::Invalid(invalid) => ApiError::invalid_body(invalid),
             StoreError::Conflict { path, message } => {
-                ApiError::new(StatusCode::CONFLICT, "conflict", message).with_path(path)
+                ApiError::new(ErrorCode::Conflict, message).with_path(path)
             }
             StoreError::Stale => ApiError::from(StoreError::Unavailable(
                 "the run moved on while the request was handled".to_owned(),
@@ -75,8 +183,7 @@ impl From<StoreError> for ApiError {
             StoreError::Unavailable(detail) => {
                 tracing::warn!(error = %detail, "storage unavailable");
                 ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "storage_unavailable",
+                    ErrorCode::StorageUnavailable,
                     format!(
                         "the database cannot take this request right now ({detail}); nothing was stored, retry later"
                     ),
@@ -85,8 +192,7 @@ impl From<StoreError> for ApiError {
             StoreError::Internal(error) => {
                 tracing::error!(error = format!("{error:#}"), "internal error");
                 ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
+                    ErrorCode::Internal,
                     "internal error; the server log has the details",
                 )
             }
@@ -94,25 +200,25 @@ impl From<StoreError> for ApiError {
     }
 }
 
-/// The `code` of an error response, left in the response's extensions for the
-/// metrics middleware.
-#[derive(Debug, Clone, Copy)]
-pub struct ErrorCode(pub &'static str);
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let code = ErrorCode(self.code);
-        let mut error = json!({"code": self.code, "message": self.message});
-        if let Some(path) = self.path {
-            error["path"] = path.into();
-        }
-        let mut response = (self.status, axum::Json(json!({ "error": error }))).into_response();
-        if self.status == StatusCode::UNAUTHORIZED {
+        // The code stays in the response's extensions for the metrics middleware.
+        let code = self.code;
+        let status = code.status();
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code,
+                message: self.message,
+                path: self.path,
+            },
+        };
+        let mut response = (status, axum::Json(body)).into_response();
+        if status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+        if status == StatusCode::SERVICE_UNAVAILABLE {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));

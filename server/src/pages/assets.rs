@@ -6,7 +6,7 @@ use axum::extract::Path;
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 
 /// (name, content type, contents).
 const ASSETS: &[(&str, &str, &str)] = &[
@@ -30,8 +30,8 @@ pub fn url(name: &str) -> String {
 
 pub async fn serve_asset(Path(file): Path<String>) -> Result<Response, ApiError> {
     let Some((_, content_type, contents)) = ASSETS.iter().find(|(name, _, _)| *name == file) else {
-        return Err(ApiError::not_found(
-            "not_found",
+        return Err(ApiError::new(
+            ErrorCode::NotFound,
             format!("no static file {file:?}"),
         ));
     };

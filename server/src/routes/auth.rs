@@ -12,11 +12,11 @@
 //! a guess was right.
 
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::http::{HeaderMap, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 use crate::state::AppState;
 
 /// The cookie `POST /login` sets; it holds the read token itself (HttpOnly,
@@ -37,14 +37,12 @@ pub async fn require_ingest_token(
     match bearer(request.headers()) {
         Some(token) if same(token, expected) => next.run(request).await,
         Some(_) => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "the bearer token is not this server's ingest token",
         )
         .into_response(),
         None => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "this server needs an ingest token for writes: send Authorization: Bearer <token>",
         )
         .into_response(),
@@ -76,15 +74,11 @@ pub async fn require_read_token(
                 .expect("a string pair always encodes");
             Redirect::to(&format!("/login?{query}")).into_response()
         }
-        Some(_) => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
+        Some(_) => ApiError::new(ErrorCode::Unauthorized,
             "the token presented is not this server's read token",
         )
         .into_response(),
-        None => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
+        None => ApiError::new(ErrorCode::Unauthorized,
             "this server needs a read token: send Authorization: Bearer <token>, or log in at /login",
         )
         .into_response(),

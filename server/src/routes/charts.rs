@@ -13,7 +13,7 @@ use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::charts::compare::{self, CompareMetric, ComparedRun, MAX_RUNS, MIN_RUNS};
 use crate::charts::ranks::{self, RankMetric, Ranks};
 use crate::charts::{self, ChartData, ChartKind, Format, MAX_SIDE, MIN_SIDE};
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 use crate::state::AppState;
 use crate::store::{Store, StoreError};
 use gradflow_core::model::series_kind::SeriesKind;
@@ -53,8 +53,8 @@ pub async fn render_chart(
     let mut names: Vec<&str> = ChartKind::ALL.iter().map(|k| k.name()).collect();
     names.push(RANKS_CHART);
     let unknown = || {
-        ApiError::not_found(
-            "unknown_chart",
+        ApiError::new(
+            ErrorCode::UnknownChart,
             format!(
                 "no chart {file:?}: one of {} with .svg or .png",
                 names.join(", ")
@@ -142,8 +142,8 @@ async fn render_ranks(
             .await?
             .contains(&subject)
     {
-        return Err(ApiError::not_found(
-            "unknown_subject",
+        return Err(ApiError::new(
+            ErrorCode::UnknownSubject,
             format!("run {run_id} has reported no module named {subject:?}"),
         )
         .with_path("subject"));
@@ -343,8 +343,8 @@ pub async fn render_comparison(
         "compare.svg" => Format::Svg,
         "compare.png" => Format::Png,
         _ => {
-            return Err(ApiError::not_found(
-                "unknown_chart",
+            return Err(ApiError::new(
+                ErrorCode::UnknownChart,
                 format!("no chart {file:?}: compare.svg or compare.png"),
             ));
         }
@@ -376,8 +376,8 @@ pub async fn render_comparison(
             .len()
             == runs.len()
     {
-        return Err(ApiError::not_found(
-            "unknown_subject",
+        return Err(ApiError::new(
+            ErrorCode::UnknownSubject,
             format!("none of these runs has reported a {noun} named {subject:?}"),
         )
         .with_path("subject"));

@@ -4,12 +4,11 @@
 use std::collections::HashMap;
 
 use axum::extract::{FromRequestParts, Path, Query};
-use axum::http::StatusCode;
 use axum::http::request::Parts;
 use gradflow_protocol::RunId;
 use serde::de::DeserializeOwned;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 
 /// The `{run_id}` of the path, parsed.
 pub struct RunIdParam(pub RunId);
@@ -21,13 +20,12 @@ impl<S: Send + Sync> FromRequestParts<S> for RunIdParam {
         let Path(params) = Path::<HashMap<String, String>>::from_request_parts(parts, state)
             .await
             .map_err(|e| {
-                ApiError::new(StatusCode::BAD_REQUEST, "invalid_run_id", e.body_text())
-                    .with_path("run_id")
+                ApiError::new(ErrorCode::InvalidRunId, e.body_text()).with_path("run_id")
             })?;
         let raw = params.get("run_id").map(String::as_str).unwrap_or_default();
-        RunId::parse(raw).map(RunIdParam).map_err(|message| {
-            ApiError::new(StatusCode::BAD_REQUEST, "invalid_run_id", message).with_path("run_id")
-        })
+        RunId::parse(raw)
+            .map(RunIdParam)
+            .map_err(|message| ApiError::new(ErrorCode::InvalidRunId, message).with_path("run_id"))
     }
 }
 

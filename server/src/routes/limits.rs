@@ -7,18 +7,16 @@
 //! holds neither a permit nor a deadline.
 
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 use crate::state::AppState;
 
 pub async fn limit(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let Ok(_permit) = state.in_flight.clone().try_acquire_owned() else {
         return ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded",
+            ErrorCode::Overloaded,
             format!(
                 "the server is handling as many requests as it is allowed to \
                  ({} at once, --max-concurrent-requests); retry shortly",
@@ -31,8 +29,7 @@ pub async fn limit(State(state): State<AppState>, request: Request, next: Next) 
     match tokio::time::timeout(timeout, next.run(request)).await {
         Ok(response) => response,
         Err(_) => ApiError::new(
-            StatusCode::REQUEST_TIMEOUT,
-            "request_timeout",
+            ErrorCode::RequestTimeout,
             format!(
                 "the request was not complete within {} s (--request-timeout-secs); a \
                  batch whose body had arrived may still have been stored: resend it, and \

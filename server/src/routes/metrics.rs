@@ -18,8 +18,8 @@ pub async fn count_rejections(
     next: Next,
 ) -> Response {
     let response = next.run(request).await;
-    if let Some(ErrorCode(code)) = response.extensions().get::<ErrorCode>() {
-        state.metrics.rejected(code);
+    if let Some(code) = response.extensions().get::<ErrorCode>() {
+        state.metrics.rejected(code.as_str());
     }
     response
 }

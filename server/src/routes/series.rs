@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::extract::{ApiQuery, RunIdParam, check_step_range};
 use crate::api_types::{Series, SeriesPoint};
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 use crate::state::AppState;
 use crate::store::SeriesRequest;
 use gradflow_core::model::cell::{Cell, widen_for_display};
@@ -234,8 +234,8 @@ pub async fn read_series(
     if data.kind.is_none()
         && let (Some(what), Some(subject)) = (what, &subject)
     {
-        return Err(ApiError::not_found(
-            "unknown_subject",
+        return Err(ApiError::new(
+            ErrorCode::UnknownSubject,
             format!(
                 "run {run_id} has reported no {} named {subject:?}",
                 what.trim_start_matches("a ")

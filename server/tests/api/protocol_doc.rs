@@ -12,6 +12,7 @@
 
 use crate::common::TestApp;
 use gradflow_core::detect::AlertKind;
+use gradflow_server::error::ErrorCode;
 use gradflow_server::store::webhooks::DueDelivery;
 use gradflow_server::webhooks::render;
 use serde_json::{Value, json};
@@ -139,6 +140,24 @@ async fn every_example_of_the_protocol_page_holds_against_a_real_server() {
     assert!(!errors_documented.is_empty());
     for documented in errors_documented {
         assert_eq!(documented, refusal, "the documented error body differs");
+    }
+}
+
+#[test]
+fn the_page_lists_every_error_code_with_its_status() {
+    // The paragraph after the error body's example: "`code` is one of ...".
+    let start = PAGE.find("`code` is one of").expect("the error code list");
+    let list = &PAGE[start..start + PAGE[start..].find("`path` names").expect("its end")];
+    for code in ErrorCode::ALL {
+        let name = format!("`{}`", code.as_str());
+        let at = list
+            .find(&name)
+            .unwrap_or_else(|| panic!("docs/PROTOCOL.md does not list {name}"));
+        // The status stated after the code (or after the codes that share it).
+        let status = code.status().as_u16().to_string();
+        let after = &list[at..];
+        let stated = after.find('(').map(|open| &after[open + 1..open + 4]);
+        assert_eq!(stated, Some(status.as_str()), "{name} in {list}");
     }
 }
 
