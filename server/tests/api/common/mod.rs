@@ -8,6 +8,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use clap::Parser;
 use gradflow_e2e::postgres::{Backend, Postgres, test_backend};
 use gradflow_server::config::ServerConfig;
 use gradflow_server::startup::Application;
@@ -31,27 +32,21 @@ pub struct TestApp {
     task: Option<JoinHandle<anyhow::Result<()>>>,
 }
 
+/// A test server's configuration: the server's own flags and defaults, as a user
+/// would start it, on port 0 and `db`, with `--sync normal` (tests need no fsync per
+/// commit). Tests change fields of it; a new flag needs no edit here.
 pub fn config(db: PathBuf) -> ServerConfig {
-    ServerConfig {
-        listen: "127.0.0.1:0".into(),
-        db,
-        database: None,
-        cached_runs: 256,
-        rank_timeout_secs: 60.0,
-        ingest_token: None,
-        read_token: None,
-        cors_origins: Vec::new(),
-        max_body_bytes: 32 * 1024 * 1024,
-        sync: SyncMode::Normal,
-        stuck_zero_steps: 50,
-        frozen_norm_steps: 20,
-        overflow_streak_steps: 10,
-        request_timeout_secs: 60,
-        max_concurrent_requests: 1024,
-        disable_detectors: false,
-        retain_days: None,
-        webhooks: Default::default(),
-    }
+    let db = db.to_str().expect("a UTF-8 temporary path").to_owned();
+    ServerConfig::try_parse_from([
+        "gradflow-server",
+        "--listen",
+        "127.0.0.1:0",
+        "--db",
+        &db,
+        "--sync",
+        "normal",
+    ])
+    .expect("the test server's flags parse")
 }
 
 impl TestApp {
