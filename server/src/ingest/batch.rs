@@ -25,6 +25,15 @@ use gradflow_core::detect::ranks::RankView;
 use gradflow_core::detect::{Detection, DetectorSet, Thresholds, Transition};
 use gradflow_core::model::series_kind::SeriesKind;
 
+/// What preparing a batch came to: rows to write, or nothing new to store (every
+/// record at or below its stream's last stored step). `Unchanged` is what the
+/// preparer hands back with the latter: nothing for [`prepare`], which borrows the
+/// run's state; the state itself for `prepare_ranks`, which takes it.
+pub enum Preparation<Unchanged> {
+    Write(Prepared),
+    NothingNew(IngestOutcome, Unchanged),
+}
+
 /// A batch ready to write, and the run's state once it is written.
 pub struct Prepared {
     pub write: BatchWrite,
@@ -60,15 +69,15 @@ pub fn with_codec<T>(work: impl FnOnce(&mut Codec) -> StoreResult<T>) -> StoreRe
 }
 
 /// Prepares `records` (validated, steps strictly increasing) for the run of
-/// `state`. The records up to the run's last stored step are duplicates; `Ok(Err)`
-/// holds the outcome of a batch that is nothing but duplicates.
+/// `state`. The records up to the run's last stored step are not new; a batch of
+/// nothing else is [`Preparation::NothingNew`].
 pub fn prepare(
     state: &RunState,
     run_id: &str,
     records: &[StepRecord],
     detection: Detection,
     codec: &mut Codec,
-) -> StoreResult<Result<Prepared, IngestOutcome>> {
+) -> StoreResult<Preparation<()>> {
     let last_stored = state.last_step;
     // Steps strictly increase within a batch, so the duplicates are a prefix.
     let first_new = records
@@ -77,13 +86,16 @@ pub fn prepare(
         .unwrap_or(records.len());
     let (duplicates, new) = records.split_at(first_new);
     if new.is_empty() {
-        return Ok(Err(IngestOutcome {
-            accepted: 0,
-            duplicates: duplicates.len(),
-            late: 0,
-            last_step: last_stored,
-            values: 0,
-        }));
+        return Ok(Preparation::NothingNew(
+            IngestOutcome {
+                accepted: 0,
+                duplicates: duplicates.len(),
+                late: 0,
+                last_step: last_stored,
+                values: 0,
+            },
+            (),
+        ));
     }
     // The registration in force at each new record: v1.1 amendments take effect at
     // the record that carries them. A duplicate's amendment was applied when it was
@@ -169,7 +181,7 @@ pub fn prepare(
             .context("encoding detector state")?,
         pending_since: None,
     };
-    Ok(Ok(Prepared {
+    Ok(Preparation::Write(Prepared {
         write,
         next,
         outcome,

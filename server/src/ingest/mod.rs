@@ -38,7 +38,7 @@ use std::time::Duration;
 use gradflow_protocol::{RunId, RunRegistration, StepRecord};
 use serde::Serialize;
 
-use self::batch::{prepare, with_codec};
+use self::batch::{Preparation, prepare, with_codec};
 use self::cache::RunCache;
 use self::ranks::{Clock, prepare_ranks};
 use self::state::{Episode, RunState};
@@ -325,20 +325,20 @@ impl Ingest {
                         codec,
                     )
                 })? {
-                    Ok(prepared) => prepared,
-                    Err((duplicates, state)) => {
+                    Preparation::Write(prepared) => prepared,
+                    Preparation::NothingNew(outcome, state) => {
                         *cached = Some(state);
-                        return Ok(settle_late(duplicates));
+                        return Ok(settle_late(outcome));
                     }
                 }
             } else {
                 match with_codec(|codec| {
                     prepare(&state, run_id.as_str(), records, detection, codec)
                 }) {
-                    Ok(Ok(prepared)) => prepared,
-                    Ok(Err(duplicates)) => {
+                    Ok(Preparation::Write(prepared)) => prepared,
+                    Ok(Preparation::NothingNew(outcome, ())) => {
                         *cached = Some(state);
-                        return Ok(settle_late(duplicates));
+                        return Ok(settle_late(outcome));
                     }
                     Err(error) => {
                         // The batch was wrong, not the state.

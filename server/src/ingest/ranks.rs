@@ -22,7 +22,8 @@ use gradflow_protocol::{InvalidBody, StepRecord, Timestamp};
 
 use super::IngestOutcome;
 use super::batch::{
-    Codec, Prepared, StepCells, check_amendment, check_params, detect, new_columns, write_stream,
+    Codec, Preparation, Prepared, StepCells, check_amendment, check_params, detect, new_columns,
+    write_stream,
 };
 use super::combine::{Combined, LAG_STEPS, PendingStep};
 use super::registry::Registry;
@@ -60,7 +61,7 @@ pub fn prepare_ranks(
     clock: Clock,
     closing: Option<u32>,
     codec: &mut Codec,
-) -> StoreResult<Result<Prepared, (IngestOutcome, RunState)>> {
+) -> StoreResult<Preparation<RunState>> {
     let world = state.world_size;
     let head = state.head;
     let mut next = state;
@@ -240,7 +241,7 @@ pub fn prepare_ranks(
             last_step: next.last_step,
             values: 0,
         };
-        return Ok(Err((outcome, next)));
+        return Ok(Preparation::NothingNew(outcome, next));
     }
 
     // The combined steps: records for the detectors, rows for stream 0.
@@ -329,7 +330,7 @@ pub fn prepare_ranks(
             .context("encoding detector state")?,
         pending_since: next.pending.values().map(|p| p.first_seen).reduce(f64::min),
     };
-    Ok(Ok(Prepared {
+    Ok(Preparation::Write(Prepared {
         write,
         next,
         outcome,
