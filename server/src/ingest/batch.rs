@@ -30,7 +30,7 @@ use gradflow_core::model::series_kind::SeriesKind;
 /// preparer hands back with the latter: nothing for [`prepare`], which borrows the
 /// run's state; the state itself for `prepare_ranks`, which takes it.
 pub enum Preparation<Unchanged> {
-    Write(Prepared),
+    Write(Box<Prepared>),
     NothingNew(IngestOutcome, Unchanged),
 }
 
@@ -181,11 +181,11 @@ pub fn prepare(
             .context("encoding detector state")?,
         pending_since: None,
     };
-    Ok(Preparation::Write(Prepared {
+    Ok(Preparation::Write(Box::new(Prepared {
         write,
         next,
         outcome,
-    }))
+    })))
 }
 
 /// Runs the detectors over the new records in step order (each against the

@@ -325,7 +325,7 @@ impl Ingest {
                         codec,
                     )
                 })? {
-                    Preparation::Write(prepared) => prepared,
+                    Preparation::Write(prepared) => *prepared,
                     Preparation::NothingNew(outcome, state) => {
                         *cached = Some(state);
                         return Ok(settle_late(outcome));
@@ -335,7 +335,7 @@ impl Ingest {
                 match with_codec(|codec| {
                     prepare(&state, run_id.as_str(), records, detection, codec)
                 }) {
-                    Ok(Preparation::Write(prepared)) => prepared,
+                    Ok(Preparation::Write(prepared)) => *prepared,
                     Ok(Preparation::NothingNew(outcome, ())) => {
                         *cached = Some(state);
                         return Ok(settle_late(outcome));

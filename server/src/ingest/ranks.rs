@@ -330,11 +330,11 @@ pub fn prepare_ranks(
             .context("encoding detector state")?,
         pending_since: next.pending.values().map(|p| p.first_seen).reduce(f64::min),
     };
-    Ok(Preparation::Write(Prepared {
+    Ok(Preparation::Write(Box::new(Prepared {
         write,
         next,
         outcome,
-    }))
+    })))
 }
 
 fn invalid(path: String, message: String) -> StoreError {
