@@ -68,6 +68,7 @@ async fn run(config: ServerConfig) -> anyhow::Result<()> {
     let app = Application::build(&config).await?;
     tracing::info!(
         address = %app.address(),
+        dashboard = %format!("http://{}/", app.address()),
         database = %config.database_url()?.display(),
         ingest_token = config.ingest_token.is_some(),
         read_token = config.read_token.is_some(),

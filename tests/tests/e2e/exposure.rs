@@ -12,6 +12,17 @@ fn warning<'a>(logs: &'a [String], text: &str) -> Option<&'a String> {
 }
 
 #[test]
+fn the_server_says_where_its_dashboard_is_when_it_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("a.db"), &[]);
+    let logs = server.logs();
+    let line = warning(&logs, "gradflow-server listening")
+        .unwrap_or_else(|| panic!("no start line in:\n{}", logs.join("\n")));
+    let dashboard = format!("dashboard={}/", server.base);
+    assert!(line.contains(&dashboard), "{dashboard} not in {line}");
+}
+
+#[test]
 fn listening_beyond_loopback_without_a_token_is_warned_about() {
     let dir = tempfile::tempdir().unwrap();
     let open = ServerProcess::start_at(&dir.path().join("a.db"), "0.0.0.0:0", &[]);
