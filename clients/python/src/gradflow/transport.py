@@ -66,7 +66,15 @@ class Client:
                     err.code, detail.get("code", ""), detail.get("message", ""), detail.get("path")
                 ) from None
             except (ValueError, KeyError, TypeError):
-                raise Refused(err.code, "", raw[:200].decode("utf-8", "replace"), None) from None
+                # Not gradflow's JSON error: say so in one line, never the page itself.
+                kind = err.headers.get("Content-Type", "no content type") if err.headers else ""
+                raise Refused(
+                    err.code,
+                    "",
+                    f"{self.server} answered with a {kind or 'non-JSON'} body, not a gradflow "
+                    "error: is it a gradflow server?",
+                    None,
+                ) from None
         except (urllib.error.URLError, OSError, socket.timeout) as err:
             raise Unreachable(str(getattr(err, "reason", None) or err)) from None
 
