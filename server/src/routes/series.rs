@@ -82,59 +82,143 @@ enum Subject {
     Optional,
 }
 
-fn metric_kinds(metric: &str) -> Option<(Vec<SeriesKind>, Subject)> {
-    use SeriesKind::*;
-    let (kinds, subject) = match metric {
-        "loss" => (vec![Loss], Subject::None),
-        "lr" => (vec![Lr], Subject::Optional),
-        "scaler_scale" => (vec![ScalerScale], Subject::None),
-        "scaler_growth_tracker" => (vec![ScalerGrowthTracker], Subject::None),
-        "found_inf" => (vec![FoundInf], Subject::None),
-        "step_skipped" => (vec![StepSkipped], Subject::None),
-        // A group's norm is derived; a name that is both a group and a module (a
-        // one-module group) gives the same value either way.
-        "grad_norm" => (
-            vec![GroupGradNorm, ModuleGradNorm],
-            Subject::Required("a group or module"),
-        ),
-        "hook_hits" => (vec![HookHits], Subject::Required("a module")),
-        "param_grad_norm" => (vec![ParamGradNorm], Subject::Required("a parameter")),
-        "update_norm" => (vec![UpdateNorm], Subject::Required("a parameter")),
-        "drift" => (vec![Drift], Subject::Required("a parameter")),
-        "param_mean" => (vec![ParamMean], Subject::Required("a parameter")),
-        "intended_update_norm" => (vec![IntendedUpdateNorm], Subject::Required("a parameter")),
-        "intended_update_max_ulp" => (vec![IntendedUpdateMaxUlp], Subject::Required("a parameter")),
-        "intended_nonzero" => (vec![IntendedNonzero], Subject::Required("a parameter")),
-        "rounded_away" => (vec![RoundedAway], Subject::Required("a parameter")),
-        "metric" => (vec![Metric], Subject::Required("a metrics name")),
-        "gpu_memory_used_bytes" => (vec![GpuMemoryUsedBytes], Subject::Device),
-        "gpu_memory_total_bytes" => (vec![GpuMemoryTotalBytes], Subject::Device),
-        "gpu_utilization_pct" => (vec![GpuUtilizationPct], Subject::Device),
-        "gpu_temperature_c" => (vec![GpuTemperatureC], Subject::Device),
-        "gpu_power_w" => (vec![GpuPowerW], Subject::Device),
-        "dropped_steps" => (vec![DroppedSteps], Subject::None),
-        "step_time" => (vec![StepTime], Subject::None),
-        "grads_carried_over" => (vec![GradsCarriedOver], Subject::None),
-        "input_absmax" => (vec![InputAbsmax], Subject::None),
-        "grad_nonfinite" => (vec![ModuleNonfinite], Subject::Required("a module")),
-        "grad_numel" => (vec![ModuleNumel], Subject::Required("a module")),
-        _ => return None,
-    };
-    Some((kinds, subject))
+/// Every metric name the series API reads: the series kinds behind it (a group's
+/// norm is derived; a name that is both a group and a module, a one-module group,
+/// gives the same value either way) and whether it needs a subject. The error text
+/// lists these names, and a test holds the API document's list to them.
+const METRIC_TABLE: &[(&str, &[SeriesKind], Subject)] = &[
+    ("loss", &[SeriesKind::Loss], Subject::None),
+    ("lr", &[SeriesKind::Lr], Subject::Optional),
+    (
+        "grad_norm",
+        &[SeriesKind::GroupGradNorm, SeriesKind::ModuleGradNorm],
+        Subject::Required("a group or module"),
+    ),
+    (
+        "hook_hits",
+        &[SeriesKind::HookHits],
+        Subject::Required("a module"),
+    ),
+    (
+        "param_grad_norm",
+        &[SeriesKind::ParamGradNorm],
+        Subject::Required("a parameter"),
+    ),
+    (
+        "update_norm",
+        &[SeriesKind::UpdateNorm],
+        Subject::Required("a parameter"),
+    ),
+    (
+        "drift",
+        &[SeriesKind::Drift],
+        Subject::Required("a parameter"),
+    ),
+    (
+        "param_mean",
+        &[SeriesKind::ParamMean],
+        Subject::Required("a parameter"),
+    ),
+    (
+        "intended_update_norm",
+        &[SeriesKind::IntendedUpdateNorm],
+        Subject::Required("a parameter"),
+    ),
+    (
+        "intended_update_max_ulp",
+        &[SeriesKind::IntendedUpdateMaxUlp],
+        Subject::Required("a parameter"),
+    ),
+    (
+        "intended_nonzero",
+        &[SeriesKind::IntendedNonzero],
+        Subject::Required("a parameter"),
+    ),
+    (
+        "rounded_away",
+        &[SeriesKind::RoundedAway],
+        Subject::Required("a parameter"),
+    ),
+    ("scaler_scale", &[SeriesKind::ScalerScale], Subject::None),
+    (
+        "scaler_growth_tracker",
+        &[SeriesKind::ScalerGrowthTracker],
+        Subject::None,
+    ),
+    ("found_inf", &[SeriesKind::FoundInf], Subject::None),
+    ("step_skipped", &[SeriesKind::StepSkipped], Subject::None),
+    (
+        "metric",
+        &[SeriesKind::Metric],
+        Subject::Required("a metrics name"),
+    ),
+    (
+        "gpu_memory_used_bytes",
+        &[SeriesKind::GpuMemoryUsedBytes],
+        Subject::Device,
+    ),
+    (
+        "gpu_memory_total_bytes",
+        &[SeriesKind::GpuMemoryTotalBytes],
+        Subject::Device,
+    ),
+    (
+        "gpu_utilization_pct",
+        &[SeriesKind::GpuUtilizationPct],
+        Subject::Device,
+    ),
+    (
+        "gpu_temperature_c",
+        &[SeriesKind::GpuTemperatureC],
+        Subject::Device,
+    ),
+    ("gpu_power_w", &[SeriesKind::GpuPowerW], Subject::Device),
+    ("dropped_steps", &[SeriesKind::DroppedSteps], Subject::None),
+    ("step_time", &[SeriesKind::StepTime], Subject::None),
+    (
+        "grads_carried_over",
+        &[SeriesKind::GradsCarriedOver],
+        Subject::None,
+    ),
+    ("input_absmax", &[SeriesKind::InputAbsmax], Subject::None),
+    (
+        "grad_nonfinite",
+        &[SeriesKind::ModuleNonfinite],
+        Subject::Required("a module"),
+    ),
+    (
+        "grad_numel",
+        &[SeriesKind::ModuleNumel],
+        Subject::Required("a module"),
+    ),
+    (
+        "param_sum",
+        &[SeriesKind::ModuleParamSum],
+        Subject::Required("a module"),
+    ),
+];
+
+fn metric_kinds(metric: &str) -> Option<(&'static [SeriesKind], &'static Subject)> {
+    METRIC_TABLE
+        .iter()
+        .find(|(name, _, _)| *name == metric)
+        .map(|(_, kinds, subject)| (*kinds, subject))
 }
 
-const METRICS: &str = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, \
-    param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, \
-    scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, \
-    gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, \
-    gpu_power_w, dropped_steps, step_time, grads_carried_over, input_absmax, grad_nonfinite, \
-    grad_numel";
+/// The metric names, for error texts.
+fn metric_names() -> String {
+    METRIC_TABLE
+        .iter()
+        .map(|(name, _, _)| *name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// Reads one series; with `max_points`, a longer range is reduced to at most that
 /// many points by min/max per bucket, which keeps spikes and non-finite values.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/series", tag = "series",
     params(crate::api_types::RunIdPath,
-        ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w, dropped_steps, step_time, grads_carried_over, input_absmax, grad_nonfinite, grad_numel"),
+        ("metric" = String, Query, description = "loss, lr, grad_norm, hook_hits, param_grad_norm, update_norm, drift, param_mean, intended_update_norm, intended_update_max_ulp, intended_nonzero, rounded_away, scaler_scale, scaler_growth_tracker, found_inf, step_skipped, metric, gpu_memory_used_bytes, gpu_memory_total_bytes, gpu_utilization_pct, gpu_temperature_c, gpu_power_w, dropped_steps, step_time, grads_carried_over, input_absmax, grad_nonfinite, grad_numel, param_sum"),
         ("subject" = Option<String>, Query, description = "A group or module (grad_norm), module (hook_hits), parameter, metrics name, device index, or an optimizer parameter group (lr)"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
@@ -155,8 +239,9 @@ pub async fn read_series(
     let format = response_format(params.format.as_deref(), &headers)?;
     let Some((kinds, subject_rule)) = metric_kinds(&params.metric) else {
         return Err(ApiError::invalid_query(format!(
-            "unknown metric {:?}: one of {METRICS}",
-            params.metric
+            "unknown metric {:?}: one of {}",
+            params.metric,
+            metric_names()
         ))
         .with_path("metric"));
     };
@@ -227,7 +312,7 @@ pub async fn read_series(
     };
     let data = state.store.series(&run_id, &request).await?;
     let what = match subject_rule {
-        Subject::Required(what) => Some(what),
+        Subject::Required(what) => Some(*what),
         Subject::Optional => Some("a parameter group"),
         Subject::None | Subject::Device => None,
     };
@@ -318,6 +403,32 @@ fn cell_json(cell: Cell) -> Value {
             } else {
                 Value::from(wide)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use utoipa::OpenApi;
+
+    use super::*;
+
+    #[test]
+    fn the_api_document_lists_every_metric_of_the_table() {
+        let document = serde_json::to_value(crate::openapi::ApiDoc::openapi()).unwrap();
+        let parameters = &document["paths"]["/api/v1/runs/{run_id}/series"]["get"]["parameters"];
+        let described = parameters
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == "metric")
+            .and_then(|p| p["description"].as_str())
+            .expect("the metric parameter's description");
+        assert_eq!(described, metric_names());
+        // Each name is found once, and its kinds exist.
+        for (name, kinds, _) in METRIC_TABLE {
+            assert!(metric_kinds(name).is_some_and(|(k, _)| k == *kinds));
+            assert!(!kinds.is_empty(), "{name}");
         }
     }
 }
