@@ -591,9 +591,9 @@ def test_multirank_a_real_registration_conflict_is_said_on_every_rank(gradflow_s
     assert gradflow_server.run(run_id)["step_count"] == 3
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize(("nproc", "wrap"), [(2, "ddp"), (4, "ddp"), (2, "fsdp")])
 def test_multirank_a_rank_that_stops_reporting_is_missing_when_the_job_ends(
-    gradflow_server, tmp_path, nproc
+    gradflow_server, tmp_path, nproc, wrap
 ):
     """Rank 1 trains on but stops calling gf.step after step 20; every rank closes at
     the end. The server's rank timeout is its default 60 s, yet rank 1's close (its
@@ -604,8 +604,8 @@ def test_multirank_a_rank_that_stops_reporting_is_missing_when_the_job_ends(
         gradflow_server,
         nproc,
         tmp_path,
-        "mr-stops",
-        *("--wrap", "ddp", "--steps", str(steps), "--stop-reporting", f"{stop_step}:1"),
+        f"mr-stops-{wrap}",
+        *("--wrap", wrap, "--steps", str(steps), "--stop-reporting", f"{stop_step}:1"),
     )
     ended = time.monotonic()
     alert = gradflow_server.wait_for_alert(run_id, "rank_missing", "rank 1", timeout=15)
@@ -627,9 +627,11 @@ def test_multirank_a_rank_that_stops_reporting_is_missing_when_the_job_ends(
     assert "NOT delivered" not in output, output
 
 
-def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(gradflow_server, tmp_path):
-    """A NaN enters rank 1's batch at step 10 under DDP. Its gradients are NaN, and the
-    all-reduce spreads them to rank 0 before either rank's record is read, so both
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(gradflow_server, tmp_path, wrap):
+    """A NaN enters rank 1's batch at step 10 under DDP (or FSDP2). Its gradients are
+    NaN, and the all-reduce (reduce-scatter) spreads them to rank 0 before either rank's
+    record is read, so both
     records' gradients are non-finite; only rank 1's own loss is. rank_nonfinite names
     rank 1 at step 10 from the losses, and rank 0 not at all."""
     nan_step, steps = 10, 12
@@ -637,8 +639,8 @@ def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(gradflow_serv
         gradflow_server,
         2,
         tmp_path,
-        "mr-nan-batch",
-        *("--wrap", "ddp", "--steps", str(steps), "--nan-input", f"{nan_step}:1"),
+        f"mr-nan-batch-{wrap}",
+        *("--wrap", wrap, "--steps", str(steps), "--nan-input", f"{nan_step}:1"),
     )
     alert = gradflow_server.wait_for_alert(run_id, "rank_nonfinite", "rank 1")
     assert alert["first_step"] == nan_step, alert
