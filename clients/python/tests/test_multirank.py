@@ -627,8 +627,10 @@ def test_multirank_a_rank_that_stops_reporting_is_missing_when_the_job_ends(
     assert "NOT delivered" not in output, output
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
-def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(gradflow_server, tmp_path, wrap):
+@pytest.mark.parametrize(("nproc", "wrap"), [(2, "ddp"), (4, "ddp"), (2, "fsdp")])
+def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(
+    gradflow_server, tmp_path, nproc, wrap
+):
     """A NaN enters rank 1's batch at step 10 under DDP (or FSDP2). Its gradients are
     NaN, and the all-reduce (reduce-scatter) spreads them to rank 0 before either rank's
     record is read, so both
@@ -637,16 +639,16 @@ def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(gradflow_serv
     nan_step, steps = 10, 12
     run_id, _ = served(
         gradflow_server,
-        2,
+        nproc,
         tmp_path,
-        f"mr-nan-batch-{wrap}",
+        f"mr-nan-batch-{nproc}-{wrap}",
         *("--wrap", wrap, "--steps", str(steps), "--nan-input", f"{nan_step}:1"),
     )
     alert = gradflow_server.wait_for_alert(run_id, "rank_nonfinite", "rank 1")
     assert alert["first_step"] == nan_step, alert
     evidence = alert["evidence"]
     assert evidence["rank"] == 1 and evidence["origin"] == "loss", alert
-    assert evidence["spread_to"] == [0], alert
+    assert evidence["spread_to"] == [r for r in range(nproc) if r != 1], alert
     others = [a for a in gradflow_server.alerts(run_id) if a["kind"] == "rank_nonfinite"]
     assert [a["subject"] for a in others] == ["rank 1"], others
 
@@ -660,7 +662,8 @@ def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(gradflow_serv
     assert all(finite(loss[r][s]) for r in (0, 1) for s in range(nan_step)), loss
 
 
-def test_multirank_replicas_whose_weights_drift_apart_diverge(gradflow_server, tmp_path):
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_multirank_replicas_whose_weights_drift_apart_diverge(gradflow_server, tmp_path, nproc):
     """From step 4 rank 1 nudges its head's weights after each optimizer step, outside
     the optimizer. The all-reduce still gives both ranks the same gradients, so the
     gradient norms agree; the weights' fingerprints (sent every 2 steps here) do not:
@@ -669,9 +672,9 @@ def test_multirank_replicas_whose_weights_drift_apart_diverge(gradflow_server, t
     drift_step = 4
     run_id, _ = served(
         gradflow_server,
-        2,
+        nproc,
         tmp_path,
-        "mr-drift",
+        f"mr-drift-{nproc}",
         *("--wrap", "ddp", "--steps", "10", "--updates-every", "2"),
         *("--drift", f"{drift_step}:1"),
     )
