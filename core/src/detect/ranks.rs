@@ -188,20 +188,13 @@ impl RankDetectors {
     fn on_missing(&mut self, view: &RankView, out: &mut Vec<Transition>) {
         let missing: BTreeMap<u32, Option<u64>> = view.missing.iter().copied().collect();
         // Ranks back in the combined step.
-        let back: Vec<u32> = self
-            .missing
-            .keys()
-            .filter(|rank| !missing.contains_key(rank))
-            .copied()
-            .collect();
-        for rank in back {
-            self.missing.remove(&rank);
-            out.push(Transition::Resolve {
-                kind: AlertKind::RankMissing,
-                subject: rank_subject(rank),
-                step: view.step,
-            });
-        }
+        resolve_ranks_gone(
+            &mut self.missing,
+            |rank| missing.contains_key(rank),
+            AlertKind::RankMissing,
+            view.step,
+            out,
+        );
         for (&rank, &last) in &missing {
             if self.missing.contains_key(&rank) {
                 continue;
@@ -294,20 +287,13 @@ impl RankDetectors {
         let ranks: BTreeMap<u32, &Vec<String>> =
             view.nonfinite.iter().map(|(r, s)| (*r, s)).collect();
         // A rank whose readings are finite again.
-        let healed: Vec<u32> = self
-            .nonfinite
-            .keys()
-            .filter(|rank| !ranks.contains_key(rank))
-            .copied()
-            .collect();
-        for rank in healed {
-            self.nonfinite.remove(&rank);
-            out.push(Transition::Resolve {
-                kind: AlertKind::RankNonfinite,
-                subject: rank_subject(rank),
-                step: view.step,
-            });
-        }
+        resolve_ranks_gone(
+            &mut self.nonfinite,
+            |rank| ranks.contains_key(rank),
+            AlertKind::RankNonfinite,
+            view.step,
+            out,
+        );
         // Only a strict subset of the reporting ranks says where it began: of those
         // with any non-finite reading, or else of those whose own loss was not finite
         // (a NaN in one rank's batch reaches every rank's gradients in the same step).
@@ -739,6 +725,28 @@ fn relative_text(relative: f64) -> String {
     } else {
         format!("{} %", sci(percent))
     }
+}
+
+/// Resolves the open per-rank episodes of `kind` whose rank no longer meets the
+/// condition (`still` says which ranks do), forgetting them.
+fn resolve_ranks_gone(
+    open: &mut BTreeMap<u32, u64>,
+    still: impl Fn(&u32) -> bool,
+    kind: AlertKind,
+    step: u64,
+    out: &mut Vec<Transition>,
+) {
+    open.retain(|rank, _| {
+        if still(rank) {
+            return true;
+        }
+        out.push(Transition::Resolve {
+            kind,
+            subject: rank_subject(*rank),
+            step,
+        });
+        false
+    });
 }
 
 #[cfg(test)]
