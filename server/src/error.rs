@@ -128,6 +128,9 @@ pub struct ApiError {
     code: ErrorCode,
     message: String,
     path: Option<String>,
+    /// The full cause of a server-side error, for the log only: the answer stays
+    /// generic. Logged once, when the error is answered, not where it is converted.
+    cause: Option<String>,
 }
 
 impl ApiError {
@@ -136,7 +139,14 @@ impl ApiError {
             code,
             message: message.into(),
             path: None,
+            cause: None,
         }
+    }
+
+    /// Keeps `cause` for the server log (see [`ApiError::cause`]).
+    pub fn with_cause(mut self, cause: impl Into<String>) -> Self {
+        self.cause = Some(cause.into());
+        self
     }
 
     pub fn with_path(mut self, path: impl Into<String>) -> Self {
@@ -180,22 +190,18 @@ impl From<StoreError> for ApiError {
             StoreError::Stale => ApiError::from(StoreError::Unavailable(
                 "the run moved on while the request was handled".to_owned(),
             )),
-            StoreError::Unavailable(detail) => {
-                tracing::warn!(error = %detail, "storage unavailable");
-                ApiError::new(
-                    ErrorCode::StorageUnavailable,
-                    format!(
-                        "the database cannot take this request right now ({detail}); nothing was stored, retry later"
-                    ),
-                )
-            }
-            StoreError::Internal(error) => {
-                tracing::error!(error = format!("{error:#}"), "internal error");
-                ApiError::new(
-                    ErrorCode::Internal,
-                    "internal error; the server log has the details",
-                )
-            }
+            StoreError::Unavailable(detail) => ApiError::new(
+                ErrorCode::StorageUnavailable,
+                format!(
+                    "the database cannot take this request right now ({detail}); nothing was stored, retry later"
+                ),
+            )
+            .with_cause(detail),
+            StoreError::Internal(error) => ApiError::new(
+                ErrorCode::Internal,
+                "internal error; the server log has the details",
+            )
+            .with_cause(format!("{error:#}")),
         }
     }
 }
@@ -205,6 +211,13 @@ impl IntoResponse for ApiError {
         // The code stays in the response's extensions for the metrics middleware.
         let code = self.code;
         let status = code.status();
+        match (code, &self.cause) {
+            (ErrorCode::Internal, Some(cause)) => tracing::error!(error = %cause, "internal error"),
+            (ErrorCode::StorageUnavailable, Some(cause)) => {
+                tracing::warn!(error = %cause, "storage unavailable")
+            }
+            _ => {}
+        }
         let body = ErrorBody {
             error: ErrorDetail {
                 code,
