@@ -17,7 +17,7 @@ use tokio::sync::{broadcast, watch};
 
 use crate::store::alerts::Alert;
 use crate::store::notify::{CHANNEL, Notice};
-use crate::store::{Dialect, Store};
+use crate::store::Store;
 
 /// Events a slow listener may fall behind by before it misses some.
 const EVENT_BUFFER: usize = 4096;
@@ -75,7 +75,7 @@ impl EventBus {
     /// The bus of `store`; with PostgreSQL, also the task that listens for every
     /// replica's notices, until `shutdown` turns true.
     pub fn start(store: Arc<Store>, shutdown: watch::Receiver<bool>) -> Arc<EventBus> {
-        let remote = store.dialect() == Dialect::Postgres;
+        let remote = store.announces_commits();
         let bus = Arc::new(EventBus {
             store,
             sender: broadcast::channel(EVENT_BUFFER).0,
@@ -105,7 +105,7 @@ impl EventBus {
     /// What a commit announces. With PostgreSQL the notices already went out with
     /// the commit, and come back through [`EventBus::listen`].
     pub async fn committed(&self, notices: Vec<Notice>) {
-        if self.store.dialect() == Dialect::Postgres {
+        if self.store.announces_commits() {
             return;
         }
         for notice in notices {

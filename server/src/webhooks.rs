@@ -22,7 +22,7 @@ use tokio::sync::{broadcast, watch};
 
 use crate::events::{Event, EventBus};
 use crate::store::webhooks::{Attempt, DueDelivery, parse_format};
-use crate::store::{Dialect, Store, now_seconds};
+use crate::store::{Store, now_seconds};
 
 /// The longest wait between two attempts of one delivery.
 const MAX_BACKOFF: Duration = Duration::from_secs(600);
@@ -68,7 +68,7 @@ pub async fn start(
                 false
             }
         };
-    if recorded && store.dialect() == Dialect::Sqlite {
+    if recorded && store.single_server() {
         // One server uses a SQLite file at a time: a claim left in it is the
         // previous server's, cut short by a crash.
         if let Err(error) = store.release_claims(None).await {

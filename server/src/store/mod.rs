@@ -306,6 +306,20 @@ impl Store {
         }
     }
 
+    /// Whether each commit's notices reach every server through the database
+    /// itself (PostgreSQL's `NOTIFY`, heard back through `LISTEN`), rather than being
+    /// announced by the server that committed.
+    pub fn announces_commits(&self) -> bool {
+        self.dialect() == Dialect::Postgres
+    }
+
+    /// Whether one server at a time uses this database (a SQLite file), so that what
+    /// another server left in it, such as a webhook delivery claim, is a crashed
+    /// predecessor's.
+    pub fn single_server(&self) -> bool {
+        self.dialect() == Dialect::Sqlite
+    }
+
     /// Whether the database is reachable and migrated: a round trip to it.
     pub async fn ready(&self) -> StoreResult<()> {
         self.check_ready()?;
