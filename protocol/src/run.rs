@@ -412,6 +412,16 @@ pub enum AlertSeverity {
 }
 
 impl AlertSeverity {
+    pub const ALL: [AlertSeverity; 3] = [
+        AlertSeverity::Critical,
+        AlertSeverity::Warning,
+        AlertSeverity::Info,
+    ];
+
+    pub fn parse(text: &str) -> Option<AlertSeverity> {
+        AlertSeverity::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             AlertSeverity::Critical => "critical",

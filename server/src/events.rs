@@ -15,9 +15,9 @@ use std::time::Duration;
 use serde::Serialize;
 use tokio::sync::{broadcast, watch};
 
+use crate::store::Store;
 use crate::store::alerts::Alert;
 use crate::store::notify::{CHANNEL, Notice};
-use crate::store::Store;
 
 /// Events a slow listener may fall behind by before it misses some.
 const EVENT_BUFFER: usize = 4096;

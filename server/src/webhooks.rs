@@ -369,14 +369,8 @@ fn slack_text(alert: &Value, action: &str, link: Option<&str>) -> String {
 
 /// The severity flag's values.
 pub fn parse_severity(text: &str) -> Result<AlertSeverity, String> {
-    match text {
-        "critical" => Ok(AlertSeverity::Critical),
-        "warning" => Ok(AlertSeverity::Warning),
-        "info" => Ok(AlertSeverity::Info),
-        _ => Err(format!(
-            "{text:?} is not a severity: critical, warning or info"
-        )),
-    }
+    AlertSeverity::parse(text)
+        .ok_or_else(|| format!("{text:?} is not a severity: critical, warning or info"))
 }
 
 #[cfg(test)]

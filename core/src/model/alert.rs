@@ -105,29 +105,9 @@ impl AlertKind {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Severity {
-    Critical,
-    Warning,
-    Info,
-}
-
-impl Severity {
-    pub const ALL: [Severity; 3] = [Severity::Critical, Severity::Warning, Severity::Info];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Severity::Critical => "critical",
-            Severity::Warning => "warning",
-            Severity::Info => "info",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<Severity> {
-        Severity::ALL.into_iter().find(|s| s.as_str() == text)
-    }
-}
+/// An alert's severity, most severe first: the protocol's type, the one every layer
+/// uses (stored, filtered, sorted and sent as its `as_str`).
+pub use gradflow_protocol::AlertSeverity as Severity;
 
 /// A new episode: everything an alert says when it opens.
 #[derive(Debug, Clone, PartialEq, Serialize)]

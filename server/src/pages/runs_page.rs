@@ -14,6 +14,7 @@ use crate::charts::compare::{MAX_RUNS, MIN_RUNS};
 use crate::state::AppState;
 use crate::store::alerts::{Alert, AlertFilter, OpenAlertCounts};
 use crate::store::{RunSummary, now_seconds};
+use gradflow_core::model::alert::Severity;
 
 /// Open alert titles shown per run; the rest are counted.
 const TITLES_SHOWN: usize = 3;
@@ -185,11 +186,9 @@ pub(super) fn severity_counts(count: &OpenAlertCounts) -> Markup {
 
 /// 0 for critical, 1 warning, 2 info, 3 anything else: sorts the worst first.
 pub(super) fn severity_rank(severity: &str) -> u8 {
-    match severity {
-        "critical" => 0,
-        "warning" => 1,
-        "info" => 2,
-        _ => 3,
+    match Severity::parse(severity) {
+        Some(severity) => severity as u8,
+        None => 3,
     }
 }
 

@@ -128,21 +128,15 @@ pub struct DeliveryFilter {
     pub limit: u32,
 }
 
-fn severity_rank(severity: &str) -> u8 {
-    match severity {
-        "critical" => 0,
-        "warning" => 1,
-        _ => 2,
-    }
-}
-
-/// The `min_severity` values that let an alert of `severity` through.
-fn thresholds_admitting(severity: &str) -> &'static [&'static str] {
-    match severity_rank(severity) {
-        0 => &["critical", "warning", "info"],
-        1 => &["warning", "info"],
-        _ => &["info"],
-    }
+/// The `min_severity` values that let an alert of `severity` through: its own and
+/// every milder one (a severity not known is taken as the mildest).
+fn thresholds_admitting(severity: &str) -> Vec<&'static str> {
+    let severity = AlertSeverity::parse(severity).unwrap_or(AlertSeverity::Info);
+    AlertSeverity::ALL
+        .into_iter()
+        .filter(|threshold| *threshold >= severity)
+        .map(AlertSeverity::as_str)
+        .collect()
 }
 
 /// Adds a run's own receivers (from its registration).
