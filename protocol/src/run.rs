@@ -431,6 +431,12 @@ impl AlertSeverity {
     }
 }
 
+impl std::fmt::Display for AlertSeverity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// `scheme://host[:port]` of a webhook URL: what may be shown of it, since webhook
 /// URLs (Slack's, for one) carry their secret in the path or query.
 pub fn redact_webhook_url(url: &str) -> String {

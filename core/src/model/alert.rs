@@ -109,6 +109,41 @@ impl AlertKind {
 /// uses (stored, filtered, sorted and sent as its `as_str`).
 pub use gradflow_protocol::AlertSeverity as Severity;
 
+/// Whether an alert's episode is still going on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlertStatus {
+    Open,
+    Resolved,
+}
+
+impl AlertStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AlertStatus::Open => "open",
+            AlertStatus::Resolved => "resolved",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<AlertStatus> {
+        [AlertStatus::Open, AlertStatus::Resolved]
+            .into_iter()
+            .find(|s| s.as_str() == text)
+    }
+}
+
+impl std::fmt::Display for AlertStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Display for AlertKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A new episode: everything an alert says when it opens.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Opened {
@@ -137,4 +172,26 @@ pub enum Transition {
         subject: String,
         step: u64,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The API serialises these enums with serde and stores and filters them by
+    /// `as_str`: the two spellings must be one.
+    #[test]
+    fn serde_names_are_the_stored_names() {
+        for kind in AlertKind::ALL {
+            assert_eq!(serde_json::to_value(kind).unwrap(), kind.as_str());
+            assert_eq!(AlertKind::parse(kind.as_str()), Some(kind));
+        }
+        for severity in Severity::ALL {
+            assert_eq!(serde_json::to_value(severity).unwrap(), severity.as_str());
+        }
+        for status in [AlertStatus::Open, AlertStatus::Resolved] {
+            assert_eq!(serde_json::to_value(status).unwrap(), status.as_str());
+            assert_eq!(AlertStatus::parse(status.as_str()), Some(status));
+        }
+    }
 }

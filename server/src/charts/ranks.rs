@@ -13,6 +13,7 @@ use gradflow_protocol::RunId;
 use crate::store::alerts::{Alert, AlertFilter};
 use crate::store::{RUN_STREAM, SeriesRequest, Store, StoreResult, StoredRun, rank_stream};
 use gradflow_core::detect::AlertKind;
+use gradflow_core::model::alert::AlertStatus;
 use gradflow_core::model::cell::{Cell, widen_for_display};
 use gradflow_core::model::series_kind::SeriesKind;
 
@@ -123,7 +124,7 @@ impl Ranks {
             })
             .await?
             .into_iter()
-            .filter(|a| RANK_ALERT_KINDS.iter().any(|k| k.as_str() == a.kind))
+            .filter(|a| RANK_ALERT_KINDS.contains(&a.kind))
             .collect();
         // Each rank's last step and latest step time; one process is its own rank 0,
         // read from the run's steps.
@@ -170,7 +171,7 @@ impl Ranks {
                 state.step_time = Some(widen_for_display(v));
             }
         }
-        for alert in alerts.iter().filter(|a| a.status == "open") {
+        for alert in alerts.iter().filter(|a| a.status == AlertStatus::Open) {
             if let Some(state) =
                 rank_of_subject(&alert.subject).and_then(|r| ranks.get_mut(r as usize))
             {
@@ -358,10 +359,10 @@ mod tests {
         let alert = Alert {
             id: 1,
             run_id: "r".into(),
-            kind: "rank_straggler".into(),
-            severity: "warning".into(),
+            kind: AlertKind::RankStraggler,
+            severity: gradflow_protocol::AlertSeverity::Warning,
             subject: format!("rank {rank}"),
-            status: "open".into(),
+            status: AlertStatus::Open,
             first_step: Some(0),
             last_step: Some(9),
             resolved_step: None,

@@ -14,7 +14,6 @@ use serde::Deserialize;
 
 use super::layout::{self, thousands};
 use super::run_page::alert_card;
-use super::runs_page::severity_rank;
 use super::{PageError, page_response};
 use crate::charts::PALETTE;
 use crate::charts::ranks::{MAX_RANK_LINES, RankMetric, RankState, Ranks};
@@ -23,6 +22,7 @@ use crate::routes::charts::RANKS_CHART;
 use crate::state::AppState;
 use crate::store::StoredRun;
 use crate::store::alerts::Alert;
+use gradflow_core::model::alert::{AlertKind, AlertStatus};
 use gradflow_core::model::series_kind::SeriesKind;
 
 /// The charts' width on the page: the full width, like the heatmap.
@@ -127,7 +127,11 @@ impl RanksView<'_> {
     fn meta(&self) -> Markup {
         let ranks = self.ranks;
         let reporting = ranks.ranks.iter().filter(|r| r.last_step.is_some()).count();
-        let open = ranks.alerts.iter().filter(|a| a.status == "open").count();
+        let open = ranks
+            .alerts
+            .iter()
+            .filter(|a| a.status == AlertStatus::Open)
+            .count();
         html! {
             dl #rank-meta .run-meta {
                 div { dt { "Ranks" } dd { (thousands(u64::from(ranks.world_size))) } }
@@ -158,14 +162,14 @@ impl RanksView<'_> {
             .ranks
             .alerts
             .iter()
-            .filter(|a| a.status == "open")
+            .filter(|a| a.status == AlertStatus::Open)
             .collect();
-        open.sort_by_key(|a| severity_rank(&a.severity));
+        open.sort_by_key(|a| a.severity);
         let resolved: Vec<&Alert> = self
             .ranks
             .alerts
             .iter()
-            .filter(|a| a.status != "open")
+            .filter(|a| a.status != AlertStatus::Open)
             .collect();
         html! {
             section #rank-alerts aria-labelledby="rank-alerts-heading" {
@@ -249,7 +253,10 @@ impl RanksView<'_> {
             let dashed = if line >= PALETTE.len() { " dashed" } else { "" };
             format!("swatch c{}{dashed}", line % PALETTE.len())
         });
-        let missing = rank.open_alerts.iter().any(|a| a.kind == "rank_missing");
+        let missing = rank
+            .open_alerts
+            .iter()
+            .any(|a| a.kind == AlertKind::RankMissing);
         html! {
             tr class=[needs_look(rank).then_some("attention")] data-rank=(rank.rank) {
                 th scope="row" {

@@ -13,7 +13,7 @@ use maud::{Markup, html};
 use serde::Deserialize;
 
 use super::layout::{self, ago, number, thousands};
-use super::runs_page::{severity_counts, severity_rank};
+use super::runs_page::severity_counts;
 use super::{PageError, page_response};
 use crate::charts::{self, ChartKind};
 use crate::error::ApiError;
@@ -22,6 +22,7 @@ use crate::state::AppState;
 use crate::store::alerts::{Alert, AlertFilter, OpenAlertCounts};
 use crate::store::{LatestValues, StoredRun, now_seconds};
 use gradflow_core::detect::step_range;
+use gradflow_core::model::alert::AlertStatus;
 use gradflow_core::model::cell::Cell;
 use gradflow_core::model::series_kind::SeriesKind;
 
@@ -62,9 +63,10 @@ pub async fn show_run(
             ..AlertFilter::default()
         })
         .await?;
-    alerts.sort_by_key(|a| severity_rank(&a.severity));
-    let (open, resolved): (Vec<Alert>, Vec<Alert>) =
-        alerts.into_iter().partition(|a| a.status == "open");
+    alerts.sort_by_key(|a| a.severity);
+    let (open, resolved): (Vec<Alert>, Vec<Alert>) = alerts
+        .into_iter()
+        .partition(|a| a.status == AlertStatus::Open);
     let latest = state
         .store
         .latest_values(
@@ -172,7 +174,7 @@ impl RunView<'_> {
         let status = run.status(self.now);
         let mut counts = OpenAlertCounts::default();
         for alert in open {
-            counts.add(&alert.severity, 1);
+            counts.add(alert.severity, 1);
         }
         html! {
             dl #run-meta .run-meta {

@@ -14,7 +14,6 @@ use crate::charts::compare::{MAX_RUNS, MIN_RUNS};
 use crate::state::AppState;
 use crate::store::alerts::{Alert, AlertFilter, OpenAlertCounts};
 use crate::store::{RunSummary, now_seconds};
-use gradflow_core::model::alert::Severity;
 
 /// Open alert titles shown per run; the rest are counted.
 const TITLES_SHOWN: usize = 3;
@@ -34,7 +33,7 @@ pub async fn show_runs(State(state): State<AppState>) -> Result<Response, PageEr
         open_by_run.entry(&alert.run_id).or_default().push(alert);
     }
     for alerts in open_by_run.values_mut() {
-        alerts.sort_by_key(|a| severity_rank(&a.severity));
+        alerts.sort_by_key(|a| a.severity);
     }
     // Runs arrive newest first; the sort is stable, so within a severity they stay so.
     let mut runs: Vec<(RunSummary, OpenAlertCounts)> = runs
@@ -181,14 +180,6 @@ pub(super) fn severity_counts(count: &OpenAlertCounts) -> Markup {
                 }
             }
         }
-    }
-}
-
-/// 0 for critical, 1 warning, 2 info, 3 anything else: sorts the worst first.
-pub(super) fn severity_rank(severity: &str) -> u8 {
-    match Severity::parse(severity) {
-        Some(severity) => severity as u8,
-        None => 3,
     }
 }
 

@@ -34,7 +34,11 @@ pub async fn list_ranks(
                 last_step: rank.last_step,
                 behind: rank.behind,
                 step_time: rank.step_time,
-                open_alerts: rank.open_alerts.into_iter().map(|a| a.kind).collect(),
+                open_alerts: rank
+                    .open_alerts
+                    .into_iter()
+                    .map(|a| a.kind.to_string())
+                    .collect(),
             })
             .collect(),
     }))

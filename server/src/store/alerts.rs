@@ -8,18 +8,21 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::{Store, StoreError, StoreResult, Tx, now_seconds, on_tx, with_reader};
-use gradflow_core::model::alert::{AlertKind, Opened, Severity};
+use gradflow_core::model::alert::{AlertKind, AlertStatus, Opened, Severity};
 
-/// An alert as the API shows it (docs/PROTOCOL.md's alert object), decoded straight from
-/// its row.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+/// An alert as the API shows it (docs/PROTOCOL.md's alert object), its kind, severity
+/// and status typed; serialised as their names.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Alert {
     pub id: i64,
     pub run_id: String,
-    pub kind: String,
-    pub severity: String,
+    #[schema(value_type = String)]
+    pub kind: AlertKind,
+    #[schema(value_type = String)]
+    pub severity: Severity,
     pub subject: String,
-    pub status: String,
+    #[schema(value_type = String)]
+    pub status: AlertStatus,
     pub first_step: Option<i64>,
     pub last_step: Option<i64>,
     pub resolved_step: Option<i64>,
@@ -28,9 +31,67 @@ pub struct Alert {
     pub title: String,
     pub detail: String,
     pub fix: String,
-    #[sqlx(json)]
     #[schema(value_type = Object)]
     pub evidence: Value,
+}
+
+/// An alert's row as stored: names where the API type has enums.
+#[derive(sqlx::FromRow)]
+struct AlertRow {
+    id: i64,
+    run_id: String,
+    kind: String,
+    severity: String,
+    subject: String,
+    status: String,
+    first_step: Option<i64>,
+    last_step: Option<i64>,
+    resolved_step: Option<i64>,
+    opened_step: Option<i64>,
+    title: String,
+    detail: String,
+    fix: String,
+    #[sqlx(json)]
+    evidence: Value,
+}
+
+impl TryFrom<AlertRow> for Alert {
+    type Error = StoreError;
+
+    /// Fails only on a name this server does not know: a row a newer server wrote
+    /// (read by an older replica during an upgrade) or a damaged one.
+    fn try_from(row: AlertRow) -> StoreResult<Alert> {
+        let unknown = |what: &str, value: &str| {
+            StoreError::Internal(anyhow::anyhow!(
+                "alert {} has {what} {value:?}, which this server does not know \
+                 (written by a newer version?)",
+                row.id
+            ))
+        };
+        Ok(Alert {
+            kind: AlertKind::parse(&row.kind).ok_or_else(|| unknown("kind", &row.kind))?,
+            severity: Severity::parse(&row.severity)
+                .ok_or_else(|| unknown("severity", &row.severity))?,
+            status: AlertStatus::parse(&row.status)
+                .ok_or_else(|| unknown("status", &row.status))?,
+            id: row.id,
+            run_id: row.run_id,
+            subject: row.subject,
+            first_step: row.first_step,
+            last_step: row.last_step,
+            resolved_step: row.resolved_step,
+            opened_step: row.opened_step,
+            title: row.title,
+            detail: row.detail,
+            fix: row.fix,
+            evidence: row.evidence,
+        })
+    }
+}
+
+/// Rows into alerts (see [`Alert::try_from`]).
+fn typed(rows: Vec<AlertRow>) -> StoreResult<Vec<Alert>> {
+    rows.into_iter().map(Alert::try_from).collect()
 }
 
 const ALERT_COLUMNS: &str = "a.id, r.run_id, a.kind, a.severity, a.subject, a.status, \
@@ -45,10 +106,10 @@ impl Alert {
             opened_step: step,
             id,
             run_id: run_id.to_owned(),
-            kind: opened.kind.as_str().to_owned(),
-            severity: opened.severity.as_str().to_owned(),
+            kind: opened.kind,
+            severity: opened.severity,
             subject: opened.subject.clone(),
-            status: "open".to_owned(),
+            status: AlertStatus::Open,
             first_step: opened.first_step.map(|s| s as i64),
             last_step: step,
             resolved_step: None,
@@ -79,13 +140,12 @@ pub struct OpenAlertCounts {
 }
 
 impl OpenAlertCounts {
-    /// Counts `n` more alerts of `severity` (as stored: `critical`, `warning`, `info`).
-    pub fn add(&mut self, severity: &str, n: u64) {
-        match Severity::parse(severity) {
-            Some(Severity::Critical) => self.critical += n,
-            Some(Severity::Warning) => self.warning += n,
-            Some(Severity::Info) => self.info += n,
-            None => {}
+    /// Counts `n` more alerts of `severity`.
+    pub fn add(&mut self, severity: Severity, n: u64) {
+        match severity {
+            Severity::Critical => self.critical += n,
+            Severity::Warning => self.warning += n,
+            Severity::Info => self.info += n,
         }
     }
 }
@@ -139,14 +199,15 @@ pub(super) async fn resolve(
 
 /// One alert by id, inside a transaction.
 pub(super) async fn read_one(tx: &mut Tx, id: i64) -> StoreResult<Option<Alert>> {
-    Ok(on_tx!(tx, |c| {
+    let row: Option<AlertRow> = on_tx!(tx, |c| {
         sqlx::query_as(&format!(
             "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run WHERE a.id = $1"
         ))
         .bind(id)
         .fetch_optional(&mut *c)
         .await?
-    }))
+    });
+    row.map(Alert::try_from).transpose()
 }
 
 /// Moves an open alert's `last_step` forward.
@@ -177,19 +238,23 @@ impl Store {
              AND (CAST($4 AS TEXT) IS NULL OR a.severity = $4) \
              ORDER BY a.first_step IS NOT NULL, a.first_step, a.id"
         );
-        Ok(with_reader!(self, |pool| {
+        let rows: Vec<AlertRow> = with_reader!(self, |pool| {
             sqlx::query_as(&sql)
                 .bind(filter.run_id.as_deref())
-                .bind(
-                    filter
-                        .open
-                        .map(|open| if open { "open" } else { "resolved" }),
-                )
+                .bind(filter.open.map(|open| {
+                    if open {
+                        AlertStatus::Open
+                    } else {
+                        AlertStatus::Resolved
+                    }
+                    .as_str()
+                }))
                 .bind(filter.kind.map(AlertKind::as_str))
                 .bind(filter.severity.map(Severity::as_str))
                 .fetch_all(pool)
                 .await?
-        }))
+        });
+        typed(rows)
     }
 
     /// `RunNotFound` unless `run_id` is registered.
@@ -209,14 +274,15 @@ impl Store {
     /// One alert by id.
     pub async fn alert(&self, id: i64) -> StoreResult<Option<Alert>> {
         self.check_ready()?;
-        Ok(with_reader!(self, |pool| {
+        let row: Option<AlertRow> = with_reader!(self, |pool| {
             sqlx::query_as(&format!(
                 "SELECT {ALERT_COLUMNS} FROM alerts a JOIN runs r ON r.id = a.run WHERE a.id = $1"
             ))
             .bind(id)
             .fetch_optional(pool)
             .await?
-        }))
+        });
+        row.map(Alert::try_from).transpose()
     }
 
     /// Open alerts by severity, for every run that has any (or only `run_id`'s).
@@ -237,7 +303,10 @@ impl Store {
         });
         let mut counts: HashMap<String, OpenAlertCounts> = HashMap::new();
         for (run_id, severity, n) in rows {
-            counts.entry(run_id).or_default().add(&severity, n as u64);
+            // A severity this server does not know (a newer one's) is left out.
+            if let Some(severity) = Severity::parse(&severity) {
+                counts.entry(run_id).or_default().add(severity, n as u64);
+            }
         }
         Ok(counts)
     }

@@ -129,9 +129,8 @@ pub struct DeliveryFilter {
 }
 
 /// The `min_severity` values that let an alert of `severity` through: its own and
-/// every milder one (a severity not known is taken as the mildest).
-fn thresholds_admitting(severity: &str) -> Vec<&'static str> {
-    let severity = AlertSeverity::parse(severity).unwrap_or(AlertSeverity::Info);
+/// every milder one.
+fn thresholds_admitting(severity: AlertSeverity) -> Vec<&'static str> {
     AlertSeverity::ALL
         .into_iter()
         .filter(|threshold| *threshold >= severity)
@@ -210,7 +209,7 @@ async fn has_targets(tx: &mut Tx, run: i64) -> StoreResult<bool> {
 
 async fn enqueue(tx: &mut Tx, run: i64, alert: &Alert, action: &str) -> StoreResult<()> {
     let payload = serde_json::to_string(alert).context("encoding an alert for a webhook")?;
-    let admitting = thresholds_admitting(&alert.severity);
+    let admitting = thresholds_admitting(alert.severity);
     let now = now_seconds();
     let added = on_tx!(tx, |c| {
         sqlx::query(
@@ -460,8 +459,11 @@ mod tests {
 
     #[test]
     fn severities_pass_thresholds_at_or_below_them() {
-        assert_eq!(thresholds_admitting("info"), ["info"]);
-        assert_eq!(thresholds_admitting("warning"), ["warning", "info"]);
-        assert_eq!(thresholds_admitting("critical").len(), 3);
+        assert_eq!(thresholds_admitting(AlertSeverity::Info), ["info"]);
+        assert_eq!(
+            thresholds_admitting(AlertSeverity::Warning),
+            ["warning", "info"]
+        );
+        assert_eq!(thresholds_admitting(AlertSeverity::Critical).len(), 3);
     }
 }
