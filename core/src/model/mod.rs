@@ -9,7 +9,10 @@
 //!   detector's [`alert::Transition`].
 //! - [`cell`]: [`cell::Cell`], one stored value, and how wire numbers become `f32`s.
 //! - [`series_kind`]: [`series_kind::SeriesKind`], what a column holds.
+//! - [`metric`]: [`metric::METRICS`], the metric names read by name (the series
+//!   API, the comparison, the per-rank charts) and the series kinds behind each.
 
 pub mod alert;
 pub mod cell;
+pub mod metric;
 pub mod series_kind;

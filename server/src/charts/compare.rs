@@ -9,6 +9,7 @@ use std::collections::HashSet;
 use gradflow_protocol::{Role, RunId};
 
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
+use gradflow_core::model::metric::Metric;
 use gradflow_core::model::series_kind::SeriesKind;
 
 use super::data::{Axis, LegendPlace, LineChart, Window, line_of};
@@ -63,12 +64,9 @@ impl CompareMetric {
 
     /// The columns that hold it, in the order the series API tries them (a group's
     /// norm first: a one-module group gives the same value either way).
+    /// The series API's table (`gradflow_core::model::metric`) says which.
     fn kinds(self) -> &'static [SeriesKind] {
-        match self {
-            CompareMetric::Loss => &[SeriesKind::Loss],
-            CompareMetric::GradNorm => &[SeriesKind::GroupGradNorm, SeriesKind::ModuleGradNorm],
-            CompareMetric::Drift => &[SeriesKind::Drift],
-        }
+        Metric::named(self.name()).map_or(&[], |metric| metric.kinds)
     }
 }
 
@@ -254,4 +252,16 @@ pub async fn gather(
         notes: Vec::new(),
         legend: LegendPlace::Inside,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_compared_metric_is_a_series_api_metric() {
+        for metric in CompareMetric::ALL {
+            assert!(!metric.kinds().is_empty(), "{}", metric.name());
+        }
+    }
 }

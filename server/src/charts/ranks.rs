@@ -64,6 +64,8 @@ impl RankMetric {
         RankMetric::ALL.map(RankMetric::name).join(", ")
     }
 
+    /// One of the kinds the series API's table gives its name (a test holds it so):
+    /// per rank, the module's own norm.
     fn kind(self) -> SeriesKind {
         match self {
             RankMetric::StepTime => SeriesKind::StepTime,
@@ -354,6 +356,15 @@ pub fn natural_height(chart: &LineChart) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_rank_metric_reads_a_kind_of_its_series_api_metric() {
+        for metric in RankMetric::ALL {
+            let table = gradflow_core::model::metric::Metric::named(metric.name())
+                .expect("a series API metric");
+            assert!(table.kinds.contains(&metric.kind()), "{}", metric.name());
+        }
+    }
 
     fn state(rank: u32, behind: u64, step_time: f64, alerts: usize) -> RankState {
         let alert = Alert {

@@ -17,7 +17,7 @@ use crate::error::{ApiError, ErrorCode};
 use crate::state::AppState;
 use crate::store::SeriesRequest;
 use gradflow_core::model::cell::{Cell, widen_for_display};
-use gradflow_core::model::series_kind::SeriesKind;
+use gradflow_core::model::metric::{Metric, Subject};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -69,151 +69,6 @@ fn response_format(param: Option<&str>, headers: &HeaderMap) -> Result<ResponseF
     })
 }
 
-/// What a metric name of the API reads, and whether it needs a subject.
-enum Subject {
-    /// Run-wide: no subject.
-    None,
-    /// A subject is required (a module, group, parameter or metric name).
-    Required(&'static str),
-    /// A device index, `0` when not given.
-    Device,
-    /// Run-wide without one; with one, a named part (an optimizer parameter group's
-    /// own lr).
-    Optional,
-}
-
-/// Every metric name the series API reads: the series kinds behind it (a group's
-/// norm is derived; a name that is both a group and a module, a one-module group,
-/// gives the same value either way) and whether it needs a subject. The error text
-/// lists these names, and a test holds the API document's list to them.
-const METRIC_TABLE: &[(&str, &[SeriesKind], Subject)] = &[
-    ("loss", &[SeriesKind::Loss], Subject::None),
-    ("lr", &[SeriesKind::Lr], Subject::Optional),
-    (
-        "grad_norm",
-        &[SeriesKind::GroupGradNorm, SeriesKind::ModuleGradNorm],
-        Subject::Required("a group or module"),
-    ),
-    (
-        "hook_hits",
-        &[SeriesKind::HookHits],
-        Subject::Required("a module"),
-    ),
-    (
-        "param_grad_norm",
-        &[SeriesKind::ParamGradNorm],
-        Subject::Required("a parameter"),
-    ),
-    (
-        "update_norm",
-        &[SeriesKind::UpdateNorm],
-        Subject::Required("a parameter"),
-    ),
-    (
-        "drift",
-        &[SeriesKind::Drift],
-        Subject::Required("a parameter"),
-    ),
-    (
-        "param_mean",
-        &[SeriesKind::ParamMean],
-        Subject::Required("a parameter"),
-    ),
-    (
-        "intended_update_norm",
-        &[SeriesKind::IntendedUpdateNorm],
-        Subject::Required("a parameter"),
-    ),
-    (
-        "intended_update_max_ulp",
-        &[SeriesKind::IntendedUpdateMaxUlp],
-        Subject::Required("a parameter"),
-    ),
-    (
-        "intended_nonzero",
-        &[SeriesKind::IntendedNonzero],
-        Subject::Required("a parameter"),
-    ),
-    (
-        "rounded_away",
-        &[SeriesKind::RoundedAway],
-        Subject::Required("a parameter"),
-    ),
-    ("scaler_scale", &[SeriesKind::ScalerScale], Subject::None),
-    (
-        "scaler_growth_tracker",
-        &[SeriesKind::ScalerGrowthTracker],
-        Subject::None,
-    ),
-    ("found_inf", &[SeriesKind::FoundInf], Subject::None),
-    ("step_skipped", &[SeriesKind::StepSkipped], Subject::None),
-    (
-        "metric",
-        &[SeriesKind::Metric],
-        Subject::Required("a metrics name"),
-    ),
-    (
-        "gpu_memory_used_bytes",
-        &[SeriesKind::GpuMemoryUsedBytes],
-        Subject::Device,
-    ),
-    (
-        "gpu_memory_total_bytes",
-        &[SeriesKind::GpuMemoryTotalBytes],
-        Subject::Device,
-    ),
-    (
-        "gpu_utilization_pct",
-        &[SeriesKind::GpuUtilizationPct],
-        Subject::Device,
-    ),
-    (
-        "gpu_temperature_c",
-        &[SeriesKind::GpuTemperatureC],
-        Subject::Device,
-    ),
-    ("gpu_power_w", &[SeriesKind::GpuPowerW], Subject::Device),
-    ("dropped_steps", &[SeriesKind::DroppedSteps], Subject::None),
-    ("step_time", &[SeriesKind::StepTime], Subject::None),
-    (
-        "grads_carried_over",
-        &[SeriesKind::GradsCarriedOver],
-        Subject::None,
-    ),
-    ("input_absmax", &[SeriesKind::InputAbsmax], Subject::None),
-    (
-        "grad_nonfinite",
-        &[SeriesKind::ModuleNonfinite],
-        Subject::Required("a module"),
-    ),
-    (
-        "grad_numel",
-        &[SeriesKind::ModuleNumel],
-        Subject::Required("a module"),
-    ),
-    (
-        "param_sum",
-        &[SeriesKind::ModuleParamSum],
-        Subject::Required("a module"),
-    ),
-];
-
-fn metric_kinds(metric: &str) -> Option<(&'static [SeriesKind], &'static Subject)> {
-    METRIC_TABLE
-        .iter()
-        .find(|(name, _, _)| *name == metric)
-        .map(|(_, kinds, subject)| (*kinds, subject))
-}
-
-/// The metric names, for error texts.
-fn metric_names() -> String {
-    METRIC_TABLE
-        .iter()
-        .map(|(name, _, _)| *name)
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 /// Reads one series; with `max_points`, a longer range is reduced to at most that
 /// many points by min/max per bucket, which keeps spikes and non-finite values.
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/series", tag = "series",
@@ -237,15 +92,15 @@ pub async fn read_series(
     ApiQuery(params): ApiQuery<SeriesParams>,
 ) -> Result<Response, ApiError> {
     let format = response_format(params.format.as_deref(), &headers)?;
-    let Some((kinds, subject_rule)) = metric_kinds(&params.metric) else {
+    let Some(metric) = Metric::named(&params.metric) else {
         return Err(ApiError::invalid_query(format!(
             "unknown metric {:?}: one of {}",
             params.metric,
-            metric_names()
+            Metric::names()
         ))
         .with_path("metric"));
     };
-    let subject = match (&subject_rule, params.subject.as_deref()) {
+    let subject = match (&metric.subject, params.subject.as_deref()) {
         (Subject::None, None) => None,
         (Subject::None, Some(_)) => {
             return Err(ApiError::invalid_query(format!(
@@ -301,7 +156,8 @@ pub async fn read_series(
         }
     };
     let request = SeriesRequest {
-        candidates: kinds
+        candidates: metric
+            .kinds
             .iter()
             .map(|k| (*k, subject.clone().unwrap_or_default()))
             .collect(),
@@ -311,11 +167,7 @@ pub async fn read_series(
         stream,
     };
     let data = state.store.series(&run_id, &request).await?;
-    let what = match subject_rule {
-        Subject::Required(what) => Some(*what),
-        Subject::Optional => Some("a parameter group"),
-        Subject::None | Subject::Device => None,
-    };
+    let what = metric.subject_noun();
     if data.kind.is_none()
         && let (Some(what), Some(subject)) = (what, &subject)
     {
@@ -424,11 +276,6 @@ mod tests {
             .find(|p| p["name"] == "metric")
             .and_then(|p| p["description"].as_str())
             .expect("the metric parameter's description");
-        assert_eq!(described, metric_names());
-        // Each name is found once, and its kinds exist.
-        for (name, kinds, _) in METRIC_TABLE {
-            assert!(metric_kinds(name).is_some_and(|(k, _)| k == *kinds));
-            assert!(!kinds.is_empty(), "{name}");
-        }
+        assert_eq!(described, Metric::names());
     }
 }
