@@ -22,6 +22,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::episode::{Edge, Streak};
 use super::{AlertKind, Opened, Severity, Transition, sci, step_range};
 use gradflow_protocol::StepRecord;
 
@@ -33,11 +34,12 @@ const SUBJECT: &str = "gradients";
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct GradsNotZeroed {
-    since: Option<u64>,
-    count: u32,
+    /// Flattened: stored as the `since`, `count` and `open` this detector kept
+    /// before it used [`Streak`], so a stored state reads back the same.
+    #[serde(flatten)]
+    streak: Streak,
     /// The total gradient norm on the first step of the streak.
     first_norm: Option<f64>,
-    open: bool,
 }
 
 /// The L2 norm over every module's reported gradient norm (finite ones only).
@@ -56,30 +58,25 @@ impl GradsNotZeroed {
         let Some(carried) = record.grads_carried_over else {
             return;
         };
-        if !carried {
-            if self.open {
-                out.push(Transition::Resolve {
-                    kind: AlertKind::GradsNotZeroed,
-                    subject: SUBJECT.into(),
-                    step: record.step,
-                });
-            }
-            *self = GradsNotZeroed::default();
-            return;
-        }
-        if self.since.is_none() {
-            self.since = Some(record.step);
+        if carried && self.streak.since.is_none() {
             self.first_norm = total_norm(record);
         }
-        self.count += 1;
-        if self.count >= PERSIST && !self.open {
-            self.open = true;
-            out.push(Transition::Open(self.opened(record)));
+        match self.streak.observe(carried, record.step, PERSIST) {
+            Some(Edge::Open) => out.push(Transition::Open(self.opened(record))),
+            Some(Edge::Resolve) => out.push(Transition::Resolve {
+                kind: AlertKind::GradsNotZeroed,
+                subject: SUBJECT.into(),
+                step: record.step,
+            }),
+            None => {}
+        }
+        if !carried {
+            self.first_norm = None;
         }
     }
 
     fn opened(&self, record: &StepRecord) -> Opened {
-        let first = self.since.unwrap_or(record.step);
+        let first = self.streak.first_step(record.step);
         let now = total_norm(record);
         let trend = match (self.first_norm, now) {
             (Some(a), Some(b)) => format!(
@@ -98,14 +95,14 @@ impl GradsNotZeroed {
             step: Some(record.step),
             title: format!(
                 "Gradients are not zeroed between optimizer steps ({} steps running)",
-                self.count
+                self.streak.count
             ),
             detail: format!(
                 "On each of the {} reported steps {}, the first backward pass added its \
                  gradients to those of the previous optimizer step: nothing zeroed them in \
                  between. Every update then applies the sum of all gradients so far, so \
                  the step grows as training goes on, even while the loss still falls.{trend}",
-                self.count,
+                self.streak.count,
                 step_range(first, record.step),
             ),
             fix: "Call optimizer.zero_grad(set_to_none=True) once per optimizer step: before \
@@ -116,7 +113,7 @@ impl GradsNotZeroed {
                 .into(),
             evidence: json!({
                 "cause": "not_zeroed",
-                "steps": self.count,
+                "steps": self.streak.count,
                 "first_step": first,
                 "total_grad_norm_first": self.first_norm,
                 "total_grad_norm_now": now,
@@ -128,6 +125,22 @@ impl GradsNotZeroed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_state_stored_before_the_shared_streak_reads_back_and_continues() {
+        let mut detector: GradsNotZeroed = serde_json::from_value(serde_json::json!({
+            "since": 4, "count": 2, "first_norm": 1.5, "open": false
+        }))
+        .unwrap();
+        let record = record(6, Some(true), 2.0);
+        let mut out = Vec::new();
+        detector.on_step(&record, &mut out);
+        let [Transition::Open(opened)] = out.as_slice() else {
+            panic!("{out:?}")
+        };
+        assert_eq!(opened.first_step, Some(4));
+        assert_eq!(opened.evidence["steps"], 3);
+    }
     use crate::detect::testing::transitions;
     use serde_json::Value;
 

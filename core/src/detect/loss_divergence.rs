@@ -24,6 +24,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::episode::{Edge, Streak};
 use super::{AlertKind, Opened, Severity, Transition, sci};
 use crate::detect::RunContext;
 use gradflow_protocol::StepRecord;
@@ -42,9 +43,11 @@ const SUBJECT: &str = "loss";
 pub struct LossDivergence {
     /// The first finite losses, up to [`START_STEPS`].
     start: Vec<f64>,
-    above_since: Option<u64>,
-    above: u32,
-    open: bool,
+    /// Steps running above the bar. Flattened, so `open` is stored under the key
+    /// it had before this detector used [`Streak`]; a streak still counting when a
+    /// server of the older layout stopped starts its count again.
+    #[serde(flatten)]
+    above: Streak,
 }
 
 impl LossDivergence {
@@ -70,24 +73,19 @@ impl LossDivergence {
             .as_ref()
             .and_then(|d| d.divergence_factor)
             .map_or(FACTOR, f64::from);
-        if loss <= factor * level {
-            self.above_since = None;
-            self.above = 0;
-            if std::mem::take(&mut self.open) {
+        match self.above.observe(loss > factor * level, record.step, PERSIST) {
+            Some(Edge::Resolve) => {
                 out.push(Transition::Resolve {
                     kind: AlertKind::LossDivergence,
                     subject: SUBJECT.into(),
                     step: record.step,
                 });
+                return;
             }
-            return;
+            Some(Edge::Open) => {}
+            None => return,
         }
-        let first = *self.above_since.get_or_insert(record.step);
-        self.above += 1;
-        if self.open || self.above < PERSIST {
-            return;
-        }
-        self.open = true;
+        let first = self.above.first_step(record.step);
         let ratio = loss / level;
         let step = record.step;
         out.push(Transition::Open(Opened {
@@ -104,7 +102,7 @@ impl LossDivergence {
                  ends with a non-finite loss.",
                 sci(level),
                 self.start.len(),
-                self.above,
+                self.above.count,
                 sci(loss),
             ),
             fix: "Lower the learning rate (by 10× to start with) or add a warm-up, clip \
@@ -118,7 +116,7 @@ impl LossDivergence {
                 "start_level": level,
                 "ratio": ratio,
                 "factor": factor,
-                "steps": self.above,
+                "steps": self.above.count,
             }),
         }));
     }
