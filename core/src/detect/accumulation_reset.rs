@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, Transition, step_range};
+use super::{AlertKind, Opened, Severity, StepView, Transition, step_range};
 use gradflow_protocol::StepRecord;
 
 /// The metric the Python client sends: backward passes after the first of one
@@ -42,7 +42,8 @@ pub struct AccumulationReset {
 }
 
 impl AccumulationReset {
-    pub fn on_step(&mut self, record: &StepRecord, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let record = view.record;
         let Some(resets) = record.metrics.get(METRIC).and_then(|v| v.map(|f| f.get())) else {
             return;
         };
@@ -101,7 +102,7 @@ impl AccumulationReset {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::testing::{record, transitions};
+    use crate::detect::testing::{record, viewed};
 
     fn step(step: u64, resets: Option<f64>) -> StepRecord {
         match resets {
@@ -117,7 +118,7 @@ mod tests {
             .map(|s| step(s, Some(3.0)))
             .chain([step(6, Some(0.0))])
             .collect();
-        let t = transitions(&records, |r, out| detector.on_step(r, out));
+        let t = viewed(&records, |v, out| detector.on_step(v, out));
         assert_eq!(t.len(), 2, "{t:?}");
         let (3, Transition::Open(opened)) = &t[0] else {
             panic!("{t:?}")
@@ -146,6 +147,6 @@ mod tests {
                 step(42, Some(0.0)),
             ])
             .collect();
-        assert!(transitions(&records, |r, out| detector.on_step(r, out)).is_empty());
+        assert!(viewed(&records, |v, out| detector.on_step(v, out)).is_empty());
     }
 }

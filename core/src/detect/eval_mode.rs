@@ -20,7 +20,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, Opened, Severity, Transition, step_range};
+use super::{AlertKind, Opened, Severity, StepView, Transition, step_range};
 use gradflow_protocol::StepRecord;
 
 /// The metric the Python client sends: `model.training` at `gf.step`, 1 or 0.
@@ -40,7 +40,8 @@ pub struct EvalMode {
 }
 
 impl EvalMode {
-    pub fn on_step(&mut self, record: &StepRecord, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let record = view.record;
         let Some(flag) = record.metrics.get(METRIC).and_then(|v| v.map(|f| f.get())) else {
             return;
         };
@@ -103,7 +104,7 @@ impl EvalMode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::testing::{record, transitions};
+    use crate::detect::testing::{record, viewed};
 
     fn step(step: u64, training: f64) -> StepRecord {
         record(json!({"step": step, "metrics": {METRIC: training}}))
@@ -117,7 +118,7 @@ mod tests {
             .chain((5..40).map(|s| step(s, 0.0)))
             .chain([step(40, 1.0)])
             .collect();
-        let t = transitions(&records, |r, out| detector.on_step(r, out));
+        let t = viewed(&records, |v, out| detector.on_step(v, out));
         assert_eq!(t.len(), 2, "{t:?}");
         let (24, Transition::Open(opened)) = &t[0] else {
             panic!("{t:?}")
@@ -133,15 +134,15 @@ mod tests {
         let mut detector = EvalMode::default();
         // Eval mode from step 0 on: a choice the numbers cannot tell from a mistake.
         let from_start: Vec<StepRecord> = (0..100).map(|s| step(s, 0.0)).collect();
-        assert!(transitions(&from_start, |r, out| detector.on_step(r, out)).is_empty());
+        assert!(viewed(&from_start, |v, out| detector.on_step(v, out)).is_empty());
         // An evaluation every 10 steps that leaves the flag at 0 on that step only.
         let mut detector = EvalMode::default();
         let periodic: Vec<StepRecord> = (0..100)
             .map(|s| step(s, if s % 10 == 9 { 0.0 } else { 1.0 }))
             .collect();
-        assert!(transitions(&periodic, |r, out| detector.on_step(r, out)).is_empty());
+        assert!(viewed(&periodic, |v, out| detector.on_step(v, out)).is_empty());
         let mut detector = EvalMode::default();
         let none: Vec<StepRecord> = (0..50).map(|s| record(json!({"step": s}))).collect();
-        assert!(transitions(&none, |r, out| detector.on_step(r, out)).is_empty());
+        assert!(viewed(&none, |v, out| detector.on_step(v, out)).is_empty());
     }
 }

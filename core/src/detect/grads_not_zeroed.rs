@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, Transition, sci, step_range};
+use super::{AlertKind, Opened, Severity, StepView, Transition, sci, step_range};
 use gradflow_protocol::StepRecord;
 
 /// Reported steps running with carried-over gradients that open the alert.
@@ -54,7 +54,8 @@ fn total_norm(record: &StepRecord) -> Option<f64> {
 }
 
 impl GradsNotZeroed {
-    pub fn on_step(&mut self, record: &StepRecord, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let record = view.record;
         let Some(carried) = record.grads_carried_over else {
             return;
         };
@@ -132,16 +133,16 @@ mod tests {
             "since": 4, "count": 2, "first_norm": 1.5, "open": false
         }))
         .unwrap();
-        let record = record(6, Some(true), 2.0);
-        let mut out = Vec::new();
-        detector.on_step(&record, &mut out);
-        let [Transition::Open(opened)] = out.as_slice() else {
+        let out = viewed([record(6, Some(true), 2.0)], |v, out| {
+            detector.on_step(v, out)
+        });
+        let [(6, Transition::Open(opened))] = out.as_slice() else {
             panic!("{out:?}")
         };
         assert_eq!(opened.first_step, Some(4));
         assert_eq!(opened.evidence["steps"], 3);
     }
-    use crate::detect::testing::transitions;
+    use crate::detect::testing::viewed;
     use serde_json::Value;
 
     fn record(step: u64, carried: Option<bool>, norm: f64) -> StepRecord {
@@ -154,7 +155,7 @@ mod tests {
 
     fn run(records: &[StepRecord]) -> Vec<(u64, Transition)> {
         let mut detector = GradsNotZeroed::default();
-        transitions(records, |r, out| detector.on_step(r, out))
+        viewed(records, |v, out| detector.on_step(v, out))
     }
 
     #[test]

@@ -25,9 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, Transition, sci};
-use crate::detect::RunContext;
-use gradflow_protocol::StepRecord;
+use super::{AlertKind, Opened, Severity, StepView, Transition, sci};
 
 /// How many times its starting level the loss must stay.
 pub const FACTOR: f64 = 3.0;
@@ -51,12 +49,8 @@ pub struct LossDivergence {
 }
 
 impl LossDivergence {
-    pub fn on_step(
-        &mut self,
-        context: &RunContext,
-        record: &StepRecord,
-        out: &mut Vec<Transition>,
-    ) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let (context, record) = (view.context, view.record);
         let Some(loss) = record.loss.map(|l| l.get()).filter(|l| l.is_finite()) else {
             return;
         };
@@ -73,7 +67,10 @@ impl LossDivergence {
             .as_ref()
             .and_then(|d| d.divergence_factor)
             .map_or(FACTOR, f64::from);
-        match self.above.observe(loss > factor * level, record.step, PERSIST) {
+        match self
+            .above
+            .observe(loss > factor * level, record.step, PERSIST)
+        {
             Some(Edge::Resolve) => {
                 out.push(Transition::Resolve {
                     kind: AlertKind::LossDivergence,
@@ -125,8 +122,8 @@ impl LossDivergence {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::Thresholds;
     use crate::detect::testing::{record, transitions};
+    use crate::detect::{RunContext, Thresholds};
     use gradflow_protocol::RunRegistration;
 
     fn run(losses: &[f64]) -> Vec<(u64, Transition)> {
@@ -137,7 +134,9 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(step, loss)| record(json!({"step": step, "loss": loss})));
-        transitions(records, |r, out| detector.on_step(&context, r, out))
+        transitions(records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        })
     }
 
     fn opened_steps(t: &[(u64, Transition)]) -> Vec<u64> {

@@ -1,11 +1,10 @@
 //! `loss_nonfinite`: the loss is NaN or infinite. Opens at once; resolves on the
 //! first step with a finite loss.
 
-use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, Opened, Severity, Transition};
+use super::{AlertKind, Opened, Severity, StepView, Transition};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct LossNonfinite {
@@ -15,7 +14,8 @@ pub struct LossNonfinite {
 const SUBJECT: &str = "loss";
 
 impl LossNonfinite {
-    pub fn on_step(&mut self, record: &StepRecord, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+        let record = view.record;
         let Some(loss) = record.loss.map(|l| l.get()) else {
             return;
         };
@@ -69,7 +69,7 @@ impl LossNonfinite {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::testing::{record, transitions};
+    use crate::detect::testing::{record, viewed};
 
     fn run(losses: &[serde_json::Value]) -> Vec<(u64, Transition)> {
         let mut detector = LossNonfinite::default();
@@ -77,7 +77,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(step, loss)| record(json!({"step": step, "loss": loss})));
-        transitions(records, |r, out| detector.on_step(r, out))
+        viewed(records, |v, out| detector.on_step(v, out))
     }
 
     #[test]

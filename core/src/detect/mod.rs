@@ -228,13 +228,12 @@ impl DetectorSet {
     pub fn on_step(&mut self, context: &RunContext, record: &StepRecord) -> Vec<Transition> {
         let step = StepView::new(context, record);
         let mut transitions = Vec::new();
-        self.loss_nonfinite.on_step(record, &mut transitions);
-        self.loss_divergence
-            .on_step(context, record, &mut transitions);
+        self.loss_nonfinite.on_step(&step, &mut transitions);
+        self.loss_divergence.on_step(&step, &mut transitions);
         self.grad_nonfinite.on_step(&step, &mut transitions);
-        self.grads_not_zeroed.on_step(record, &mut transitions);
-        self.accumulation_reset.on_step(record, &mut transitions);
-        self.eval_mode.on_step(record, &mut transitions);
+        self.grads_not_zeroed.on_step(&step, &mut transitions);
+        self.accumulation_reset.on_step(&step, &mut transitions);
+        self.eval_mode.on_step(&step, &mut transitions);
         self.stuck_zero.on_step(&step, &mut transitions);
         self.frozen_norm.on_step(&step, &mut transitions);
         self.update_rounded_away.on_step(&step, &mut transitions);
@@ -431,7 +430,7 @@ pub(crate) mod testing {
 
     use gradflow_protocol::StepRecord;
 
-    use super::Transition;
+    use super::{RunContext, StepView, Thresholds, Transition};
 
     /// Feeds `records` in order to `on_step` and collects every transition, with the
     /// step of the record that caused it.
@@ -447,6 +446,20 @@ pub(crate) mod testing {
             all.extend(out.into_iter().map(|t| (record.step, t)));
         }
         all
+    }
+
+    /// [`transitions`] for a detector that needs nothing of the registration: each
+    /// record seen through a [`StepView`] of an empty one.
+    pub fn viewed<R: Borrow<StepRecord>>(
+        records: impl IntoIterator<Item = R>,
+        mut on_step: impl FnMut(&StepView<'_>, &mut Vec<Transition>),
+    ) -> Vec<(u64, Transition)> {
+        let registration = serde_json::from_value(serde_json::json!({"params": []}))
+            .expect("an empty registration");
+        let context = RunContext::new(&registration, Thresholds::default());
+        transitions(records, |record, out| {
+            on_step(&StepView::new(&context, record), out)
+        })
     }
 
     /// A step record from its JSON.
