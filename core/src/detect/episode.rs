@@ -1,5 +1,7 @@
 //! The streak behind most detectors' episodes: a condition seen on consecutive
-//! reported steps opens an alert once it has held long enough, and the first
+//! reported steps opens an alert once it has held long enough — on so many reports
+//! ([`Streak::observe`]) or over so many step numbers ([`Streak::observe_steps`], for
+//! thresholds that must not depend on how often a client reports) — and the first
 //! reported step without it resolves the alert. Detectors say what the condition is
 //! and what the alert says; this type keeps the counting, so that it is written once.
 
@@ -29,6 +31,23 @@ impl Streak {
     /// Folds in one reported step on which the condition is `holds`; opens once it
     /// has held on `persist` reported steps running.
     pub fn observe(&mut self, holds: bool, step: u64, persist: u32) -> Option<Edge> {
+        self.observe_when(holds, step, |streak| streak.count >= persist)
+    }
+
+    /// Like [`Streak::observe`], but opens once the run spans `steps` step numbers
+    /// (its first step to `step`, both counted), however many of them were reported.
+    pub fn observe_steps(&mut self, holds: bool, step: u64, steps: u64) -> Option<Edge> {
+        self.observe_when(holds, step, |streak| {
+            step + 1 - streak.first_step(step) >= steps
+        })
+    }
+
+    fn observe_when(
+        &mut self,
+        holds: bool,
+        step: u64,
+        long_enough: impl FnOnce(&Streak) -> bool,
+    ) -> Option<Edge> {
         if !holds {
             let was_open = self.open;
             *self = Streak::default();
@@ -36,7 +55,7 @@ impl Streak {
         }
         self.since.get_or_insert(step);
         self.count += 1;
-        if self.count >= persist && !self.open {
+        if !self.open && long_enough(self) {
             self.open = true;
             return Some(Edge::Open);
         }
@@ -78,5 +97,22 @@ mod tests {
         assert_eq!(streak.observe(false, 1, 3), None);
         assert_eq!(streak.observe(true, 2, 3), None);
         assert_eq!(streak.first_step(9), 2);
+    }
+
+    #[test]
+    fn by_step_numbers_a_sparse_reporter_opens_on_the_same_step() {
+        // Every step reported, or every fifth: both open at step 19 for 20 steps.
+        for every in [1, 5] {
+            let mut streak = Streak::default();
+            let opened: Vec<u64> = (0..40)
+                .step_by(every)
+                .filter(|&step| streak.observe_steps(true, step, 20) == Some(Edge::Open))
+                .collect();
+            let expected = if every == 1 { 19 } else { 20 };
+            assert_eq!(opened, [expected], "every {every}");
+        }
+        let mut streak = Streak::default();
+        assert_eq!(streak.observe_steps(true, 3, 1), Some(Edge::Open));
+        assert_eq!(streak.observe_steps(false, 4, 1), Some(Edge::Resolve));
     }
 }

@@ -20,6 +20,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::episode::{Edge, Streak};
 use super::{AlertKind, Opened, Severity, StepView, Transition, step_range};
 use gradflow_protocol::StepRecord;
 
@@ -34,9 +35,10 @@ const SUBJECT: &str = "model";
 pub struct EvalMode {
     /// The last step reported in training mode.
     last_training: Option<u64>,
-    /// The first step of the current run of eval-mode reports.
-    eval_since: Option<u64>,
-    open: bool,
+    /// The current run of eval-mode reports. Flattened: `open` keeps the key it was
+    /// stored under before [`Streak`]; a run still counting starts again.
+    #[serde(flatten)]
+    eval: Streak,
 }
 
 impl EvalMode {
@@ -52,22 +54,18 @@ impl EvalMode {
         let Some(last_training) = self.last_training else {
             return;
         };
-        if training {
-            self.eval_since = None;
-            if std::mem::take(&mut self.open) {
-                out.push(Transition::Resolve {
-                    kind: AlertKind::ModelInEvalMode,
-                    subject: SUBJECT.into(),
-                    step: record.step,
-                });
-            }
-            return;
-        }
         // Judged by step numbers (docs/PROTOCOL.md), not by reports.
-        let first = *self.eval_since.get_or_insert(record.step);
-        if !self.open && record.step + 1 - first >= STEPS {
-            self.open = true;
-            out.push(Transition::Open(self.opened(record, first, last_training)));
+        match self.eval.observe_steps(!training, record.step, STEPS) {
+            Some(Edge::Resolve) => out.push(Transition::Resolve {
+                kind: AlertKind::ModelInEvalMode,
+                subject: SUBJECT.into(),
+                step: record.step,
+            }),
+            Some(Edge::Open) => {
+                let first = self.eval.first_step(record.step);
+                out.push(Transition::Open(self.opened(record, first, last_training)));
+            }
+            None => {}
         }
     }
 

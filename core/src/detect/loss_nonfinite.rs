@@ -4,11 +4,14 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::episode::{Edge, Streak};
 use super::{AlertKind, Opened, Severity, StepView, Transition};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct LossNonfinite {
-    open: bool,
+    /// Flattened: `open` stays stored under the key it had before [`Streak`].
+    #[serde(flatten)]
+    streak: Streak,
 }
 
 const SUBJECT: &str = "loss";
@@ -19,20 +22,19 @@ impl LossNonfinite {
         let Some(loss) = record.loss.map(|l| l.get()) else {
             return;
         };
-        if loss.is_finite() {
-            if std::mem::take(&mut self.open) {
+        // One non-finite loss is enough: it opens at once.
+        match self.streak.observe(!loss.is_finite(), record.step, 1) {
+            Some(Edge::Resolve) => {
                 out.push(Transition::Resolve {
                     kind: AlertKind::LossNonfinite,
                     subject: SUBJECT.into(),
                     step: record.step,
                 });
+                return;
             }
-            return;
+            Some(Edge::Open) => {}
+            None => return,
         }
-        if self.open {
-            return;
-        }
-        self.open = true;
         let cause = if loss.is_nan() { "nan" } else { "inf" };
         let spelled = gradflow_protocol::format_float(loss);
         let input_absmax = record.input_absmax.map(|x| x.get());
@@ -78,6 +80,18 @@ mod tests {
             .enumerate()
             .map(|(step, loss)| record(json!({"step": step, "loss": loss})));
         viewed(records, |v, out| detector.on_step(v, out))
+    }
+
+    #[test]
+    fn an_open_alert_stored_before_the_shared_streak_still_resolves() {
+        let mut detector: LossNonfinite = serde_json::from_value(json!({"open": true})).unwrap();
+        let t = viewed([record(json!({"step": 7, "loss": 1.0}))], |v, out| {
+            detector.on_step(v, out)
+        });
+        assert!(
+            matches!(t.as_slice(), [(7, Transition::Resolve { .. })]),
+            "{t:?}"
+        );
     }
 
     #[test]

@@ -6,12 +6,15 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::episode::{Edge, Streak};
 use super::{AlertKind, Opened, Severity, StepView, Transition, sci, step_range};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ScalerOverflowStreak {
-    len: u32,
-    first_step: u64,
+    /// The run of `found_inf` steps. Flattened: `open` keeps the key it was stored
+    /// under before [`Streak`]; a run still counting starts again.
+    #[serde(flatten)]
+    streak: Streak,
     /// The scale reported just before the streak began, and the latest.
     scale_before: Option<f64>,
     scale_now: Option<f64>,
@@ -19,7 +22,6 @@ pub struct ScalerOverflowStreak {
     /// The largest input absolute value over the streak (NaN sticks).
     #[serde(default)]
     input_absmax: Option<f64>,
-    open: bool,
 }
 
 const SUBJECT: &str = "scaler";
@@ -32,7 +34,7 @@ impl ScalerOverflowStreak {
         match scaler.found_inf {
             None => {}
             Some(false) => {
-                if self.open {
+                if self.streak.observe(false, record.step, 1) == Some(Edge::Resolve) {
                     out.push(Transition::Resolve {
                         kind: AlertKind::ScalerOverflowStreak,
                         subject: SUBJECT.into(),
@@ -46,11 +48,9 @@ impl ScalerOverflowStreak {
                 };
             }
             Some(true) => {
-                if self.len == 0 {
-                    self.first_step = record.step;
+                if self.streak.since.is_none() {
                     self.scale_before = self.scale_now;
                 }
-                self.len += 1;
                 self.skipped += u32::from(scaler.step_skipped != Some(false));
                 if let Some(x) = record.input_absmax.map(|x| x.get()) {
                     self.input_absmax = Some(match self.input_absmax {
@@ -63,8 +63,7 @@ impl ScalerOverflowStreak {
                 // Step numbers, not reports: a client reporting every k-th step
                 // reaches the threshold on the same step number.
                 let threshold = u64::from(context.thresholds.overflow_streak_steps);
-                if record.step - self.first_step + 1 >= threshold && !self.open {
-                    self.open = true;
+                if self.streak.observe_steps(true, record.step, threshold) == Some(Edge::Open) {
                     out.push(self.opened(record.step));
                 }
             }
@@ -72,6 +71,8 @@ impl ScalerOverflowStreak {
     }
 
     fn opened(&self, step: u64) -> Transition {
+        let first_step = self.streak.first_step(step);
+        let len = self.streak.count;
         let scale = match (self.scale_before, self.scale_now) {
             (Some(before), Some(now)) => {
                 format!(" The loss scale fell from {} to {}.", sci(before), sci(now))
@@ -85,18 +86,18 @@ impl ScalerOverflowStreak {
             kind: AlertKind::ScalerOverflowStreak,
             subject: SUBJECT.into(),
             severity: Severity::Critical,
-            first_step: Some(self.first_step),
+            first_step: Some(first_step),
             step: Some(step),
-            title: format!("Loss scaler overflows on every step: {} in a row", self.len),
+            title: format!("Loss scaler overflows on every step: {} in a row", len),
             detail: format!(
                 "The loss scaler found inf/NaN gradients on each of the last {} steps ({}), so {} \
                  optimizer steps were skipped and the model has not trained since step {}.{scale} \
                  Halving the scale has not helped: the gradients are non-finite at any scale.\
                  {because}",
-                self.len,
-                step_range(self.first_step, step),
+                len,
+                step_range(first_step, step),
                 self.skipped,
-                self.first_step,
+                first_step,
             ),
             fix: "Find the non-finite value at its source: an fp16 overflow in forward (attention \
                   logits, large activations; compute them in fp32 or train in bf16), a NaN in the \
@@ -106,8 +107,8 @@ impl ScalerOverflowStreak {
             evidence: json!({
                 "cause": cause,
                 "input_absmax": super::precision::evidence_number(self.input_absmax),
-                "steps": self.len,
-                "first_step": self.first_step,
+                "steps": len,
+                "first_step": first_step,
                 "skipped_steps": self.skipped,
                 "scale_before": self.scale_before,
                 "scale_now": self.scale_now,
