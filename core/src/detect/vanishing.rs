@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::episode::{Edge, Streak};
 use super::layers::Layer;
 use super::{AlertKind, GroupMap, Opened, Severity, StepView, Transition, sci, step_range};
 
@@ -27,14 +28,10 @@ const MAX_LAYER: usize = 10_000;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct GradVanishing {
+    /// Per group, its run of steps with vanishing gradients. An open alert keeps
+    /// the `open` key it was stored under before [`Streak`]; a run still counting
+    /// starts again.
     groups: BTreeMap<String, Streak>,
-}
-
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-struct Streak {
-    len: u32,
-    first_step: u64,
-    open: bool,
 }
 
 impl GradVanishing {
@@ -78,37 +75,28 @@ impl GradVanishing {
             }
             let ratio = first / last;
             let streak = self.groups.entry(group.to_owned()).or_default();
-            if ratio >= RATIO {
-                if streak.open {
-                    out.push(Transition::Resolve {
-                        kind: AlertKind::GradVanishing,
-                        subject: group.to_owned(),
-                        step: record.step,
-                    });
-                }
-                *streak = Streak::default();
-                continue;
-            }
-            if streak.len == 0 {
-                streak.first_step = record.step;
-            }
-            streak.len += 1;
             // Step numbers, not reports.
-            if record.step - streak.first_step + 1 >= u64::from(STEPS) && !streak.open {
-                streak.open = true;
-                out.push(Transition::Open(Opened {
+            match streak.observe_steps(ratio < RATIO, record.step, u64::from(STEPS)) {
+                Some(Edge::Resolve) => out.push(Transition::Resolve {
+                    kind: AlertKind::GradVanishing,
+                    subject: group.to_owned(),
+                    step: record.step,
+                }),
+                Some(Edge::Open) => {
+                    let since = streak.first_step(record.step);
+                    out.push(Transition::Open(Opened {
                     kind: AlertKind::GradVanishing,
                     subject: group.to_owned(),
                     severity: Severity::Warning,
-                    first_step: Some(streak.first_step),
+                    first_step: Some(since),
                     step: Some(record.step),
                     title: format!("Gradients vanish across the depth of {group}"),
                     detail: format!(
                         "On each of the last {} steps ({}) the gradient norm of layer {first_layer} of \
                          {group} was below {RATIO:.0e} times that of layer {last_layer} (at step {}: \
                          {} against {}, a ratio of {}): the early layers barely learn.",
-                        streak.len,
-                        step_range(streak.first_step, record.step),
+                        streak.count,
+                        step_range(since, record.step),
                         record.step,
                         sci(first),
                         sci(last),
@@ -125,12 +113,14 @@ impl GradVanishing {
                         "first_layer_norm": first,
                         "last_layer_norm": last,
                         "ratio": ratio,
-                        "steps": streak.len,
+                        "steps": streak.count,
                     }),
                 }));
+                }
+                None => {}
             }
         }
-        self.groups.retain(|_, s| s.len > 0 || s.open);
+        self.groups.retain(|_, s| s.count > 0 || s.open);
     }
 }
 
