@@ -236,3 +236,60 @@ def test_optimizer_built_before_the_model_is_moved(gradflow_server, gradflow_env
     assert [id(p) for p in model.parameters()] == held
     assert moved(state["before"], model) == set(state["before"])
     silent(gradflow_server, run_id)
+
+
+def bf16_classifier_step(model: nn.Module, optimizer, after_step=None):
+    """The plain classifier trained in bf16: its inputs cast to the weights' dtype."""
+    data = ((x.bfloat16(), y) for x, y in feature_batches(16, 4))
+    return train_step(model, optimizer, class_loss, data, after_step=after_step)
+
+
+def test_pure_bf16_weights_at_a_pre_training_lr(gradflow_server, gradflow_env):
+    """Weights and AdamW both in bf16 (no f32 master copy) at lr 1e-3, on a model
+    without norm weights: some small updates round away on every step (10–30 %), the
+    rest land and it trains.
+
+    Threads: https://github.com/THU-BPM/RLCSD/issues/2,
+    https://github.com/huggingface/transformers/pull/21312
+    """
+    model = Classifier().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = snapshot(model)
+    run_id = quickstart(model, optimizer, bf16_classifier_step(model, optimizer))
+    assert moved(before, model) == set(before)
+    assert gradflow_server.series(run_id, "rounded_away", "hidden.weight")  # measured
+    silent(gradflow_server, run_id)
+
+
+def test_pure_bf16_weights_during_a_long_warm_up(gradflow_server, gradflow_env):
+    """Pure bf16 with a 2000-step linear warm-up to 3e-4: for the first hundred steps
+    the lr is ~1e-5 and below, and almost every update rounds away (as for the frozen
+    bf16 fine-tune), by design of the schedule: the lr is still rising.
+
+    Threads: https://github.com/google-research/bert/issues/1293,
+    https://github.com/THU-BPM/RLCSD/issues/2
+    """
+    model = Classifier().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 2000, 100_000)
+    step = bf16_classifier_step(model, optimizer, after_step=lambda _: scheduler.step())
+    run_id = quickstart(model, optimizer, step)
+    lost = gradflow_server.series(run_id, "rounded_away", "hidden.weight")
+    meant = gradflow_server.series(run_id, "intended_nonzero", "hidden.weight")
+    # The look-alike is real: from step 10 on, at least 95 % of the changes are lost.
+    assert all(r >= 0.95 * m for (s, r), (_, m) in zip(lost, meant) if s >= 10), (lost, meant)
+    silent(gradflow_server, run_id)
+
+
+def test_f32_master_weights_at_a_fine_tuning_lr(gradflow_server, gradflow_env):
+    """The bf16 fine-tune done right: f32 weights (the optimizer's master copy) at lr
+    1e-5 under bf16 autocast; every update lands, norms included.
+
+    Thread: https://github.com/NVIDIA-NeMo/Automodel/pull/3444
+    """
+    model = tiny_qwen()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    before = snapshot(model)
+    run_id = quickstart(model, optimizer, train_step(model, optimizer, autocast=torch.bfloat16))
+    assert moved(before, model) == set(before)
+    silent(gradflow_server, run_id)

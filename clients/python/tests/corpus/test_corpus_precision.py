@@ -86,11 +86,6 @@ def test_bf16_norm_weights_never_move(gradflow_server, gradflow_env):
     verdict(gradflow_server, run_id, "norm_weight_frozen", cause="low_precision_underflow")
 
 
-@not_caught(
-    "missed: update_rounded_away stays closed (about 85 % of the linear layers' "
-    "intended changes round away, under its 98 % threshold); only the norm weights' "
-    "norm_weight_frozen opens",
-)
 def test_bf16_linear_layers_at_a_fine_tuning_lr(gradflow_server, gradflow_env):
     """The model forced to bf16 at a fine-tuning lr (1e-5): almost every intended
     update of the linear layers is below half a bf16 ulp and rounds away; the loss
@@ -102,9 +97,13 @@ def test_bf16_linear_layers_at_a_fine_tuning_lr(gradflow_server, gradflow_env):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     weight = model.model.layers[0].mlp.up_proj.weight
     start = weight.detach().clone()
-    run_id = quickstart(model, optimizer, train_step(model, optimizer), steps=24)
-    # 24 AdamW steps of ~1e-5 each move every element in fp32; in bf16 most of them
-    # never moved at all (about 85 % here).
+    run_id = quickstart(model, optimizer, train_step(model, optimizer))
+    # 52 AdamW steps of ~1e-5 each move every element in fp32; in bf16 most of them
+    # never moved at all. Per step, 96-97 % of the intended changes round away after
+    # the first (AdamW's first update is lr·sign(g), the largest it ever is).
     still = (weight.detach() == start).float().mean().item()
-    assert still > 0.75, still
-    verdict(gradflow_server, run_id, "update_rounded_away", "model.layers")
+    assert still > 0.6, still
+    alert = verdict(
+        gradflow_server, run_id, "update_rounded_away", "model.layers", "low_precision_underflow"
+    )
+    assert alert["evidence"]["min_lost_fraction"] >= 0.95, alert["evidence"]
