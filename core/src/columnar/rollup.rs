@@ -3,7 +3,9 @@
 //! A series read over a long range would otherwise decode one step row per step (a
 //! 100,000-step run: 100,000 blobs). Rollups summarise buckets of [`ROLLUP_WIDTHS`]
 //! steps, so the same read touches ~1,600 rows of the 64-step level or ~25 of the
-//! 4,096-step level. A bucket keeps, for each column, the minimum and maximum number
+//! 4,096-step level. A read uses only levels no wider than its output buckets, so a
+//! 1,000-point read of a 10⁶-step run (2,000-step output buckets) would read 15,625
+//! buckets of 64 steps; the 1,024-step level brings that to ~980. A bucket keeps, for each column, the minimum and maximum number
 //! and the step offsets where they occurred, plus the first NaN and the first null:
 //! exactly what the min/max downsampler needs to keep every spike and every
 //! non-finite reading visible.
@@ -19,8 +21,28 @@ use anyhow::{Context, bail};
 
 use super::codec::{ABSENT_BITS, Cell};
 
-/// Bucket widths of the rollup levels, finest first.
-pub const ROLLUP_WIDTHS: [u64; 2] = [64, 4096];
+/// Bucket widths of the rollup levels, finest first. Offsets within a bucket are
+/// `u16`, so no level may be wider than 65,536 steps.
+pub const ROLLUP_WIDTHS: [u64; 3] = [64, 1024, 4096];
+
+/// The levels of a database written before the 1,024-step level: runs registered
+/// then keep only these complete (see [`rollup_widths_of`]).
+pub const FIRST_ROLLUP_WIDTHS: [u64; 2] = [64, 4096];
+
+/// The complete rollup levels of a run, from the `rollup_widths` it was registered
+/// with (a comma-separated list of widths, as stored): those of [`ROLLUP_WIDTHS`]
+/// that it names. A run registered before a level existed has that level's buckets
+/// only from where it went on after the upgrade, so reads must not use it.
+pub fn rollup_widths_of(stored: &str) -> Vec<u64> {
+    let named: Vec<u64> = stored
+        .split(',')
+        .filter_map(|w| w.trim().parse().ok())
+        .collect();
+    ROLLUP_WIDTHS
+        .into_iter()
+        .filter(|w| named.contains(w))
+        .collect()
+}
 /// Columns per stored chunk of a bucket.
 pub const CHUNK_COLUMNS: usize = 64;
 
@@ -245,6 +267,16 @@ mod tests {
         back.restore_chunk(0, &blob, &mut decompressor().unwrap())
             .unwrap();
         assert_eq!(back, bucket);
+    }
+
+    #[test]
+    fn a_run_reads_the_levels_it_was_registered_with() {
+        assert_eq!(rollup_widths_of("64,1024,4096"), ROLLUP_WIDTHS.to_vec());
+        assert_eq!(rollup_widths_of("64,4096"), FIRST_ROLLUP_WIDTHS.to_vec());
+        // A width no longer written is not read; garbage names nothing.
+        assert_eq!(rollup_widths_of("64, 512,x"), vec![64]);
+        assert!(ROLLUP_WIDTHS.iter().all(|w| *w <= u64::from(u16::MAX) + 1));
+        assert!(ROLLUP_WIDTHS.windows(2).all(|w| w[0] < w[1]));
     }
 
     #[test]

@@ -16,7 +16,7 @@ use super::{Store, StoreError, StoreResult, with_reader};
 use gradflow_core::columnar::block::{self, DecodedBlock, block_index};
 use gradflow_core::columnar::codec::{ABSENT_BITS, Cell, decompressor};
 use gradflow_core::columnar::columns::SeriesKind;
-use gradflow_core::columnar::rollup::{CHUNK_COLUMNS, ROLLUP_WIDTHS, decode_columns};
+use gradflow_core::columnar::rollup::{CHUNK_COLUMNS, decode_columns, rollup_widths_of};
 use gradflow_core::series::{MinMax, Source, plan};
 
 /// The stream that holds a run's steps (combined across ranks).
@@ -107,12 +107,7 @@ impl Store {
         };
 
         let mut minmax = MinMax::new(from, to, max_points);
-        let widths: Vec<u64> = ROLLUP_WIDTHS
-            .iter()
-            .rev()
-            .copied()
-            .filter(|w| *w <= minmax.bucket_width())
-            .collect();
+        let widths = self.read_widths(key, minmax.bucket_width()).await?;
         for source in plan(from, to, &widths) {
             let sink = |_: usize, step: u64, cell: Cell| minmax.add(step, cell);
             match source {
@@ -187,12 +182,7 @@ impl Store {
             .iter()
             .map(|_| MinMax::new(from, to, max_points))
             .collect();
-        let widths: Vec<u64> = ROLLUP_WIDTHS
-            .iter()
-            .rev()
-            .copied()
-            .filter(|w| *w <= reducers[0].bucket_width())
-            .collect();
+        let widths = self.read_widths(key, reducers[0].bucket_width()).await?;
         for source in plan(from, to, &widths) {
             let sink = |i: usize, step: u64, cell: Cell| reducers[i].add(step, cell);
             match source {
@@ -209,7 +199,23 @@ impl Store {
         Ok(result(reducers.into_iter().map(MinMax::finish).collect()))
     }
 
-    /// The run's key.
+    /// The rollup widths a reduced read of the run uses, coarsest first: the run's
+    /// complete levels no wider than the output buckets (`bucket_width` steps), so
+    /// that a rollup bucket never spans more than two output buckets.
+    async fn read_widths(&self, key: i64, bucket_width: u64) -> StoreResult<Vec<u64>> {
+        let stored: String = with_reader!(self, |pool| {
+            sqlx::query_scalar("SELECT rollup_widths FROM runs WHERE id = $1")
+                .bind(key)
+                .fetch_one(pool)
+                .await?
+        });
+        Ok(rollup_widths_of(&stored)
+            .into_iter()
+            .rev()
+            .filter(|w| *w <= bucket_width)
+            .collect())
+    }
+
     /// The position of the run's column of `kind` for `subject`, if it has one.
     pub(super) async fn column_position(
         &self,

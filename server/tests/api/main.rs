@@ -21,5 +21,6 @@ mod ranks;
 mod ranks_close;
 mod ranks_view;
 mod retention;
+mod rollup_levels;
 mod store_reads;
 mod webhooks;
