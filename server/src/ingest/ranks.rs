@@ -28,11 +28,15 @@ use super::batch::{
 use super::combine::{Combined, LAG_STEPS, PendingStep};
 use super::registry::Registry;
 use super::state::RunState;
-use crate::store::{BatchWrite, Progress, RUN_STREAM, StoreError, StoreResult, rank_stream};
+use crate::store::{
+    AlertOp, BatchWrite, BlockWrite, Progress, RUN_STREAM, RollupRow, StoreError, StoreResult,
+    rank_stream,
+};
 use gradflow_core::columnar::codec::ABSENT_BITS;
-use gradflow_core::columnar::columns::ColumnAssigner;
+use gradflow_core::columnar::columns::{ColumnAssigner, SeriesKind};
 use gradflow_core::columnar::flatten::{flatten, unflatten};
 use gradflow_core::detect::Detection;
+use gradflow_core::detect::ranks::RankView;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -53,6 +57,12 @@ pub struct Clock {
 /// server's work. When nothing is new the state comes back untouched with the
 /// outcome; when the batch is refused (an error) the state is gone, and the caller
 /// reads it again from the database.
+///
+/// The phases, in order: [`take_records`] (which records are new, amendments,
+/// flattening), [`store_rank_streams`] (each rank's rows into its stream),
+/// [`fold_pending`] (into their steps' accumulators), [`complete_steps`] (the steps
+/// all ranks have sent, or that can wait no longer), [`store_combined`] (those steps
+/// into stream 0, judged by the detectors).
 pub fn prepare_ranks(
     state: RunState,
     run_id: &str,
@@ -65,6 +75,114 @@ pub fn prepare_ranks(
     let world = state.world_size;
     let head = state.head;
     let mut next = state;
+    let Intake {
+        rows,
+        amendments,
+        duplicates,
+        mut added,
+        mut closed_changed,
+    } = take_records(&mut next, run_id, records, detection)?;
+    let mut blocks = Vec::new();
+    let mut rollups = Vec::new();
+    let streams = store_rank_streams(&mut next, rows, &mut blocks, &mut rollups, codec)?;
+    fold_pending(&mut next, &streams, records, clock.now);
+
+    // A rank that said it closed (v1.5) will send nothing more.
+    if let Some(rank) = closing {
+        if rank >= world {
+            return Err(invalid(
+                "rank".to_owned(),
+                format!("rank {rank} is not below the run's world_size {world}"),
+            ));
+        }
+        closed_changed |= next.detectors.ranks.closed.insert(rank);
+    }
+    let combined = complete_steps(&mut next, clock);
+    if streams.accepted == 0 && combined.is_empty() && amendments.is_empty() && !closed_changed {
+        // Nothing was new, so nothing above changed the state.
+        let outcome = IngestOutcome {
+            accepted: 0,
+            duplicates,
+            late: 0,
+            last_step: next.last_step,
+            values: 0,
+        };
+        return Ok(Preparation::NothingNew(outcome, next));
+    }
+    let run = store_combined(
+        &mut next,
+        combined,
+        detection,
+        &mut blocks,
+        &mut rollups,
+        codec,
+    )?;
+    added.extend(run.added);
+    next.head.version += 1;
+
+    // A batch from one rank answers with that rank's last step, which is what its
+    // client can reason about; otherwise the run's.
+    let ranks_in_batch: Vec<u32> = streams.rows.keys().map(|s| s - 1).collect();
+    let last_step = match ranks_in_batch.as_slice() {
+        [rank] => next.streams.get(&rank_stream(*rank)).map(|t| t.last_step),
+        _ => next.last_step,
+    };
+    let outcome = IngestOutcome {
+        accepted: streams.accepted,
+        duplicates,
+        late: 0,
+        last_step,
+        values: streams.values,
+    };
+    let write = BatchWrite {
+        run_id: run_id.to_owned(),
+        key: head.key,
+        expected_version: head.version,
+        progress: Progress {
+            first_step: run.first_step,
+            last_step: next.last_step,
+            steps: run.steps,
+        },
+        amendments,
+        columns: new_columns(added),
+        blocks,
+        rollups,
+        alerts: run.alerts,
+        detector_state: serde_json::to_string(&next.detectors)
+            .context("encoding detector state")?,
+        pending_since: next.pending.values().map(|p| p.first_seen).reduce(f64::min),
+    };
+    Ok(Preparation::Write(Box::new(Prepared {
+        write,
+        next,
+        outcome,
+    })))
+}
+
+/// What [`take_records`] makes of a batch's records.
+struct Intake {
+    /// The new records, flattened: (rank, row, index in the batch).
+    rows: Vec<(u32, StepCells, usize)>,
+    /// Amendments put in force: (step, the amendment as JSON).
+    amendments: Vec<(u64, String)>,
+    /// Records whose rank's stream already holds their step.
+    duplicates: usize,
+    /// Columns the new records added.
+    added: Vec<(SeriesKind, String, u32)>,
+    /// Whether a closed rank came back.
+    closed_changed: bool,
+}
+
+/// Checks each record's rank, tells new records from duplicates (by their rank's
+/// stream), puts amendments in force and flattens the new records into rows of the
+/// run's columns (adding the columns they name first).
+fn take_records(
+    next: &mut RunState,
+    run_id: &str,
+    records: &[StepRecord],
+    detection: Detection,
+) -> StoreResult<Intake> {
+    let world = next.world_size;
     let mut amendments = Vec::new();
     let mut duplicates = 0;
     let mut rows: Vec<(u32, StepCells, usize)> = Vec::new();
@@ -131,14 +249,40 @@ pub fn prepare_ranks(
             i,
         ));
     }
-    let mut added = assigner.added();
+    let added = assigner.added();
     for (kind, subject, position) in &added {
         next.columns.restore(*kind, subject, *position);
     }
+    Ok(Intake {
+        rows,
+        amendments,
+        duplicates,
+        added,
+        closed_changed,
+    })
+}
 
-    // Each rank's rows into its stream.
-    let mut blocks = Vec::new();
-    let mut rollups = Vec::new();
+/// The new rows, stored in their ranks' streams.
+struct RankRows {
+    /// Each stream's new rows, in step order.
+    rows: BTreeMap<u32, Vec<StepCells>>,
+    /// Each new record as (rank, step, position in its stream's rows, index in the
+    /// batch), in the batch's order.
+    folds: Vec<(u32, u64, usize, usize)>,
+    accepted: usize,
+    /// Values (present cells) among the new rows.
+    values: usize,
+}
+
+/// Each rank's rows into its stream: the blocks and rollup buckets they touch are
+/// queued for writing, and each stream's tail moves on.
+fn store_rank_streams(
+    next: &mut RunState,
+    rows: Vec<(u32, StepCells, usize)>,
+    blocks: &mut Vec<BlockWrite>,
+    rollups: &mut Vec<RollupRow>,
+    codec: &mut Codec,
+) -> StoreResult<RankRows> {
     let mut by_stream: BTreeMap<u32, Vec<StepCells>> = BTreeMap::new();
     let mut folds: Vec<(u32, u64, usize, usize)> = Vec::new();
     for (rank, row, i) in rows {
@@ -153,29 +297,37 @@ pub fn prepare_ranks(
             *stream,
             stream_rows,
             next.columns.kinds(),
-            &mut blocks,
-            &mut rollups,
+            blocks,
+            rollups,
             codec,
         )?;
         next.streams.insert(*stream, tail);
     }
-    let accepted = folds.len();
     let values = by_stream
         .values()
         .flatten()
         .map(|row| row.cells.iter().filter(|c| **c != ABSENT_BITS).count())
         .sum();
+    Ok(RankRows {
+        accepted: folds.len(),
+        rows: by_stream,
+        folds,
+        values,
+    })
+}
 
-    // ...and into their steps' accumulators, unless the step is combined already.
-    for (rank, step, index, i) in folds {
+/// Folds each new record into its step's accumulator, unless the step is combined
+/// already (its rank came too late for it).
+fn fold_pending(next: &mut RunState, streams: &RankRows, records: &[StepRecord], now: f64) {
+    for &(rank, step, index, i) in &streams.folds {
         if next.last_step.is_some_and(|last| step <= last) {
             continue;
         }
-        let row = &by_stream[&rank_stream(rank)][index];
+        let row = &streams.rows[&rank_stream(rank)][index];
         let registry = next.registry_at(step).clone();
         next.pending
             .entry(step)
-            .or_insert_with(|| PendingStep::new(clock.now))
+            .or_insert_with(|| PendingStep::new(now))
             .fold(
                 rank,
                 &row.cells,
@@ -185,20 +337,14 @@ pub fn prepare_ranks(
                 &registry,
             );
     }
+}
 
-    // A rank that said it closed (v1.5) will send nothing more.
-    if let Some(rank) = closing {
-        if rank >= world {
-            return Err(invalid(
-                "rank".to_owned(),
-                format!("rank {rank} is not below the run's world_size {world}"),
-            ));
-        }
-        closed_changed |= next.detectors.ranks.closed.insert(rank);
-    }
+/// Takes out of the waiting steps, in step order, those that are complete (every
+/// rank sent or closed) or can wait no longer (left too far behind, or timed out),
+/// and combines each, naming the ranks it went without.
+fn complete_steps(next: &mut RunState, clock: Clock) -> Vec<Combined> {
+    let world = next.world_size;
     let closed = next.detectors.ranks.closed.clone();
-
-    // The steps that are complete, or can wait no longer, in order.
     let front = (0..world)
         .filter_map(|rank| next.streams.get(&rank_stream(rank)).map(|t| t.last_step))
         .max();
@@ -231,27 +377,32 @@ pub fn prepare_ranks(
             .collect();
         combined.push(step_combined);
     }
+    combined
+}
 
-    if accepted == 0 && combined.is_empty() && amendments.is_empty() && !closed_changed {
-        // Nothing was new, so nothing above changed the state.
-        let outcome = IngestOutcome {
-            accepted: 0,
-            duplicates,
-            late: 0,
-            last_step: next.last_step,
-            values: 0,
-        };
-        return Ok(Preparation::NothingNew(outcome, next));
-    }
+/// What [`store_combined`] adds to the batch's write.
+struct RunSteps {
+    /// Columns the combined steps added.
+    added: Vec<(SeriesKind, String, u32)>,
+    first_step: Option<u64>,
+    steps: u64,
+    alerts: Vec<AlertOp>,
+}
 
-    // The combined steps: records for the detectors, rows for stream 0.
+/// The combined steps as records: stored in stream 0 and judged by the detectors,
+/// in step order.
+fn store_combined(
+    next: &mut RunState,
+    combined: Vec<Combined>,
+    detection: Detection,
+    blocks: &mut Vec<BlockWrite>,
+    rollups: &mut Vec<RollupRow>,
+    codec: &mut Codec,
+) -> StoreResult<RunSteps> {
     let mut assigner = ColumnAssigner::new(&next.columns);
     let mut run_rows = Vec::with_capacity(combined.len());
-    let mut run_records: Vec<(
-        StepRecord,
-        Arc<Registry>,
-        gradflow_core::detect::ranks::RankView,
-    )> = Vec::with_capacity(combined.len());
+    let mut run_records: Vec<(StepRecord, Arc<Registry>, RankView)> =
+        Vec::with_capacity(combined.len());
     for step_combined in combined {
         let registry = next.registry_at(step_combined.step).clone();
         let mut record = unflatten(step_combined.step, &step_combined.cells, &next.columns);
@@ -266,20 +417,18 @@ pub fn prepare_ranks(
         });
         run_records.push((record, registry, step_combined.view));
     }
-    let run_added = assigner.added();
-    for (kind, subject, position) in &run_added {
+    let added = assigner.added();
+    for (kind, subject, position) in &added {
         next.columns.restore(*kind, subject, *position);
     }
-    added.extend(run_added);
-    let first_combined = run_rows.first().map(|row| row.step);
     if !run_rows.is_empty() {
         let tail = write_stream(
             next.streams.get(&RUN_STREAM),
             RUN_STREAM,
             &run_rows,
             next.columns.kinds(),
-            &mut blocks,
-            &mut rollups,
+            blocks,
+            rollups,
             codec,
         )?;
         next.streams.insert(RUN_STREAM, tail);
@@ -296,45 +445,12 @@ pub fn prepare_ranks(
     if let Some((_, registry, _)) = run_records.last() {
         next.registry = registry.clone();
     }
-    next.head.version += 1;
-
-    // A batch from one rank answers with that rank's last step, which is what its
-    // client can reason about; otherwise the run's.
-    let ranks_in_batch: Vec<u32> = by_stream.keys().map(|s| s - 1).collect();
-    let last_step = match ranks_in_batch.as_slice() {
-        [rank] => next.streams.get(&rank_stream(*rank)).map(|t| t.last_step),
-        _ => next.last_step,
-    };
-    let outcome = IngestOutcome {
-        accepted,
-        duplicates,
-        late: 0,
-        last_step,
-        values,
-    };
-    let write = BatchWrite {
-        run_id: run_id.to_owned(),
-        key: head.key,
-        expected_version: head.version,
-        progress: Progress {
-            first_step: first_combined,
-            last_step: next.last_step,
-            steps: run_rows.len() as u64,
-        },
-        amendments,
-        columns: new_columns(added),
-        blocks,
-        rollups,
+    Ok(RunSteps {
+        added,
+        first_step: run_rows.first().map(|row| row.step),
+        steps: run_rows.len() as u64,
         alerts,
-        detector_state: serde_json::to_string(&next.detectors)
-            .context("encoding detector state")?,
-        pending_since: next.pending.values().map(|p| p.first_seen).reduce(f64::min),
-    };
-    Ok(Preparation::Write(Box::new(Prepared {
-        write,
-        next,
-        outcome,
-    })))
+    })
 }
 
 fn invalid(path: String, message: String) -> StoreError {
