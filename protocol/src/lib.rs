@@ -9,7 +9,7 @@
 //! - [`run`]: the registration body of `PUT /api/v1/runs/{run_id}` and [`RunId`].
 //! - [`step`]: the step records of `POST /api/v1/runs/{run_id}/steps`.
 //! - [`amend`]: v1.1 registration amendments, carried by a step record.
-//! - [`parse`]: JSON and NDJSON batch parsing with field paths in errors.
+//! - [`parse`]: JSON, NDJSON and CBOR batch parsing with field paths in errors.
 //! - [`float`]: [`Float`], a number that may be `"NaN"`, `"Infinity"`, `"-Infinity"`.
 //! - [`timestamp`]: RFC 3339 or Unix-seconds timestamps.
 //! - [`limits`]: the bounds on one request.
@@ -31,7 +31,9 @@ pub mod wiring;
 pub use amend::Amendment;
 pub use error::InvalidBody;
 pub use float::{Float, non_finite_spelling};
-pub use parse::{parse_steps_json, parse_steps_ndjson};
+pub use parse::{
+    CBOR_CONTENT_TYPE, parse_steps_cbor, parse_steps_json, parse_steps_ndjson, to_cbor,
+};
 pub use run::{
     AlertSeverity, DetectorOverrides, Dtype, Layout, LossScaler, MAX_WEBHOOKS_PER_RUN, Optimizer,
     ParamGroup, ParamSpec, Precision, Role, RunId, RunRegistration, Webhook, WebhookFormat,

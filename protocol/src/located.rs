@@ -1,8 +1,11 @@
-//! Deserialising JSON with errors that say where.
+//! Deserialising JSON or CBOR with errors that say where.
 //!
-//! Valid bodies take the fast path: plain `serde_json` straight into the typed values.
-//! Only a body that fails is parsed a second time through `serde_path_to_error` to
-//! find where, so tracking paths costs nothing on the ingest hot path.
+//! Valid bodies take the fast path: JSON through sonic-rs (a SIMD parser driving the
+//! same serde types), CBOR through ciborium, straight into the typed values. Only a
+//! body that fails is parsed a second time through `serde_path_to_error` to find where,
+//! so tracking paths costs nothing on the ingest hot path. For JSON that second pass is
+//! serde_json's, so the errors read as they always have; should the two parsers ever
+//! disagree on a body, serde_json's verdict stands.
 
 use serde::de::DeserializeOwned;
 
@@ -14,6 +17,9 @@ pub(crate) fn json_with_path<T: DeserializeOwned>(
     body: &[u8],
     root: &str,
 ) -> Result<T, InvalidBody> {
+    if let Ok(value) = sonic_rs::from_slice(body) {
+        return Ok(value);
+    }
     match serde_json::from_slice(body) {
         Ok(value) => Ok(value),
         Err(fast) => Err(
@@ -36,6 +42,81 @@ fn locate_error<T: DeserializeOwned>(body: &[u8], root: &str) -> Option<InvalidB
     };
     let path = join_path(root, &error.path().to_string());
     Some(InvalidBody::new(path, error.into_inner().to_string()))
+}
+
+/// Deserializes one CBOR data item (RFC 8949) that makes up all of `body`; on failure
+/// the error names the path as [`json_with_path`] does, and the byte offset where the
+/// CBOR itself was malformed.
+pub(crate) fn cbor_with_path<T: DeserializeOwned>(
+    body: &[u8],
+    root: &str,
+) -> Result<T, InvalidBody> {
+    let mut rest = body;
+    let Ok(value) = ciborium::from_reader::<T, _>(&mut rest) else {
+        return Err(locate_cbor_error::<T>(body, root));
+    };
+    if !rest.is_empty() {
+        return Err(InvalidBody::new(
+            root,
+            format!(
+                "trailing bytes after the CBOR data item at byte {}: send one item",
+                body.len() - rest.len()
+            ),
+        ));
+    }
+    Ok(value)
+}
+
+fn locate_cbor_error<T: DeserializeOwned>(body: &[u8], root: &str) -> InvalidBody {
+    match ciborium::from_reader::<Tracked<T>, _>(body) {
+        Ok(_) => InvalidBody::new(root, "the CBOR body could not be read"),
+        Err(error) => {
+            let inner = FAILED_AT
+                .with(|at| at.borrow_mut().take())
+                .unwrap_or_default();
+            InvalidBody::new(join_path(root, &inner), cbor_message(error))
+        }
+    }
+}
+
+thread_local! {
+    /// Where the last [`Tracked`] deserialization on this thread failed.
+    static FAILED_AT: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// `T`, deserialized through `serde_path_to_error` inside whatever deserializer the
+/// format has (ciborium's is not public, so it cannot be wrapped from outside): the
+/// path of a failure is left in [`FAILED_AT`].
+struct Tracked<T>(std::marker::PhantomData<T>);
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for Tracked<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut track = serde_path_to_error::Track::new();
+        match T::deserialize(serde_path_to_error::Deserializer::new(
+            deserializer,
+            &mut track,
+        )) {
+            Ok(_) => Ok(Tracked(std::marker::PhantomData)),
+            Err(error) => {
+                let path = track.path().to_string();
+                FAILED_AT.with(|at| *at.borrow_mut() = Some(path));
+                Err(error)
+            }
+        }
+    }
+}
+
+fn cbor_message(error: ciborium::de::Error<std::io::Error>) -> String {
+    use ciborium::de::Error;
+    match error {
+        Error::Io(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+            "the CBOR body ends before its data item does".to_owned()
+        }
+        Error::Io(error) => format!("the CBOR body could not be read: {error}"),
+        Error::Syntax(offset) => format!("malformed CBOR at byte {offset}"),
+        Error::Semantic(_, message) => message,
+        Error::RecursionLimitExceeded => "the CBOR body nests too deeply".to_owned(),
+    }
 }
 
 /// `serde_path_to_error` writes the root as `.` and a top-level index as `[3]`.

@@ -1,7 +1,9 @@
-//! Parsing step batches, JSON or NDJSON, with error paths (`crate::located`).
+//! Parsing step batches, JSON, NDJSON or CBOR, with error paths (`crate::located`).
+
+use serde::Serialize;
 
 use crate::error::InvalidBody;
-use crate::located::json_with_path;
+use crate::located::{cbor_with_path, json_with_path};
 use crate::step::{StepRecord, validate_batch};
 
 /// Parses and validates a JSON array of step records (`application/json`).
@@ -17,6 +19,26 @@ pub fn parse_steps_json(body: &[u8]) -> Result<Vec<StepRecord>, InvalidBody> {
     let records: Vec<StepRecord> = json_with_path(body, "steps")?;
     validate_batch(&records)?;
     Ok(records)
+}
+
+/// The media type of a CBOR body (RFC 8949): the steps batch and the registration,
+/// the same data model as their JSON (v1.6).
+pub const CBOR_CONTENT_TYPE: &str = "application/cbor";
+
+/// Parses and validates a CBOR array of step records (`application/cbor`): the same
+/// records, validation and error paths as [`parse_steps_json`].
+pub fn parse_steps_cbor(body: &[u8]) -> Result<Vec<StepRecord>, InvalidBody> {
+    let records: Vec<StepRecord> = cbor_with_path(body, "steps")?;
+    validate_batch(&records)?;
+    Ok(records)
+}
+
+/// Encodes a value as one CBOR data item, the body a client sends with
+/// [`CBOR_CONTENT_TYPE`]. Non-finite [`crate::Float`]s go as their strings, as in JSON.
+pub fn to_cbor<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
+    let mut body = Vec::new();
+    ciborium::into_writer(value, &mut body).expect("writing CBOR to a Vec cannot fail");
+    body
 }
 
 /// Parses and validates NDJSON step records (`application/x-ndjson`): one JSON
@@ -224,6 +246,91 @@ mod tests {
         assert!(record.modules[1].grad_sumsq.unwrap().get().is_nan());
         assert_eq!(record.modules[1].nonfinite, Some(1));
         assert_eq!(record.params[0].numel, Some(512));
+    }
+
+    /// A JSON text as the same data model in CBOR, the way a client encodes it.
+    fn cbor_of(json: &str) -> Vec<u8> {
+        let value: serde_json::Value = serde_json::from_str(json).unwrap();
+        to_cbor(&value)
+    }
+
+    #[test]
+    fn cbor_and_json_agree() {
+        let json = format!("[{EXAMPLE}]");
+        let from_json = parse_steps_json(json.as_bytes()).unwrap();
+        assert_eq!(parse_steps_cbor(&cbor_of(&json)).unwrap(), from_json);
+        // What a Rust client sends: the typed records, non-finite floats as strings.
+        let mut typed = from_json.clone();
+        typed[0].loss = Some(Float(f64::NAN));
+        typed[0].lr = Some(Float(f64::NEG_INFINITY));
+        let back = parse_steps_cbor(&to_cbor(&typed)).unwrap();
+        assert!(back[0].loss.unwrap().get().is_nan());
+        assert_eq!(back[0].lr, Some(Float(f64::NEG_INFINITY)));
+        assert_eq!(back[0].modules, typed[0].modules);
+        // A native CBOR NaN is a NaN too.
+        let mut native = Vec::new();
+        ciborium::into_writer(
+            &ciborium::Value::Array(vec![ciborium::Value::Map(vec![
+                ("step".into(), 3.into()),
+                ("loss".into(), ciborium::Value::Float(f64::NAN)),
+            ])]),
+            &mut native,
+        )
+        .unwrap();
+        assert!(
+            parse_steps_cbor(&native).unwrap()[0]
+                .loss
+                .unwrap()
+                .get()
+                .is_nan()
+        );
+    }
+
+    #[test]
+    fn cbor_errors_name_the_same_field_as_json() {
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                r#"[{"step": 0}, {"step": 1, "modules": [{"module": "a", "grad_norm": "oops"}]}]"#,
+                "steps[1].modules[0].grad_norm",
+                "unknown non-finite spelling",
+            ),
+            (r#"[{"step": -1}]"#, "steps[0].step", "must not be negative"),
+            (r#"[{"loss": 1}]"#, "steps[0]", "missing field `step`"),
+            (
+                r#"[{"step": 2}, {"step": 2}]"#,
+                "steps[1].step",
+                "strictly increase",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a", "grad_nrom": 1}]}]"#,
+                "steps[0].modules[0].grad_nrom",
+                "unknown field `grad_nrom`",
+            ),
+            (
+                r#"[{"step": 0, "modules": [{"module": "a", "grad_norm": -0.5}]}]"#,
+                "steps[0].modules[0].grad_norm",
+                "cannot be negative",
+            ),
+        ];
+        for (json, path, message) in cases {
+            let from_json = parse_steps_json(json.as_bytes()).unwrap_err();
+            let err = parse_steps_cbor(&cbor_of(json)).unwrap_err();
+            assert_eq!(&err.path, path, "{json}: {err}");
+            assert_eq!(err.path, from_json.path, "{json}");
+            assert!(err.message.contains(message), "{json}: {err}");
+        }
+        let body = cbor_of(r#"[{"step": 0}, {"step": 1}]"#);
+        let err = parse_steps_cbor(&body[..body.len() - 2]).unwrap_err();
+        assert!(err.message.contains("ends before"), "{err}");
+        let mut trailing = body.clone();
+        trailing.push(0);
+        let err = parse_steps_cbor(&trailing).unwrap_err();
+        assert_eq!(err.path, "steps");
+        assert!(err.message.contains("trailing"), "{err}");
+        let err = parse_steps_cbor(b"[{\"step\": 0}]").unwrap_err();
+        assert_eq!(err.path, "steps", "JSON sent as CBOR: {err}");
+        assert!(parse_steps_cbor(&[0xff]).is_err());
+        assert!(parse_steps_cbor(&[]).is_err());
     }
 
     #[test]

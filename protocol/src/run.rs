@@ -486,6 +486,13 @@ impl RunRegistration {
         Ok(registration)
     }
 
+    /// Parses and validates a CBOR registration body (`application/cbor`).
+    pub fn from_cbor(body: &[u8]) -> Result<RunRegistration, InvalidBody> {
+        let registration: RunRegistration = crate::located::cbor_with_path(body, "")?;
+        registration.validate()?;
+        Ok(registration)
+    }
+
     /// Checks what serde's types cannot say: name rules, uniqueness, ranges.
     pub fn validate(&self) -> Result<(), InvalidBody> {
         let root = Path::root("");
