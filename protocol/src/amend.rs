@@ -12,13 +12,16 @@ use crate::run::{
     Optimizer, ParamGroup, ParamSpec, Precision, RunRegistration, validate_param_groups,
     validate_params,
 };
+use crate::wiring::{WiringFinding, validate_wiring};
 
 /// Changes to a run's registration, in force from the step of the record carrying it.
 ///
 /// `params` and `param_groups` are upserts by name: a listed parameter (or group)
 /// replaces the registered one of the same name whole, or is added. Nothing is ever
 /// removed: a parameter that left the model is sent with `requires_grad: false` and
-/// `in_optimizer: false`. `precision` replaces the fields it gives.
+/// `in_optimizer: false`. `precision` replaces the fields it gives. *(v1.5)* `wiring`
+/// adds findings the client made once training ran (a layer built inside `forward`);
+/// one already registered (same kind, module and attribute) is not added twice.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
@@ -29,16 +32,22 @@ pub struct Amendment {
     pub param_groups: Vec<ParamGroup>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub wiring: Vec<WiringFinding>,
 }
 
 impl Amendment {
     pub(crate) fn validate(&self, path: &Path<'_>) -> Result<(), InvalidBody> {
         validate_params(&path.field("params"), &self.params)?;
-        validate_param_groups(&path.field("param_groups"), &self.param_groups)
+        validate_param_groups(&path.field("param_groups"), &self.param_groups)?;
+        validate_wiring(&path.field("wiring"), &self.wiring)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.params.is_empty() && self.param_groups.is_empty() && self.precision.is_none()
+        self.params.is_empty()
+            && self.param_groups.is_empty()
+            && self.precision.is_none()
+            && self.wiring.is_empty()
     }
 }
 
@@ -62,6 +71,16 @@ impl RunRegistration {
                     Some(existing) => *existing = group.clone(),
                     None => groups.push(group.clone()),
                 }
+            }
+        }
+        for finding in &amendment.wiring {
+            let known = self.wiring.iter().any(|w| {
+                w.kind == finding.kind
+                    && w.module == finding.module
+                    && w.attribute == finding.attribute
+            });
+            if !known && self.wiring.len() < crate::wiring::MAX_WIRING_FINDINGS {
+                self.wiring.push(finding.clone());
             }
         }
         if let Some(precision) = &amendment.precision {
@@ -118,6 +137,26 @@ mod tests {
     }
 
     #[test]
+    fn wiring_findings_are_added_once() {
+        let record: StepRecord = serde_json::from_str(
+            r#"{"step": 1, "amend": {"wiring": [
+                {"kind": "params_created_in_forward", "module": "attention",
+                 "attribute": "Linear", "params": 4}]}}"#,
+        )
+        .unwrap();
+        let amendment = record.amend.as_ref().unwrap();
+        assert!(!amendment.is_empty());
+        let mut reg = registration();
+        reg.amend(amendment);
+        reg.amend(amendment);
+        assert_eq!(reg.wiring.len(), 1);
+        assert_eq!(
+            reg.wiring[0].kind,
+            crate::WiringKind::ParamsCreatedInForward
+        );
+    }
+
+    #[test]
     fn invalid_amendments_name_the_field() {
         let cases: &[(&str, &str)] = &[
             (
@@ -133,6 +172,10 @@ mod tests {
                 "steps[0].amend.params[0].sharded",
             ),
             (r#"[{"step": 1, "lrs": {"0": "NaN"}}]"#, "steps[0].lrs.0"),
+            (
+                r#"[{"step": 1, "amend": {"wiring": [{"kind": "params_created_in_forward", "module": "a\u0007"}]}}]"#,
+                "steps[0].amend.wiring[0].module",
+            ),
             (
                 r#"[{"step": 1, "params": [{"name": "a", "rounded_away": 5, "intended_nonzero": 4}]}]"#,
                 "steps[0].params[0].rounded_away",

@@ -43,6 +43,11 @@ pub enum WiringKind {
     /// The model's config asks for tied input and output embeddings, and they are two
     /// tensors.
     TiedWeightsUntied,
+    /// A module's `forward` builds layers with parameters (`nn.Linear(d, d)(x)`) that
+    /// end up registered nowhere: new random weights at every call, never trained.
+    /// Seen during the first steps and sent in an amendment (`attribute`: the class of
+    /// the layer built, `params`: the parameter tensors built).
+    ParamsCreatedInForward,
 }
 
 impl WiringKind {
@@ -51,6 +56,7 @@ impl WiringKind {
             WiringKind::FreezeFlagIgnored => "freeze_flag_ignored",
             WiringKind::ModulesNotRegistered => "modules_not_registered",
             WiringKind::TiedWeightsUntied => "tied_weights_untied",
+            WiringKind::ParamsCreatedInForward => "params_created_in_forward",
         }
     }
 }

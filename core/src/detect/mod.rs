@@ -33,7 +33,8 @@
 //!   amendment): `scaler_bf16_incompatible`, `dtype_mismatch`, `param_not_in_optimizer`,
 //!   `group_not_training`.
 //! - [`wiring`]: `freeze_flag_ignored`, `modules_not_registered`,
-//!   `tied_weights_untied`: the client's findings about the model's wiring.
+//!   `tied_weights_untied`, `params_created_in_forward` (from an amendment): the
+//!   client's findings about the model's wiring.
 //! - [`context`]: what the detectors know of a run from its registration.
 //! - [`layers`]: stacks of numbered layers, named once at registration.
 //! - [`precision`]: floating-point spacing arithmetic (the bf16 ulp story).

@@ -7,8 +7,9 @@
 //! - `param_not_in_optimizer`: `requires_grad` parameters the optimizer does not hold.
 //! - `group_not_training`: a group the registration declares meant to train
 //!   (`train`, v1.1) has no trainable parameter (a wrong name filter froze it).
-//! - `freeze_flag_ignored`, `modules_not_registered`, `tied_weights_untied`: what the
-//!   client found wrong in the model's wiring ([`super::wiring`]).
+//! - `freeze_flag_ignored`, `modules_not_registered`, `tied_weights_untied`,
+//!   `params_created_in_forward`: what the client found wrong in the model's wiring
+//!   ([`super::wiring`]).
 //! - `nothing_trains`: no parameter at all is both `requires_grad` and in the
 //!   optimizer: whatever the run computes, no weight can change.
 //!

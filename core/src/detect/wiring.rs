@@ -9,6 +9,9 @@
 //!   optimizer, `.to()`, `state_dict`, DDP) never sees them.
 //! - `tied_weights_untied` (warning): the config ties input and output embeddings,
 //!   and they are two tensors.
+//! - `params_created_in_forward` (critical, from an amendment during the first
+//!   steps): a module's `forward` builds layers with parameters that end up
+//!   registered nowhere; they are new random weights at every call and never train.
 
 use gradflow_protocol::{WiringFinding, WiringKind};
 use serde_json::json;
@@ -79,6 +82,7 @@ fn opened(finding: &WiringFinding) -> Opened {
              tie_word_embeddings=False in the config if separate embeddings are intended."
                 .to_owned(),
         ),
+        WiringKind::ParamsCreatedInForward => created_in_forward(&module, attribute, &params),
     };
     Opened {
         kind,
@@ -100,6 +104,30 @@ fn opened(finding: &WiringFinding) -> Opened {
             "params": finding.params,
         }),
     }
+}
+
+fn created_in_forward(
+    module: &str,
+    layer: &str,
+    params: &str,
+) -> (AlertKind, Severity, String, String, String) {
+    (
+        AlertKind::ParamsCreatedInForward,
+        Severity::Critical,
+        format!("{module}.forward builds a new nn.{layer} at every call: it never trains"),
+        format!(
+            "While the model ran its first steps, {module}.forward created nn.{layer} layers \
+             ({params}) that were registered nowhere: each call draws new random weights, \
+             which are not in model.parameters(), so the optimizer never updates them and \
+             the same input gives a different output at every call. A layer built inside \
+             forward (nn.{layer}(...)(x)) is a new layer each time."
+        ),
+        format!(
+            "Create the layer once in {module}'s __init__ (self.proj = nn.{layer}(...)) and \
+             call self.proj(x) in forward; for a layer without weights use the functional \
+             form (torch.nn.functional). Then rebuild the optimizer from model.parameters()."
+        ),
+    )
 }
 
 #[cfg(test)]
@@ -140,5 +168,31 @@ mod tests {
         );
         assert!(found[1].fix.contains("nn.ModuleList"));
         assert_eq!(found[2].evidence["cause"], "tied_weights_untied");
+    }
+
+    #[test]
+    fn a_layer_built_in_forward_names_the_module_and_the_layer() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "params": [{"name": "attention.W_Q.weight"}],
+            "wiring": [{"kind": "params_created_in_forward", "module": "attention",
+                        "attribute": "Linear", "params": 4}]
+        }))
+        .unwrap();
+        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        let [alert] = &found[..] else {
+            panic!("{found:?}")
+        };
+        assert_eq!(alert.kind, AlertKind::ParamsCreatedInForward);
+        assert_eq!(
+            (alert.subject.as_str(), alert.severity),
+            ("attention", Severity::Critical)
+        );
+        assert!(
+            alert.detail.contains("4 parameter tensors"),
+            "{}",
+            alert.detail
+        );
+        assert!(alert.fix.contains("__init__"), "{}", alert.fix);
+        assert_eq!(alert.evidence["cause"], "params_created_in_forward");
     }
 }

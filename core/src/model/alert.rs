@@ -35,10 +35,11 @@ pub enum AlertKind {
     FreezeFlagIgnored,
     ModulesNotRegistered,
     TiedWeightsUntied,
+    ParamsCreatedInForward,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 27] = [
+    pub const ALL: [AlertKind; 28] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -66,6 +67,7 @@ impl AlertKind {
         AlertKind::FreezeFlagIgnored,
         AlertKind::ModulesNotRegistered,
         AlertKind::TiedWeightsUntied,
+        AlertKind::ParamsCreatedInForward,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -97,6 +99,7 @@ impl AlertKind {
             AlertKind::FreezeFlagIgnored => "freeze_flag_ignored",
             AlertKind::ModulesNotRegistered => "modules_not_registered",
             AlertKind::TiedWeightsUntied => "tied_weights_untied",
+            AlertKind::ParamsCreatedInForward => "params_created_in_forward",
         }
     }
 

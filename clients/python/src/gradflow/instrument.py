@@ -88,6 +88,7 @@ class Instruments:
         self._handles.clear()
         self.hooks.remove()
         self.tracer.remove()
+        self.registry.built_in_forward.remove()
         if self.scaler is not None:
             self.scaler.uninstall()
 
@@ -117,6 +118,10 @@ class Instruments:
                 self._pending_amend["param_groups"] = list(merged_groups.values())
             if "precision" in amend:
                 self._pending_amend["precision"] = amend["precision"]
+            if "wiring" in amend:
+                self._pending_amend["wiring"] = (
+                    self._pending_amend.get("wiring", []) + amend["wiring"]
+                )
 
     @guarded("measuring gradients")
     def _measure(self) -> None:

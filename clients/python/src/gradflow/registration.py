@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import _torch_compat, layout, ranks, wire, wiring
+from .built_in_forward import BuiltInForward
 
 
 @dataclass
@@ -89,6 +90,8 @@ class Registry:
         self._sent_groups: Dict[str, Dict[str, Any]] = {}
         self._sent_param_dtype: Optional[str] = None
         self._signature = self._live_signature()
+        # Layers a forward builds and registers nowhere, seen in the first steps.
+        self.built_in_forward = BuiltInForward(model)
 
     # -- reading the live objects ------------------------------------------------
 
@@ -284,6 +287,7 @@ class Registry:
         Checked every step through a signature of the parameters' requires_grad and
         dtype and the optimizer's group count; only a change rebuilds the specs.
         """
+        built = self.built_in_forward.findings()
         replaced = self.replaced()
         if replaced:
             # A parameter was replaced by a new tensor (or added, or removed): the hooks
@@ -291,7 +295,7 @@ class Registry:
             self._rescan()
         signature = self._live_signature()
         if signature == self._signature and not replaced:
-            return None
+            return cast(wire.Amendment, {"wiring": built}) if built else None
         if signature[2:] != self._signature[2:] and not replaced:
             # The optimizer changed (add_param_group): the model may have new parameters.
             self._rescan()
@@ -331,6 +335,8 @@ class Registry:
         if param_dtype is not None and param_dtype != self._sent_param_dtype:
             amend["precision"] = {"param_dtype": param_dtype}
             self._sent_param_dtype = param_dtype
+        if built:
+            amend["wiring"] = built
         return cast(wire.Amendment, amend) if amend else None
 
     def lrs(self) -> Dict[str, float]:

@@ -119,6 +119,7 @@ class Amendment(TypedDict, total=False):
     params: List[ParamSpec]
     param_groups: List[ParamGroup]
     precision: Precision
+    wiring: List[WiringFinding]  # v1.5: findings made once training ran
 
 
 class _StepNumber(TypedDict):
@@ -168,7 +169,9 @@ class Optimizer(TypedDict, total=False):
 
 
 class _WiringKind(TypedDict):
-    kind: str  # freeze_flag_ignored | modules_not_registered | tied_weights_untied
+    # freeze_flag_ignored | modules_not_registered | tied_weights_untied |
+    # params_created_in_forward
+    kind: str
     module: str
 
 

