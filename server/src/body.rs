@@ -1,5 +1,5 @@
-//! Reading request bodies as docs/PROTOCOL.md's Transport section says: JSON or NDJSON,
-//! optionally gzip-compressed, within a size limit that applies to the bytes received
+//! Reading request bodies as docs/PROTOCOL.md's Transport section says: JSON, NDJSON or
+//! CBOR, optionally gzip-compressed, within a size limit that applies to the bytes received
 //! and again to the bytes decompressed (so a gzip bomb is a `413`, not an outage).
 //!
 //! Written here rather than with tower-http's decompression and body-limit layers
@@ -23,6 +23,8 @@ pub enum BodyFormat {
     Json,
     /// `application/x-ndjson`: one JSON value a line.
     Ndjson,
+    /// `application/cbor` (RFC 8949): one CBOR data item, the JSON body's data model.
+    Cbor,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,9 +36,9 @@ pub enum BodyEncoding {
 /// Reads the `Content-Type`; `allow_ndjson` is true where the protocol takes NDJSON.
 pub fn body_format(headers: &HeaderMap, allow_ndjson: bool) -> Result<BodyFormat, ApiError> {
     let accepted = if allow_ndjson {
-        "application/json or application/x-ndjson"
+        "application/json, application/x-ndjson or application/cbor"
     } else {
-        "application/json"
+        "application/json or application/cbor"
     };
     let unsupported = |what: String| {
         ApiError::new(
@@ -66,6 +68,7 @@ pub fn body_format(headers: &HeaderMap, allow_ndjson: bool) -> Result<BodyFormat
     match mime.as_str() {
         "application/json" => Ok(BodyFormat::Json),
         "application/x-ndjson" if allow_ndjson => Ok(BodyFormat::Ndjson),
+        "application/cbor" => Ok(BodyFormat::Cbor),
         _ => Err(unsupported(format!(
             "Content-Type {value:?} is not accepted here"
         ))),
@@ -209,9 +212,16 @@ mod tests {
             body_format(&ct("application/x-ndjson"), true).unwrap(),
             BodyFormat::Ndjson
         );
+        for ndjson in [false, true] {
+            assert_eq!(
+                body_format(&ct("application/CBOR"), ndjson).unwrap(),
+                BodyFormat::Cbor
+            );
+        }
         for (value, ndjson) in [
             ("application/x-ndjson", false),
             ("text/plain", true),
+            ("application/msgpack", true),
             ("application/x-www-form-urlencoded", true),
             ("application/json; charset=latin1", true),
         ] {

@@ -19,7 +19,8 @@ use crate::store::{StoredRun, now_seconds};
 /// `409` for a different one.
 #[utoipa::path(put, path = "/api/v1/runs/{run_id}", tag = "runs",
     params(crate::api_types::RunIdPath),
-    request_body(content = gradflow_protocol::RunRegistration, content_type = "application/json"),
+    request_body(description = "The registration: JSON, or the same data model as CBOR (application/cbor, v1.6); may be gzip-compressed",
+        content((gradflow_protocol::RunRegistration = "application/json"), (gradflow_protocol::RunRegistration = "application/cbor"))),
     responses(
         (status = 201, description = "Registered", body = crate::api_types::RunView),
         (status = 200, description = "Already registered with this very body", body = crate::api_types::RunView),
@@ -37,13 +38,17 @@ pub async fn register_run(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let RunIdParam(run_id) = run_id;
     let format = body::body_format(&headers, false)?;
-    debug_assert_eq!(format, BodyFormat::Json);
+    debug_assert_ne!(format, BodyFormat::Ndjson);
     let encoding = body::body_encoding(&headers)?;
     let limit = state.settings.max_body_bytes;
     let received = body::receive(&headers, request_body, limit).await?;
     let registration = tokio::task::spawn_blocking(move || {
         let bytes = body::decode(received, encoding, limit)?;
-        RunRegistration::from_json(&bytes).map_err(ApiError::invalid_body)
+        match format {
+            BodyFormat::Cbor => RunRegistration::from_cbor(&bytes),
+            BodyFormat::Json | BodyFormat::Ndjson => RunRegistration::from_json(&bytes),
+        }
+        .map_err(ApiError::invalid_body)
     })
     .await
     .map_err(|e| crate::store::StoreError::Internal(e.into()))??;

@@ -4,7 +4,7 @@ use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use gradflow_protocol::{parse_steps_json, parse_steps_ndjson};
+use gradflow_protocol::{parse_steps_cbor, parse_steps_json, parse_steps_ndjson};
 
 use super::extract::RunIdParam;
 use crate::body::{self, BodyFormat};
@@ -13,11 +13,12 @@ use crate::ingest::IngestOutcome;
 use crate::state::AppState;
 use crate::store::StoreError;
 
-/// Stores a batch of step records (a JSON array, or NDJSON), all or nothing.
+/// Stores a batch of step records (a JSON array, NDJSON, or a CBOR array), all or
+/// nothing.
 #[utoipa::path(post, path = "/api/v1/runs/{run_id}/steps", tag = "steps",
     params(crate::api_types::RunIdPath),
-    request_body(description = "Step records, steps strictly increasing: a JSON array, or NDJSON (application/x-ndjson, one record a line); may be gzip-compressed",
-        content((Vec<gradflow_protocol::StepRecord> = "application/json"), (gradflow_protocol::StepRecord = "application/x-ndjson"))),
+    request_body(description = "Step records, steps strictly increasing: a JSON array, NDJSON (application/x-ndjson, one record a line), or the JSON array's data model as one CBOR data item (application/cbor, v1.6); may be gzip-compressed",
+        content((Vec<gradflow_protocol::StepRecord> = "application/json"), (gradflow_protocol::StepRecord = "application/x-ndjson"), (Vec<gradflow_protocol::StepRecord> = "application/cbor"))),
     responses(
         (status = 200, description = "Stored and committed (all or nothing)", body = crate::ingest::IngestOutcome),
         (status = 400, response = crate::api_types::BadRequest), (status = 401, response = crate::api_types::Unauthorized), (status = 404, response = crate::api_types::RunNotFound),
@@ -44,6 +45,7 @@ pub async fn ingest_steps(
         match format {
             BodyFormat::Json => parse_steps_json(&bytes),
             BodyFormat::Ndjson => parse_steps_ndjson(&bytes),
+            BodyFormat::Cbor => parse_steps_cbor(&bytes),
         }
         .map_err(ApiError::invalid_body)
     })

@@ -913,3 +913,183 @@ async fn requests_beyond_the_cap_get_503_at_once() {
     }
     assert_eq!(status, 200);
 }
+
+/// The steps of a run whose step 3 has a NaN gradient and step 4 a NaN loss: two
+/// alerts that open and resolve.
+fn steps_with_nans() -> Value {
+    let mut records = steps(0..8);
+    records[3]["modules"][1]["grad_norm"] = json!("NaN");
+    records[4]["loss"] = json!("NaN");
+    records
+}
+
+/// What a run holds: its view, its alerts and its loss and grad-norm series.
+async fn what_is_stored(app: &TestApp, run_id: &str) -> Value {
+    let (_, mut run) = app.get_json(&format!("/api/v1/runs/{run_id}")).await;
+    for volatile in ["run_id", "created_at", "last_seen"] {
+        run.as_object_mut().unwrap().remove(volatile);
+    }
+    let (_, alerts) = app
+        .get_json(&format!("/api/v1/alerts?run_id={run_id}"))
+        .await;
+    let alerts: Vec<Value> = alerts["alerts"]
+        .as_array()
+        .expect("alerts")
+        .iter()
+        .map(|a| {
+            json!([
+                a["kind"],
+                a["subject"],
+                a["opened_step"],
+                a["resolved_step"]
+            ])
+        })
+        .collect();
+    let loss = app.points(run_id, "metric=loss").await;
+    let grads = app
+        .points(run_id, "metric=grad_norm&subject=agent.head")
+        .await;
+    json!({"run": run, "alerts": alerts, "loss": format!("{loss:?}"), "grads": format!("{grads:?}")})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cbor_bodies_are_stored_and_judged_as_their_json() {
+    const CBOR: (&str, &str) = ("content-type", "application/cbor");
+    let app = TestApp::spawn().await;
+    assert_eq!(app.register("json", &registration()).await.status(), 201);
+    let response = app
+        .client
+        .put(app.url("/api/v1/runs/cbor"))
+        .header(CBOR.0, CBOR.1)
+        .body(gradflow_protocol::to_cbor(&registration()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+
+    let records = steps_with_nans();
+    let from_json = app.post_steps("json", &records).await;
+    assert_eq!(from_json.status(), 200);
+    let from_cbor = app
+        .post_raw(
+            "/api/v1/runs/cbor/steps",
+            &[CBOR],
+            gradflow_protocol::to_cbor(&records),
+        )
+        .await;
+    assert_eq!(from_cbor.status(), 200);
+    assert_eq!(
+        from_cbor.json::<Value>().await.unwrap(),
+        from_json.json::<Value>().await.unwrap()
+    );
+    let stored = what_is_stored(&app, "cbor").await;
+    assert_eq!(stored, what_is_stored(&app, "json").await);
+    assert_eq!(
+        stored["alerts"],
+        json!([
+            ["grad_nonfinite", "agent", 3, 4],
+            ["loss_nonfinite", "loss", 4, 5]
+        ]),
+        "{stored}"
+    );
+
+    // gzip-compressed CBOR, and the batch typed as the trainer sends it.
+    let typed: Vec<gradflow_protocol::StepRecord> = serde_json::from_value(steps(8..10)).unwrap();
+    let response = app
+        .post_raw(
+            "/api/v1/runs/cbor/steps",
+            &[CBOR, ("content-encoding", "gzip")],
+            gzip(&gradflow_protocol::to_cbor(&typed)),
+        )
+        .await;
+    assert_eq!(
+        response.json::<Value>().await.unwrap(),
+        json!({"accepted": 2, "duplicates": 0, "last_step": 9})
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_cbor_body_is_a_400_that_stores_nothing() {
+    let app = TestApp::spawn().await;
+    assert_eq!(app.register("r1", &registration()).await.status(), 201);
+    assert_eq!(app.post_steps("r1", &steps(0..2)).await.status(), 200);
+    let before = what_is_stored(&app, "r1").await;
+    let whole = gradflow_protocol::to_cbor(&steps(2..5));
+    let mut bad_field = steps(2..5);
+    bad_field[1]["modules"][0]["grad_norm"] = json!(-1.0);
+    let cases: Vec<(&str, Vec<u8>, &str, &str)> = vec![
+        (
+            "cut short",
+            whole[..whole.len() / 2].to_vec(),
+            "steps",
+            "ends before",
+        ),
+        (
+            "JSON sent as CBOR",
+            steps(2..5).to_string().into_bytes(),
+            "steps",
+            "",
+        ),
+        (
+            "a bad field",
+            gradflow_protocol::to_cbor(&bad_field),
+            "steps[1].modules[0].grad_norm",
+            "cannot be negative",
+        ),
+        (
+            "not one item",
+            [whole.clone(), whole.clone()].concat(),
+            "steps",
+            "trailing",
+        ),
+    ];
+    for (what, body, path, mentions) in cases {
+        let (status, error) = error_of(
+            app.post_raw(
+                "/api/v1/runs/r1/steps",
+                &[("content-type", "application/cbor")],
+                body,
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (status, error["code"].as_str()),
+            (400, Some("invalid_body")),
+            "{what}: {error}"
+        );
+        // A body cut short names where it stopped (`steps[1].modules[1].module`).
+        assert!(
+            error["path"].as_str().unwrap().starts_with(path),
+            "{what}: {error}"
+        );
+        assert!(
+            error["message"].as_str().unwrap().contains(mentions),
+            "{what}: {error}"
+        );
+    }
+    assert_eq!(what_is_stored(&app, "r1").await, before);
+
+    // A media type the protocol does not name is a 415 that names the ones it does.
+    let (status, error) = error_of(
+        app.post_raw(
+            "/api/v1/runs/r1/steps",
+            &[("content-type", "application/msgpack")],
+            whole,
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, error["code"].as_str()),
+        (415, Some("unsupported_media_type"))
+    );
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("application/cbor"),
+        "{error}"
+    );
+    assert_eq!(what_is_stored(&app, "r1").await, before);
+}
