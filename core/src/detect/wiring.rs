@@ -114,13 +114,15 @@ fn created_in_forward(
     (
         AlertKind::ParamsCreatedInForward,
         Severity::Critical,
-        format!("{module}.forward builds a new nn.{layer} at every call: it never trains"),
+        format!(
+            "{module}.forward builds nn.{layer} layers the model does not hold: they never train"
+        ),
         format!(
             "While the model ran its first steps, {module}.forward created nn.{layer} layers \
-             ({params}) that were registered nowhere: each call draws new random weights, \
-             which are not in model.parameters(), so the optimizer never updates them and \
-             the same input gives a different output at every call. A layer built inside \
-             forward (nn.{layer}(...)(x)) is a new layer each time."
+             ({params}) that were registered nowhere: they are not in model.parameters(), so \
+             the optimizer never updates them, and a layer built at each call \
+             (nn.{layer}(...)(x)) draws new random weights every time, so the same input \
+             gives a different output at every call."
         ),
         format!(
             "Create the layer once in {module}'s __init__ (self.proj = nn.{layer}(...)) and \
