@@ -130,9 +130,22 @@ pub struct Args {
     #[arg(long, env = "GRADFLOW_SPOOL_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub spool_max_bytes: u64,
 
+    /// How step batches are encoded: `cbor` (the default; the client falls back to
+    /// JSON on its own against a server older than protocol v1.6, which answers
+    /// `415`), or `json` to send JSON from the start.
+    #[arg(long, env = "GRADFLOW_BODY", default_value = "cbor")]
+    pub body: BodyArg,
+
     /// Logs only, no progress bar.
     #[arg(long, short)]
     pub quiet: bool,
+}
+
+/// `--body`: the encoding of step batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BodyArg {
+    Cbor,
+    Json,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -200,6 +200,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
             .collect();
         config.token = args.ingest_token.clone();
         config.spool_max_bytes = args.spool_max_bytes;
+        config.cbor = args.body == crate::cli::BodyArg::Cbor;
         if let Some(dir) = &args.spool_dir {
             config.spool_path = dir.join(format!("gradflow-spool-{run_id}.ndjson"));
         }

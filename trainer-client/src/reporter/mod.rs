@@ -3,7 +3,8 @@
 //! The training loop hands records to a bounded queue (`try_send`: a full queue drops
 //! and counts, it never waits). A thread registers the run (retrying until the server
 //! answers) and takes the records off in batches, woken when a batch is full or due
-//! by age rather than for every record; it gzips each batch (`gzip`) and POSTs it
+//! by age rather than for every record; it encodes each batch as CBOR (protocol v1.6;
+//! JSON after a server answers `415`, or when told to), gzips it (`gzip`) and POSTs it
 //! with retries, exponential backoff and jitter. When the server is unreachable it
 //! warns once, appends batches to a bounded spool file (`spool`), and replays it in order
 //! when the server is back; new batches queue behind the spool so order is kept. At
@@ -50,6 +51,9 @@ pub struct ReporterConfig {
     pub spool_max_bytes: u64,
     /// Per-request timeout.
     pub request_timeout: Duration,
+    /// Send step batches as CBOR (`application/cbor`, protocol v1.6), falling back to
+    /// JSON for good once a server answers `415`; false sends JSON from the start.
+    pub cbor: bool,
 }
 
 impl ReporterConfig {
@@ -64,6 +68,7 @@ impl ReporterConfig {
             spool_path: std::env::temp_dir().join(format!("gradflow-spool-{run_id}.ndjson")),
             spool_max_bytes: 256 * 1024 * 1024,
             request_timeout: Duration::from_secs(10),
+            cbor: true,
         }
     }
 }
@@ -134,6 +139,7 @@ impl Reporter {
             spool: Spool::open(config.spool_path.clone(), config.spool_max_bytes)?,
             servers: Servers::new(config.servers.clone()),
             gzip: Gzip::new(),
+            cbor: config.cbor,
             config,
             client,
             registration,
@@ -196,11 +202,16 @@ enum PostError {
     Rejected(String),
 }
 
+/// A `415` to a CBOR body: a server older than protocol v1.6, which takes JSON.
+struct CborRefused;
+
 struct Worker {
     config: ReporterConfig,
     client: reqwest::blocking::Client,
     servers: Servers,
     gzip: Gzip,
+    /// Whether step batches go as CBOR: until a server refuses it.
+    cbor: bool,
     registration: RunRegistration,
     registered: bool,
     spool: Spool,
@@ -569,24 +580,58 @@ impl Worker {
         } else {
             records
         };
-        let json = serde_json::to_vec(records).map_err(|e| PostError::Rejected(e.to_string()))?;
-        let body = self
-            .gzip
-            .encode(&json)
-            .map_err(|e| PostError::Rejected(e.to_string()))?;
-        let mut result = self.post_body(&body);
+        match self.post_encoded(records) {
+            Ok(result) => result,
+            Err(CborRefused) => {
+                tracing::info!(
+                    "the server does not take CBOR (protocol before v1.6): sending JSON"
+                );
+                self.cbor = false;
+                self.post_encoded(records).unwrap_or_else(|CborRefused| {
+                    Err(PostError::Rejected("JSON refused with 415".into()))
+                })
+            }
+        }
+    }
+
+    /// Encodes the batch as the worker sends it now and POSTs it, to each server in
+    /// turn while they do not answer.
+    fn post_encoded(
+        &mut self,
+        records: &[StepRecord],
+    ) -> Result<Result<(), PostError>, CborRefused> {
+        let (content_type, encoded) = if self.cbor {
+            (
+                gradflow_protocol::CBOR_CONTENT_TYPE,
+                gradflow_protocol::to_cbor(records),
+            )
+        } else {
+            match serde_json::to_vec(records) {
+                Ok(json) => ("application/json", json),
+                Err(e) => return Ok(Err(PostError::Rejected(e.to_string()))),
+            }
+        };
+        let body = match self.gzip.encode(&encoded) {
+            Ok(body) => body,
+            Err(e) => return Ok(Err(PostError::Rejected(e.to_string()))),
+        };
+        let mut result = self.post_body(content_type, &body)?;
         for _ in 1..self.servers.len() {
             if !matches!(result, Err(PostError::Unavailable(_))) || !self.servers.advance() {
                 break;
             }
-            result = self.post_body(&body);
+            result = self.post_body(content_type, &body)?;
         }
-        result
+        Ok(result)
     }
 
     /// POSTs a gzipped batch to the current server, retrying transient failures
     /// three times.
-    fn post_body(&mut self, body: &[u8]) -> Result<(), PostError> {
+    fn post_body(
+        &mut self,
+        content_type: &str,
+        body: &[u8],
+    ) -> Result<Result<(), PostError>, CborRefused> {
         let mut delay = Duration::from_millis(100);
         let mut last = String::new();
         for attempt in 0..3 {
@@ -596,7 +641,7 @@ impl Worker {
             }
             let request = self
                 .request(reqwest::Method::POST, "/steps")
-                .header("Content-Type", "application/json")
+                .header("Content-Type", content_type)
                 .header("Content-Encoding", "gzip")
                 .body(body.to_vec());
             match self.send(request) {
@@ -614,23 +659,29 @@ impl Worker {
                         );
                     }
                     self.summary.late += late;
-                    return Ok(());
+                    return Ok(Ok(()));
                 }
                 Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
-                    return Err(PostError::Unregistered);
+                    return Ok(Err(PostError::Unregistered));
                 }
                 Ok(r) if r.status().is_server_error() => last = format!("HTTP {}", r.status()),
+                Ok(r)
+                    if r.status() == reqwest::StatusCode::UNSUPPORTED_MEDIA_TYPE
+                        && content_type == gradflow_protocol::CBOR_CONTENT_TYPE =>
+                {
+                    return Err(CborRefused);
+                }
                 Ok(r) => {
                     let status = r.status();
-                    return Err(PostError::Rejected(format!(
+                    return Ok(Err(PostError::Rejected(format!(
                         "HTTP {status}: {}",
                         r.text().unwrap_or_default()
-                    )));
+                    ))));
                 }
                 Err(error) => last = error.to_string(),
             }
         }
-        Err(PostError::Unavailable(last))
+        Ok(Err(PostError::Unavailable(last)))
     }
 }
 
