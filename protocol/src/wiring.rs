@@ -25,6 +25,11 @@ pub struct WiringFinding {
     /// Parameter tensors concerned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<u64>,
+    /// *(v1.6)* A whole number the finding measured, where its kind has one: the loss
+    /// scale in force (`clip_before_unscale`), the scheduler steps per optimizer step
+    /// (`scheduler_per_micro_batch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured: Option<u64>,
 }
 
 /// What kind of wiring mistake a finding is.
@@ -48,6 +53,24 @@ pub enum WiringKind {
     /// Seen during the first steps and sent in an amendment (`attribute`: the class of
     /// the layer built, `params`: the parameter tensors built).
     ParamsCreatedInForward,
+    /// *(v1.6)* `clip_grad_norm_` ran on the scaled gradients under a GradScaler
+    /// (after `backward`, with no `scaler.unscale_(optimizer)` before it): the norm
+    /// clipped is the scaled one (`measured`: the scale), so every step is cut to
+    /// `max_norm / scale` once unscaled. Sent in an amendment.
+    ClipBeforeUnscale,
+    /// *(v1.6)* `clip_grad_norm_` cut gradients that no `backward` had written since the
+    /// last `optimizer.step()` (called after the step, or before the next `backward`):
+    /// the optimizer steps on unclipped gradients. Sent in an amendment.
+    ClipAfterStep,
+    /// *(v1.6)* An LR scheduler of the optimizer advances `measured` (≥ 2) steps per
+    /// optimizer step, every step (stepped per micro-batch under gradient
+    /// accumulation): the schedule runs that many times too fast (`attribute`: the
+    /// scheduler's class). Sent in an amendment.
+    SchedulerPerMicroBatch,
+    /// *(v1.6)* An optimizer param group holds no parameter while its lr differs from
+    /// every group that holds some (a name filter that matched nothing): the
+    /// parameters meant for it train at another lr (`attribute`: the group's name).
+    ParamGroupEmpty,
 }
 
 impl WiringKind {
@@ -57,6 +80,10 @@ impl WiringKind {
             WiringKind::ModulesNotRegistered => "modules_not_registered",
             WiringKind::TiedWeightsUntied => "tied_weights_untied",
             WiringKind::ParamsCreatedInForward => "params_created_in_forward",
+            WiringKind::ClipBeforeUnscale => "clip_before_unscale",
+            WiringKind::ClipAfterStep => "clip_after_step",
+            WiringKind::SchedulerPerMicroBatch => "scheduler_per_micro_batch",
+            WiringKind::ParamGroupEmpty => "param_group_empty",
         }
     }
 }

@@ -35,6 +35,9 @@
 //! - [`wiring`]: `freeze_flag_ignored`, `modules_not_registered`,
 //!   `tied_weights_untied`, `params_created_in_forward` (from an amendment): the
 //!   client's findings about the model's wiring.
+//!   With [`loop_wiring`]'s wording (v1.6): `clip_before_unscale`, `clip_after_step`,
+//!   `scheduler_per_micro_batch` (the loop's order in the first steps, from an
+//!   amendment) and `param_group_empty`.
 //! - [`context`]: what the detectors know of a run from its registration.
 //! - [`layers`]: stacks of numbered layers, named once at registration.
 //! - [`precision`]: floating-point spacing arithmetic (the bf16 ulp story).
@@ -50,6 +53,7 @@ pub mod frozen_norm;
 pub mod grad_nonfinite;
 pub mod grads_not_zeroed;
 pub mod layers;
+mod loop_wiring;
 pub mod loss_divergence;
 pub mod loss_nonfinite;
 pub mod precision;

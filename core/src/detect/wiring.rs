@@ -13,18 +13,19 @@
 //!   steps): a module's `forward` builds layers with parameters that end up
 //!   registered nowhere; they are new random weights at every call and never train.
 
-use gradflow_protocol::{WiringFinding, WiringKind};
+use gradflow_protocol::{RunRegistration, WiringFinding, WiringKind};
 use serde_json::json;
 
+use super::loop_wiring;
 use super::{AlertKind, Opened, RunContext, Severity};
 
 pub fn check(context: &RunContext, out: &mut Vec<Opened>) {
     for finding in &context.registration.wiring {
-        out.push(opened(finding));
+        out.push(opened(finding, &context.registration));
     }
 }
 
-fn opened(finding: &WiringFinding) -> Opened {
+fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
     let module = if finding.module.is_empty() {
         "the model".to_owned()
     } else {
@@ -83,14 +84,23 @@ fn opened(finding: &WiringFinding) -> Opened {
                 .to_owned(),
         ),
         WiringKind::ParamsCreatedInForward => created_in_forward(&module, attribute, &params),
+        // The loop's order, seen in the first steps (v1.6), and empty optimizer groups.
+        WiringKind::ClipBeforeUnscale => {
+            loop_wiring::clip_before_unscale(&params, finding.measured)
+        }
+        WiringKind::ClipAfterStep => loop_wiring::clip_after_step(&params),
+        WiringKind::SchedulerPerMicroBatch => loop_wiring::scheduler(finding),
+        WiringKind::ParamGroupEmpty => loop_wiring::empty_group(finding, registration),
     };
     Opened {
         kind,
-        subject: if finding.module.is_empty() {
-            "run".to_owned()
-        } else {
-            finding.module.clone()
-        },
+        subject: loop_wiring::subject(finding).unwrap_or_else(|| {
+            if finding.module.is_empty() {
+                "run".to_owned()
+            } else {
+                finding.module.clone()
+            }
+        }),
         severity,
         first_step: None,
         step: None,
@@ -102,6 +112,7 @@ fn opened(finding: &WiringFinding) -> Opened {
             "module": finding.module,
             "attribute": finding.attribute,
             "params": finding.params,
+            "measured": finding.measured,
         }),
     }
 }

@@ -36,10 +36,14 @@ pub enum AlertKind {
     ModulesNotRegistered,
     TiedWeightsUntied,
     ParamsCreatedInForward,
+    ClipBeforeUnscale,
+    ClipAfterStep,
+    SchedulerPerMicroBatch,
+    ParamGroupEmpty,
 }
 
 impl AlertKind {
-    pub const ALL: [AlertKind; 28] = [
+    pub const ALL: [AlertKind; 32] = [
         AlertKind::GradStuckZero,
         AlertKind::NormWeightFrozen,
         AlertKind::ScalerBf16Incompatible,
@@ -68,6 +72,10 @@ impl AlertKind {
         AlertKind::ModulesNotRegistered,
         AlertKind::TiedWeightsUntied,
         AlertKind::ParamsCreatedInForward,
+        AlertKind::ClipBeforeUnscale,
+        AlertKind::ClipAfterStep,
+        AlertKind::SchedulerPerMicroBatch,
+        AlertKind::ParamGroupEmpty,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -100,6 +108,10 @@ impl AlertKind {
             AlertKind::ModulesNotRegistered => "modules_not_registered",
             AlertKind::TiedWeightsUntied => "tied_weights_untied",
             AlertKind::ParamsCreatedInForward => "params_created_in_forward",
+            AlertKind::ClipBeforeUnscale => "clip_before_unscale",
+            AlertKind::ClipAfterStep => "clip_after_step",
+            AlertKind::SchedulerPerMicroBatch => "scheduler_per_micro_batch",
+            AlertKind::ParamGroupEmpty => "param_group_empty",
         }
     }
 

@@ -95,3 +95,53 @@ def scaler_state(scaler: Any) -> Optional[torch.Tensor]:
     return torch.stack(
         [scale.detach().float().reshape(()), tracker.detach().float().reshape(()), found]
     )
+
+
+# -- the training loop's order (loop_order.py) ----------------------------------------
+
+
+def wrap_clip_grads(observe: Callable[[Any, Any, Any], None]) -> Optional[Callable[[], None]]:
+    """Makes ``clip_grad_norm_`` call ``observe(parameters, max_norm, total_norm)``
+    before it clips: it calls the module-level ``_clip_grads_with_norm_`` of
+    ``torch.nn.utils.clip_grad`` by its global name (torch >= 2.6), so a
+    ``clip_grad_norm_`` imported before ``watch`` is seen too. Returns the function
+    that restores the original (a no-op if something wrapped it since), or None when
+    this torch has no such function."""
+    from torch.nn.utils import clip_grad
+
+    original = getattr(clip_grad, "_clip_grads_with_norm_", None)
+    if original is None:
+        return None
+
+    def clip(*args: Any, **kwargs: Any) -> Any:
+        if len(args) >= 3:
+            observe(args[0], args[1], args[2])
+        return original(*args, **kwargs)
+
+    clip.__wrapped__ = original  # type: ignore[attr-defined]
+    clip_grad._clip_grads_with_norm_ = clip
+
+    def restore() -> None:
+        if getattr(clip_grad, "_clip_grads_with_norm_", None) is clip:
+            clip_grad._clip_grads_with_norm_ = original
+
+    return restore
+
+
+def grad_version(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter (``_version``): an in-place write, such
+    as ``backward`` accumulating into ``.grad``, bumps it."""
+    return int(t._version)
+
+
+def scaler_scale(scaler: Any) -> Optional[float]:
+    """The scaler's current scale (``_scale``, read with a host sync), or None."""
+    scale = getattr(scaler, "_scale", None)
+    return None if scale is None else float(scale)
+
+
+def lr_scheduler_types() -> tuple[type, ...]:
+    """The LR scheduler base class (``LRScheduler``, ``_LRScheduler`` before torch 2.0)."""
+    module = torch.optim.lr_scheduler
+    base = getattr(module, "LRScheduler", None) or module._LRScheduler
+    return (base,)

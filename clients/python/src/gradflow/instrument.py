@@ -89,6 +89,7 @@ class Instruments:
         self.hooks.remove()
         self.tracer.remove()
         self.registry.built_in_forward.remove()
+        self.registry.loop_order.remove()
         if self.scaler is not None:
             self.scaler.uninstall()
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from . import _torch_compat, layout, ranks, wire, wiring
 from .built_in_forward import BuiltInForward
+from .loop_order import LoopOrder, empty_groups
 
 
 @dataclass
@@ -92,6 +93,8 @@ class Registry:
         self._signature = self._live_signature()
         # Layers a forward builds and registers nowhere, seen in the first steps.
         self.built_in_forward = BuiltInForward(model)
+        # The loop's order (clipping, schedulers) over the first optimizer steps.
+        self.loop_order = LoopOrder(model, optimizer, scaler)
 
     # -- reading the live objects ------------------------------------------------
 
@@ -243,7 +246,7 @@ class Registry:
             body["train"] = list(train)
         if webhooks:
             body["webhooks"] = webhooks
-        found = wiring.findings(self.model)
+        found = wiring.findings(self.model) + empty_groups(self.model, self.optimizer)
         if found:
             body["wiring"] = found
         # Only what stays the same when the same job restarts: registering again with
@@ -287,7 +290,7 @@ class Registry:
         Checked every step through a signature of the parameters' requires_grad and
         dtype and the optimizer's group count; only a change rebuilds the specs.
         """
-        built = self.built_in_forward.findings()
+        built = self.built_in_forward.findings() + self.loop_order.findings()
         replaced = self.replaced()
         if replaced:
             # A parameter was replaced by a new tensor (or added, or removed): the hooks

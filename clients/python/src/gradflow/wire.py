@@ -170,7 +170,8 @@ class Optimizer(TypedDict, total=False):
 
 class _WiringKind(TypedDict):
     # freeze_flag_ignored | modules_not_registered | tied_weights_untied |
-    # params_created_in_forward
+    # params_created_in_forward | (v1.6) clip_before_unscale | clip_after_step |
+    # scheduler_per_micro_batch | param_group_empty
     kind: str
     module: str
 
@@ -180,6 +181,7 @@ class WiringFinding(_WiringKind, total=False):
 
     attribute: str
     params: int
+    measured: int  # v1.6
 
 
 class RunRegistration(TypedDict, total=False):

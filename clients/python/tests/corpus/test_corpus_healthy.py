@@ -364,3 +364,168 @@ def test_lazy_layers_initialized_by_a_dry_run(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
     assert moved(before, model) == set(before)
     silent(gradflow_server, run_id)
+
+
+# -- the loop's order: clipping, schedulers, param groups --------------------------
+
+
+def clip_to(model: nn.Module, max_norm: float):
+    def clip(_):
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    return clip
+
+
+def test_clipping_after_unscale_under_a_grad_scaler(gradflow_server, gradflow_env):
+    """The AMP recipe of the PyTorch documentation: `scaler.unscale_(optimizer)`, then
+    `clip_grad_norm_` (tight enough to clip every step), then `scaler.step`.
+
+    Thread: https://github.com/pytorch/pytorch/issues/40907
+    """
+    model = Classifier(hidden=64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    norms = []
+
+    def clip(_):
+        scaler.unscale_(optimizer)
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+
+    step = train_step(
+        model, optimizer, class_loss, scaler=scaler, autocast=torch.float16, after_backward=clip
+    )
+    run_id = quickstart(model, optimizer, step, scaler=scaler)
+    assert max(norms) > 0.05  # it did clip
+    silent(gradflow_server, run_id)
+
+
+def test_clipping_between_backward_and_step(gradflow_server, gradflow_env):
+    """Plain f32 training, clipped to 0.05 between `backward` and `optimizer.step()`
+    on every step, with gradients accumulated by zeroing in place."""
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    clip = clip_to(model, 0.05)
+
+    def step(i: int) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=False)
+        loss = class_loss(model, next(data))
+        loss.backward()
+        clip(i)
+        optimizer.step()
+        return loss
+
+    data = feature_batches(16, 4)
+    run_id = quickstart(model, optimizer, step)
+    silent(gradflow_server, run_id)
+
+
+def test_a_loose_clip_and_a_norm_logged_after_the_step(gradflow_server, gradflow_env):
+    """A clip with a huge `max_norm` (a no-op, placed right) and, after the step, the
+    gradient norm logged with `clip_grad_norm_(params, inf)`, which clips nothing."""
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    logged = []
+
+    def log_norm(_):
+        logged.append(nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+
+    step = train_step(
+        model, optimizer, class_loss, after_backward=clip_to(model, 1e6), after_step=log_norm
+    )
+    run_id = quickstart(model, optimizer, step)
+    assert min(logged) > 0.0
+    silent(gradflow_server, run_id)
+
+
+def accumulated_with(model, optimizer, data, on_step, micro: int = 4):
+    def step(i: int) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        for _micro in range(micro):
+            loss = lm_loss(model, next(data)) / micro
+            loss.backward()
+        optimizer.step()
+        on_step(i, loss)
+        return loss
+
+    return step
+
+
+def test_scheduler_per_optimizer_step_with_accumulation(gradflow_server, gradflow_env):
+    """Four micro-batches per optimizer step and `scheduler.step()` once per optimizer
+    step, as the accumulation recipes say."""
+    model = tiny_qwen()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 4, 400)
+    step = accumulated_with(model, optimizer, token_batches(), lambda i, _: scheduler.step())
+    run_id = quickstart(model, optimizer, step, steps=12)
+    assert scheduler.last_epoch == 12
+    silent(gradflow_server, run_id)
+
+
+def test_per_epoch_and_plateau_schedulers(gradflow_server, gradflow_env):
+    """A `StepLR` stepped once per (3-step) epoch, and `ReduceLROnPlateau` stepped
+    with the loss at every micro-batch (its patience counts calls, not time)."""
+    model = tiny_qwen()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    per_epoch = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.9)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=100)
+
+    def on_step(i: int, loss: torch.Tensor) -> None:
+        for _micro in range(4):
+            plateau.step(loss.item())
+        if i % 3 == 2:
+            per_epoch.step()
+
+    step = accumulated_with(model, optimizer, token_batches(), on_step)
+    run_id = quickstart(model, optimizer, step, steps=12)
+    assert per_epoch.last_epoch == 4 and plateau.last_epoch == 48
+    silent(gradflow_server, run_id)
+
+
+class NoBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Linear(16, 32, bias=False)
+        self.head = nn.Linear(32, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.base(x)))
+
+
+def test_empty_no_weight_decay_group_on_a_model_without_biases(gradflow_server, gradflow_env):
+    """The usual decay / no-decay split (biases and norms without weight decay) on a
+    model with neither: the no-decay group is empty, at the same lr, so no parameter
+    trains at an lr it was not meant to have."""
+    model = NoBias()
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2]
+    no_decay = [p for n, p in named if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-3,
+    )
+    assert not optimizer.param_groups[1]["params"]
+    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
+    silent(gradflow_server, run_id)
+
+
+def test_empty_group_kept_for_a_frozen_backbone(gradflow_server, gradflow_env):
+    """Progressive unfreezing: the backbone is frozen, its group (built from the
+    trainable backbone parameters, at a 10x lower lr) is empty until it is unfrozen
+    and its parameters are added to that group."""
+    model = NoBias()
+    model.base.requires_grad_(False)
+    backbone = [p for p in model.base.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": list(model.head.parameters())}, {"params": backbone, "lr": 1e-4}], lr=1e-3
+    )
+
+    def unfreeze(i: int) -> None:
+        if i == 8:
+            model.base.requires_grad_(True)
+            optimizer.param_groups[1]["params"].extend(model.base.parameters())
+
+    step = train_step(model, optimizer, class_loss, after_step=unfreeze)
+    run_id = quickstart(model, optimizer, step)
+    silent(gradflow_server, run_id)

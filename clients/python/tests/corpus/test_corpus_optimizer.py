@@ -9,7 +9,6 @@ from corpus_support import (
     class_loss,
     lm_loss,
     moved,
-    not_caught,
     quickstart,
     snapshot,
     tiny_qwen,
@@ -65,10 +64,6 @@ def test_schedule_length_too_short_decays_lr_to_zero(gradflow_server, gradflow_e
     verdict(gradflow_server, run_id, "norm_weight_frozen", cause="zero_lr")
 
 
-@not_caught(
-    "missed: the lr series is a valid schedule, only 4x too fast; the server "
-    "does not know the intended one",
-)
 def test_scheduler_stepped_per_micro_batch(gradflow_server, gradflow_env):
     """With 4 micro-batches per optimizer step, `scheduler.step()` runs after every
     micro-batch: a 16 000-step warm-up is over after 1000 optimizer steps and the
@@ -94,7 +89,8 @@ def test_scheduler_stepped_per_micro_batch(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, step, steps=12)
     # After 12 optimizer steps the warm-up should be at 12/40; it is at 48/40, done.
     assert optimizer.param_groups[0]["lr"] < 1e-3 and scheduler.last_epoch == 48
-    verdict(gradflow_server, run_id)
+    alert = verdict(gradflow_server, run_id, "scheduler_per_micro_batch", "LambdaLR")
+    assert alert["evidence"]["measured"] == 4
 
 
 class Backbone(nn.Module):
@@ -135,10 +131,6 @@ def test_modules_left_out_of_the_parameter_groups(gradflow_server, gradflow_env)
     verdict(gradflow_server, run_id, "param_not_in_optimizer", "feat")
 
 
-@not_caught(
-    "missed: every parameter trains, in a group with a plausible lr; the "
-    "intended per-module lr is not in the registration",
-)
 def test_backbone_gets_the_main_lr(gradflow_server, gradflow_env):
     """The backbone is meant to train at `lr_backbone` (10x lower), but the name
     filter that builds its parameter group never matches: the backbone trains at the
@@ -154,7 +146,7 @@ def test_backbone_gets_the_main_lr(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
     group_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
     assert group_of[id(model.base[0].weight)] == 1e-3
-    verdict(gradflow_server, run_id, subject="base")
+    verdict(gradflow_server, run_id, "param_group_empty", "param group 1")
 
 
 def clipped_where_it_cannot_act(server, where: str) -> None:
@@ -173,13 +165,9 @@ def clipped_where_it_cannot_act(server, where: str) -> None:
     optimizer.register_step_pre_hook(record)
     run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss, **{where: clip}))
     assert max(used) > 0.1  # the optimizer stepped on unclipped gradients
-    verdict(server, run_id)
+    verdict(server, run_id, "clip_after_step", "gradients")
 
 
-@not_caught(
-    "missed: the gradients gradflow reads are the unclipped ones the optimizer "
-    "used; it does not know a clip was asked for",
-)
 def test_gradient_clipping_after_the_optimizer_step(gradflow_server, gradflow_env):
     """`clip_grad_norm_` called after `optimizer.step()`: the step already used the
     unclipped gradients, so `--max-grad-norm` silently does nothing.
@@ -190,10 +178,6 @@ def test_gradient_clipping_after_the_optimizer_step(gradflow_server, gradflow_en
     clipped_where_it_cannot_act(gradflow_server, "after_step")
 
 
-@not_caught(
-    "missed: as above, the clip happens where it cannot act and the gradients "
-    "gradflow reads are simply unclipped",
-)
 def test_gradient_clipping_before_backward(gradflow_server, gradflow_env):
     """The clip was put in the training step, before `backward()` runs: it clips the
     previous step's leftovers (or nothing), never the gradient about to be used, so

@@ -8,7 +8,6 @@ from corpus_support import (
     Classifier,
     class_loss,
     moved,
-    not_caught,
     quickstart,
     snapshot,
     tiny_qwen,
@@ -38,10 +37,6 @@ def test_fp16_overflow_on_every_step(gradflow_server, gradflow_env):
     verdict(gradflow_server, run_id, "scaler_overflow_streak", cause="overflow")
 
 
-@not_caught(
-    "missed: the gradients gradflow reads (after the scaler's unscale) are merely "
-    "small; nothing relates them to a clip applied before unscaling",
-)
 def test_clipping_the_scaled_gradients(gradflow_server, gradflow_env):
     """`clip_grad_norm_` under AMP without `scaler.unscale_` first: the norm clipped
     is the scaled one (x65536), so every gradient is cut to max_norm/scale after
@@ -63,7 +58,8 @@ def test_clipping_the_scaled_gradients(gradflow_server, gradflow_env):
     run_id = quickstart(model, optimizer, step, scaler=scaler)
     # The clipped norm was the scaled one: the step used 1/65536 of the clip.
     assert min(norms) > 1000.0
-    verdict(gradflow_server, run_id)
+    alert = verdict(gradflow_server, run_id, "clip_before_unscale", "gradients")
+    assert alert["evidence"]["measured"] == 65536
 
 
 def test_bf16_norm_weights_never_move(gradflow_server, gradflow_env):

@@ -1,0 +1,277 @@
+"""The training loop's order, seen during the first optimizer steps, and optimizer
+groups that hold nothing. Sent as wiring findings (protocol v1.6): the loop's in an
+amendment, the empty group's with the registration.
+
+- ``clip_after_step``: ``clip_grad_norm_`` cut gradients that no ``backward`` wrote
+  since the last ``optimizer.step()`` (a clip after the step, or before the next
+  backward): the optimizer steps on unclipped gradients.
+- ``clip_before_unscale``: ``clip_grad_norm_`` ran on fresh gradients under a
+  GradScaler whose ``unscale_`` had not run for the watched optimizer: it clipped
+  the scaled norm.
+- ``scheduler_per_micro_batch``: an LR scheduler of the optimizer advanced the same
+  k >= 2 steps at every optimizer step.
+- ``param_group_empty``: a param group with no parameter whose lr differs from every
+  group that holds some, while every parameter of the model trains.
+
+Why wiring findings in an amendment and not a per-step metric: each is a fact about
+the loop's structure, fixed once the first steps ran; the verdict needs no series,
+and the server words it like the registration's findings.
+
+How, exactly and cheaply. Only during the first ``LOOKS`` optimizer steps: an
+optimizer step post-hook notes, for a few of the model's parameters, which gradient
+tensor they hold and its in-place version (``backward`` makes a new one or bumps
+it); ``clip_grad_norm_`` is observed through the module-level function it calls
+(``_torch_compat.wrap_clip_grads``), only for clips of the watched model's
+parameters: a clip that finds those gradients as the step left them, and whose norm
+was above ``max_norm``, acted on used gradients. The scaler's per-optimizer stage
+says whether ``unscale_`` ran. The schedulers bound to the optimizer are found once,
+after the first step, by ``gc.get_referrers(optimizer)`` (one walk of the heap,
+about 0.1 s in a process with 360 000 objects), then their ``last_epoch`` is read at
+each step. After ``LOOKS`` steps everything is removed and restored; ``close``
+removes it earlier.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import _torch_compat, wire
+from ._log import swallow
+
+# Optimizer steps watched.
+LOOKS = 12
+# Clips seen where they cannot act before it is said (the loop repeats itself).
+CLIPS = 2
+# Scheduler advances, all equal and >= 2, before it is said.
+ADVANCES = 4
+# Parameters whose gradient tensors are noted at each step.
+NOTED = 8
+
+
+class LoopOrder:
+    """Watches the first optimizer steps of ``model`` for the loop's order."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, scaler: Any) -> None:
+        self._optimizers = [o for o in (optimizer, getattr(optimizer, "optimizer", None)) if o]
+        self._scaler = scaler
+        self._params = {id(p) for p in model.parameters()}
+        self._noted_params = [p for p in model.parameters() if p.requires_grad][:NOTED]
+        # (parameter, id of its gradient, the gradient's version) after the last step.
+        self._noted: List[Tuple[Any, int, int]] = []
+        self._steps = 0
+        self._clipped_used = 0
+        self._clipped_scaled = 0
+        self._clip_params = 0
+        self._scale: Optional[float] = None
+        self._schedulers: List[Tuple[weakref.ref[Any], List[int]]] = []
+        self._said: set[str] = set()
+        self._done = False
+        self._found: List[wire.WiringFinding] = []
+        self._handle: Optional[Any] = None
+        self._restore: Optional[Any] = None
+        if optimizer is None or not hasattr(optimizer, "register_step_post_hook"):
+            return
+        try:
+            self._handle = optimizer.register_step_post_hook(self._after_step)
+            self._restore = _torch_compat.wrap_clip_grads(self._on_clip)
+        except Exception as exc:
+            swallow("watching the loop's order", exc)
+            self.remove()
+
+    def _finish(self) -> None:
+        """Stops watching from inside the optimizer's hook, where removing the hook
+        would change the hooks torch is iterating: the hook is removed at the next
+        look (``findings``)."""
+        self._done = True
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
+        self._noted = []
+        self._schedulers = []
+
+    def remove(self) -> None:
+        self._finish()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
+        self._noted_params = []
+
+    def findings(self) -> List[wire.WiringFinding]:
+        """What the steps since the last look proved, once each."""
+        found, self._found = self._found, []
+        if self._done and self._handle is not None:
+            self.remove()
+        return found
+
+    # -- the optimizer step --------------------------------------------------------
+
+    def _after_step(self, *_: Any) -> None:
+        if self._done:
+            return
+        try:
+            self._steps += 1
+            self._noted = [
+                (p, id(p.grad), _torch_compat.grad_version(p.grad))
+                for p in self._noted_params
+                if p.grad is not None
+            ]
+            if self._steps == 1:
+                self._find_schedulers()
+            else:
+                self._read_schedulers()
+            if self._steps >= LOOKS:
+                self._finish()
+        except Exception as exc:
+            swallow("watching the loop's order", exc)
+            self._finish()
+
+    def _find_schedulers(self) -> None:
+        types = _torch_compat.lr_scheduler_types()
+        plateau = getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", ())
+        seen: set[int] = set()
+        for optimizer in self._optimizers:
+            for ref in gc.get_referrers(optimizer):
+                # ReduceLROnPlateau counts calls, not time: a per-batch one is coherent.
+                if (
+                    isinstance(ref, types)
+                    and not isinstance(ref, plateau)
+                    and id(ref) not in seen
+                    and getattr(ref, "optimizer", None) is optimizer
+                ):
+                    seen.add(id(ref))
+                    epoch = int(getattr(ref, "last_epoch", 0))
+                    self._schedulers.append((weakref.ref(ref), [epoch]))
+
+    def _read_schedulers(self) -> None:
+        for ref, epochs in self._schedulers:
+            scheduler = ref()
+            if scheduler is None:
+                continue
+            epochs.append(int(scheduler.last_epoch))
+            advances = [b - a for a, b in zip(epochs, epochs[1:])]
+            k = advances[0]
+            name = type(scheduler).__name__
+            if (
+                len(advances) >= ADVANCES
+                and k >= 2
+                and all(a == k for a in advances)
+                and k != _world_size()  # accelerate steps it once per process, by design
+            ):
+                self._say("scheduler_per_micro_batch", attribute=name, measured=k)
+
+    # -- clip_grad_norm_ -------------------------------------------------------------
+
+    def _on_clip(self, parameters: Any, max_norm: Any, total_norm: Any) -> None:
+        try:
+            if self._done:
+                return
+            params = [parameters] if hasattr(parameters, "grad") else list(parameters)
+            first = next((p for p in params if p.grad is not None), None)
+            if first is None or id(first) not in self._params:
+                return
+            limit = float(max_norm)
+            if not math.isfinite(limit):
+                return  # clip_grad_norm_(..., inf) measures the norm; it clips nothing
+            if self._used(params):
+                if float(total_norm) > limit:
+                    self._clipped_used += 1
+                    self._clip_params = len(params)
+                if self._clipped_used >= CLIPS:
+                    self._say("clip_after_step", params=self._clip_params)
+            elif self._unscale_pending():
+                scale = _torch_compat.scaler_scale(self._scaler)
+                if scale is not None and scale > 1.0 and float(total_norm) > limit:
+                    self._clipped_scaled += 1
+                    self._clip_params, self._scale = len(params), scale
+                if self._clipped_scaled >= CLIPS:
+                    self._say(
+                        "clip_before_unscale",
+                        params=self._clip_params,
+                        measured=round(self._scale or 0),
+                    )
+        except Exception as exc:
+            swallow("watching gradient clipping", exc)
+
+    def _used(self, params: List[Any]) -> bool:
+        """Whether the noted gradients are still those the last step used (no
+        backward wrote them since): one the clip holds, and all unchanged."""
+        if not self._noted:
+            return False
+        clipped = {id(p) for p in params}
+        held = [(p, g, v) for p, g, v in self._noted if id(p) in clipped]
+        return bool(held) and all(
+            p.grad is not None and id(p.grad) == g and _torch_compat.grad_version(p.grad) == v
+            for p, g, v in held
+        )
+
+    def _unscale_pending(self) -> bool:
+        scaler = self._scaler
+        if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+            return False
+        # accelerate unscales the optimizer inside its wrapper: any unscaled is enough.
+        return all(_torch_compat.scaler_unscale_pending(scaler, o) for o in self._optimizers)
+
+    def _say(self, kind: str, **fields: Any) -> None:
+        if kind in self._said:
+            return
+        self._said.add(kind)
+        finding: Dict[str, Any] = {"kind": kind, "module": ""}
+        finding.update({k: v for k, v in fields.items() if v is not None})
+        self._found.append(finding)  # type: ignore[arg-type]
+
+
+def _world_size() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:
+        pass
+    return 1
+
+
+def empty_groups(model: nn.Module, optimizer: Any) -> List[wire.WiringFinding]:
+    """Param groups that hold no parameter and whose lr differs from every group that
+    holds some, when every parameter of the model trains in the optimizer (a name
+    filter that matched nothing: the parameters meant for the group train at another
+    lr). Silent when some parameters are frozen or outside the optimizer: the empty
+    group may be kept for them (unfrozen later), and the lr they will get is not
+    known. An empty group at the same lr (a no-weight-decay group on a model without
+    biases) changes no parameter's lr: silent too."""
+    try:
+        groups = list(getattr(optimizer, "param_groups", None) or [])
+        held = {id(p) for g in groups for p in g.get("params", [])}
+        if not held or any(not p.requires_grad or id(p) not in held for p in model.parameters()):
+            return []
+        lrs = [_lr(g) for g in groups if g.get("params")]
+        found: List[wire.WiringFinding] = []
+        for i, g in enumerate(groups):
+            lr = _lr(g)
+            if g.get("params") or lr is None:
+                continue
+            if all(other is None or not math.isclose(lr, other, rel_tol=1e-9) for other in lrs):
+                found.append(
+                    {"kind": "param_group_empty", "module": "", "attribute": str(i), "params": 0}
+                )
+        return found
+    except Exception as exc:
+        swallow("reading the optimizer's param groups", exc)
+        return []
+
+
+def _lr(group: Dict[str, Any]) -> Optional[float]:
+    try:
+        lr = float(group.get("lr"))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return lr if math.isfinite(lr) else None

@@ -1,0 +1,215 @@
+//! The wording of the wiring findings a client makes about the training loop's order
+//! during the first steps (protocol v1.6, sent in an amendment's `wiring`), and of an
+//! optimizer group that holds nothing (at registration):
+//!
+//! - `clip_before_unscale` (critical): `clip_grad_norm_` clipped the scaled gradients.
+//! - `clip_after_step` (warning): `clip_grad_norm_` cut gradients the optimizer had
+//!   already used (after `optimizer.step()`, before the next `backward`).
+//! - `scheduler_per_micro_batch` (warning): an LR scheduler advances k ≥ 2 steps per
+//!   optimizer step.
+//! - `param_group_empty` (warning): an optimizer group holds no parameter and its lr
+//!   differs from every group that holds some.
+
+use gradflow_protocol::{RunRegistration, WiringFinding, WiringKind};
+
+use super::{AlertKind, Severity};
+
+/// Kind, severity, title, detail and fix, as the other wiring findings.
+pub(super) type Worded = (AlertKind, Severity, String, String, String);
+
+/// The alert's subject where it is not the finding's module.
+pub(super) fn subject(finding: &WiringFinding) -> Option<String> {
+    match finding.kind {
+        WiringKind::ClipBeforeUnscale | WiringKind::ClipAfterStep => Some("gradients".to_owned()),
+        WiringKind::SchedulerPerMicroBatch => Some(
+            finding
+                .attribute
+                .clone()
+                .unwrap_or_else(|| "scheduler".to_owned()),
+        ),
+        WiringKind::ParamGroupEmpty => Some(format!(
+            "param group {}",
+            finding.attribute.as_deref().unwrap_or("?")
+        )),
+        _ => None,
+    }
+}
+
+pub(super) fn clip_after_step(params: &str) -> Worded {
+    (
+        AlertKind::ClipAfterStep,
+        Severity::Warning,
+        "Gradient clipping runs where it cannot act: the optimizer steps on unclipped \
+         gradients"
+            .to_owned(),
+        format!(
+            "During the first steps, clip_grad_norm_ cut {params} (their norm was above \
+             max_norm) while no backward had written them since the last \
+             optimizer.step(): it ran after the step, or before the next backward, so it \
+             clipped gradients already used (or about to be cleared). Every optimizer step \
+             used the unclipped gradients: max_norm does nothing."
+        ),
+        "Clip between backward and the step: loss.backward(); \
+         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); optimizer.step() \
+         (under a GradScaler: scaler.unscale_(optimizer) right before the clip)."
+            .to_owned(),
+    )
+}
+
+pub(super) fn clip_before_unscale(params: &str, scale: Option<u64>) -> Worded {
+    let scale = scale.map_or_else(|| "the loss scale".to_owned(), |s| s.to_string());
+    (
+        AlertKind::ClipBeforeUnscale,
+        Severity::Critical,
+        "clip_grad_norm_ clips the scaled gradients: every step is cut far below max_norm"
+            .to_owned(),
+        format!(
+            "Under the GradScaler, clip_grad_norm_ ran on {params} after backward and \
+             before scaler.unscale_(optimizer): the norm it measured and clipped is the \
+             scaled one ({scale} × the true norm), so once scaler.step unscales them the \
+             gradients are cut to max_norm / {scale}. The model trains with steps \
+             thousands of times too small, and the loss stalls."
+        ),
+        "Unscale before clipping: scaler.scale(loss).backward(); \
+         scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(model.parameters(), \
+         max_norm); scaler.step(optimizer); scaler.update()."
+            .to_owned(),
+    )
+}
+
+pub(super) fn scheduler(finding: &WiringFinding) -> Worded {
+    let class = finding.attribute.as_deref().unwrap_or("LR scheduler");
+    let k = finding.measured.unwrap_or(2);
+    (
+        AlertKind::SchedulerPerMicroBatch,
+        Severity::Warning,
+        format!("{class} steps {k} times per optimizer step: the schedule runs {k}x too fast"),
+        format!(
+            "Over the first optimizer steps, {class}.last_epoch advanced by {k} at every \
+             optimizer step: scheduler.step() runs once per micro-batch (or per backward), \
+             not once per optimizer step. A warm-up and decay counted in optimizer steps \
+             are over after 1/{k} of the run, and the lr then stays at its floor."
+        ),
+        format!(
+            "Call scheduler.step() right after optimizer.step(), inside the accumulation \
+             branch (once per optimizer step); or, if the schedule is meant to count \
+             micro-batches, build it with {k}x the steps, knowingly."
+        ),
+    )
+}
+
+pub(super) fn empty_group(finding: &WiringFinding, registration: &RunRegistration) -> Worded {
+    let name = finding.attribute.as_deref().unwrap_or("?");
+    let groups = registration
+        .optimizer
+        .as_ref()
+        .map(|o| o.param_groups.as_slice())
+        .unwrap_or_default();
+    let lr_of = |n: &str| {
+        groups
+            .iter()
+            .find(|g| g.name == n)
+            .and_then(|g| g.lr)
+            .map_or_else(|| "its own lr".to_owned(), |lr| format!("lr {}", lr.0))
+    };
+    let others: Vec<String> = groups
+        .iter()
+        .filter(|g| g.name != name)
+        .map(|g| format!("group {} at {}", g.name, lr_of(&g.name)))
+        .collect();
+    (
+        AlertKind::ParamGroupEmpty,
+        Severity::Warning,
+        format!(
+            "Optimizer param group {name} holds no parameter: its {} applies to nothing",
+            lr_of(name)
+        ),
+        format!(
+            "Param group {name} was given {} but no parameter: the filter that built it \
+             (a name prefix, a module list) matched nothing, so the parameters meant for \
+             it train in the other groups ({}).",
+            lr_of(name),
+            if others.is_empty() {
+                "none listed".to_owned()
+            } else {
+                others.join(", ")
+            }
+        ),
+        format!(
+            "Check the filter that builds group {name} against model.named_parameters() \
+             (print the names it should match) and fail loudly when a group comes out \
+             empty: assert all(g[\"params\"] for g in optimizer.param_groups)."
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::super::{Thresholds, registration};
+    use super::*;
+    use crate::detect::RunContext;
+
+    #[test]
+    fn loop_findings_name_the_numbers_and_the_fix() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "params": [{"name": "base.0.weight", "param_group": "0"}],
+            "optimizer": {"name": "adamw", "param_groups": [
+                {"name": "0", "lr": 1e-3}, {"name": "1", "lr": 1e-5}]},
+            "wiring": [
+                {"kind": "clip_before_unscale", "module": "", "params": 6, "measured": 65536},
+                {"kind": "clip_after_step", "module": "", "params": 6},
+                {"kind": "scheduler_per_micro_batch", "module": "",
+                 "attribute": "LambdaLR", "measured": 4},
+                {"kind": "param_group_empty", "module": "", "attribute": "1", "params": 0}
+            ]
+        }))
+        .unwrap();
+        registration.validate().unwrap();
+        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        let got: Vec<_> = found
+            .iter()
+            .map(|a| (a.kind, a.subject.as_str(), a.severity))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    AlertKind::ClipBeforeUnscale,
+                    "gradients",
+                    Severity::Critical
+                ),
+                (AlertKind::ClipAfterStep, "gradients", Severity::Warning),
+                (
+                    AlertKind::SchedulerPerMicroBatch,
+                    "LambdaLR",
+                    Severity::Warning
+                ),
+                (
+                    AlertKind::ParamGroupEmpty,
+                    "param group 1",
+                    Severity::Warning
+                ),
+            ]
+        );
+        assert!(
+            found[0].detail.contains("max_norm / 65536"),
+            "{}",
+            found[0].detail
+        );
+        assert!(found[0].fix.contains("scaler.unscale_(optimizer)"));
+        assert!(found[2].title.contains("4 times"), "{}", found[2].title);
+        assert!(
+            found[3].detail.contains("lr 0.00001"),
+            "{}",
+            found[3].detail
+        );
+        assert!(
+            found[3].detail.contains("group 0 at lr 0.001"),
+            "{}",
+            found[3].detail
+        );
+        assert_eq!(found[1].evidence["cause"], "clip_after_step");
+    }
+}
