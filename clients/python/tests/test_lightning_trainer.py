@@ -140,6 +140,8 @@ def test_lightning_under_a_loss_scaler_reports_unscaled_gradients(gradflow_serve
     assert run["precision"]["loss_scaler"] == "dynamic", run["precision"]
     scale = gradflow_server.series(run_id, "scaler_scale")
     assert [value for _, value in scale] == [2.0**6] * 5
+    # Lightning unscales before it clips: no clip_before_unscale, nothing else either.
+    assert gradflow_server.serious(run_id) == []
     for group in ("encoder", "agent"):
         reported = group_norms(gradflow_server, run_id, group)
         for step, norms in enumerate(truth.norms):
