@@ -23,6 +23,7 @@ from torch import nn
 
 from . import _env, layout, wire
 from . import ranks as _ranks
+from . import zero as _zero
 from ._log import guarded, logger, say, swallow
 from .alerts import AlertBox
 from .api import Watch
@@ -89,6 +90,7 @@ class Watcher:
         generated_id: bool = False,
         ranks: Optional[Ranks] = None,
         report_alone: bool = False,
+        zero: Optional[_zero.Zero] = None,
     ) -> None:
         self.run_id = run_id
         self.options = options
@@ -107,6 +109,8 @@ class Watcher:
         self._alerts = AlertBox(options.on_alert)
 
         self.registry = Registry(self.model, self.optimizer, scaler, options.groups)
+        if zero is not None:  # DeepSpeed ZeRO: gradients read from its partitions
+            _zero.adapt(self.registry, zero)
         registration = _registration(self.registry, options, ranks, report_alone, multi_rank)
         self.instruments = Instruments(
             self.registry,
@@ -114,6 +118,8 @@ class Watcher:
             updates_every=options.updates_every,
             rank=self.rank,
         )
+        if zero is not None:
+            _zero.measure(self.instruments, zero)
         # In a multi-rank run only rank 0 reads and shows the run's alerts.
         lead = self.rank in (None, 0)
         if options.on_alert is None or not lead:
@@ -134,6 +140,8 @@ class Watcher:
         # Hooks on the optimizer and scaler last: nothing more is attached to the
         # user's objects unless all of the above worked.
         self.instruments.attach(self.optimizer, scaler)
+        if zero is not None:
+            _zero.attach(self.instruments, zero)
         atexit.register(_close_at_exit, weakref.ref(self))
         _note_interrupts()
         try:
@@ -304,11 +312,14 @@ def _note_interrupts() -> None:
 
 
 def _partitioned(model: nn.Module) -> Optional[str]:
-    """Why the model cannot be watched: parameters DeepSpeed ZeRO partitions (their
-    gradients are gone once its engine has stepped)."""
-    for name, p in model.named_parameters():
-        if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
-            return f"{name} is partitioned by DeepSpeed ZeRO, which is not supported yet"
+    """Why the model cannot be watched: parameters DeepSpeed ZeRO partitions, given
+    without the engine (or its ZeRO optimizer) that holds their gradients."""
+    name = _zero.partitioned(model)
+    if name is not None:
+        return (
+            f"{name} is partitioned by DeepSpeed ZeRO: pass the engine deepspeed.initialize "
+            "returned (gradflow.watch(engine)) so that its gradients can be read"
+        )
     return None
 
 
@@ -380,7 +391,17 @@ def watch(
         if here is not None and rank is not None and here.rank != rank:
             return NoopWatcher()
         alone = here is not None and rank is not None and here.world_size > 1
-        refused = _not_watchable(layout.unwrap_model(model), rank if alone else None)
+        zero = _zero.find(model, optimizer)
+        if zero is not None:  # DeepSpeed ZeRO: its engine's model, its optimizer tapped
+            model, optimizer = zero.module, None
+            if alone:
+                raise ValueError(
+                    "rank= reports one rank alone; under DeepSpeed ZeRO every "
+                    "rank holds a partition of the gradients: leave rank= out"
+                )
+        refused = None
+        if zero is None:
+            refused = _not_watchable(layout.unwrap_model(model), rank if alone else None)
         if refused is not None:
             warnings.warn(
                 f"gradflow: {refused}; this run is not watched.", GradflowWarning, stacklevel=2
@@ -396,6 +417,7 @@ def watch(
             generated_id=generated,
             ranks=here,
             report_alone=alone,
+            zero=zero,
         )
         _limit_steps(watcher)
         return watcher
