@@ -245,20 +245,19 @@ class ModelHooks:
         self._hits.clear()
         self._fresh.clear()
 
-    def module_hits(self, module_of: List[int], modules: int) -> List[Optional[int]]:
-        """Per module the most hits of any of its parameters; unknown (None) when a
-        parameter's hook was registered after this step's backward."""
-        hits: List[Optional[int]] = [0] * modules
-        for p, m in zip(self.registry.params, module_of):
-            if not p.tensor.requires_grad:
-                continue
-            key = id(p.tensor)
-            seen = hits[m]
-            if key in self._fresh or key not in self._handles or seen is None:
-                hits[m] = None
-                continue
-            hits[m] = max(seen, self._hits.get(key, 0))
-        return hits
+    @property
+    def hits(self) -> Dict[int, int]:
+        """This step's hook hits, by parameter key (``id`` of its tensor)."""
+        return self._hits
+
+    @property
+    def fresh(self) -> Set[int]:
+        """The keys of parameters whose hook was registered during this step."""
+        return self._fresh
+
+    def hooked(self) -> Set[int]:
+        """The keys of the parameters that have a hook."""
+        return set(self._handles)
 
 
 def _group_roots(registry: Registry) -> List[torch.nn.Module]:

@@ -130,12 +130,22 @@ def summary(
     before: torch.Tensor,
     after: torch.Tensor,
     dtype: torch.dtype,
-    segments: torch.Tensor,
+    segments: Optional[torch.Tensor],
     count: int,
 ) -> torch.Tensor:
     """Per parameter (segment): [|u|², max |u|/ulp(before), #u≠0, #(u≠0 and unchanged)],
     shape (count, 4). A non-finite update makes its ratio NaN, never a number that
-    hides it (amax over NaN is not reliable across devices)."""
+    hides it (amax over NaN is not reliable across devices). `segments` None: the
+    parameters hold as many elements each (reduced as the rows of a matrix)."""
+    if segments is None:
+        rows = upd.view(count, -1)
+        ratio = (upd.abs() / ulp(before, dtype)).view(count, -1)
+        max_ratio = ratio.amax(1) + rows.sum(1) * 0.0
+        nonzero = rows != 0
+        unchanged = (after == before).view(count, -1)
+        counted = nonzero.sum(1, dtype=torch.float32)
+        rounded = (nonzero & unchanged).sum(1, dtype=torch.float32)
+        return torch.stack([(rows * rows).sum(1), max_ratio, counted, rounded], dim=1)
     zeros = torch.zeros(count, device=upd.device, dtype=torch.float32)
     squared = zeros.index_add(0, segments, upd * upd)
     ratio = upd.abs() / ulp(before, dtype)

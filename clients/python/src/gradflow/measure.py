@@ -1,13 +1,16 @@
 """Per-step measurements on the device, brought to the host in one transfer.
 
 Gradient norms are read in the optimizer's step pre-hook (after unscaling, before
-anything can zero them; on a step the scaler skips, from its ``step`` wrapper), the
-norm weights are snapshotted there and compared in the step post-hook, and at
-``gf.step`` every piece is concatenated into one vector and copied to the host
-(non-blocking into pinned memory on CUDA). The reporter thread waits for the copy
-and turns the numbers into a step record (:mod:`gradflow.record`), so the training
-thread never syncs. What the hooks on the model see during the step (hook hits, the
-input peak, the carry-over probe) comes from :mod:`gradflow.hooks`.
+anything can zero them; on a step the scaler skips, from its ``step`` wrapper): one
+``torch._foreach_norm`` per dtype, each parameter's norm kept as it is, the squares
+summed per module on the host. The norm weights are snapshotted there and compared in
+the step post-hook, and at ``gf.step`` every piece is concatenated into one vector and
+copied to the host (non-blocking into pinned memory on CUDA). The reporter thread
+waits for the copy and turns the numbers into a step record (:mod:`gradflow.record`),
+with the record's per-module and per-weight entries (:func:`describe`), so the
+training thread never syncs and builds no per-module object. What the hooks on the
+model see during the step (hook hits, the input peak, the carry-over probe) comes from
+:mod:`gradflow.hooks`.
 
 In a multi-rank run (``partial``) each rank measures the elements it holds (a
 DTensor's local shard) and also sends each module's sum of squares, the elements it
@@ -19,15 +22,16 @@ on Apple's MPS, which has no f64).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from . import _torch_compat, intended, wire
 from .hooks import ModelHooks
-from .ranks import StepClock, local, param_sums
+from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
     TRAINING_METRIC,
     Intended,
@@ -54,9 +58,32 @@ class _Norm:
     numel: int  # elements this rank holds
 
 
-# Where this step's gradient numbers lie in `Measurer._grads`: the slot of each
-# module's squared norm, of each norm weight's, and each module's element count.
-_GradSlots = Tuple[List[Optional[int]], List[Optional[int]], List[Optional[int]]]
+@dataclass(frozen=True)
+class GradLayout:
+    """Where each parameter's gradient norm lies in `Measurer._grads`, for one set of
+    parameters with gradients (built once per set, not every step)."""
+
+    # Positions in the norms vector, by (device, dtype) kind; None: one kind, in order.
+    kinds: Optional[List[List[int]]]
+    device: Optional[torch.device]
+    # Per module, the positions of its parameters' norms (None: no gradient), and the
+    # gradient elements they cover.
+    module_grads: List[Optional[Tuple[int, ...]]]
+    module_numel: List[Optional[int]]
+    norm_grad: List[Optional[int]]  # per norm weight, its norm's position
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a record's entries are made of between two rebuilds: the modules, which
+    of them train, the hooked parameters of each, and the norm weights."""
+
+    modules: List[str]
+    trainable: List[bool]
+    # Per trainable parameter: (its module, its hook key, whether it has a hook).
+    hooked: List[Tuple[int, int, bool]]
+    norm_names: List[str]
+    norm_numels: List[int]
 
 
 class Measurer:
@@ -73,14 +100,19 @@ class Measurer:
         self.optimizer = registry.optimizer
         self._family = intended.family(self.optimizer) if self.optimizer is not None else None
         self._norms: List[_Norm] = []
-        self._index_cache: Dict[Tuple[int, ...], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: Dict[Tuple[int, ...], GradLayout] = {}
+        self._tensors: List[torch.Tensor] = []
+        self._sharded = False
+        self._shape = Shape([], [], [], [], [])
+        # The norm weights' element count when all hold as many (reductions by row).
+        self._norm_width = 0
         self._seg_cache: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         self._modules: List[str] = []
         self._module_of: List[int] = []
         self._norm_init: Optional[torch.Tensor] = None
         # This step's numbers so far, on the device.
         self._grads: Optional[torch.Tensor] = None
-        self._grad_meta: Optional[_GradSlots] = None
+        self._grad_layout: Optional[GradLayout] = None
         self._before: Optional[torch.Tensor] = None
         self._stats: Optional[torch.Tensor] = None
         self._intended_slots: Dict[int, int] = {}
@@ -122,20 +154,47 @@ class Measurer:
         norms.sort(key=lambda n: (n.group_index is None, n.group_index or 0, str(n.tensor.dtype)))
         self._norms = norms
         self._norm_init = torch.cat([n.init for n in norms]) if norms else None
-        self._index_cache.clear()
+        widths = {n.numel for n in norms}
+        self._norm_width = widths.pop() if len(widths) == 1 else 0
+        # The runs of one optimizer group and dtype, and where each weight starts.
+        self._runs = intended.runs([n.tensor for n in norms], [n.group_index for n in norms])
+        self._offsets = [0]
+        for n in norms:
+            self._offsets.append(self._offsets[-1] + n.numel)
+        self._tensors = [p.tensor for p in params]
+        self._sharded = any(is_dtensor(t) for t in self._tensors)
+        self._shape = self._read_shape()
+        self._layouts.clear()
         self._seg_cache.clear()
         # Anything measured against the old layout is dropped; collect() measures the
         # gradients again if they are still there.
         self._grads = None
-        self._grad_meta = None
+        self._grad_layout = None
         self._before = None
         self._stats = None
         self._intended_slots = {}
 
+    def _read_shape(self) -> Shape:
+        trainable = [False] * len(self._modules)
+        hooked = []
+        handles = self.hooks.hooked()
+        for p, m in zip(self.registry.params, self._module_of):
+            if p.tensor.requires_grad:
+                trainable[m] = True
+                key = id(p.tensor)
+                hooked.append((m, key, key in handles))
+        return Shape(
+            list(self._modules),
+            trainable,
+            hooked,
+            [n.name for n in self._norms],
+            [n.numel for n in self._norms],
+        )
+
     def reset(self) -> None:
         """A new step: nothing measured yet."""
         self._grads = None
-        self._grad_meta = None
+        self._grad_layout = None
         self._before = None
         self._stats = None
         self._intended_slots = {}
@@ -143,66 +202,79 @@ class Measurer:
 
     @property
     def grads_measured(self) -> bool:
-        return self._grads is not None or self._grad_meta is not None
+        return self._grad_layout is not None
 
     # -- the optimizer step ------------------------------------------------------
 
     def measure_grads(self) -> None:
-        """Per-parameter gradient norms (foreach) of the elements this rank holds,
-        squared and summed per module on the device, in f64."""
-        params = self.registry.params
-        present = [
-            i for i, p in enumerate(params) if p.tensor.requires_grad and p.tensor.grad is not None
-        ]
-        module_slot: List[Optional[int]] = [None] * len(self._modules)
-        norm_slot: List[Optional[int]] = [None] * len(self._norms)
-        module_numel: List[Optional[int]] = [None] * len(self._modules)
+        """Per-parameter gradient norms (foreach, in f32) of the elements this rank
+        holds, left on the device; the record sums their squares per module in f64."""
+        grads: List[torch.Tensor] = []
+        present: List[int] = []
+        for i, t in enumerate(self._tensors):
+            g = t.grad
+            if g is not None and t.requires_grad:
+                grads.append(g)
+                present.append(i)
         if not present:
-            self._grads, self._grad_meta = None, (module_slot, norm_slot, module_numel)
+            self._grads = None
+            self._grad_layout = GradLayout(
+                None,
+                None,
+                [None] * len(self._modules),
+                [None] * len(self._modules),
+                [None] * len(self._norms),
+            )
             return
-        grad_of = {i: local(_grad(params[i].tensor)) for i in present}
+        if self._sharded:
+            grads = [local(g) for g in grads]
+        key = tuple(present)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layout(present, grads)
+        if layout.kinds is None:
+            self._grads = _norms(grads)
+        else:
+            self._grads = torch.cat(
+                [
+                    _norms([grads[k] for k in kind]).to(layout.device, non_blocking=True)
+                    for kind in layout.kinds
+                ]
+            )
+        self._grad_layout = layout
+
+    def _layout(self, present: List[int], grads: List[torch.Tensor]) -> GradLayout:
+        """Where each gradient's norm goes, for this set of parameters with gradients."""
         by_kind: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
-        for i in present:
-            g = grad_of[i]
-            by_kind.setdefault((g.device, g.dtype), []).append(i)
-        device = grad_of[present[0]].device
-        order: List[int] = []
-        parts = []
-        for (_dev, _dtype), idx in by_kind.items():
-            grads = [grad_of[i] for i in idx]
-            parts.append(_norms(grads).to(device, non_blocking=True))
-            order.extend(idx)
-        per_param = torch.cat(parts) if len(parts) > 1 else parts[0]
-        per_param = per_param.to(_wide(device))
-        squared = per_param * per_param
-        key = tuple(order)
-        cached = self._index_cache.get(key)
-        if cached is None:
-            if len(self._index_cache) > 32:
-                # The set of parameters with gradients varies (mixture of experts):
-                # keep the cache from growing without bound.
-                self._index_cache.clear()
-            modules = torch.tensor([self._module_of[i] for i in order], device=device)
-            position = {id(params[i].tensor): k for k, i in enumerate(order)}
-            picks = [position.get(id(n.tensor), 0) for n in self._norms]
-            cached = (modules, torch.tensor(picks, device=device, dtype=torch.long))
-            self._index_cache[key] = cached
-        modules_index, norm_pick = cached
-        per_module = torch.zeros(len(self._modules), device=device, dtype=squared.dtype)
-        per_module.index_add_(0, modules_index, squared)
-        for i in order:
-            m = self._module_of[i]
-            module_slot[m] = m
-            module_numel[m] = (module_numel[m] or 0) + int(grad_of[i].numel())
-        measured = {id(params[i].tensor) for i in order}
-        for k, n in enumerate(self._norms):
-            if id(n.tensor) in measured:
-                norm_slot[k] = len(self._modules) + k
-        pieces = [per_module]
-        if self._norms:
-            pieces.append(squared.index_select(0, norm_pick))
-        self._grads = torch.cat(pieces)
-        self._grad_meta = (module_slot, norm_slot, module_numel)
+        for k, g in enumerate(grads):
+            by_kind.setdefault((g.device, g.dtype), []).append(k)
+        kinds = list(by_kind.values()) if len(by_kind) > 1 else None
+        order = [k for kind in by_kind.values() for k in kind]  # k: index into present
+        positions: Dict[int, int] = {present[k]: at for at, k in enumerate(order)}
+        members: List[List[int]] = [[] for _ in self._modules]
+        numel: List[Optional[int]] = [None] * len(self._modules)
+        for at, k in enumerate(order):
+            m = self._module_of[present[k]]
+            members[m].append(at)
+            numel[m] = (numel[m] or 0) + int(grads[k].numel())
+        index = {id(self._tensors[i]): i for i in present}
+        norm_grad: List[Optional[int]] = []
+        for n in self._norms:
+            i = index.get(id(n.tensor))
+            norm_grad.append(None if i is None else positions[i])
+        layout = GradLayout(
+            kinds,
+            grads[0].device,
+            [tuple(sorted(m)) if m else None for m in members],
+            numel,
+            norm_grad,
+        )
+        if len(self._layouts) > 32:
+            # The set of parameters with gradients varies (mixture of experts): keep
+            # the cache from growing without bound.
+            self._layouts.clear()
+        self._layouts[tuple(present)] = layout
+        return layout
 
     def snapshot_norms(self) -> None:
         if self._norms:
@@ -218,16 +290,26 @@ class Measurer:
         if after.shape != before.shape or self._norm_init is None:
             return  # a norm weight was replaced or resized since the snapshot
         device = after.device
-        segments, sizes = self._segments(0, len(self._norms), device)
         count = len(self._norms)
-        zeros = torch.zeros(count, device=device)
         diff = after - before
-        update_sq = zeros.index_add(0, segments, diff * diff)
         init = self._norm_init.to(device, non_blocking=True)
         away = (after - init).abs()
-        drift = zeros.scatter_reduce(0, segments, away, "amax", include_self=False)
-        drift = drift + zeros.index_add(0, segments, away) * 0.0
-        mean = zeros.index_add(0, segments, after) / sizes
+        rows = self._norm_width
+        if rows:
+            # Every norm weight holds as many elements: one row each, reduced by row.
+            diff = diff.view(count, rows)
+            away = away.view(count, rows)
+            update_sq = (diff * diff).sum(1)
+            # A NaN in a row is kept (amax over NaN is not reliable across devices).
+            drift = away.amax(1) + away.sum(1) * 0.0
+            mean = after.view(count, rows).mean(1)
+        else:
+            segments, sizes = self._segments(0, count, device)
+            zeros = torch.zeros(count, device=device)
+            update_sq = zeros.index_add(0, segments, diff * diff)
+            drift = zeros.scatter_reduce(0, segments, away, "amax", include_self=False)
+            drift = drift + zeros.index_add(0, segments, away) * 0.0
+            mean = zeros.index_add(0, segments, after) / sizes
         pieces = [torch.stack([update_sq, drift, mean], dim=1).reshape(-1)]
         self._intended_slots = {}
         if self._family is not None:
@@ -250,14 +332,11 @@ class Measurer:
 
     def _intended(self, before: torch.Tensor, after: torch.Tensor, base: int) -> List[torch.Tensor]:
         pieces: List[torch.Tensor] = []
-        offsets = [0]
-        for n in self._norms:
-            offsets.append(offsets[-1] + n.numel)
+        offsets = self._offsets
         groups = self.optimizer.param_groups
         slot = base
         tensors = [n.tensor for n in self._norms]
-        indices = [n.group_index for n in self._norms]
-        for start, end in intended.runs(tensors, indices):
+        for start, end in self._runs:
             first = self._norms[start]
             if (
                 self._family is not None
@@ -273,7 +352,9 @@ class Measurer:
                     before[a:b],
                 )
                 if upd is not None:
-                    segments, _ = self._segments(start, end, upd.device)
+                    segments = (
+                        None if self._norm_width else self._segments(start, end, upd.device)[0]
+                    )
                     summary = intended.summary(
                         upd, before[a:b], after[a:b], first.tensor.dtype, segments, end - start
                     )
@@ -340,9 +421,6 @@ class Measurer:
             zeroed = self.hooks.resets_zeroed
             if zeroed is not None:
                 pending.resets_at = add(zeroed.reshape(1))
-        nothing: List[Optional[int]] = [None] * len(self._modules)
-        no_norms: List[Optional[int]] = []
-        module_slot, norm_slot, module_numel = self._grad_meta or (nothing, no_norms, nothing)
         sums_at: Optional[int] = None
         if self.partial and self.fingerprint_every and step % self.fingerprint_every == 0:
             sums = param_sums(
@@ -350,28 +428,19 @@ class Measurer:
             )
             if sums is not None:
                 sums_at = add(sums)
-        hits = self.hooks.module_hits(self._module_of, len(self._modules))
-        trainable = self._module_trainable()
-        for m, name in enumerate(self._modules):
-            if not trainable[m]:
-                continue
-            slot = module_slot[m]
-            grad_sq = None if slot is None else grad_base + slot
-            fingerprint = None if sums_at is None else sums_at + m
-            pending.modules.append(ModuleAt(name, grad_sq, hits[m], module_numel[m], fingerprint))
-        for k, n in enumerate(self._norms):
-            grad = norm_slot[k] if k < len(norm_slot) else None
-            stats = None if stats_base is None else stats_base + width(NormStats) * k
-            inten = self._intended_slots.get(k)
-            pending.norms.append(
-                NormAt(
-                    n.name,
-                    None if grad is None else grad_base + grad,
-                    stats,
-                    None if inten is None or stats_base is None else stats_base + inten,
-                    n.numel,
-                )
-            )
+        # The record's module and norm weight entries are made on the reporter thread,
+        # from this step's hook hits (copied: the hooks count the next step in place).
+        pending.describe = functools.partial(
+            describe,
+            self._shape,
+            self._grad_layout,
+            grad_base,
+            stats_base,
+            self._intended_slots,
+            sums_at,
+            dict(self.hooks.hits),
+            set(self.hooks.fresh) if self.hooks.fresh else _NONE,
+        )
         if pieces:
             device = pieces[0].device
             wide = _wide(device)
@@ -387,12 +456,62 @@ class Measurer:
         self.reset()
         return pending
 
-    def _module_trainable(self) -> List[bool]:
-        trainable = [False] * len(self._modules)
-        for p, m in zip(self.registry.params, self._module_of):
-            if p.tensor.requires_grad:
-                trainable[m] = True
-        return trainable
+
+_NONE: Set[int] = frozenset()  # type: ignore[assignment]
+
+
+def describe(
+    shape: Shape,
+    layout: Optional[GradLayout],
+    grad_base: int,
+    stats_base: Optional[int],
+    intended_slots: Dict[int, int],
+    sums_at: Optional[int],
+    hits: Dict[int, int],
+    fresh: Set[int],
+) -> Tuple[List[ModuleAt], List[NormAt]]:
+    """A step's module and norm weight entries, and where their numbers lie (on the
+    reporter thread: nothing here touches torch or the live model)."""
+    count = len(shape.modules)
+    module_hits: List[Optional[int]] = [0] * count
+    for m, key, hooked in shape.hooked:
+        seen = module_hits[m]
+        if seen is None or not hooked or key in fresh:
+            # A parameter whose hook was registered after this step's backward.
+            module_hits[m] = None
+            continue
+        module_hits[m] = max(seen, hits.get(key, 0))
+    module_grads = layout.module_grads if layout is not None else [None] * count
+    module_numel = layout.module_numel if layout is not None else [None] * count
+    norm_grad = layout.norm_grad if layout is not None else []
+    modules = []
+    for m, name in enumerate(shape.modules):
+        if not shape.trainable[m]:
+            continue
+        grads = module_grads[m]
+        modules.append(
+            ModuleAt(
+                name,
+                None if grads is None else [grad_base + at for at in grads],
+                module_hits[m],
+                module_numel[m],
+                None if sums_at is None else sums_at + m,
+            )
+        )
+    norms = []
+    for k, name in enumerate(shape.norm_names):
+        grad = norm_grad[k] if k < len(norm_grad) else None
+        inten = intended_slots.get(k)
+        norms.append(
+            NormAt(
+                name,
+                None if grad is None else grad_base + grad,
+                None if stats_base is None else stats_base + width(NormStats) * k,
+                None if inten is None or stats_base is None else stats_base + inten,
+                shape.norm_numels[k],
+            )
+        )
+    return modules, norms
 
 
 def _wide(device: torch.device) -> torch.dtype:
@@ -411,10 +530,3 @@ def _norms(grads: List[torch.Tensor]) -> torch.Tensor:
     if any(g.is_sparse for g in grads):
         return torch.stack([g.coalesce().values().float().norm() for g in grads])
     return torch.stack(_torch_compat.foreach_norm(grads))
-
-
-def _grad(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's gradient, known to be there."""
-    grad = t.grad
-    assert grad is not None
-    return grad

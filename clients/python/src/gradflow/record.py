@@ -94,7 +94,9 @@ class ModuleAt:
     """A module of the record and where its numbers are."""
 
     name: str
-    grad_sq: Optional[int]  # its squared gradient norm; None: no gradient this step
+    # Its parameters' gradient norms, whose squares sum to the module's squared norm
+    # (in f64, on the host); None: no gradient this step.
+    grads: Optional[Sequence[int]]
     hook_hits: Optional[int]
     numel: Optional[int]  # gradient elements covered (this rank's)
     param_sum: Optional[int] = None  # multi-rank: the sum of its weights (a fingerprint)
@@ -105,7 +107,7 @@ class NormAt:
     """A norm weight of the record and where its numbers are."""
 
     name: str
-    grad_sq: Optional[int]
+    grad: Optional[int]  # its gradient norm
     stats: Optional[int]  # a NormStats
     intended: Optional[int]  # an Intended
     numel: int  # elements this rank holds
@@ -151,6 +153,8 @@ class PendingStep:
     partial: bool = False
     rank: Optional[int] = None
     step_time: Optional[Callable[[], Optional[float]]] = None
+    # Makes `modules` and `norms` on the reporter thread, when set.
+    describe: Optional[Callable[[], Tuple[List[ModuleAt], List[NormAt]]]] = None
 
     def values(self) -> List[float]:
         if self.vector is None:
@@ -162,6 +166,9 @@ class PendingStep:
     def record(self) -> wire.StepRecord:
         """The protocol's step record (runs on the reporter thread)."""
         v = self.values()
+        if self.describe is not None:
+            self.modules, self.norms = self.describe()
+            self.describe = None
         rec: wire.StepRecord = {"step": self.step, "time": self.time}
         if self.rank is not None:
             rec["rank"] = self.rank
@@ -210,10 +217,13 @@ class PendingStep:
 
     def _module(self, m: ModuleAt, v: List[float]) -> wire.ModuleStep:
         entry: wire.ModuleStep = {"module": m.name}
-        if m.grad_sq is None:
+        if m.grads is None:
             entry["grad_norm"] = None
         else:
-            sq = v[m.grad_sq]
+            sq = 0.0
+            for at in m.grads:
+                norm = v[at]
+                sq += norm * norm
             entry["grad_norm"] = root(sq)
             if self.partial:
                 entry["grad_sumsq"] = encode.norm(sq)
@@ -232,8 +242,8 @@ class PendingStep:
 
     def _norm(self, n: NormAt, v: List[float]) -> wire.ParamStep:
         entry: wire.ParamStep = {"name": n.name}
-        if n.grad_sq is not None:
-            entry["grad_norm"] = root(v[n.grad_sq])
+        if n.grad is not None:
+            entry["grad_norm"] = encode.norm(v[n.grad])
         if n.stats is not None:
             stats = read(NormStats, v, n.stats)
             entry["update_norm"] = root(stats.update_sq)
