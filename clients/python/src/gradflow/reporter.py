@@ -2,6 +2,11 @@
 
 The training thread only ``submit``s to a bounded queue and never waits: a full
 queue drops the step and counts it (``dropped_steps`` in later records). The thread
+sends a step at once when it was idle, and then gathers what arrives for ``gather``
+seconds (or until a batch's worth is queued) before the next batch, instead of waking
+on every step: each wake-up takes the interpreter's lock from the training thread and
+each request costs a connection, so a fast loop's steps go out together, and a
+process killed outright loses at most the last ``gather`` seconds. It
 turns pending steps into records (waiting there for their device copies), posts them
 in batches, and while the server is out of reach appends them to the on-disk spool,
 which is replayed in order before anything newer once it answers again. A batch the
@@ -75,6 +80,7 @@ class Reporter:
         batch_size: int = 256,
         flush_interval: float = 0.5,
         alert_interval: float = 1.0,
+        gather: float = 0.2,
         announce: bool = False,
     ) -> None:
         if not clients:
@@ -89,6 +95,12 @@ class Reporter:
         self.flush_interval = flush_interval
         self.alert_interval = alert_interval
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self.gather = gather
+        # Set to wake the thread early: a step while it is idle, a batch's worth queued
+        # (or half the queue, when smaller), or close.
+        self._wake = threading.Event()
+        self._wake_at = max(1, min(batch_size, queue_size // 2 if queue_size > 0 else batch_size))
+        self._idle = False
         self.registered = False
         self.broken: Optional[str] = None  # why nothing can be delivered any more
         # Why the server refuses this run's token: records are spooled, not sent.
@@ -125,6 +137,9 @@ class Reporter:
             self._queue.put_nowait(pending)
         except queue.Full:
             self.dropped += 1
+        if self._idle or self._queue.qsize() >= self._wake_at:
+            self._idle = False
+            self._wake.set()
 
     def register(self, timeout: Optional[float] = None) -> bool:
         """One registration attempt (on each server in turn); on failure the thread
@@ -152,8 +167,10 @@ class Reporter:
 
     def close(self, timeout: float) -> None:
         self._deadline = time.monotonic() + timeout
+        self._wake.set()
         with contextlib.suppress(queue.Full):
             self._queue.put(_STOP, timeout=max(0.1, timeout))
+        self._wake.set()
         self._thread.join(timeout + 1.0)
 
     @property
@@ -178,17 +195,19 @@ class Reporter:
 
     def _run(self) -> None:
         stopping = False
+        busy = False  # the last wake-up found steps: gather before the next batch
         while not stopping:
             try:
                 items: List[Pending] = []
-                try:
-                    first = self._queue.get(timeout=self.flush_interval)
-                    if first is _STOP:
-                        stopping = True
+                if self._queue.qsize() < self._wake_at:
+                    if busy:
+                        self._wake.wait(self.gather)
                     else:
-                        items.append(first)
-                except queue.Empty:
-                    pass
+                        self._idle = True
+                        if self._queue.empty():
+                            self._wake.wait(self.flush_interval)
+                        self._idle = False
+                self._wake.clear()
                 while not stopping and len(items) < self.batch_size:
                     try:
                         item = self._queue.get_nowait()
@@ -198,6 +217,7 @@ class Reporter:
                         stopping = True
                     else:
                         items.append(item)
+                busy = bool(items)
                 lines = [self._encode(p) for p in items]
                 self._deliver([line for line in lines if line is not None])
                 if time.monotonic() >= self._next_poll and not self._is_offline():
