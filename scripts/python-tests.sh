@@ -27,6 +27,15 @@ pip=("$py" -m pip install --quiet --disable-pip-version-check)
 "$py" -c "import pytest" 2>/dev/null || "${pip[@]}" pytest
 "$py" -c "import ruff" 2>/dev/null || [ -x "$venv/bin/ruff" ] || "${pip[@]}" ruff
 "$py" -c "import mypy" 2>/dev/null || "${pip[@]}" mypy
+# DeepSpeed, for the ZeRO tests (tests/test_deepspeed.py): its dependencies, then
+# DeepSpeed itself without building its ops (DS_BUILD_OPS=0; its CPU accelerator
+# builds the one it needs with ninja at first use) and without build isolation (its
+# setup imports the torch installed here). The version gradflow.zero was checked with.
+if ! "$py" -c "import deepspeed" 2>/dev/null; then
+    "${pip[@]}" wheel setuptools einops hjson msgpack ninja packaging psutil py-cpuinfo \
+        "pydantic>=2" tqdm
+    DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation --no-deps "deepspeed==0.19.8"
+fi
 # The package's build backend (clients/python/hatch_build.py runs inside it), kept in
 # the environment so that installs need no build isolation.
 "$py" -c "import hatchling" 2>/dev/null || "${pip[@]}" "hatchling>=1.24"

@@ -357,13 +357,15 @@ def watch(
 
     Under ``torch.distributed`` with more than one rank, call it on every rank: each
     rank reports its own record (the gradients it holds: the whole of a replicated
-    parameter, its shard of an FSDP2 one) and the server combines them; see
-    :mod:`gradflow.ranks` for how the ranks agree on the run id. With ``rank=k`` only
+    parameter, its shard of an FSDP2 one, its partition under DeepSpeed ZeRO: pass
+    the engine ``deepspeed.initialize`` returns, see :mod:`gradflow.zero`) and the
+    server combines them; see :mod:`gradflow.ranks` for how the ranks agree on the
+    run id. With ``rank=k`` only
     rank ``k`` reports, as a single view of the job (not for sharded models).
 
     Returns a :class:`Watcher`, or a :class:`NoopWatcher` when ``GRADFLOW_DISABLED=1``,
-    on a rank that ``rank=`` leaves out, or for a model DeepSpeed ZeRO partitions; both
-    are a :class:`gradflow.api.Watch`. Never raises for gradflow's own failures; with
+    on a rank that ``rank=`` leaves out, or for a model ZeRO-3 partitions given without
+    its engine; both are a :class:`gradflow.api.Watch`. Never raises for gradflow's own failures; with
     ``on_alert="raise"`` a critical registration-time alert raises
     :class:`gradflow.TrainingAlert` here.
     """
