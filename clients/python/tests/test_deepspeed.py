@@ -5,8 +5,9 @@ with ``gradflow.watch(engine)`` on every rank, against the real server.
 Each rank reports its partition of the averaged gradients (read through DeepSpeed,
 see :mod:`gradflow.zero`); the server adds the partitions up, so the combined module
 norms must equal the same model trained in one process on the same data. A healthy
-run raises nothing; a module run under ``torch.no_grad()`` inside forward is
-``grad_stuck_zero``; a NaN in one rank's batch is traced to that rank's loss. Select
+run raises nothing; in one job per stage, a module run under ``torch.no_grad()``
+inside forward is ``grad_stuck_zero`` and a NaN in one rank's batch is traced to that
+rank's loss. Select
 these tests with ``-k deepspeed``; they are skipped only when DeepSpeed cannot be
 imported.
 """
@@ -98,46 +99,33 @@ def test_deepspeed_zero_matches_one_process_and_stays_silent(gradflow_server, tm
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_a_module_under_no_grad_is_stuck_at_zero(gradflow_server, tmp_path, stage):
-    """The block runs under ``torch.no_grad()`` inside forward (the watched engine
-    given as its module and ZeRO optimizer here): DeepSpeed reduces zeros for its
-    parameters, and after 10 steps (``stuck_zero_steps``) the server says
+def test_deepspeed_zero_a_cut_graph_and_a_nan_in_one_rank_s_batch(gradflow_server, tmp_path, stage):
+    """Two faults in one job (the engine given as its module and ZeRO optimizer here).
+    The block runs under ``torch.no_grad()`` inside forward: DeepSpeed reduces zeros
+    for its parameters, and after 10 steps (``stuck_zero_steps``) the server says
     grad_stuck_zero on the block, backward not reaching it, the cut named, and on
-    nothing else."""
+    nothing else. Then a NaN enters rank 1's batch at step 10: the reduction spreads
+    it to both ranks' gradient partitions, and rank_nonfinite names rank 1 from its
+    loss, not rank 0."""
+    nan_step = 10
     run_id, _, _ = zero_run(
         gradflow_server,
         tmp_path,
         stage,
-        f"zero{stage}-cut",
+        f"zero{stage}-faults",
         *("--cut", "--stuck-steps", "10", "--watch", "module"),
+        *("--steps", "12", "--nan-input", f"{nan_step}:1"),
     )
     alert = gradflow_server.wait_for_alert(run_id, "grad_stuck_zero", "block")
     assert alert["evidence"]["cause"] == "backward_not_reached", alert
+    assert alert["first_step"] < nan_step, alert
     cut = alert["evidence"]["graph_cut"]
     assert cut["kind"] == "no_grad" and cut["module"] == "block", cut
-    stuck = [a["subject"] for a in gradflow_server.alerts(run_id) if a["kind"] == "grad_stuck_zero"]
-    assert stuck == ["block"], stuck
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(
-    gradflow_server, tmp_path, stage
-):
-    """A NaN enters rank 1's batch at step 8: the reduction spreads it to both ranks'
-    gradient partitions, and rank_nonfinite names rank 1 from its loss, not rank 0."""
-    nan_step = 8
-    run_id, _, _ = zero_run(
-        gradflow_server,
-        tmp_path,
-        stage,
-        f"zero{stage}-nan",
-        "--steps",
-        "10",
-        "--nan-input",
-        f"{nan_step}:1",
-    )
     alert = gradflow_server.wait_for_alert(run_id, "rank_nonfinite", "rank 1")
     assert alert["first_step"] == nan_step, alert
     assert alert["evidence"]["rank"] == 1 and alert["evidence"]["origin"] == "loss", alert
-    others = [a for a in gradflow_server.alerts(run_id) if a["kind"] == "rank_nonfinite"]
-    assert [a["subject"] for a in others] == ["rank 1"], others
+    alerts = gradflow_server.alerts(run_id)
+    stuck = [a["subject"] for a in alerts if a["kind"] == "grad_stuck_zero"]
+    assert stuck == ["block"], stuck
+    ranks = [a["subject"] for a in alerts if a["kind"] == "rank_nonfinite"]
+    assert ranks == ["rank 1"], ranks
