@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::alarms::WorkloadAlarms;
 use super::backend::{Backend, Database};
-use super::queries::{QueryTiming, alerts_at, post, register, time_get, timed_get};
+use super::queries::{QueryTiming, alerts_at, post_as, register, time_get, timed_get};
 use crate::stats::{ms, quantile};
 use crate::workload::{BatchWriter, Generator, Shape, Trace};
 
@@ -38,6 +38,39 @@ pub struct IngestSpec {
     pub queries_after: Vec<(String, String)>,
     /// Timed requests per read in `queries_after`.
     pub query_repeats: usize,
+    /// How the bodies are encoded.
+    pub body: BodyType,
+}
+
+/// The `Content-Type` of the step batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BodyType {
+    /// `application/json`, as the Python client sends.
+    Json,
+    /// `application/cbor` (protocol v1.6), as the Rust trainer sends: the same
+    /// records, encoded from the typed `StepRecord`s.
+    Cbor,
+}
+
+impl BodyType {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            BodyType::Json => "application/json",
+            BodyType::Cbor => gradflow_protocol::CBOR_CONTENT_TYPE,
+        }
+    }
+
+    /// The batch `json` in this encoding.
+    fn encode(self, json: Vec<u8>) -> anyhow::Result<Vec<u8>> {
+        Ok(match self {
+            BodyType::Json => json,
+            BodyType::Cbor => {
+                let records: Vec<gradflow_protocol::StepRecord> = serde_json::from_slice(&json)?;
+                gradflow_protocol::to_cbor(&records)
+            }
+        })
+    }
 }
 
 /// The servers of a measurement, and the one each batch goes to.
@@ -88,6 +121,7 @@ impl IngestSpec {
             probe_queries: false,
             queries_after: Vec::new(),
             query_repeats: 9,
+            body: BodyType::Json,
         }
     }
 
@@ -156,9 +190,12 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
             .map(|(b, first)| {
                 let count = spec.batch_steps.min(spec.steps_per_client - first);
                 let url = urls[spec.replicas.server_of(c, b)].clone();
-                (url, writer.batch(&generator.steps(first, count)))
+                let body = spec
+                    .body
+                    .encode(writer.batch(&generator.steps(first, count)))?;
+                anyhow::Ok((url, body))
             })
-            .collect();
+            .collect::<anyhow::Result<_>>()?;
         bodies.push(batches);
     }
 
@@ -175,11 +212,12 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
         .into_iter()
         .map(|batches| {
             let client = client.clone();
+            let content_type = spec.body.content_type();
             tokio::spawn(async move {
                 let mut latencies = Vec::with_capacity(batches.len());
                 for (url, body) in batches {
                     let sent = Instant::now();
-                    post(&client, &url, body).await?;
+                    post_as(&client, &url, content_type, body).await?;
                     latencies.push(sent.elapsed());
                 }
                 anyhow::Ok(latencies)

@@ -346,9 +346,19 @@ pub async fn register(
 }
 
 pub async fn post(client: &reqwest::Client, url: &str, body: Vec<u8>) -> anyhow::Result<()> {
+    post_as(client, url, "application/json", body).await
+}
+
+/// [`post`] with another `Content-Type` (`application/cbor`).
+pub async fn post_as(
+    client: &reqwest::Client,
+    url: &str,
+    content_type: &str,
+    body: Vec<u8>,
+) -> anyhow::Result<()> {
     let response = client
         .post(url)
-        .header("content-type", "application/json")
+        .header("content-type", content_type)
         .body(body)
         .send()
         .await?;
