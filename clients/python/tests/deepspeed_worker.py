@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--cut", action="store_true")
     parser.add_argument("--stuck-steps", type=int, default=0, help="stuck_zero_steps, if given")
     parser.add_argument("--nan-input", default="")
+    parser.add_argument("--no-full-norms", action="store_true", help="for timing the loop")
     parser.add_argument("--watch", choices=["engine", "module"], default="engine")
     args = parser.parse_args()
 
@@ -82,6 +84,7 @@ def main() -> None:
         gf = gradflow.watch(engine.module, engine.optimizer, name=args.name, detectors=detectors)
     nan_step, nan_rank = _at(args.nan_input)
     full: List[Dict[str, float]] = []
+    started = time.perf_counter()
     for step in range(args.steps):
         tokens, target = batch(step, rank, world)
         poison = None
@@ -91,13 +94,23 @@ def main() -> None:
         if poison is not None:
             poison.remove()
         engine.backward(loss)
-        full.append(full_norms(engine.module))
+        if not args.no_full_norms:
+            full.append(full_norms(engine.module))
         engine.step()
         gf.step(loss=loss)
+    loop_s = time.perf_counter() - started
     run_id = gf.run_id
     gf.close()
     Path(args.out, f"rank{rank}.json").write_text(
-        json.dumps({"rank": rank, "run_id": run_id, "enabled": gf.enabled, "full_norms": full})
+        json.dumps(
+            {
+                "rank": rank,
+                "run_id": run_id,
+                "enabled": gf.enabled,
+                "full_norms": full,
+                "loop_s": loop_s,
+            }
+        )
     )
 
 
