@@ -61,7 +61,9 @@ class LoopOrder:
         self._optimizers = [o for o in (optimizer, getattr(optimizer, "optimizer", None)) if o]
         self._scaler = scaler
         self._params = {id(p) for p in model.parameters()}
-        self._noted_params = [p for p in model.parameters() if p.requires_grad][:NOTED]
+        # Spread over the model, so that a branch some steps skip cannot be all of them.
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self._noted_params = trainable[:: max(1, len(trainable) // NOTED)][:NOTED]
         # (parameter, id of its gradient, the gradient's version) after the last step.
         self._noted: List[Tuple[Any, int, int]] = []
         self._steps = 0
