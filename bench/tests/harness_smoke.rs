@@ -51,6 +51,14 @@ fn every_part_runs_and_reports() {
     let r: Value =
         serde_json::from_slice(&std::fs::read(dir.path().join("results.json")).unwrap()).unwrap();
 
+    let long_run = &r["long_run"];
+    assert_eq!(long_run["steps"], 5_000, "{long_run}");
+    for read in long_run["reads"].as_array().unwrap() {
+        assert!(number(&read["points"]) > 0.0, "{read}");
+        assert!(number(&read["all_levels_ms"]) > 0.0, "{read}");
+        assert!(number(&read["two_levels_ms"]) > 0.0, "{read}");
+    }
+
     let round = &r["ingest"]["rounds"][0];
     for side in ["detectors_on", "detectors_off"] {
         assert_eq!(round[side]["module_values"], 4 * 100 * 230, "{round}");

@@ -23,7 +23,7 @@ use gradflow_bench::harness::report::{
     self, IngestReport, IngestRound, PostgresRound, RanksRound, Report,
 };
 use gradflow_bench::harness::{
-    Machine, baseline, ingest, latency, plot, queries, ranks, reporting, scaling,
+    Machine, baseline, ingest, latency, long_run, plot, queries, ranks, reporting, scaling,
 };
 use gradflow_bench::workload::{Shape, Trace};
 use gradflow_trainer::model::config::Preset;
@@ -41,6 +41,11 @@ enum Part {
     Overhead,
     Latency,
     Scaling,
+    /// A 10⁶-step run's 1,000-point series, with every rollup level and with the
+    /// two of before, side by side.
+    LongRun,
+    /// The 64-rank run beside 4 concurrent single-rank runs and one, alone.
+    Ranks,
     Mlflow,
     /// Redraw the scaling plots from `--out`/results.json, measuring nothing.
     Plots,
@@ -160,6 +165,29 @@ async fn measure(args: Args) -> anyhow::Result<()> {
         let sweeps = scaling_sweeps(quick).await?;
         write_plots(&sweeps, &args.out)?;
         report.scaling = Some(sweeps);
+    }
+    if wants(Part::LongRun) {
+        let spec = if quick {
+            long_run::LongRunSpec {
+                steps: 5_000,
+                modules: 20,
+                rounds: 2,
+            }
+        } else {
+            long_run::LongRunSpec {
+                steps: 1_000_000,
+                modules: 50,
+                rounds: 9,
+            }
+        };
+        eprintln!(
+            "gradflow-bench: a long run ({} steps × {} modules), its series read with each set of rollup levels, {} rounds",
+            spec.steps, spec.modules, spec.rounds
+        );
+        report.long_run = Some(long_run::run(&spec).await?);
+    }
+    if args.part == Part::Ranks {
+        report.ranks = Some(rank_rounds(&IngestSizes::new(quick, args.rounds)).await?);
     }
     if wants(Part::Mlflow) {
         report.mlflow = mlflow_reference(quick)?;
@@ -401,6 +429,55 @@ async fn ingest_rounds(sizes: &IngestSizes) -> anyhow::Result<IngestReport> {
         batch_steps: on.batch_steps,
         rounds: done,
     })
+}
+
+/// The multi-rank comparison of the ingest part alone: per round, 4 single-rank
+/// runs and the 64-rank run (in alternating order), then one single-rank run of as
+/// many records.
+async fn rank_rounds(sizes: &IngestSizes) -> anyhow::Result<Vec<report::RanksAlone>> {
+    let shape = Shape::QWEN_1_5B;
+    let together = ranks::RankSpec {
+        world_size: sizes.world_size,
+        steps: sizes.rank_steps,
+        batch_steps: sizes.rank_batch_steps,
+        shape,
+        lag_batches: 0,
+        server_args: Vec::new(),
+    };
+    let records = sizes.rank_steps * u64::from(sizes.world_size);
+    let single_rank = ingest::IngestSpec {
+        queries_after: Vec::new(),
+        ..ingest::IngestSpec::target(records / 4)
+    };
+    let one_run = ingest::IngestSpec {
+        clients: 1,
+        queries_after: Vec::new(),
+        ..ingest::IngestSpec::target(records)
+    };
+    let mut rounds = Vec::new();
+    for round in 0..sizes.rounds {
+        eprintln!(
+            "gradflow-bench: ranks round {}/{}: {} ranks × {} steps beside single-rank runs",
+            round + 1,
+            sizes.rounds,
+            together.world_size,
+            together.steps
+        );
+        let (single, multi) = if round % 2 == 0 {
+            let single = ingest::http(&single_rank).await?;
+            (single, ranks::http(&together, &Backend::Sqlite).await?)
+        } else {
+            let multi = ranks::http(&together, &Backend::Sqlite).await?;
+            (ingest::http(&single_rank).await?, multi)
+        };
+        let alone = ingest::http(&one_run).await?;
+        rounds.push(report::RanksAlone {
+            single_rank: single,
+            one_run: alone,
+            together: multi,
+        });
+    }
+    Ok(rounds)
 }
 
 async fn scaling_sweeps(quick: bool) -> anyhow::Result<Vec<scaling::Sweep>> {

@@ -8,6 +8,7 @@ pub mod backend;
 pub mod baseline;
 pub mod ingest;
 pub mod latency;
+pub mod long_run;
 pub mod plot;
 pub mod queries;
 pub mod ranks;

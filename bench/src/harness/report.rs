@@ -11,6 +11,7 @@ use super::alarms::{FalseAlarms, WorkloadAlarms};
 use super::baseline::BaselineResult;
 use super::ingest::IngestResult;
 use super::latency::Detection;
+use super::long_run::LongRunResult;
 use super::queries::{QueryResult, QueryTiming};
 use super::ranks::RankResult;
 use super::reporting::ReportingCost;
@@ -56,6 +57,14 @@ pub struct RanksRound {
     pub together: RankResult,
     /// The last rank held more than 256 steps behind the others.
     pub skewed: RankResult,
+}
+
+/// A round of the `ranks` part: [`RanksRound`] without the skewed run.
+#[derive(Debug, Clone, Serialize)]
+pub struct RanksAlone {
+    pub single_rank: IngestResult,
+    pub one_run: IngestResult,
+    pub together: RankResult,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -113,6 +122,10 @@ pub struct Report {
     #[serde(skip)]
     pub latency_alarms: Option<Vec<WorkloadAlarms>>,
     pub scaling: Option<Vec<Sweep>>,
+    /// A 10⁶-step run's series reads, with every rollup level and with two.
+    pub long_run: Option<LongRunResult>,
+    /// The `ranks` part: the 64-rank run beside single-rank runs, round by round.
+    pub ranks: Option<Vec<RanksAlone>>,
     /// What every workload above raised, labelled; false alarms on the healthy ones.
     pub false_alarms: Option<FalseAlarms>,
     /// `scripts/mlflow_reference.py`'s figures, when MLflow is installed.
@@ -306,6 +319,12 @@ impl Report {
                 }
                 md.push('\n');
             }
+        }
+        if let Some(l) = &self.long_run {
+            long_run_table(&mut md, l);
+        }
+        if let Some(rounds) = &self.ranks {
+            ranks_alone_table(&mut md, rounds);
         }
         if let Some(m) = &self.mlflow {
             let _ = writeln!(
@@ -744,4 +763,84 @@ mod tests {
         assert_eq!(thousands(999.0), "999");
         assert_eq!(thousands(1000.0), "1,000");
     }
+}
+
+fn long_run_table(md: &mut String, l: &LongRunResult) {
+    let _ = writeln!(
+        md,
+        "### A long run's series\n\nOne run of {} steps × {} modules (+ {} norm weights) \
+         over HTTP, 500 steps a batch ({:.1} s, {:.2} M module values/s, {:.2} B per \
+         module value); then {} rounds, each reading every series with all rollup levels \
+         and with the two of before (64 and 4,096 steps).\n",
+        thousands(l.steps as f64),
+        l.modules,
+        l.modules / 4,
+        l.ingest_seconds,
+        l.module_values_per_second / 1e6,
+        l.bytes_per_module_value,
+        l.rounds
+    );
+    md.push_str(
+        "| read | points | all levels p50 | two levels p50 | two ÷ all (median of rounds) | ≤ 20 ms |\n\
+         | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for r in &l.reads {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.1} ms | {:.1} ms | {:.1}× | {} |",
+            r.name,
+            r.points,
+            r.all_levels_ms,
+            r.two_levels_ms,
+            r.speedup,
+            verdict(r.all_levels_ms <= 20.0)
+        );
+    }
+    md.push('\n');
+}
+
+fn ranks_alone_table(md: &mut String, rounds: &[RanksAlone]) {
+    let Some(first) = rounds.first() else {
+        return;
+    };
+    let _ = writeln!(
+        md,
+        "### {} ranks beside single-rank runs\n\n{} rounds; each: 4 concurrent \
+         single-rank runs and the {}-rank run ({} steps, {} a batch) in alternating \
+         order, then one single-rank run of as many module records.\n",
+        first.together.world_size,
+        rounds.len(),
+        first.together.world_size,
+        first.together.steps,
+        first.together.batch_steps
+    );
+    md.push_str(
+        "| round | 4 single-rank runs | 1 single-rank run | ranks (module records/s) | \
+         ÷ 4 runs | ÷ 1 run | batch p50, ranks |\n| --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    let mut four = Vec::new();
+    let mut one = Vec::new();
+    for (i, r) in rounds.iter().enumerate() {
+        let multi = r.together.rank_module_records_per_second;
+        four.push(multi / r.single_rank.module_values_per_second);
+        one.push(multi / r.one_run.module_values_per_second);
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.2}× | {:.2}× | {:.1} ms |",
+            i + 1,
+            thousands(r.single_rank.module_values_per_second),
+            thousands(r.one_run.module_values_per_second),
+            thousands(multi),
+            four[i],
+            one[i],
+            r.together.batch_latency_p50_ms
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\nMedian ratios: **{:.2}×** 4 single-rank runs (target ≥ 0.80×: {}), {:.2}× one.\n",
+        median(four.iter().copied()),
+        verdict(median(four.iter().copied()) >= 0.8),
+        median(one.iter().copied())
+    );
 }

@@ -136,7 +136,16 @@ pub async fn length(lengths: &[u64], modules: usize) -> anyhow::Result<Sweep> {
         let seconds = started.elapsed().as_secs_f64();
         let stretch = (steps - done) * modules as u64;
         done = steps;
-        let mut timings = Vec::new();
+        let mut timings = vec![
+            time_get(
+                &client,
+                &server,
+                "1,000-point loss series",
+                "/api/v1/runs/long/series?metric=loss&max_points=1000",
+                9,
+            )
+            .await?,
+        ];
         for (name, path) in chart_and_series("long", &module) {
             timings.push(time_get(&client, &server, &name, &path, 9).await?);
         }
