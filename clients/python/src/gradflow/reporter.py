@@ -401,6 +401,12 @@ class Reporter:
                 self._send(lines[:half])
                 self._send(lines[half:])
                 return
+            elif err.status == 400 and (bare := _without_wiring(lines[0])) is not None:
+                # A server older than this client refuses the wiring findings an
+                # amendment carries (v1.5, kinds of v1.6): the step goes without them
+                # rather than not at all.
+                self._send_here([bare])
+                return
             else:
                 if err.status in (401, 403):
                     self._refuse_token(err)
@@ -462,3 +468,19 @@ class Reporter:
             except (Unreachable, Refused) as err:
                 logger.debug("gradflow: finish not recorded: %s", err)
             self.poll_alerts()
+
+
+def _without_wiring(line: str) -> Optional[str]:
+    """The encoded step record `line` without its amendment's wiring findings, or
+    None when it carries none."""
+    try:
+        record = json.loads(line)
+        amend = record.get("amend")
+        if not isinstance(amend, dict) or "wiring" not in amend:
+            return None
+        del amend["wiring"]
+        if not amend:
+            del record["amend"]
+        return json.dumps(record, separators=(",", ":"))
+    except (ValueError, AttributeError):
+        return None
