@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--stuck-steps", type=int, default=0, help="stuck_zero_steps, if given")
     parser.add_argument("--nan-input", default="")
     parser.add_argument("--no-full-norms", action="store_true", help="for timing the loop")
-    parser.add_argument("--watch", choices=["engine", "module"], default="engine")
+    parser.add_argument("--watch", choices=["engine", "module", "bare"], default="engine")
     args = parser.parse_args()
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -80,8 +80,10 @@ def main() -> None:
     detectors = {"stuck_zero_steps": args.stuck_steps} if args.stuck_steps else None
     if args.watch == "engine":
         gf = gradflow.watch(engine, name=args.name, detectors=detectors)
-    else:
+    elif args.watch == "module":
         gf = gradflow.watch(engine.module, engine.optimizer, name=args.name, detectors=detectors)
+    else:  # the engine's model alone: its gradients cannot be read
+        gf = gradflow.watch(engine.module, name=args.name)
     nan_step, nan_rank = _at(args.nan_input)
     full: List[Dict[str, float]] = []
     started = time.perf_counter()

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -65,7 +66,8 @@ def zero_run(
     print(f"{stem}: {time.monotonic() - started:.1f} s")
     assert done.returncode == 0, output
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    assert all(r["run_id"] == run_id and r["enabled"] for r in ranks), ranks
+    watched = "--watch" not in args or "bare" not in args
+    assert all((r["run_id"] == run_id) == watched == r["enabled"] for r in ranks), ranks
     return run_id, output, ranks
 
 
@@ -129,3 +131,19 @@ def test_deepspeed_zero_a_cut_graph_and_a_nan_in_one_rank_s_batch(gradflow_serve
     assert stuck == ["block"], stuck
     ranks = [a["subject"] for a in alerts if a["kind"] == "rank_nonfinite"]
     assert ranks == ["rank 1"], ranks
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_model_without_its_engine_is_not_watched(gradflow_server, tmp_path, stage):
+    """The engine's model given alone (no engine, no ZeRO optimizer): its parameters'
+    ``.grad`` is None at every step under ZeRO, which would read as gradients stuck at
+    zero. ``watch`` says how to watch it instead, on every rank, and does not watch."""
+    run_id, output, _ = zero_run(
+        gradflow_server, tmp_path, stage, f"zero{stage}-bare", "--watch", "bare", "--steps", "3"
+    )
+    said = "gradient is held by DeepSpeed's optimizer: pass the engine"
+    assert output.count(said) == 2, output
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        gradflow_server.run(run_id)
+    missing.value.close()
+    assert missing.value.code == 404

@@ -317,8 +317,8 @@ def _partitioned(model: nn.Module) -> Optional[str]:
     name = _zero.partitioned(model)
     if name is not None:
         return (
-            f"{name} is partitioned by DeepSpeed ZeRO: pass the engine deepspeed.initialize "
-            "returned (gradflow.watch(engine)) so that its gradients can be read"
+            f"{name}'s gradient is held by DeepSpeed's optimizer: pass the engine "
+            "deepspeed.initialize returned (gradflow.watch(engine)) so that it can be read"
         )
     return None
 
@@ -360,14 +360,14 @@ def watch(
     parameter, its shard of an FSDP2 one, its partition under DeepSpeed ZeRO: pass
     the engine ``deepspeed.initialize`` returns, see :mod:`gradflow.zero`) and the
     server combines them; see :mod:`gradflow.ranks` for how the ranks agree on the
-    run id. With ``rank=k`` only
-    rank ``k`` reports, as a single view of the job (not for sharded models).
+    run id. With ``rank=k`` only rank ``k`` reports, as a single view of the job (not
+    for sharded models).
 
     Returns a :class:`Watcher`, or a :class:`NoopWatcher` when ``GRADFLOW_DISABLED=1``,
-    on a rank that ``rank=`` leaves out, or for a model ZeRO-3 partitions given without
-    its engine; both are a :class:`gradflow.api.Watch`. Never raises for gradflow's own failures; with
-    ``on_alert="raise"`` a critical registration-time alert raises
-    :class:`gradflow.TrainingAlert` here.
+    on a rank that ``rank=`` leaves out, or for a model whose gradients DeepSpeed ZeRO
+    holds, given without its engine; both are a :class:`gradflow.api.Watch`. Never
+    raises for gradflow's own failures; with ``on_alert="raise"`` a critical
+    registration-time alert raises :class:`gradflow.TrainingAlert` here.
     """
     if _env.disabled():
         return NoopWatcher()

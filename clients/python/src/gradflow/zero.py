@@ -74,10 +74,12 @@ def _optimizer_stage(optimizer: Any) -> Optional[int]:
 
 
 def partitioned(model: nn.Module) -> Optional[str]:
-    """A parameter ZeRO stage 3 partitions, found on a model given without its engine
-    or ZeRO optimizer (whose gradients gradflow cannot then read)."""
+    """A parameter whose gradient DeepSpeed's optimizer holds (ZeRO stage 3 partitions
+    it: ``ds_id``; stages 1 and 2 map it to their flat partitions: ``_hp_mapping``),
+    found on a model given without its engine or ZeRO optimizer: its ``.grad`` is
+    None at the step, and gradflow cannot read it."""
     for name, p in model.named_parameters():
-        if hasattr(p, "ds_id"):
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
             return name
     return None
 
