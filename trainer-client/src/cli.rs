@@ -130,10 +130,11 @@ pub struct Args {
     #[arg(long, env = "GRADFLOW_SPOOL_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub spool_max_bytes: u64,
 
-    /// How step batches are encoded: `cbor` (the default; the client falls back to
-    /// JSON on its own against a server older than protocol v1.6, which answers
-    /// `415`), or `json` to send JSON from the start.
-    #[arg(long, env = "GRADFLOW_BODY", default_value = "cbor")]
+    /// How step batches are encoded: `json` (the default), or `cbor` (protocol v1.6;
+    /// the client falls back to JSON on its own against an older server, which
+    /// answers `415`). JSON stays the default because the server parses it faster
+    /// than CBOR today (BENCHMARKS.md, "What bounds ingest").
+    #[arg(long, env = "GRADFLOW_BODY", default_value = "json")]
     pub body: BodyArg,
 
     /// Logs only, no progress bar.

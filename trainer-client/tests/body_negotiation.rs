@@ -1,5 +1,5 @@
 //! The reporter's body encoding, against a real gradflow server on its own SQLite
-//! file: CBOR by default, JSON when told; and against a server older than protocol
+//! file: JSON by default, CBOR when told; and against a server older than protocol
 //! v1.6, JSON after its `415`. The older server is the real one behind a front that
 //! answers `415 unsupported_media_type` to `application/cbor`, as a v1.5 server does,
 //! and passes everything else through; the front also notes each `Content-Type` it saw.
@@ -135,7 +135,11 @@ fn stream(base: &str, server: &str, cbor: bool, spool: std::path::PathBuf) -> Ve
 }
 
 #[test]
-fn cbor_by_default_json_when_told_or_when_the_server_is_older() {
+fn json_by_default_cbor_when_told_and_json_again_when_the_server_is_older() {
+    assert!(
+        !ReporterConfig::new("http://127.0.0.1:1", "r").cbor,
+        "JSON by default"
+    );
     let runtime = Runtime::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut stored = Vec::new();

@@ -68,7 +68,7 @@ impl ReporterConfig {
             spool_path: std::env::temp_dir().join(format!("gradflow-spool-{run_id}.ndjson")),
             spool_max_bytes: 256 * 1024 * 1024,
             request_timeout: Duration::from_secs(10),
-            cbor: true,
+            cbor: false,
         }
     }
 }
