@@ -753,18 +753,6 @@ pub fn gather_alarms(report: &Report) -> Vec<WorkloadAlarms> {
     all
 }
 
-#[cfg(test)]
-mod tests {
-    use super::thousands;
-
-    #[test]
-    fn groups_digits() {
-        assert_eq!(thousands(1234567.4), "1,234,567");
-        assert_eq!(thousands(999.0), "999");
-        assert_eq!(thousands(1000.0), "1,000");
-    }
-}
-
 fn long_run_table(md: &mut String, l: &LongRunResult) {
     let _ = writeln!(
         md,
@@ -843,4 +831,16 @@ fn ranks_alone_table(md: &mut String, rounds: &[RanksAlone]) {
         verdict(median(four.iter().copied()) >= 0.8),
         median(one.iter().copied())
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::thousands;
+
+    #[test]
+    fn groups_digits() {
+        assert_eq!(thousands(1234567.4), "1,234,567");
+        assert_eq!(thousands(999.0), "999");
+        assert_eq!(thousands(1000.0), "1,000");
+    }
 }
