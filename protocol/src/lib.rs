@@ -40,8 +40,8 @@ pub use run::{
     check_webhook_url, default_group, default_module, redact_webhook_url, shard_rank_outside,
 };
 pub use step::{
-    CallSite, GpuStat, GraphCut, GraphCutKind, ModuleStep, ParamStep, ScalerState, StepRecord,
-    validate_batch,
+    CallSite, GpuStat, GraphCut, GraphCutKind, GraphCutVia, ModuleStep, ParamStep, ScalerState,
+    StepRecord, validate_batch,
 };
 pub use timestamp::Timestamp;
 pub use wiring::{WiringFinding, WiringKind};

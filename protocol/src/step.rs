@@ -129,6 +129,21 @@ pub struct GraphCut {
         skip_serializing_if = "Vec::is_empty"
     )]
     pub stack: Vec<CallSite>,
+    /// *(v1.6)* What ran the module cut off, when it was not the user's own code:
+    /// `reentrant_checkpoint`, a reentrant activation checkpoint whose inputs do not
+    /// require grad (it runs the block under `no_grad` and backward never enters it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub via: Option<GraphCutVia>,
+}
+
+/// What cut the graph on the user's behalf (library code), when the client knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum GraphCutVia {
+    /// `torch.utils.checkpoint(..., use_reentrant=True)` over inputs none of which
+    /// requires grad: the checkpointed block's forward runs under `no_grad`.
+    ReentrantCheckpoint,
 }
 
 /// How the graph was cut.

@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use gradflow_protocol::{GraphCut, GraphCutKind};
+use gradflow_protocol::{GraphCut, GraphCutKind, GraphCutVia};
 
 use super::{
     AlertKind, GroupMap, Opened, RunContext, Severity, StepView, Transition, is_within, sci,
@@ -332,6 +332,13 @@ fn cut_for<'a>(
         .min_by_key(|seen| (seen.cut.kind != GraphCutKind::NoGrad, seen.step))
 }
 
+/// The fix when a reentrant activation checkpoint cut the graph.
+const CHECKPOINT_FIX: &str = "Make the checkpoint's inputs require grad, so that backward \
+    enters the checkpointed blocks: model.enable_input_require_grads() (transformers and \
+    PEFT models) before training, or checkpoint without reentrancy: \
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": \
+    False}), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False).";
+
 /// The sentence that names the cut, and its evidence.
 fn describe_cut(seen: &SeenCut) -> (String, serde_json::Value) {
     let cut = &seen.cut;
@@ -347,6 +354,16 @@ fn describe_cut(seen: &SeenCut) -> (String, serde_json::Value) {
         String::new()
     };
     let sentence = match cut.kind {
+        GraphCutKind::NoGrad if cut.via == Some(GraphCutVia::ReentrantCheckpoint) => format!(
+            " The client saw where: {}'s forward ran inside a reentrant activation checkpoint \
+             (torch.utils.checkpoint with use_reentrant=True) at step {}{}{callers}, and none of \
+             the checkpoint's inputs requires grad: the checkpoint runs the block under \
+             no_grad, and backward never enters it, so trainable parameters inside it (adapters \
+             on a frozen base) get no gradient. No torch.no_grad() of the training code did this.",
+            cut.module,
+            seen.step,
+            called("the checkpoint"),
+        ),
         GraphCutKind::NoGrad => format!(
             " The client saw where: {}'s forward ran with gradients disabled (torch.no_grad(), \
              inference_mode or set_grad_enabled(False)) at step {}{}{callers}.",
@@ -553,11 +570,14 @@ fn open(
             contrast.join(", ")
         ));
     }
+    let through_checkpoint =
+        cut.is_some_and(|seen| seen.cut.via == Some(GraphCutVia::ReentrantCheckpoint));
     let cut = cut.map(describe_cut);
     if let Some((sentence, _)) = &cut {
         detail.push_str(sentence);
     }
     let fix = match cause {
+        Cause::BackwardNotReached if through_checkpoint => CHECKPOINT_FIX.to_owned(),
         Cause::BackwardNotReached => format!(
             "Find where the path from {subject}'s output to the loss is cut: a torch.no_grad() or \
              torch.inference_mode() block, a .detach(), a .item()/.tolist()/.numpy() round trip, or \
@@ -713,6 +733,36 @@ mod tests {
         assert_eq!(cut["kind"], "no_grad");
         assert_eq!(cut["stack"][0]["line"], 87);
         assert_eq!(cut["step"], 0);
+    }
+
+    #[test]
+    fn a_cut_made_by_a_reentrant_checkpoint_names_it_and_its_fix() {
+        let mut records: Vec<StepRecord> = (0..6).map(detached).collect();
+        records[0] = with_cuts(
+            detached(0),
+            json!([{"module": "qwen", "kind": "no_grad", "group": "qwen",
+                    "via": "reentrant_checkpoint",
+                    "stack": [{"file": "train.py", "line": 87, "function": "forward"}]}]),
+        );
+        let transitions = run(&records);
+        let o = opened(&transitions[0].1);
+        assert!(
+            o.detail.contains(
+                "qwen's forward ran inside a reentrant activation checkpoint (torch.utils.checkpoint \
+                 with use_reentrant=True) at step 0 (the checkpoint called from train.py:87 in \
+                 forward)"
+            ),
+            "{}",
+            o.detail
+        );
+        assert!(o.fix.contains("enable_input_require_grads()"), "{}", o.fix);
+        assert!(o.fix.contains("use_reentrant=False"), "{}", o.fix);
+        assert_eq!(o.evidence["graph_cut"]["via"], "reentrant_checkpoint");
+        // Without `via`, the fix stays the general one.
+        let mut records: Vec<StepRecord> = (0..6).map(detached).collect();
+        records[0] = with_cuts(detached(0), no_grad_on_qwen());
+        let o = opened(&run(&records)[0].1).clone();
+        assert!(!o.fix.contains("enable_input_require_grads"), "{}", o.fix);
     }
 
     #[test]

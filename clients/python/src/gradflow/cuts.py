@@ -179,12 +179,15 @@ class CutTracer:
         if key in self._active:
             return  # this episode was reported already
         self._active[key] = group
-        if kind == "no_grad" and not self._told_reentrant:
+        cut: Dict[str, Any] = {"module": module, "kind": kind, "group": group}
+        if kind == "no_grad":
             starved = reentrant_checkpoint_without_input_grad()
             if starved is not None:
-                self._told_reentrant = True
-                self.notify(_reentrant_message(module, starved))
-        cut: Dict[str, Any] = {"module": module, "kind": kind, "group": group}
+                # The server names the checkpoint and its fix (protocol v1.6).
+                cut["via"] = "reentrant_checkpoint"
+                if not self._told_reentrant:
+                    self._told_reentrant = True
+                    self.notify(_reentrant_message(module, starved))
         if upstream is not None:
             cut["upstream"] = upstream
         stack = user_stack()

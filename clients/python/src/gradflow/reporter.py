@@ -401,10 +401,10 @@ class Reporter:
                 self._send(lines[:half])
                 self._send(lines[half:])
                 return
-            elif err.status == 400 and (bare := _without_wiring(lines[0])) is not None:
+            elif err.status == 400 and (bare := _without_newer_fields(lines[0])) is not None:
                 # A server older than this client refuses the wiring findings an
-                # amendment carries (v1.5, kinds of v1.6): the step goes without them
-                # rather than not at all.
+                # amendment carries (v1.5, kinds of v1.6) and a graph cut's `via`
+                # (v1.6): the step goes without them rather than not at all.
                 self._send_here([bare])
                 return
             else:
@@ -470,17 +470,22 @@ class Reporter:
             self.poll_alerts()
 
 
-def _without_wiring(line: str) -> Optional[str]:
-    """The encoded step record `line` without its amendment's wiring findings, or
-    None when it carries none."""
+def _without_newer_fields(line: str) -> Optional[str]:
+    """The encoded step record `line` without what a server of an older protocol
+    refuses (its amendment's wiring findings, its graph cuts' `via`), or None when it
+    carries none of them."""
     try:
         record = json.loads(line)
+        changed = False
         amend = record.get("amend")
-        if not isinstance(amend, dict) or "wiring" not in amend:
-            return None
-        del amend["wiring"]
-        if not amend:
-            del record["amend"]
-        return json.dumps(record, separators=(",", ":"))
-    except (ValueError, AttributeError):
+        if isinstance(amend, dict) and "wiring" in amend:
+            del amend["wiring"]
+            if not amend:
+                del record["amend"]
+            changed = True
+        for cut in record.get("graph_cuts") or []:
+            if isinstance(cut, dict) and cut.pop("via", None) is not None:
+                changed = True
+        return json.dumps(record, separators=(",", ":")) if changed else None
+    except (ValueError, AttributeError, TypeError):
         return None

@@ -35,6 +35,7 @@ class GraphCut(TypedDict, total=False):
     group: str
     upstream: str
     stack: List[CallSite]
+    via: str  # GraphCutVia (v1.6): "reentrant_checkpoint"
 
 
 class _ModuleStepName(TypedDict):

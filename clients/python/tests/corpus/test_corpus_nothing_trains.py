@@ -145,11 +145,18 @@ def test_reentrant_checkpointing_over_a_frozen_base_starves_lora(gradflow_server
     # The client says it at once, naming the checkpoint and the fix.
     with pytest.warns(gradflow.GradflowWarning, match="reentrant activation checkpoint") as seen:
         run_id = quickstart(model, optimizer, train_step(model, optimizer))
-    (notice,) = [w for w in seen if "reentrant" in str(w.message)]
+    # The client's own notice (the server's alert, also warned, says it again).
+    (notice,) = [w for w in seen if "runs inside a reentrant" in str(w.message)]
     assert "enable_input_require_grads()" in str(notice.message)
     assert "use_reentrant=False" in str(notice.message)
     changed = moved(before, model)
     assert not [n for n in changed if "lora_" in n] and "lm_head.weight" in changed
-    verdict(
+    alert = verdict(
         gradflow_server, run_id, "grad_stuck_zero", "model.layers", cause="backward_not_reached"
     )
+    # The alert itself names the checkpoint, not a torch.no_grad() the user never wrote,
+    # and gives the checkpoint's fix.
+    assert alert["evidence"]["graph_cut"]["via"] == "reentrant_checkpoint", alert["evidence"]
+    assert "reentrant activation checkpoint" in alert["detail"], alert["detail"]
+    assert "enable_input_require_grads()" in alert["fix"], alert["fix"]
+    assert "use_reentrant" in alert["fix"], alert["fix"]

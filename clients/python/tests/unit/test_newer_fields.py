@@ -1,0 +1,38 @@
+"""What the reporter strips from a step record that a server of an older protocol
+refused: only the fields that server cannot know, nothing else."""
+
+import json
+
+from gradflow.reporter import _without_newer_fields
+
+
+def test_wiring_and_a_cut_s_via_are_stripped_and_the_rest_kept():
+    record = {
+        "step": 3,
+        "loss": 1.5,
+        "amend": {"params": [{"name": "w"}], "wiring": [{"kind": "clip_after_step"}]},
+        "graph_cuts": [
+            {"module": "m", "kind": "no_grad", "via": "reentrant_checkpoint"},
+            {"module": "n", "kind": "detached_input"},
+        ],
+    }
+    bare = json.loads(_without_newer_fields(json.dumps(record)) or "null")
+    assert bare == {
+        "step": 3,
+        "loss": 1.5,
+        "amend": {"params": [{"name": "w"}]},
+        "graph_cuts": [
+            {"module": "m", "kind": "no_grad"},
+            {"module": "n", "kind": "detached_input"},
+        ],
+    }
+
+
+def test_an_amendment_of_wiring_only_goes_whole():
+    record = {"step": 1, "amend": {"wiring": [{"kind": "params_created_in_forward"}]}}
+    assert json.loads(_without_newer_fields(json.dumps(record)) or "null") == {"step": 1}
+
+
+def test_a_record_without_them_is_not_sent_again():
+    assert _without_newer_fields(json.dumps({"step": 1, "graph_cuts": [{"module": "m"}]})) is None
+    assert _without_newer_fields("not json") is None
