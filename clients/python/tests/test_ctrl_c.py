@@ -48,6 +48,10 @@ def start(tmp_path: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # As from a terminal: a suite run as a background job (`cmd &` in a script)
+        # hands its children SIGINT ignored, and Python then installs no
+        # KeyboardInterrupt for it, so the Ctrl-C under test would never arrive.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert process.stdout is not None
     assert process.stdout.readline().strip() == "TRAINING"

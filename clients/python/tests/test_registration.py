@@ -109,10 +109,15 @@ def test_scaler_kind_and_frozen_parameters(gradflow_server):
     assert disabled["precision"]["loss_scaler"] == "none"
 
 
-def test_sharded_parameters_are_refused_with_a_clear_warning():
+def test_a_zero_partitioned_model_without_its_engine_is_refused_with_a_clear_warning():
+    """A model whose parameters DeepSpeed ZeRO partitions, given without the engine:
+    its gradients are held by DeepSpeed's optimizer, so the warning says to pass the
+    engine (tests/test_deepspeed.py watches one)."""
     model = PromptAgent()
     model.agent.head.weight.ds_id = 7  # how DeepSpeed ZeRO marks a partitioned parameter
-    with pytest.warns(gradflow.GradflowWarning, match="not supported yet"):
+    with pytest.warns(
+        gradflow.GradflowWarning, match=r"pass the engine .*gradflow\.watch\(engine\)"
+    ):
         gf = gradflow.watch(model, torch.optim.AdamW(model.parameters()), run_id=new_run_id())
     assert isinstance(gf, gradflow.NoopWatcher)
 
