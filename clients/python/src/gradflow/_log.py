@@ -30,8 +30,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def say(message: str) -> None:
-    """A line for the person running training (run id, delivery summary)."""
-    print(f"gradflow: {message}", file=sys.stderr, flush=True)
+    """A line for the person running training (run id, delivery summary).
+
+    Written as one string, newline included: ``print`` writes the text and the newline
+    apart, and the ranks of a job share one stderr, so their lines would interleave."""
+    try:
+        sys.stderr.write(f"gradflow: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed or broken stderr never breaks training
+        pass
 
 
 def show_alert(level: int, message: str) -> None:
