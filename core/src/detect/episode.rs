@@ -2,8 +2,11 @@
 //! reported steps opens an alert once it has held long enough — on so many reports
 //! ([`Streak::observe`]) or over so many step numbers ([`Streak::observe_steps`], for
 //! thresholds that must not depend on how often a client reports) — and the first
-//! reported step without it resolves the alert. Detectors say what the condition is
-//! and what the alert says; this type keeps the counting, so that it is written once.
+//! reported step without it resolves the alert. A detector whose alert opens on more
+//! than a length (a second condition at the open edge, a minimum of reports beside a
+//! span) says when the run is long enough itself ([`Streak::observe_when`]).
+//! Detectors say what the condition is and what the alert says; this type keeps the
+//! counting, so that it is written once.
 
 use serde::{Deserialize, Serialize};
 
@@ -42,7 +45,10 @@ impl Streak {
         })
     }
 
-    fn observe_when(
+    /// The general form: folds in one reported step on which the condition is
+    /// `holds`, and opens on the first step of the run on which `long_enough` (asked
+    /// after the step is counted, on every step of the run until it opens) says so.
+    pub fn observe_when(
         &mut self,
         holds: bool,
         step: u64,
@@ -62,9 +68,26 @@ impl Streak {
         None
     }
 
+    /// A run known by its count of reports and its first step (read only when the
+    /// count is above 0), the layout detectors stored before they counted with this
+    /// type.
+    pub fn from_count(count: u32, first_step: u64, open: bool) -> Streak {
+        Streak {
+            since: (count > 0).then_some(first_step),
+            count,
+            open,
+        }
+    }
+
     /// The first step of the run (`step` when none has begun).
     pub fn first_step(&self, step: u64) -> u64 {
         self.since.unwrap_or(step)
+    }
+
+    /// Step numbers the run spans at `step`, its first and `step` both counted; 0
+    /// when no run has begun.
+    pub fn span(&self, step: u64) -> u64 {
+        self.since.map_or(0, |since| step.saturating_sub(since) + 1)
     }
 }
 
@@ -114,5 +137,34 @@ mod tests {
         let mut streak = Streak::default();
         assert_eq!(streak.observe_steps(true, 3, 1), Some(Edge::Open));
         assert_eq!(streak.observe_steps(false, 4, 1), Some(Edge::Resolve));
+    }
+
+    #[test]
+    fn observe_when_asks_on_every_step_of_the_run_until_it_opens() {
+        // Long enough from the second report on, but only once a gate is also open.
+        let mut streak = Streak::default();
+        let mut asked = Vec::new();
+        for (step, gate) in [(0, true), (1, false), (2, false), (3, true), (4, true)] {
+            let edge = streak.observe_when(true, step, |s| {
+                asked.push(s.count);
+                s.count >= 2 && gate
+            });
+            assert_eq!(edge, (step == 3).then_some(Edge::Open), "step {step}");
+        }
+        // Counted before it is asked; not asked once open.
+        assert_eq!(asked, [1, 2, 3, 4]);
+        assert_eq!(streak.observe_when(false, 5, |_| true), Some(Edge::Resolve));
+        assert_eq!(streak, Streak::default());
+    }
+
+    #[test]
+    fn span_counts_step_numbers_from_the_first_step_of_the_run() {
+        let mut streak = Streak::default();
+        assert_eq!(streak.span(7), 0);
+        streak.observe(true, 10, 9);
+        streak.observe(true, 15, 9);
+        assert_eq!((streak.span(15), streak.span(19), streak.count), (6, 10, 2));
+        assert_eq!(Streak::from_count(2, 10, false), streak);
+        assert_eq!(Streak::from_count(0, 10, false), Streak::default());
     }
 }

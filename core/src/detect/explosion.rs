@@ -40,6 +40,7 @@ use std::collections::{BTreeMap, VecDeque};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::episode::{Edge, Streak};
 use super::{AlertKind, Opened, Severity, StepView, Transition, sci};
 
 /// How many times the level a norm must stay, [`PERSIST`] readings running.
@@ -64,14 +65,47 @@ pub struct GradExplosion {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(from = "StoredHistory", into = "StoredHistory")]
 struct History {
     /// log10 of recent norms, clipped.
     recent: VecDeque<f64>,
-    /// Consecutive readings above the bar, with the first one's step.
+    /// Consecutive readings above the bar, and whether the alert is open.
+    high: Streak,
+}
+
+/// How a [`History`] is stored: the layout it had before it counted with
+/// [`Streak`], so that stored detector states carry on where they were.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+struct StoredHistory {
+    recent: VecDeque<f64>,
     high_since: Option<u64>,
     high_count: usize,
     open: bool,
+}
+
+impl From<StoredHistory> for History {
+    fn from(stored: StoredHistory) -> Self {
+        History {
+            recent: stored.recent,
+            high: Streak {
+                since: stored.high_since,
+                count: u32::try_from(stored.high_count).unwrap_or(u32::MAX),
+                open: stored.open,
+            },
+        }
+    }
+}
+
+impl From<History> for StoredHistory {
+    fn from(history: History) -> Self {
+        StoredHistory {
+            recent: history.recent,
+            high_since: history.high.since,
+            high_count: history.high.count as usize,
+            open: history.high.open,
+        }
+    }
 }
 
 fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
@@ -138,38 +172,37 @@ impl GradExplosion {
             let level = history.level();
             let above = log_norm - level;
             history.remember(log_norm, Some(level));
-            if above < factor.log10() {
-                history.high_since = None;
-                history.high_count = 0;
-                if std::mem::take(&mut history.open) {
-                    out.push(Transition::Resolve {
-                        kind: AlertKind::GradExplosion,
-                        subject: group.to_owned(),
+            // A spike opens on its own reading; a run above the bar, once it is
+            // long enough and the loss rises with it.
+            let spike = above >= spike_factor.log10();
+            let edge = history
+                .high
+                .observe_when(above >= factor.log10(), record.step, |high| {
+                    spike || (high.count as usize >= PERSIST && loss_rising)
+                });
+            match edge {
+                Some(Edge::Resolve) => out.push(Transition::Resolve {
+                    kind: AlertKind::GradExplosion,
+                    subject: group.to_owned(),
+                    step: record.step,
+                }),
+                Some(Edge::Open) => {
+                    let reading = Reading {
+                        group,
+                        norm,
+                        level: 10f64.powf(level),
                         step: record.step,
+                        first_step: history.high.first_step(record.step),
+                        readings: history.high.count as usize,
+                        window: history.recent.len(),
+                    };
+                    out.push(if spike {
+                        opened(&reading, "spike", spike_factor)
+                    } else {
+                        opened(&reading, "sustained", factor)
                     });
                 }
-                continue;
-            }
-            let first = *history.high_since.get_or_insert(record.step);
-            history.high_count += 1;
-            if history.open {
-                continue;
-            }
-            let reading = Reading {
-                group,
-                norm,
-                level: 10f64.powf(level),
-                step: record.step,
-                first_step: first,
-                readings: history.high_count,
-                window: history.recent.len(),
-            };
-            if above >= spike_factor.log10() {
-                history.open = true;
-                out.push(opened(&reading, "spike", spike_factor));
-            } else if history.high_count >= PERSIST && loss_rising {
-                history.open = true;
-                out.push(opened(&reading, "sustained", factor));
+                None => {}
             }
         }
     }
@@ -345,6 +378,38 @@ mod tests {
         let mut early = vec![1.0; 5];
         early.push(1000.0);
         assert!(run(&early).is_empty());
+    }
+
+    #[test]
+    fn a_state_stored_in_the_earlier_layout_carries_on_mid_run() {
+        // Two readings above the bar so far, stored as the history was laid out
+        // before it counted with episode::Streak (the keys it is still stored under).
+        let stored = json!({"groups": {"qwen": {"recent": vec![0.0; 30], "high_since": 30,
+            "high_count": 2, "open": false}}, "losses": []});
+        let mut detector: GradExplosion = serde_json::from_value(stored).unwrap();
+        let registration: RunRegistration =
+            serde_json::from_value(json!({"params": [{"name": "qwen.a.weight"}]})).unwrap();
+        let context = RunContext::new(&registration, Thresholds::default());
+        let mut out = Vec::new();
+        let r = record(json!({"step": 32, "modules": [{"module": "qwen.a", "grad_norm": 300.0}]}));
+        detector.on_step(&StepView::new(&context, &r), &mut out);
+        let [Transition::Open(o)] = &out[..] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            (o.evidence["cause"].as_str(), o.first_step),
+            (Some("sustained"), Some(30))
+        );
+        assert_eq!(o.evidence["readings"], 3);
+        let saved = serde_json::to_value(&detector).unwrap();
+        assert_eq!(
+            (
+                &saved["groups"]["qwen"]["high_since"],
+                &saved["groups"]["qwen"]["high_count"]
+            ),
+            (&json!(30), &json!(3))
+        );
+        assert_eq!(saved["groups"]["qwen"]["open"], true);
     }
 
     #[test]

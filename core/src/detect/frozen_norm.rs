@@ -25,6 +25,15 @@
 //! The threshold counts step numbers: a weight frozen on every report from step 10
 //! to step 29 has been frozen for 20 steps whether the client reported every step or
 //! every fifth.
+//!
+//! Its counting is its own, not [`super::episode::Streak`]'s: the runs are each
+//! weight's, the episode is the group's. The first weight of a group to reach the
+//! threshold opens it and later ones join it silently; it resolves when a weight
+//! whose run had spanned the threshold thaws and no weight of the group is still
+//! frozen for the threshold's span, both judged by the step numbers up to the step
+//! at hand, whether the weight was reported on it or not. A `Streak` opens and
+//! resolves on its own reports only, so one per weight would end the episode at
+//! other steps when weights are reported unevenly.
 
 use std::collections::BTreeMap;
 

@@ -32,6 +32,7 @@ use serde_json::json;
 
 use gradflow_protocol::{GraphCut, GraphCutKind, GraphCutVia};
 
+use super::episode::{Edge, Streak};
 use super::{
     AlertKind, GroupMap, Opened, RunContext, Severity, StepView, Transition, is_within, sci,
     step_range,
@@ -43,8 +44,8 @@ pub const MAX_MODULE_ALERTS: usize = 3;
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct StuckZeroGrad {
-    groups: BTreeMap<String, Streak>,
-    modules: BTreeMap<String, Streak>,
+    groups: BTreeMap<String, ZeroRun>,
+    modules: BTreeMap<String, ZeroRun>,
     /// Open alerts that stand for several modules: subject → the modules still stuck.
     batches: BTreeMap<String, Vec<String>>,
     /// The latest graph cut the client reported for each module.
@@ -79,24 +80,63 @@ impl SeenCut {
     }
 }
 
-/// A run of consecutive zero-gradient steps of one group or module.
+/// A run of consecutive zero-gradient steps of one group or module: its
+/// [`Streak`], and what the steps of the run showed.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-struct Streak {
+#[serde(from = "StoredRun", into = "StoredRun")]
+struct ZeroRun {
+    streak: Streak,
+    /// Steps of the run on which every backward hook reported 0 hits.
+    hooks_silent: u32,
+    /// Steps of the run on which no gradient tensor existed (`null`).
+    missing: u32,
+    /// Steps of the run on which every backward hook fired (`hook_hits` > 0): a
+    /// gradient was accumulated, whatever was left of it at the optimizer step.
+    hooks_fired: u32,
+    /// The subject of the alert this module's episode belongs to, when it is one
+    /// of several modules under a common alert.
+    batch: Option<String>,
+}
+
+/// How a [`ZeroRun`] is stored: the layout it had before it counted with
+/// [`Streak`], so that stored detector states carry on where they were.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoredRun {
     len: u32,
     first_step: u64,
-    /// Steps of the streak on which every backward hook reported 0 hits.
     hooks_silent: u32,
-    /// Steps of the streak on which no gradient tensor existed (`null`).
     missing: u32,
-    /// Steps of the streak on which every backward hook fired (`hook_hits` > 0): a
-    /// gradient was accumulated, whatever was left of it at the optimizer step.
     #[serde(default)]
     hooks_fired: u32,
     open: bool,
-    /// The subject of the alert this module's episode belongs to, when it is one
-    /// of several modules under a common alert.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     batch: Option<String>,
+}
+
+impl From<StoredRun> for ZeroRun {
+    fn from(stored: StoredRun) -> Self {
+        ZeroRun {
+            streak: Streak::from_count(stored.len, stored.first_step, stored.open),
+            hooks_silent: stored.hooks_silent,
+            missing: stored.missing,
+            hooks_fired: stored.hooks_fired,
+            batch: stored.batch,
+        }
+    }
+}
+
+impl From<ZeroRun> for StoredRun {
+    fn from(run: ZeroRun) -> Self {
+        StoredRun {
+            len: run.streak.count,
+            first_step: run.first_step(),
+            hooks_silent: run.hooks_silent,
+            missing: run.missing,
+            hooks_fired: run.hooks_fired,
+            open: run.streak.open,
+            batch: run.batch,
+        }
+    }
 }
 
 /// One step's reading of a group or module.
@@ -133,12 +173,13 @@ enum Cause {
 }
 
 impl Cause {
-    fn of(streak: &Streak) -> Cause {
-        if streak.hooks_silent == streak.len {
+    fn of(run: &ZeroRun) -> Cause {
+        let len = run.streak.count;
+        if run.hooks_silent == len {
             Cause::BackwardNotReached
-        } else if streak.missing == streak.len && streak.hooks_fired == streak.len {
+        } else if run.missing == len && run.hooks_fired == len {
             Cause::ClearedBeforeStep
-        } else if streak.missing == streak.len {
+        } else if run.missing == len {
             Cause::GradMissing
         } else {
             Cause::ZeroGradient
@@ -155,31 +196,29 @@ impl Cause {
     }
 }
 
-impl Streak {
-    /// Steps the streak spans at `step`, by step number.
-    fn span(&self, step: u64) -> u64 {
-        if self.len == 0 {
-            0
+impl ZeroRun {
+    /// Folds in one step's reading; the run opens once `long_enough` says so (see
+    /// [`Streak::observe_when`]), and a reading with a gradient ends it.
+    fn observe(
+        &mut self,
+        step: u64,
+        reading: Reading,
+        long_enough: impl FnOnce(&Streak) -> bool,
+    ) -> Option<Edge> {
+        let edge = self.streak.observe_when(reading.zero, step, long_enough);
+        if reading.zero {
+            self.hooks_silent += u32::from(reading.hooks_silent);
+            self.hooks_fired += u32::from(reading.hooks_fired);
+            self.missing += u32::from(reading.missing);
         } else {
-            step.saturating_sub(self.first_step) + 1
+            *self = ZeroRun::default();
         }
+        edge
     }
 
-    /// Folds in one step; returns whether an open episode just ended.
-    fn update(&mut self, step: u64, reading: Reading) -> bool {
-        if !reading.zero {
-            let was_open = self.open;
-            *self = Streak::default();
-            return was_open;
-        }
-        if self.len == 0 {
-            self.first_step = step;
-        }
-        self.len += 1;
-        self.hooks_silent += u32::from(reading.hooks_silent);
-        self.hooks_fired += u32::from(reading.hooks_fired);
-        self.missing += u32::from(reading.missing);
-        false
+    /// The first step of the run (0 when none has begun).
+    fn first_step(&self) -> u64 {
+        self.streak.since.unwrap_or_default()
     }
 }
 
@@ -211,74 +250,64 @@ impl StuckZeroGrad {
 
         for (group, reading) in group_readings.iter() {
             let reading = reading.expect("set when the group was entered");
-            let Some(streak) = streak_for(&mut self.groups, group, reading) else {
+            let Some(run) = run_for(&mut self.groups, group, reading) else {
                 continue;
             };
-            if streak.update(step, reading) {
-                out.push(resolve(group, step));
-            }
-            if streak.span(step) >= threshold && !streak.open {
-                streak.open = true;
-                let others = healthy_others(&group_readings, group);
-                let cut = cut_for(&self.cuts, group, None, streak);
-                out.push(open(
-                    context,
-                    group,
-                    None,
-                    reading.modules,
-                    streak,
-                    step,
-                    &others,
-                    cut,
-                ));
+            match run.observe(step, reading, |s| s.span(step) >= threshold) {
+                Some(Edge::Resolve) => out.push(resolve(group, step)),
+                Some(Edge::Open) => {
+                    let others = healthy_others(&group_readings, group);
+                    let cut = cut_for(&self.cuts, group, None, run);
+                    out.push(open(
+                        context,
+                        group,
+                        None,
+                        reading.modules,
+                        run,
+                        step,
+                        &others,
+                        cut,
+                    ));
+                }
+                None => {}
             }
         }
-        // Modules reaching the threshold this step, by group and cause.
+        // Modules reaching the threshold this step (their runs open here), by group
+        // and cause. A module of a group stuck as a whole waits: the group's alert
+        // says it.
         let mut reached: BTreeMap<(&str, &'static str), Vec<&str>> = BTreeMap::new();
         for (module, group, reading) in module_readings {
-            let Some(streak) = streak_for(&mut self.modules, module, reading) else {
+            let group_stuck = self.groups.get(group).is_some_and(|g| g.streak.open);
+            let Some(run) = run_for(&mut self.modules, module, reading) else {
                 continue;
             };
-            let batch = streak.batch.clone();
-            if streak.update(step, reading) {
-                match batch {
+            let batch = run.batch.clone();
+            match run.observe(step, reading, |s| s.span(step) >= threshold && !group_stuck) {
+                Some(Edge::Resolve) => match batch {
                     Some(subject) => leave_batch(&mut self.batches, &subject, module, step, out),
                     None => out.push(resolve(module, step)),
-                }
-            }
-            let group_stuck = self.groups.get(group).is_some_and(|g| g.open);
-            if streak.span(step) >= threshold && !streak.open && !group_stuck {
-                reached
-                    .entry((group, Cause::of(streak).as_str()))
+                },
+                Some(Edge::Open) => reached
+                    .entry((group, Cause::of(run).as_str()))
                     .or_default()
-                    .push(module);
+                    .push(module),
+                None => {}
             }
         }
         for ((group, _), modules) in reached {
             if modules.len() <= MAX_MODULE_ALERTS {
                 for module in modules {
-                    let streak = self.modules.get_mut(module).expect("streak just updated");
-                    streak.open = true;
-                    let cut = cut_for(&self.cuts, module, Some(group), streak);
-                    out.push(open(
-                        context,
-                        module,
-                        Some(group),
-                        1,
-                        streak,
-                        step,
-                        &[],
-                        cut,
-                    ));
+                    let run = self.modules.get(module).expect("run just opened");
+                    let cut = cut_for(&self.cuts, module, Some(group), run);
+                    out.push(open(context, module, Some(group), 1, run, step, &[], cut));
                 }
                 continue;
             }
             let subject = batch_subject(group, &modules);
-            let example = self.modules.get(modules[0]).expect("streak").clone();
+            let example = self.modules.get(modules[0]).expect("run").clone();
             for module in &modules {
-                let streak = self.modules.get_mut(*module).expect("streak just updated");
-                streak.open = true;
-                streak.batch = Some(subject.clone());
+                let run = self.modules.get_mut(*module).expect("run just opened");
+                run.batch = Some(subject.clone());
             }
             let cut = cut_for(&self.cuts, &subject, Some(group), &example);
             out.push(open_batch(
@@ -288,8 +317,10 @@ impl StuckZeroGrad {
                 .insert(subject, modules.iter().map(|m| (*m).to_owned()).collect());
         }
         // Keep only what carries information: streaks in progress and open episodes.
-        self.groups.retain(|_, s| s.len > 0 || s.open);
-        self.modules.retain(|_, s| s.len > 0 || s.open);
+        self.groups
+            .retain(|_, r| r.streak.count > 0 || r.streak.open);
+        self.modules
+            .retain(|_, r| r.streak.count > 0 || r.streak.open);
     }
 
     fn keep_cuts(&mut self, step: u64, cuts: &[GraphCut]) {
@@ -322,13 +353,13 @@ fn cut_for<'a>(
     cuts: &'a BTreeMap<String, SeenCut>,
     subject: &str,
     group: Option<&str>,
-    streak: &Streak,
+    run: &ZeroRun,
 ) -> Option<&'a SeenCut> {
-    if Cause::of(streak) != Cause::BackwardNotReached {
+    if Cause::of(run) != Cause::BackwardNotReached {
         return None;
     }
     cuts.values()
-        .filter(|seen| seen.step >= streak.first_step && seen.explains(subject, group))
+        .filter(|seen| seen.step >= run.first_step() && seen.explains(subject, group))
         .min_by_key(|seen| (seen.cut.kind != GraphCutKind::NoGrad, seen.step))
 }
 
@@ -433,7 +464,7 @@ fn open_batch(
     subject: &str,
     group: &str,
     modules: &[&str],
-    example: &Streak,
+    example: &ZeroRun,
     step: u64,
     cut: Option<&SeenCut>,
 ) -> Transition {
@@ -468,21 +499,21 @@ fn open_batch(
     Transition::Open(alert)
 }
 
-/// The streak to update for a reading: the existing one, or a new one for a zero
-/// reading. A healthy entity without a streak has nothing to update, and on the hot
+/// The run to update for a reading: the existing one, or a new one for a zero
+/// reading. A healthy entity without a run has nothing to update, and on the hot
 /// path (every module of every step) that saves allocating its name.
-fn streak_for<'a>(
-    streaks: &'a mut BTreeMap<String, Streak>,
+fn run_for<'a>(
+    runs: &'a mut BTreeMap<String, ZeroRun>,
     name: &str,
     reading: Reading,
-) -> Option<&'a mut Streak> {
-    if !streaks.contains_key(name) {
+) -> Option<&'a mut ZeroRun> {
+    if !runs.contains_key(name) {
         if !reading.zero {
             return None;
         }
-        streaks.insert(name.to_owned(), Streak::default());
+        runs.insert(name.to_owned(), ZeroRun::default());
     }
-    streaks.get_mut(name)
+    runs.get_mut(name)
 }
 
 /// Groups with a non-zero gradient this step, for the contrast in the detail.
@@ -509,12 +540,13 @@ fn open(
     subject: &str,
     module_of_group: Option<&str>,
     modules: usize,
-    streak: &Streak,
+    run: &ZeroRun,
     step: u64,
     others: &[(String, f64)],
     cut: Option<&SeenCut>,
 ) -> Transition {
-    let cause = Cause::of(streak);
+    let cause = Cause::of(run);
+    let (reports, first_step, span) = (run.streak.count, run.first_step(), run.streak.span(step));
     let what = match module_of_group {
         Some(group) => format!("Module {subject} (group {group})"),
         None => {
@@ -533,7 +565,7 @@ fn open(
         Cause::ClearedBeforeStep => {
             format!("{subject}'s gradients are cleared before the optimizer step")
         }
-    } + &format!(": gradient norm 0 for {} steps", streak.span(step));
+    } + &format!(": gradient norm 0 for {span} steps");
     let why = match cause {
         Cause::BackwardNotReached => {
             "Their backward hooks never fired (hook_hits 0): backward never reached them, \
@@ -555,10 +587,9 @@ fn open(
     };
     let mut detail = format!(
         "{what} had gradient norm 0.00e+00 or no gradient on each of its {} reports over the \
-         last {} steps ({}). {why}",
-        streak.len,
-        streak.span(step),
-        step_range(streak.first_step, step),
+         last {span} steps ({}). {why}",
+        reports,
+        step_range(first_step, step),
     );
     if !others.is_empty() {
         let contrast: Vec<String> = others
@@ -604,19 +635,19 @@ fn open(
         kind: AlertKind::GradStuckZero,
         subject: subject.to_owned(),
         severity: Severity::Critical,
-        first_step: Some(streak.first_step),
+        first_step: Some(first_step),
         step: Some(step),
         title,
         detail,
         fix,
         evidence: json!({
             "cause": cause.as_str(),
-            "steps": streak.span(step),
-            "reports": streak.len,
-            "first_step": streak.first_step,
+            "steps": span,
+            "reports": reports,
+            "first_step": first_step,
             "modules": modules,
-            "hooks_silent_steps": streak.hooks_silent,
-            "missing_steps": streak.missing,
+            "hooks_silent_steps": run.hooks_silent,
+            "missing_steps": run.missing,
         }),
     };
     if let Some((_, evidence)) = cut {
@@ -1030,6 +1061,27 @@ mod tests {
             })
             .collect();
         assert!(run(&records).is_empty());
+    }
+
+    #[test]
+    fn a_state_stored_in_the_earlier_layout_carries_on_mid_streak() {
+        // Four zero steps of qwen, stored as the run was laid out before it counted
+        // with episode::Streak (the same keys it is still stored under).
+        let stored = json!({"groups": {"qwen": {"len": 4, "first_step": 0, "hooks_silent": 4,
+            "missing": 4, "hooks_fired": 0, "open": false}}});
+        let mut detector: StuckZeroGrad = serde_json::from_value(stored).unwrap();
+        let mut out = Vec::new();
+        detector.on_step(&StepView::new(&context(), &detached(4)), &mut out);
+        let o = opened(&out[0]);
+        assert_eq!((o.subject.as_str(), o.first_step), ("qwen", Some(0)));
+        assert_eq!(o.evidence["cause"], "backward_not_reached");
+        assert_eq!(o.evidence["reports"], 5);
+        let saved = serde_json::to_value(&detector).unwrap();
+        assert_eq!(
+            saved["groups"]["qwen"],
+            json!({"len": 5, "first_step": 0, "hooks_silent": 5, "missing": 5,
+                   "hooks_fired": 0, "open": true})
+        );
     }
 
     #[test]

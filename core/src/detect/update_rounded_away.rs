@@ -43,27 +43,83 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::episode::{Edge, Streak};
 use super::{AlertKind, Opened, Severity, StepView, Transition, name_list, sci, step_range};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct UpdateRoundedAway {
-    groups: BTreeMap<String, Streak>,
+    groups: BTreeMap<String, LostRun>,
 }
 
+/// A group's run of reports that lost (almost) every intended change: its
+/// [`Streak`], and what the reports of the run showed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(from = "StoredRun", into = "StoredRun")]
+struct LostRun {
+    streak: Streak,
+    /// The largest |intended update| / ulp seen over the run.
+    max_ulp: f64,
+    /// The smallest share of intended changes lost on a report of the run.
+    min_lost: f64,
+    /// The lr of the run's last report, when the record says it.
+    lr: Option<f64>,
+}
+
+impl Default for LostRun {
+    fn default() -> Self {
+        LostRun {
+            streak: Streak::default(),
+            max_ulp: 0.0,
+            min_lost: 1.0,
+            lr: None,
+        }
+    }
+}
+
+/// How a [`LostRun`] is stored: the layout it had before it counted with
+/// [`Streak`], so that stored detector states carry on where they were.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
-struct Streak {
+struct StoredRun {
     first_step: u64,
     reports: u32,
-    /// The largest |intended update| / ulp seen over the streak.
     max_ulp: f64,
-    /// The smallest share of intended changes lost on a report of the streak.
     #[serde(default = "one")]
     min_lost: f64,
-    /// The lr of the streak's last report, when the record says it.
     lr: Option<f64>,
     open: bool,
+}
+
+impl From<StoredRun> for LostRun {
+    fn from(stored: StoredRun) -> Self {
+        LostRun {
+            streak: Streak::from_count(stored.reports, stored.first_step, stored.open),
+            max_ulp: stored.max_ulp,
+            min_lost: stored.min_lost,
+            lr: stored.lr,
+        }
+    }
+}
+
+impl From<LostRun> for StoredRun {
+    fn from(run: LostRun) -> Self {
+        StoredRun {
+            first_step: run.first_step(),
+            reports: run.streak.count,
+            max_ulp: run.max_ulp,
+            min_lost: run.min_lost,
+            lr: run.lr,
+            open: run.streak.open,
+        }
+    }
+}
+
+impl LostRun {
+    /// The first step of the run (0 when none has begun).
+    fn first_step(&self) -> u64 {
+        self.streak.since.unwrap_or_default()
+    }
 }
 
 /// The share of a group's intended changes that must round away to call it frozen
@@ -121,8 +177,8 @@ impl UpdateRoundedAway {
         let lr = step_lr(record);
         for (group, reading) in readings {
             if reading.lost_fraction() < WARN_FRACTION {
-                if let Some(streak) = self.groups.remove(group)
-                    && streak.open
+                if let Some(mut run) = self.groups.remove(group)
+                    && run.streak.observe_when(false, record.step, |_| false) == Some(Edge::Resolve)
                 {
                     out.push(Transition::Resolve {
                         kind: AlertKind::UpdateRoundedAway,
@@ -132,27 +188,20 @@ impl UpdateRoundedAway {
                 }
                 continue;
             }
-            let streak = self.groups.entry(group.to_owned()).or_default();
-            let warming_up = matches!((streak.lr, lr), (Some(before), Some(now)) if now > before);
-            if streak.reports == 0 || (warming_up && !streak.open) {
-                streak.first_step = record.step;
-                streak.reports = 0;
-                streak.min_lost = 1.0;
-                streak.max_ulp = 0.0;
+            let run = self.groups.entry(group.to_owned()).or_default();
+            let warming_up = matches!((run.lr, lr), (Some(before), Some(now)) if now > before);
+            if run.streak.count == 0 || (warming_up && !run.streak.open) {
+                *run = LostRun::default();
             }
-            streak.lr = lr;
-            streak.reports += 1;
-            streak.min_lost = streak.min_lost.min(reading.lost_fraction());
-            streak.max_ulp = streak.max_ulp.max(reading.max_ulp);
-            let span = record.step.saturating_sub(streak.first_step) + 1;
-            if !streak.open && streak.reports >= 2 && span >= threshold {
-                streak.open = true;
-                out.push(Transition::Open(opened(
-                    group,
-                    &reading,
-                    streak,
-                    record.step,
-                )));
+            run.lr = lr;
+            run.min_lost = run.min_lost.min(reading.lost_fraction());
+            run.max_ulp = run.max_ulp.max(reading.max_ulp);
+            // At least two reports, over the threshold's step numbers.
+            let edge = run.streak.observe_when(true, record.step, |streak| {
+                streak.count >= 2 && streak.span(record.step) >= threshold
+            });
+            if edge == Some(Edge::Open) {
+                out.push(Transition::Open(opened(group, &reading, run, record.step)));
             }
         }
     }
@@ -171,9 +220,9 @@ fn step_lr(record: &gradflow_protocol::StepRecord) -> Option<f64> {
     most.or(record.lr.map(|lr| lr.get()))
 }
 
-fn opened(group: &str, reading: &Reading<'_>, streak: &Streak, step: u64) -> Opened {
+fn opened(group: &str, reading: &Reading<'_>, run: &LostRun, step: u64) -> Opened {
     let n = reading.params.len();
-    let frozen = streak.min_lost >= LOST_FRACTION;
+    let frozen = run.min_lost >= LOST_FRACTION;
     let (severity, title, share, outcome) = if frozen {
         (
             Severity::Critical,
@@ -199,7 +248,7 @@ fn opened(group: &str, reading: &Reading<'_>, streak: &Streak, step: u64) -> Ope
         kind: AlertKind::UpdateRoundedAway,
         subject: group.to_owned(),
         severity,
-        first_step: Some(streak.first_step),
+        first_step: Some(run.first_step()),
         step: Some(step),
         title,
         detail: format!(
@@ -208,13 +257,13 @@ fn opened(group: &str, reading: &Reading<'_>, streak: &Streak, step: u64) -> Ope
              when the result was rounded to their dtype: on the last, {} of {} elements kept \
              their values exactly. Only elements near 0, whose spacing is tiny, still move \
              (the largest intended change was {} of the spacing at its value). {outcome}",
-            streak.reports,
-            step_range(streak.first_step, step),
+            run.streak.count,
+            step_range(run.first_step(), step),
             share * 100.0,
             name_list(&reading.params, 6),
             reading.lost,
             reading.intended,
-            sci(streak.max_ulp),
+            sci(run.max_ulp),
         ),
         fix: super::precision::MASTER_WEIGHTS_FIX.into(),
         evidence: json!({
@@ -223,10 +272,10 @@ fn opened(group: &str, reading: &Reading<'_>, streak: &Streak, step: u64) -> Ope
             "param_names": reading.params.iter().take(50).collect::<Vec<_>>(),
             "intended_nonzero": reading.intended,
             "rounded_away": reading.lost,
-            "max_intended_update_ulp": streak.max_ulp,
-            "reports": streak.reports,
-            "first_step": streak.first_step,
-            "min_lost_fraction": streak.min_lost,
+            "max_intended_update_ulp": run.max_ulp,
+            "reports": run.streak.count,
+            "first_step": run.first_step(),
+            "min_lost_fraction": run.min_lost,
         }),
     }
 }
@@ -321,6 +370,27 @@ mod tests {
         then.extend((6..9).map(|i| with_lr(i * 5, 6e-6)));
         let t = run(&then);
         assert!(matches!(t[..], [(35, Transition::Open(_))]), "{t:?}");
+    }
+
+    #[test]
+    fn a_state_stored_in_the_earlier_layout_carries_on_mid_streak() {
+        // Reports at 0 and 5 so far, stored as the run was laid out before it counted
+        // with episode::Streak (the keys it is still stored under).
+        let stored = json!({"groups": {"qwen": {"first_step": 0, "reports": 2, "max_ulp": 0.2,
+            "min_lost": 1.0, "lr": null, "open": false}}});
+        let mut detector: UpdateRoundedAway = serde_json::from_value(stored).unwrap();
+        let mut out = Vec::new();
+        detector.on_step(&StepView::new(&context(), &record(10, 100)), &mut out);
+        let [Transition::Open(o)] = &out[..] else {
+            panic!("{out:?}")
+        };
+        assert_eq!((o.first_step, &o.evidence["reports"]), (Some(0), &json!(3)));
+        let saved = serde_json::to_value(&detector).unwrap();
+        assert_eq!(
+            saved["groups"]["qwen"],
+            json!({"first_step": 0, "reports": 3, "max_ulp": 0.2, "min_lost": 1.0,
+                   "lr": null, "open": true})
+        );
     }
 
     #[test]
