@@ -103,6 +103,13 @@ pub struct StepRecord {
     /// its previous optimizer step to the end of this one): what shows a straggler.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_time: Option<Float>,
+    /// v1.7: in a multi-rank run, whether this rank's own gradients, read as its
+    /// backward pass accumulated them and before the gradient all-reduce, held a NaN
+    /// or an infinity. The all-reduce spreads one rank's NaN to every rank within the
+    /// step, so this says where it began when the loss does not. Clients may send it
+    /// only when `true`; absent: finite, or not measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_grads_nonfinite: Option<bool>,
 }
 
 /// A place where a module's output lost its path to the loss, as a client saw it

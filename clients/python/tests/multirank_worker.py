@@ -11,7 +11,10 @@ Faults on demand, one rank's own (``STEP:RANK``): a NaN in its gradient after th
 all-reduce (``--nan``), its process killed after its backward pass (``--exit``), its
 gradient scaled after the all-reduce from that step on, a desynchronised replica
 (``--desync``); a NaN in its batch (its embedded input) at that step, which the
-all-reduce spreads to every rank's gradients (``--nan-input``); its loop no longer
+all-reduce spreads to every rank's gradients (``--nan-input``); a NaN born in its
+backward pass alone, under a finite loss (``--nan-backward``: two identical samples
+in its batch and a square-root distance between them, exactly zero, whose gradient
+is not finite); its loop no longer
 calling ``gf.step`` after that step while it goes on training and closes with the
 others (``--stop-reporting``); its head's weights nudged after every optimizer step
 from that step on, outside the optimizer, while the gradients stay all-reduced
@@ -166,6 +169,11 @@ def main() -> None:
         "--nan-input", default=None, help="STEP:RANK: a NaN in that rank's batch (embedded)"
     )
     parser.add_argument(
+        "--nan-backward",
+        default=None,
+        help="STEP:RANK: a finite loss whose gradient is NaN on that rank (sqrt at zero)",
+    )
+    parser.add_argument(
         "--stop-reporting",
         default=None,
         help="STEP:RANK: after that step, that rank trains on without calling gf.step",
@@ -217,6 +225,7 @@ def main() -> None:
     exit_step, exit_rank = _at(args.exit)
     desync_step, desync_rank = _at(args.desync)
     nan_input_step, nan_input_rank = _at(args.nan_input)
+    nan_backward_step, nan_backward_rank = _at(args.nan_backward)
     stop_step, stop_rank = _at(args.stop_reporting)
     drift_step, drift_rank = _at(args.drift)
     sleep_rank, sleep = (
@@ -250,7 +259,18 @@ def main() -> None:
         corrupt = None
         if step == nan_input_step and rank == nan_input_rank:
             corrupt = model.embed.register_forward_hook(_nan_in_first_row)
-        loss = nn.functional.cross_entropy(wrapped(tokens), target)
+        distance_at_zero = step == nan_backward_step and rank == nan_backward_rank
+        if distance_at_zero:
+            tokens = tokens.clone()
+            tokens[1] = tokens[0]  # a duplicated sample
+        out = wrapped(tokens)
+        loss = nn.functional.cross_entropy(out, target)
+        if distance_at_zero:
+            # A distance term between samples (pytorch/pytorch#6394): sqrt of exactly
+            # zero adds 0 to the loss and an infinite slope, which the chain rule
+            # turns into NaN gradients on this rank only, before the all-reduce.
+            rows = out.reshape(out.shape[0], -1)
+            loss = loss + 1e-3 * torch.sqrt(((rows[0] - rows[1]) ** 2).sum())
         if corrupt is not None:
             corrupt.remove()
         loss.backward()

@@ -662,6 +662,53 @@ def test_multirank_a_nan_in_one_rank_s_batch_is_traced_to_its_loss(
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
+def test_multirank_a_nan_born_in_one_rank_s_backward_is_traced_to_its_local_gradients(
+    gradflow_server, tmp_path, nproc
+):
+    """Rank 1's batch at step 10 holds a duplicated sample, and the loss a square-root
+    distance between samples (pytorch/pytorch#6394, lilanxiao/Rotated_IoU#20): exactly
+    zero, so every rank's loss stays finite, while its gradient is NaN on rank 1 alone.
+    DDP's all-reduce spreads it to every rank's gradients within the step. The ranks'
+    own gradients, read before the all-reduce, name rank 1 (origin `local_grads`), and
+    no other rank."""
+    nan_step, steps = 10, 12
+    run_id, _ = served(
+        gradflow_server,
+        nproc,
+        tmp_path,
+        f"mr-nan-backward-{nproc}",
+        *("--wrap", "ddp", "--steps", str(steps), "--nan-backward", f"{nan_step}:1"),
+    )
+    alert = gradflow_server.wait_for_alert(run_id, "rank_nonfinite", "rank 1")
+    assert alert["first_step"] == nan_step, alert
+    evidence = alert["evidence"]
+    assert evidence["origin"] == "local_grads", alert
+    assert evidence["spread_to"] == [r for r in range(nproc) if r != 1], alert
+    assert "backward" in alert["detail"] and "set_detect_anomaly" in alert["fix"], alert
+    others = [a for a in gradflow_server.alerts(run_id) if a["kind"] == "rank_nonfinite"]
+    assert [a["subject"] for a in others] == ["rank 1"], others
+
+    def finite(value: Any) -> bool:
+        return isinstance(value, float) and math.isfinite(value)
+
+    # What the PyTorch side did: every loss finite, every rank's gradients NaN after
+    # the all-reduce, and only rank 1's own gradients NaN before it.
+    loss = [points(gradflow_server, run_id, "loss", rank=rank) for rank in range(nproc)]
+    assert all(finite(loss[r][nan_step]) for r in range(nproc)), loss
+    head = [points(gradflow_server, run_id, "grad_norm", "head", rank) for rank in (0, 1)]
+    assert not finite(head[0][nan_step]) and not finite(head[1][nan_step]), head
+    local = [
+        points(gradflow_server, run_id, "local_grads_nonfinite", rank=rank) for rank in range(nproc)
+    ]
+    # Up to the step it was born on, rank 1 alone; after the optimizer stepped on the
+    # NaN gradients, every rank's weights (so every rank's own gradients) are NaN.
+    assert [sorted(s for s in flagged if s <= nan_step) for flagged in local] == [
+        [nan_step] if r == 1 else [] for r in range(nproc)
+    ], local
+    assert all(nan_step + 1 in flagged for flagged in local), local
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
 def test_multirank_replicas_whose_weights_drift_apart_diverge(gradflow_server, tmp_path, nproc):
     """From step 4 rank 1 nudges its head's weights after each optimizer step, outside
     the optimizer. The all-reduce still gives both ranks the same gradients, so the

@@ -100,6 +100,9 @@ impl RowWriter<'_, '_> {
         if let Some(carried) = record.grads_carried_over {
             self.put(SeriesKind::GradsCarriedOver, "", flag(carried));
         }
+        if let Some(local) = record.local_grads_nonfinite {
+            self.put(SeriesKind::LocalGradsNonfinite, "", flag(local));
+        }
         if let Some(absmax) = record.input_absmax {
             self.put(
                 SeriesKind::InputAbsmax,
@@ -298,6 +301,9 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
             SeriesKind::DroppedSteps => record.dropped_steps = count,
             SeriesKind::StepTime => record.step_time = float,
             SeriesKind::GradsCarriedOver => record.grads_carried_over = value.map(|v| v != 0.0),
+            SeriesKind::LocalGradsNonfinite => {
+                record.local_grads_nonfinite = value.map(|v| v != 0.0)
+            }
             SeriesKind::InputAbsmax => record.input_absmax = float,
             SeriesKind::Metric => {
                 record.metrics.insert(subject.to_owned(), float);
@@ -489,6 +495,7 @@ mod tests {
         let sent = record(
             r#"{"step": 7, "loss": 2.5, "lr": 0.25, "lrs": {"decay": 0.125},
                 "step_time": 0.5, "grads_carried_over": false, "input_absmax": 3.0,
+                "local_grads_nonfinite": true,
                 "scaler": {"scale": 65536, "growth_tracker": 3, "found_inf": true, "step_skipped": true},
                 "modules": [{"module": "a.x", "grad_norm": 0.75, "hook_hits": 2, "numel": 64, "nonfinite": 0},
                             {"module": "a.y", "grad_norm": null, "hook_hits": 0}],

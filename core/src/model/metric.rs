@@ -150,6 +150,11 @@ pub const METRICS: &[Metric] = &[
         subject: Subject::None,
     },
     Metric {
+        name: "local_grads_nonfinite",
+        kinds: &[SeriesKind::LocalGradsNonfinite],
+        subject: Subject::None,
+    },
+    Metric {
         name: "input_absmax",
         kinds: &[SeriesKind::InputAbsmax],
         subject: Subject::None,

@@ -42,10 +42,13 @@ pub enum SeriesKind {
     InputAbsmax,
     /// v1.5: the sum of a module's weights a rank holds (a replica's fingerprint).
     ModuleParamSum,
+    /// v1.7: whether a rank's own gradients were non-finite before the all-reduce
+    /// (1 or 0).
+    LocalGradsNonfinite,
 }
 
 impl SeriesKind {
-    pub const ALL: [SeriesKind; 31] = [
+    pub const ALL: [SeriesKind; 32] = [
         SeriesKind::Loss,
         SeriesKind::Lr,
         SeriesKind::ScalerScale,
@@ -77,6 +80,7 @@ impl SeriesKind {
         SeriesKind::GradsCarriedOver,
         SeriesKind::InputAbsmax,
         SeriesKind::ModuleParamSum,
+        SeriesKind::LocalGradsNonfinite,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -112,6 +116,7 @@ impl SeriesKind {
             SeriesKind::GradsCarriedOver => "grads_carried_over",
             SeriesKind::InputAbsmax => "input_absmax",
             SeriesKind::ModuleParamSum => "module_param_sum",
+            SeriesKind::LocalGradsNonfinite => "local_grads_nonfinite",
         }
     }
 

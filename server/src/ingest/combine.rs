@@ -67,8 +67,9 @@ fn rule(kind: SeriesKind, sharded: bool) -> Rule {
     match kind {
         Loss | Metric => Rule::Mean,
         Lr | ScalerScale | ScalerGrowthTracker => Rule::Lowest,
-        FoundInf | StepSkipped | GradsCarriedOver | InputAbsmax | StepTime | GpuMemoryUsedBytes
-        | GpuMemoryTotalBytes | GpuUtilizationPct | GpuTemperatureC | GpuPowerW => Rule::Max,
+        FoundInf | StepSkipped | GradsCarriedOver | LocalGradsNonfinite | InputAbsmax
+        | StepTime | GpuMemoryUsedBytes | GpuMemoryTotalBytes | GpuUtilizationPct
+        | GpuTemperatureC | GpuPowerW => Rule::Max,
         DroppedSteps | ModuleNonfinite => Rule::Sum,
         HookHits => Rule::Min,
         GroupGradNorm => Rule::Derived,
@@ -200,6 +201,10 @@ pub struct PendingStep {
     /// Ranks whose own loss was not finite (all of them: how many tells whether
     /// they are some ranks or every one).
     loss_nonfinite: Vec<u32>,
+    /// Ranks whose own gradients were not finite before the all-reduce (v1.7).
+    local_grads_nonfinite: Vec<u32>,
+    /// Whether a rank's loss scaler found non-finite gradients and skipped the step.
+    scaler_skipped: bool,
     step_times: Vec<(u32, f64)>,
     graph_cuts: Vec<GraphCut>,
 }
@@ -226,6 +231,8 @@ impl PendingStep {
             nonfinite: Vec::new(),
             nonfinite_ranks: 0,
             loss_nonfinite: Vec::new(),
+            local_grads_nonfinite: Vec::new(),
+            scaler_skipped: false,
             step_times: Vec::new(),
             graph_cuts: Vec::new(),
         }
@@ -274,6 +281,12 @@ impl PendingStep {
             };
             if flags_nonfinite && kind == SeriesKind::Loss {
                 self.loss_nonfinite.push(rank);
+            }
+            let set = value.is_some_and(|v| v > 0.0);
+            match kind {
+                SeriesKind::LocalGradsNonfinite if set => self.local_grads_nonfinite.push(rank),
+                SeriesKind::FoundInf | SeriesKind::StepSkipped if set => self.scaler_skipped = true,
+                _ => {}
             }
             if flags_nonfinite {
                 any_nonfinite = true;
@@ -459,6 +472,8 @@ impl PendingStep {
                 shard_suspects,
                 closed: Vec::new(),
                 loss_nonfinite: self.loss_nonfinite,
+                local_grads_nonfinite: self.local_grads_nonfinite,
+                scaler_skipped: self.scaler_skipped,
                 fingerprinted,
             },
         }

@@ -33,6 +33,9 @@ class ModelHooks:
         self.registry = registry
         # Set for a multi-rank run: times this rank's own work on each step.
         self.clock: Optional[StepClock] = None
+        # Set for a multi-rank run: each parameter's local gradient summed on the
+        # device as its hook runs, before the all-reduce (see local_grads_finite).
+        self.local_sums: Optional[Dict[int, torch.Tensor]] = None
         self._hits: Dict[int, int] = {}
         self._handles: Dict[int, Any] = {}
         self._fresh: Set[int] = set()
@@ -97,10 +100,12 @@ class ModelHooks:
         hooks = self
         cuda = p.tensor.device.type == "cuda"
 
-        def hook(_tensor: torch.Tensor, key: int = key) -> None:
+        def hook(tensor: torch.Tensor, key: int = key) -> None:
             hits[key] = hits.get(key, 0) + 1
             if hooks.clock is not None:
                 hooks.clock.on_grad(cuda)
+            if hooks.local_sums is not None:
+                _keep_local_sum(hooks.local_sums, key, tensor.grad)
             if hooks._at_backward_end is not None:
                 callback, hooks._at_backward_end = hooks._at_backward_end, None
                 _queue_at_backward_end(callback)
@@ -113,6 +118,25 @@ class ModelHooks:
         parameter has finished: after every gradient of that pass is accumulated (and,
         under DistributedDataParallel, averaged), before the loop clips them."""
         self._at_backward_end = callback
+
+    def local_grads_finite(self) -> Optional[torch.Tensor]:
+        """Whether every gradient this rank's backward passes accumulated since the
+        last call was finite before the all-reduce: a device scalar (1 or 0), None
+        when none was seen. Then starts over for the next step.
+
+        The post-accumulate-grad hook of a parameter runs before the autograd node's
+        own post hooks, where DistributedDataParallel marks the gradient ready for its
+        bucket's all-reduce, so the sums hold what this rank computed alone: a NaN
+        that appears in one rank's backward (with a finite loss) is on that rank only,
+        though the all-reduce then spreads it to every rank's gradients."""
+        sums = self.local_sums
+        if not sums:
+            return None
+        values = list(sums.values())
+        sums.clear()
+        device = values[0].device
+        stacked = torch.stack([v.to(device) for v in values])
+        return torch.isfinite(stacked).all().float()
 
     def remove(self) -> None:
         for handle in self._handles.values():
@@ -281,6 +305,25 @@ def float_inputs(args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:
             items = [value]
         found.extend(t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point())
     return found
+
+
+def _keep_local_sum(sums: Dict[int, torch.Tensor], key: int, grad: Optional[torch.Tensor]) -> None:
+    """One device reduction of a parameter's accumulated gradient: a NaN or infinity
+    in it makes the sum non-finite. Summed in f32 at least, so a half-precision
+    gradient's finite values do not overflow; the latest sum of a parameter stands
+    for the step (the gradient accumulates over micro-batches)."""
+    try:
+        # A DTensor's gradient is FSDP2's, whose hooks run after its reduce-scatter:
+        # not this rank's own.
+        if grad is None or not grad.is_floating_point() or is_dtensor(grad):
+            return
+        if grad.is_sparse:
+            total = torch.sparse.sum(grad).float()
+        else:
+            total = grad.sum(dtype=torch.float64 if grad.dtype == torch.float64 else torch.float32)
+        sums[key] = total
+    except Exception:  # never break the backward pass
+        pass
 
 
 def _queue_at_backward_end(callback: Callable[[], None]) -> None:

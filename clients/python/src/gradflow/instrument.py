@@ -50,6 +50,7 @@ class Instruments:
             self.hooks.clock = _ranks.StepClock(
                 _ranks.step_clock_device([p.tensor for p in registry.params])
             )
+            self.hooks.local_sums = {}
         self.tracer = CutTracer(registry)
         self.updates = UpdateTracker(registry, updates_every)
         self._pending_cuts: List[wire.GraphCut] = []

@@ -414,6 +414,9 @@ class Measurer:
             pending.carried_at = add(carried.reshape(1))
         elif carried is False:
             pending.carried = False
+        local_finite = self.hooks.local_grads_finite()
+        if local_finite is not None:
+            pending.local_finite_at = add(local_finite.reshape(1))
         if self.hooks.step_backwards > 1:
             # Several backward passes before one optimizer step: how many of the later
             # ones found the gradient reset (None, or zeroed in place).

@@ -146,6 +146,9 @@ class PendingStep:
     resets: Optional[int] = None
     resets_at: Optional[int] = None
     input_at: Optional[int] = None
+    # A multi-rank run: whether this rank's own gradients were finite before the
+    # all-reduce (1 or 0; v1.7 `local_grads_nonfinite`).
+    local_finite_at: Optional[int] = None
     updates: Optional[UpdatesAt] = None
     metrics: Dict[str, Any] = field(default_factory=dict)
     # A multi-rank run (v1.4): the partial sums, the sending rank, and how long its
@@ -213,6 +216,10 @@ class PendingStep:
             rec["grads_carried_over"] = bool(carried)
         if self.input_at is not None:
             rec["input_absmax"] = encode.norm(v[self.input_at])
+        if self.local_finite_at is not None and not v[self.local_finite_at] > 0.5:
+            # Sent only when true: a server older than v1.7 refuses the field, and
+            # the client then resends the step without it (see the reporter).
+            rec["local_grads_nonfinite"] = True
         return rec
 
     def _module(self, m: ModuleAt, v: List[float]) -> wire.ModuleStep:

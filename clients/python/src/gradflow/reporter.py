@@ -403,8 +403,9 @@ class Reporter:
                 return
             elif err.status == 400 and (bare := _without_newer_fields(lines[0])) is not None:
                 # A server older than this client refuses the wiring findings an
-                # amendment carries (v1.5, kinds of v1.6) and a graph cut's `via`
-                # (v1.6): the step goes without them rather than not at all.
+                # amendment carries (v1.5, kinds of v1.6), a graph cut's `via` (v1.6)
+                # and `local_grads_nonfinite` (v1.7): the step goes without them
+                # rather than not at all.
                 self._send_here([bare])
                 return
             else:
@@ -472,11 +473,11 @@ class Reporter:
 
 def _without_newer_fields(line: str) -> Optional[str]:
     """The encoded step record `line` without what a server of an older protocol
-    refuses (its amendment's wiring findings, its graph cuts' `via`), or None when it
-    carries none of them."""
+    refuses (its amendment's wiring findings, its graph cuts' `via`, its
+    `local_grads_nonfinite`), or None when it carries none of them."""
     try:
         record = json.loads(line)
-        changed = False
+        changed = record.pop("local_grads_nonfinite", None) is not None
         amend = record.get("amend")
         if isinstance(amend, dict) and "wiring" in amend:
             del amend["wiring"]

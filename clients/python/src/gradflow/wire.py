@@ -145,6 +145,7 @@ class StepRecord(_StepNumber, total=False):
     input_absmax: Optional[Float]
     rank: int
     step_time: float
+    local_grads_nonfinite: bool  # v1.7
 
 
 # -- registration (protocol/src/run.rs) ----------------------------------------------

@@ -36,3 +36,9 @@ def test_an_amendment_of_wiring_only_goes_whole():
 def test_a_record_without_them_is_not_sent_again():
     assert _without_newer_fields(json.dumps({"step": 1, "graph_cuts": [{"module": "m"}]})) is None
     assert _without_newer_fields("not json") is None
+
+
+def test_a_rank_s_local_nonfinite_flag_is_stripped():
+    record = {"step": 7, "rank": 1, "loss": 0.5, "local_grads_nonfinite": True}
+    bare = json.loads(_without_newer_fields(json.dumps(record)) or "null")
+    assert bare == {"step": 7, "rank": 1, "loss": 0.5}

@@ -100,6 +100,12 @@ pub struct RankView {
     /// Reporting ranks whose own loss was not finite (computed before any
     /// all-reduce, so it says which ranks a NaN began on).
     pub loss_nonfinite: Vec<u32>,
+    /// Reporting ranks whose own gradients held a NaN or infinity before the
+    /// all-reduce (v1.7 `local_grads_nonfinite`).
+    pub local_grads_nonfinite: Vec<u32>,
+    /// Whether a rank's loss scaler found non-finite gradients at this step (and
+    /// skipped it): an overflow the scaler handles, not a NaN to trace.
+    pub scaler_skipped: bool,
     /// Whether replicas' weight fingerprints were compared at this step (v1.5).
     pub fingerprinted: bool,
 }
@@ -437,6 +443,70 @@ mod tests {
         v.loss_nonfinite = vec![0, 1, 2, 3];
         detectors.on_step(&v, &mut out);
         assert!(out.is_empty(), "{out:?}");
+    }
+
+    /// Every rank's readings NaN (the all-reduce spread them), every loss finite.
+    fn spread_with_finite_losses(step: u64, local: Vec<u32>) -> RankView {
+        let mut v = view(step);
+        v.nonfinite = (0..4).map(|r| (r, vec!["agent.head".into()])).collect();
+        v.nonfinite_count = 4;
+        v.local_grads_nonfinite = local;
+        v
+    }
+
+    #[test]
+    fn nan_from_one_rank_s_backward_is_traced_by_its_local_gradients() {
+        let mut detectors = RankDetectors::default();
+        let mut out = Vec::new();
+        detectors.on_step(&spread_with_finite_losses(10, vec![2]), &mut out);
+        assert_eq!(
+            opened(&out),
+            [(AlertKind::RankNonfinite, "rank 2".to_owned())]
+        );
+        let Transition::Open(o) = &out[0] else {
+            unreachable!()
+        };
+        assert_eq!(o.evidence["origin"], "local_grads");
+        assert_eq!(o.evidence["spread_to"], json!([0, 1, 3]));
+        assert!(o.title.contains("gradients on rank 2 only"), "{}", o.title);
+        assert!(o.detail.contains("before the all-reduce"), "{}", o.detail);
+        assert!(o.fix.contains("set_detect_anomaly"), "{}", o.fix);
+        out.clear();
+        // Every rank's local gradients non-finite too: no single origin, nothing new.
+        detectors.on_step(&spread_with_finite_losses(11, vec![0, 1, 2, 3]), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        detectors.on_step(&view(12), &mut out);
+        assert_eq!(
+            resolved(&out),
+            [(AlertKind::RankNonfinite, "rank 2".to_owned(), 12)]
+        );
+    }
+
+    #[test]
+    fn one_rank_s_overflow_that_the_loss_scaler_skipped_is_not_traced() {
+        let mut detectors = RankDetectors::default();
+        let mut out = Vec::new();
+        let mut v = spread_with_finite_losses(10, vec![1]);
+        v.scaler_skipped = true;
+        detectors.on_step(&v, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+    }
+
+    #[test]
+    fn a_rank_s_non_finite_loss_names_the_origin_before_its_local_gradients() {
+        let mut detectors = RankDetectors::default();
+        let mut out = Vec::new();
+        let mut v = spread_with_finite_losses(10, vec![1, 3]);
+        v.loss_nonfinite = vec![3];
+        detectors.on_step(&v, &mut out);
+        assert_eq!(
+            opened(&out),
+            [(AlertKind::RankNonfinite, "rank 3".to_owned())]
+        );
+        let Transition::Open(o) = &out[0] else {
+            unreachable!()
+        };
+        assert_eq!(o.evidence["origin"], "loss");
     }
 
     #[test]
