@@ -7,6 +7,7 @@ use axum::response::{IntoResponse, Response};
 use gradflow_protocol::InvalidBody;
 use serde::Serialize;
 
+use crate::ingest::IngestError;
 use crate::store::StoreError;
 
 /// Every `code` an error answer carries (docs/PROTOCOL.md lists them; a test holds
@@ -183,10 +184,6 @@ impl From<StoreError> for ApiError {
                 ErrorCode::RunNotFound,
                 format!("run {run_id:?} is not registered: PUT /api/v1/runs/{run_id} first"),
             ),
-            StoreError::Invalid(invalid) => ApiError::invalid_body(invalid),
-            StoreError::Conflict { path, message } => {
-                ApiError::new(ErrorCode::Conflict, message).with_path(path)
-            }
             StoreError::Stale => ApiError::from(StoreError::Unavailable(
                 "the run moved on while the request was handled".to_owned(),
             )),
@@ -202,6 +199,18 @@ impl From<StoreError> for ApiError {
                 "internal error; the server log has the details",
             )
             .with_cause(format!("{error:#}")),
+        }
+    }
+}
+
+impl From<IngestError> for ApiError {
+    fn from(error: IngestError) -> Self {
+        match error {
+            IngestError::Invalid(invalid) => ApiError::invalid_body(invalid),
+            IngestError::Conflict { path, message } => {
+                ApiError::new(ErrorCode::Conflict, message).with_path(path)
+            }
+            IngestError::Store(error) => error.into(),
         }
     }
 }

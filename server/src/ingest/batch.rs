@@ -7,14 +7,15 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use gradflow_protocol::{Amendment, InvalidBody, StepRecord};
+use gradflow_protocol::{Amendment, StepRecord};
 
 use super::IngestOutcome;
+use super::error::{IngestError, IngestResult};
 use super::registry::Registry;
 use super::state::{Episode, Episodes, OpenBucket, RunState, StreamTail};
 use crate::store::{
     AlertOp, AlertRef, BatchWrite, BlockWrite, NewColumn, Progress, RUN_STREAM, RollupRow,
-    StoreError, StoreResult,
+    StoreResult,
 };
 use gradflow_core::columnar::block::{self, BlockRow, block_index};
 use gradflow_core::columnar::codec::{self, ABSENT_BITS};
@@ -55,7 +56,9 @@ thread_local! {
 }
 
 /// Runs `work` with this thread's zstd contexts.
-pub fn with_codec<T>(work: impl FnOnce(&mut Codec) -> StoreResult<T>) -> StoreResult<T> {
+pub fn with_codec<T, E: From<anyhow::Error>>(
+    work: impl FnOnce(&mut Codec) -> Result<T, E>,
+) -> Result<T, E> {
     CODEC.with(|cell| {
         let mut cell = cell.borrow_mut();
         if cell.is_none() {
@@ -77,7 +80,7 @@ pub fn prepare(
     records: &[StepRecord],
     detection: Detection,
     codec: &mut Codec,
-) -> StoreResult<Preparation<()>> {
+) -> IngestResult<Preparation<()>> {
     let last_stored = state.last_step;
     // Steps strictly increase within a batch, so the duplicates are a prefix.
     let first_new = records
@@ -400,7 +403,7 @@ fn registries_in_force(
     new: &[StepRecord],
     offset: usize,
     thresholds: Thresholds,
-) -> StoreResult<Vec<Arc<Registry>>> {
+) -> IngestResult<Vec<Arc<Registry>>> {
     let mut current = state.registry.clone();
     let mut registries = Vec::with_capacity(new.len());
     for (k, record) in new.iter().enumerate() {
@@ -418,10 +421,10 @@ fn registries_in_force(
 
 /// Every parameter a record (at batch index `i`) reports must be in the
 /// registration in force at its step.
-pub fn check_params(registry: &Registry, record: &StepRecord, i: usize) -> StoreResult<()> {
+pub fn check_params(registry: &Registry, record: &StepRecord, i: usize) -> IngestResult<()> {
     for (j, param) in record.params.iter().enumerate() {
         if !registry.params.contains(&param.name) {
-            return Err(StoreError::Invalid(InvalidBody::new(
+            return Err(IngestError::invalid(
                 format!("steps[{i}].params[{j}].name"),
                 format!(
                     "parameter {:?} is not in the run's registration at step {}: register \
@@ -429,7 +432,7 @@ pub fn check_params(registry: &Registry, record: &StepRecord, i: usize) -> Store
                      with an amendment (`amend`) in this or an earlier record",
                     param.name, record.step
                 ),
-            )));
+            ));
         }
     }
     Ok(())
@@ -438,7 +441,7 @@ pub fn check_params(registry: &Registry, record: &StepRecord, i: usize) -> Store
 /// What an amendment says must hold together with the registration it amends: a
 /// parameter's optimizer group must exist, and the ranks it is sharded across must
 /// be ranks of the run.
-pub fn check_amendment(amended: &Registry, amendment: &Amendment, i: usize) -> StoreResult<()> {
+pub fn check_amendment(amended: &Registry, amendment: &Amendment, i: usize) -> IngestResult<()> {
     let groups = amended
         .registration
         .optimizer
@@ -449,23 +452,23 @@ pub fn check_amendment(amended: &Registry, amendment: &Amendment, i: usize) -> S
         if let Some(group) = &param.param_group
             && !groups.iter().any(|g| &g.name == group)
         {
-            return Err(StoreError::Invalid(InvalidBody::new(
+            return Err(IngestError::invalid(
                 format!("steps[{i}].amend.params[{j}].param_group"),
                 format!(
                     "parameter group {group:?} is neither in the registration nor in this \
                      amendment's param_groups"
                 ),
-            )));
+            ));
         }
     }
     let world_size = amended.registration.world_size();
     if let Some((j, k, message)) =
         gradflow_protocol::shard_rank_outside(&amendment.params, world_size)
     {
-        return Err(StoreError::Invalid(InvalidBody::new(
+        return Err(IngestError::invalid(
             format!("steps[{i}].amend.params[{j}].shard_ranks[{k}]"),
             message,
-        )));
+        ));
     }
     Ok(())
 }

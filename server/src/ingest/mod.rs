@@ -23,10 +23,12 @@
 //!   stream, and the steps all ranks have sent combined into the run's.
 //! - `combine`: how the ranks' records of one step become the run's.
 //! - `register`: registering a run, and comparing a registration sent again.
+//! - `error`: [`IngestError`], what registering or storing a batch fails with.
 
 mod batch;
 mod cache;
 mod combine;
+mod error;
 mod ranks;
 mod register;
 mod registry;
@@ -40,13 +42,14 @@ use serde::Serialize;
 
 use self::batch::{Preparation, prepare, with_codec};
 use self::cache::RunCache;
+pub use self::error::{IngestError, IngestResult};
 use self::ranks::{Clock, prepare_ranks};
 use self::state::{Episode, RunState};
 use crate::events::EventBus;
 use crate::store::notify::Notice;
 use crate::store::{
-    AlertRef, NewRun, RUN_STREAM, Registered, Store, StoreError, StoreResult, StoredRun,
-    now_seconds, rank_stream,
+    AlertRef, NewRun, RUN_STREAM, Registered, Store, StoreError, StoredRun, now_seconds,
+    rank_stream,
 };
 use gradflow_core::detect::{Detection, registration};
 
@@ -161,7 +164,7 @@ impl Ingest {
         &self,
         run_id: &RunId,
         registration: RunRegistration,
-    ) -> StoreResult<(StoredRun, bool)> {
+    ) -> IngestResult<(StoredRun, bool)> {
         let registration = registration.normalized();
         let canonical = serde_json::to_string(&registration)
             .map_err(|e| StoreError::Internal(anyhow::Error::new(e)))?;
@@ -225,7 +228,7 @@ impl Ingest {
     /// Completes the steps of multi-rank runs that have waited longer than the rank
     /// timeout for ranks that stopped reporting (no record of theirs will come to
     /// do it). Returns the runs that had such steps.
-    pub async fn complete_waiting_steps(&self) -> StoreResult<Vec<String>> {
+    pub async fn complete_waiting_steps(&self) -> IngestResult<Vec<String>> {
         let cutoff = now_seconds() - self.settings.rank_timeout.as_secs_f64();
         let runs = self.store.runs_waiting_since(cutoff).await?;
         for run_id in &runs {
@@ -233,7 +236,7 @@ impl Ingest {
                 continue;
             };
             match self.ingest(&run, &[]).await {
-                Ok(_) | Err(StoreError::RunNotFound(_)) => {}
+                Ok(_) | Err(IngestError::Store(StoreError::RunNotFound(_))) => {}
                 Err(error) => return Err(error),
             }
         }
@@ -246,14 +249,14 @@ impl Ingest {
         &self,
         run_id: &RunId,
         records: &[StepRecord],
-    ) -> StoreResult<IngestOutcome> {
+    ) -> IngestResult<IngestOutcome> {
         self.ingest_closing(run_id, records, None).await
     }
 
     /// Rank `rank` of a multi-rank run said it finished (v1.5): it will send nothing
     /// more, so the steps waiting only for closed ranks are completed now. Nothing
     /// for a run of one process.
-    pub async fn close_rank(&self, run_id: &RunId, rank: u32) -> StoreResult<()> {
+    pub async fn close_rank(&self, run_id: &RunId, rank: u32) -> IngestResult<()> {
         self.ingest_closing(run_id, &[], Some(rank)).await?;
         Ok(())
     }
@@ -263,7 +266,7 @@ impl Ingest {
         run_id: &RunId,
         records: &[StepRecord],
         closing: Option<u32>,
-    ) -> StoreResult<IngestOutcome> {
+    ) -> IngestResult<IngestOutcome> {
         let slot = self.runs.slot(run_id.as_str());
         let mut cached = slot.lock().await;
         for attempt in 0..ATTEMPTS {
@@ -353,7 +356,7 @@ impl Ingest {
                     tracing::debug!(run_id = %run_id, attempt, "the run moved on under a batch; preparing it again");
                     continue;
                 }
-                Err(error) => return Err(error),
+                Err(error) => return Err(error.into()),
             };
             let mut next = prepared.next;
             next.settle(&written);
@@ -367,7 +370,8 @@ impl Ingest {
         Err(StoreError::Unavailable(format!(
             "run {run_id} kept moving on under this batch ({ATTEMPTS} attempts): another \
              writer is storing the same steps; retry"
-        )))
+        ))
+        .into())
     }
 }
 

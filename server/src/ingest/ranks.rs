@@ -18,7 +18,7 @@
 //! stream and changes nothing combined.
 
 use anyhow::Context;
-use gradflow_protocol::{InvalidBody, StepRecord, Timestamp};
+use gradflow_protocol::{StepRecord, Timestamp};
 
 use super::IngestOutcome;
 use super::batch::{
@@ -26,11 +26,11 @@ use super::batch::{
     write_stream,
 };
 use super::combine::{Combined, LAG_STEPS, PendingStep};
+use super::error::{IngestError, IngestResult};
 use super::registry::Registry;
 use super::state::RunState;
 use crate::store::{
-    AlertOp, BatchWrite, BlockWrite, Progress, RUN_STREAM, RollupRow, StoreError, StoreResult,
-    rank_stream,
+    AlertOp, BatchWrite, BlockWrite, Progress, RUN_STREAM, RollupRow, StoreResult, rank_stream,
 };
 use gradflow_core::columnar::codec::ABSENT_BITS;
 use gradflow_core::columnar::columns::{ColumnAssigner, SeriesKind};
@@ -71,7 +71,7 @@ pub fn prepare_ranks(
     clock: Clock,
     closing: Option<u32>,
     codec: &mut Codec,
-) -> StoreResult<Preparation<RunState>> {
+) -> IngestResult<Preparation<RunState>> {
     let world = state.world_size;
     let head = state.head;
     let mut next = state;
@@ -90,7 +90,7 @@ pub fn prepare_ranks(
     // A rank that said it closed (v1.5) will send nothing more.
     if let Some(rank) = closing {
         if rank >= world {
-            return Err(invalid(
+            return Err(IngestError::invalid(
                 "rank".to_owned(),
                 format!("rank {rank} is not below the run's world_size {world}"),
             ));
@@ -181,7 +181,7 @@ fn take_records(
     run_id: &str,
     records: &[StepRecord],
     detection: Detection,
-) -> StoreResult<Intake> {
+) -> IngestResult<Intake> {
     let world = next.world_size;
     let mut amendments = Vec::new();
     let mut duplicates = 0;
@@ -196,7 +196,7 @@ fn take_records(
         .collect();
     for (i, record) in records.iter().enumerate() {
         let rank = record.rank.ok_or_else(|| {
-            invalid(
+            IngestError::invalid(
                 format!("steps[{i}].rank"),
                 format!(
                     "run {run_id} has {world} ranks (world_size): each record must say which \
@@ -205,7 +205,7 @@ fn take_records(
             )
         })?;
         if rank >= world {
-            return Err(invalid(
+            return Err(IngestError::invalid(
                 format!("steps[{i}].rank"),
                 format!("rank {rank} is not below the run's world_size {world}"),
             ));
@@ -451,8 +451,4 @@ fn store_combined(
         steps: run_rows.len() as u64,
         alerts,
     })
-}
-
-fn invalid(path: String, message: String) -> StoreError {
-    StoreError::Invalid(InvalidBody::new(path, message))
 }

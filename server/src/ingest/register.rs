@@ -6,7 +6,8 @@ use anyhow::Context;
 use gradflow_protocol::RunRegistration;
 use serde_json::Value;
 
-use crate::store::{StoreError, StoreResult};
+use super::error::{IngestError, IngestResult};
+use crate::store::StoreResult;
 
 /// The registration as compared between two `PUT`s of one run: everything but who
 /// sent it. In a multi-rank run every rank registers, each naming itself in `rank`
@@ -22,13 +23,13 @@ pub fn comparable(registration: &RunRegistration) -> StoreResult<Value> {
 
 /// `Ok` when `new` registers the same run as `stored` (as first sent), otherwise the
 /// conflict to answer.
-pub fn compare(run_id: &str, stored: &RunRegistration, new: &RunRegistration) -> StoreResult<()> {
+pub fn compare(run_id: &str, stored: &RunRegistration, new: &RunRegistration) -> IngestResult<()> {
     let old = comparable(stored)?;
     let new = comparable(new)?;
     let Some(path) = first_difference(&old, &new, String::new()) else {
         return Ok(());
     };
-    Err(StoreError::Conflict {
+    Err(IngestError::Conflict {
         message: format!(
             "run {run_id} is already registered with a different body{}; to change the \
              registration while the run trains, send the change as an amendment (`amend` in \
@@ -95,7 +96,7 @@ mod tests {
         let other: RunRegistration =
             serde_json::from_value(json!({"world_size": 4, "rank": 1, "params": []})).unwrap();
         match compare("r", &rank(0, "node-0"), &other) {
-            Err(StoreError::Conflict { path, .. }) => assert_eq!(path, "params[0]"),
+            Err(IngestError::Conflict { path, .. }) => assert_eq!(path, "params[0]"),
             other => panic!("{other:?}"),
         }
     }

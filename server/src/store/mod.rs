@@ -41,7 +41,6 @@ mod write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use gradflow_protocol::InvalidBody;
 
 pub use load::{LoadedRun, RunHead, last_present};
 pub use read::{LatestValues, RUN_STREAM, SeriesData, SeriesRequest, rank_stream};
@@ -137,10 +136,6 @@ pub struct StoreConfig {
 pub enum StoreError {
     #[error("run {0:?} is not registered")]
     RunNotFound(String),
-    #[error(transparent)]
-    Invalid(InvalidBody),
-    #[error("{message}")]
-    Conflict { path: String, message: String },
     /// The database cannot take writes right now (disk full, locked, read-only,
     /// unreachable, restarting): the request may be retried.
     #[error("storage unavailable: {0}")]
