@@ -182,7 +182,7 @@ class ModelHooks:
             self.input_absmax = None
 
     def _keep_peak(self, tensors: List[torch.Tensor]) -> None:
-        peaks = [t.detach().abs().amax().float() for t in tensors if t.numel() > 0]
+        peaks = [_absmax(t.detach()) for t in tensors if t.numel() > 0]
         if not peaks:
             return
         peak = torch.stack([p.to(peaks[0].device) for p in peaks]).amax()
@@ -238,7 +238,7 @@ class ModelHooks:
             if old is None:
                 self.carried = False
             else:
-                self.carried = old.detach().abs().amax().float()
+                self.carried = _absmax(old.detach())
         except Exception:  # never break the backward pass
             self.carried = None
 
@@ -250,7 +250,7 @@ class ModelHooks:
             if old is None:
                 self.resets_seen += 1
                 return
-            zeroed = (old.detach().abs().amax() == 0).float().reshape(1)
+            zeroed = (_absmax(old.detach()) == 0).float().reshape(1)
             previous = self.resets_zeroed
             self.resets_zeroed = zeroed if previous is None else previous + zeroed
         except Exception:  # never break the backward pass
@@ -305,6 +305,14 @@ def float_inputs(args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:
             items = [value]
         found.extend(t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point())
     return found
+
+
+def _absmax(t: torch.Tensor) -> torch.Tensor:
+    """The largest |value| of `t` as an f32 device scalar (NaN if it holds one): one
+    fused min/max pass, where ``abs().amax()`` would first write a copy of the whole
+    batch (most of this probe's cost at large batches)."""
+    low, high = torch.aminmax(t)
+    return torch.maximum(high, -low).float()
 
 
 def _keep_local_sum(sums: Dict[int, torch.Tensor], key: int, grad: Optional[torch.Tensor]) -> None:
