@@ -279,155 +279,228 @@ impl IngestSizes {
     }
 }
 
-async fn ingest_rounds(sizes: &IngestSizes) -> anyhow::Result<IngestReport> {
-    let steps = sizes.steps;
-    let rounds = sizes.rounds;
-    let shape = Shape::QWEN_1_5B;
-    let module = shape.module_names()[17].clone();
-    let reads = vec![
-        (
-            report::LOSS_SERIES.to_owned(),
-            "/api/v1/runs/bench-0/series?metric=loss&max_points=1000".to_owned(),
-        ),
-        (
-            report::MODULE_SERIES.to_owned(),
-            format!(
-                "/api/v1/runs/bench-0/series?metric=grad_norm&subject={module}&max_points=1000"
+/// What the ingest part runs in each round, set up once.
+struct IngestPlan {
+    shape: Shape,
+    /// The server on SQLite, detectors on, the i.i.d. trace (with the series reads
+    /// after it), and the same without detectors, and on the realistic trace.
+    on: ingest::IngestSpec,
+    off: ingest::IngestSpec,
+    realistic: ingest::IngestSpec,
+    /// Where a PostgreSQL cluster could be started.
+    postgres: Option<PostgresPlan>,
+    /// The multi-rank run, and the same with its last rank held behind.
+    together: ranks::RankSpec,
+    skewed: ranks::RankSpec,
+    /// As many module records as the ranks post, from 4 single-rank clients, and
+    /// from one.
+    single_rank: ingest::IngestSpec,
+    one_run: ingest::IngestSpec,
+}
+
+struct PostgresPlan {
+    iid: ingest::IngestSpec,
+    realistic: ingest::IngestSpec,
+    by_client: ingest::IngestSpec,
+    alternating: ingest::IngestSpec,
+}
+
+impl IngestPlan {
+    fn new(sizes: &IngestSizes, postgres: Option<Backend>) -> IngestPlan {
+        let shape = Shape::QWEN_1_5B;
+        let module = shape.module_names()[17].clone();
+        let reads = vec![
+            (
+                report::LOSS_SERIES.to_owned(),
+                "/api/v1/runs/bench-0/series?metric=loss&max_points=1000".to_owned(),
             ),
-        ),
-    ];
-    let on = ingest::IngestSpec {
-        queries_after: reads,
-        ..ingest::IngestSpec::target(steps)
-    };
-    let off = ingest::IngestSpec {
-        server_args: vec!["--disable-detectors".into()],
-        queries_after: Vec::new(),
-        ..on.clone()
-    };
-    let realistic = ingest::IngestSpec {
-        trace: Trace::Realistic,
-        ..on.clone()
-    };
-    eprintln!("gradflow-bench: starting a PostgreSQL cluster for the ingest part");
-    let postgres = backend::postgres().await?.map(Backend::Postgres);
-    let on_postgres = |spec: &ingest::IngestSpec, replicas| {
-        postgres.as_ref().map(|backend| ingest::IngestSpec {
-            backend: backend.clone(),
-            replicas,
-            ..spec.clone()
-        })
-    };
-    let pg_iid = on_postgres(&on, Replicas::One);
-    let pg_realistic = on_postgres(&realistic, Replicas::One);
-    let by_client = ingest::IngestSpec {
-        queries_after: Vec::new(),
-        ..on.clone()
-    };
-    let pg_by_client = on_postgres(&by_client, Replicas::ByClient);
-    let pg_alternating = on_postgres(&by_client, Replicas::Alternating);
-    let together = ranks::RankSpec {
+            (
+                report::MODULE_SERIES.to_owned(),
+                format!(
+                    "/api/v1/runs/bench-0/series?metric=grad_norm&subject={module}&max_points=1000"
+                ),
+            ),
+        ];
+        let on = ingest::IngestSpec {
+            queries_after: reads,
+            ..ingest::IngestSpec::target(sizes.steps)
+        };
+        let off = ingest::IngestSpec {
+            server_args: vec!["--disable-detectors".into()],
+            queries_after: Vec::new(),
+            ..on.clone()
+        };
+        let realistic = ingest::IngestSpec {
+            trace: Trace::Realistic,
+            ..on.clone()
+        };
+        let postgres = postgres.map(|backend| {
+            let on_postgres = |spec: &ingest::IngestSpec, replicas| ingest::IngestSpec {
+                backend: backend.clone(),
+                replicas,
+                ..spec.clone()
+            };
+            let by_client = ingest::IngestSpec {
+                queries_after: Vec::new(),
+                ..on.clone()
+            };
+            PostgresPlan {
+                iid: on_postgres(&on, Replicas::One),
+                realistic: on_postgres(&realistic, Replicas::One),
+                by_client: on_postgres(&by_client, Replicas::ByClient),
+                alternating: on_postgres(&by_client, Replicas::Alternating),
+            }
+        });
+        let together = rank_spec(sizes, shape);
+        let skewed = ranks::RankSpec {
+            lag_batches: sizes.lag_batches,
+            ..together.clone()
+        };
+        let single_rank = ingest::IngestSpec {
+            queries_after: Vec::new(),
+            ..ingest::IngestSpec::target(
+                sizes.rank_steps * u64::from(sizes.world_size) / on.clients as u64,
+            )
+        };
+        let one_run = ingest::IngestSpec {
+            clients: 1,
+            ..ingest::IngestSpec::target(sizes.rank_steps * u64::from(sizes.world_size))
+        };
+        IngestPlan {
+            shape,
+            on,
+            off,
+            realistic,
+            postgres,
+            together,
+            skewed,
+            single_rank,
+            one_run,
+        }
+    }
+}
+
+/// The multi-rank run of the ingest and ranks parts, every rank posting as fast as
+/// it can.
+fn rank_spec(sizes: &IngestSizes, shape: Shape) -> ranks::RankSpec {
+    ranks::RankSpec {
         world_size: sizes.world_size,
         steps: sizes.rank_steps,
         batch_steps: sizes.rank_batch_steps,
         shape,
         lag_batches: 0,
         server_args: Vec::new(),
-    };
-    let skewed = ranks::RankSpec {
-        lag_batches: sizes.lag_batches,
-        ..together.clone()
-    };
-    // As many module records as the ranks post, from 4 single-rank clients.
-    let single_rank = ingest::IngestSpec {
-        queries_after: Vec::new(),
-        ..ingest::IngestSpec::target(
-            sizes.rank_steps * u64::from(sizes.world_size) / on.clients as u64,
-        )
-    };
-    let one_run = ingest::IngestSpec {
-        clients: 1,
-        ..ingest::IngestSpec::target(sizes.rank_steps * u64::from(sizes.world_size))
-    };
+    }
+}
 
+async fn ingest_rounds(sizes: &IngestSizes) -> anyhow::Result<IngestReport> {
+    eprintln!("gradflow-bench: starting a PostgreSQL cluster for the ingest part");
+    let postgres = backend::postgres().await?.map(Backend::Postgres);
+    let plan = IngestPlan::new(sizes, postgres);
     let mut done = Vec::new();
-    for round in 0..rounds {
-        eprintln!("gradflow-bench: ingest round {}/{rounds}", round + 1);
-        // Alternate the order so that no contender always runs on a warmer machine.
-        let (detectors_on, detectors_off) = if round % 2 == 0 {
-            let a = ingest::http(&on).await?;
-            (a, ingest::http(&off).await?)
-        } else {
-            let b = ingest::http(&off).await?;
-            (ingest::http(&on).await?, b)
-        };
-        let baseline =
-            tokio::task::spawn_blocking(move || baseline::bare_sqlite(on.clients, steps, shape))
-                .await??;
-        eprintln!(
-            "gradflow-bench: ingest round {}/{rounds}: the realistic trace",
-            round + 1
-        );
-        let realistic = ingest::http(&realistic).await?;
-        let postgres = match (&pg_iid, &pg_realistic, &pg_by_client, &pg_alternating) {
-            (Some(iid), Some(real), Some(by_client), Some(alternating)) => {
-                eprintln!(
-                    "gradflow-bench: ingest round {}/{rounds}: PostgreSQL",
-                    round + 1
-                );
-                Some(PostgresRound {
-                    iid: ingest::http(iid).await.context("PostgreSQL, i.i.d.")?,
-                    realistic: ingest::http(real).await.context("PostgreSQL, realistic")?,
-                    replicas_by_client: ingest::http(by_client)
-                        .await
-                        .context("two replicas, clients split")?,
-                    replicas_alternating: ingest::http(alternating)
-                        .await
-                        .context("two replicas, batches alternating")?,
-                })
-            }
-            _ => None,
-        };
-        eprintln!(
-            "gradflow-bench: ingest round {}/{rounds}: {} ranks × {} steps",
-            round + 1,
-            together.world_size,
-            together.steps
-        );
-        let (single, multi) = if round % 2 == 0 {
-            let single = ingest::http(&single_rank).await?;
-            (single, ranks::http(&together, &Backend::Sqlite).await?)
-        } else {
-            let multi = ranks::http(&together, &Backend::Sqlite).await?;
-            (ingest::http(&single_rank).await?, multi)
-        };
-        let alone = ingest::http(&one_run)
-            .await
-            .context("one single-rank run")?;
-        let lagging = ranks::http(&skewed, &Backend::Sqlite)
-            .await
-            .context("the skewed ranks")?;
-        done.push(IngestRound {
-            detectors_on,
-            detectors_off,
-            baseline,
-            realistic,
-            postgres,
-            ranks: Some(RanksRound {
-                single_rank: single,
-                one_run: alone,
-                together: multi,
-                skewed: lagging,
-            }),
-        });
+    for round in 0..sizes.rounds {
+        done.push(ingest_round(&plan, sizes, round).await?);
     }
     Ok(IngestReport {
-        clients: on.clients,
-        steps_per_client: steps,
-        modules: on.shape.modules,
-        norm_params: on.shape.norm_params,
-        batch_steps: on.batch_steps,
+        clients: plan.on.clients,
+        steps_per_client: sizes.steps,
+        modules: plan.on.shape.modules,
+        norm_params: plan.on.shape.norm_params,
+        batch_steps: plan.on.batch_steps,
         rounds: done,
+    })
+}
+
+/// One round of the ingest part: every contender of [`IngestPlan`], back to back.
+async fn ingest_round(
+    plan: &IngestPlan,
+    sizes: &IngestSizes,
+    round: usize,
+) -> anyhow::Result<IngestRound> {
+    let rounds = sizes.rounds;
+    eprintln!("gradflow-bench: ingest round {}/{rounds}", round + 1);
+    // Alternate the order so that no contender always runs on a warmer machine.
+    let (detectors_on, detectors_off) = if round.is_multiple_of(2) {
+        let a = ingest::http(&plan.on).await?;
+        (a, ingest::http(&plan.off).await?)
+    } else {
+        let b = ingest::http(&plan.off).await?;
+        (ingest::http(&plan.on).await?, b)
+    };
+    let (clients, steps, shape) = (plan.on.clients, sizes.steps, plan.shape);
+    let baseline =
+        tokio::task::spawn_blocking(move || baseline::bare_sqlite(clients, steps, shape)).await??;
+    eprintln!(
+        "gradflow-bench: ingest round {}/{rounds}: the realistic trace",
+        round + 1
+    );
+    let realistic = ingest::http(&plan.realistic).await?;
+    let postgres = match &plan.postgres {
+        Some(pg) => {
+            eprintln!(
+                "gradflow-bench: ingest round {}/{rounds}: PostgreSQL",
+                round + 1
+            );
+            Some(postgres_round(pg).await?)
+        }
+        None => None,
+    };
+    eprintln!(
+        "gradflow-bench: ingest round {}/{rounds}: {} ranks × {} steps",
+        round + 1,
+        plan.together.world_size,
+        plan.together.steps
+    );
+    let (single, multi) = single_beside_ranks(round, &plan.single_rank, &plan.together).await?;
+    let alone = ingest::http(&plan.one_run)
+        .await
+        .context("one single-rank run")?;
+    let lagging = ranks::http(&plan.skewed, &Backend::Sqlite)
+        .await
+        .context("the skewed ranks")?;
+    Ok(IngestRound {
+        detectors_on,
+        detectors_off,
+        baseline,
+        realistic,
+        postgres,
+        ranks: Some(RanksRound {
+            single_rank: single,
+            one_run: alone,
+            together: multi,
+            skewed: lagging,
+        }),
+    })
+}
+
+async fn postgres_round(pg: &PostgresPlan) -> anyhow::Result<PostgresRound> {
+    Ok(PostgresRound {
+        iid: ingest::http(&pg.iid).await.context("PostgreSQL, i.i.d.")?,
+        realistic: ingest::http(&pg.realistic)
+            .await
+            .context("PostgreSQL, realistic")?,
+        replicas_by_client: ingest::http(&pg.by_client)
+            .await
+            .context("two replicas, clients split")?,
+        replicas_alternating: ingest::http(&pg.alternating)
+            .await
+            .context("two replicas, batches alternating")?,
+    })
+}
+
+/// Single-rank runs and the multi-rank run, in an order that alternates with the
+/// round.
+async fn single_beside_ranks(
+    round: usize,
+    single_rank: &ingest::IngestSpec,
+    together: &ranks::RankSpec,
+) -> anyhow::Result<(ingest::IngestResult, ranks::RankResult)> {
+    Ok(if round.is_multiple_of(2) {
+        let single = ingest::http(single_rank).await?;
+        (single, ranks::http(together, &Backend::Sqlite).await?)
+    } else {
+        let multi = ranks::http(together, &Backend::Sqlite).await?;
+        (ingest::http(single_rank).await?, multi)
     })
 }
 
@@ -436,14 +509,7 @@ async fn ingest_rounds(sizes: &IngestSizes) -> anyhow::Result<IngestReport> {
 /// many records.
 async fn rank_rounds(sizes: &IngestSizes) -> anyhow::Result<Vec<report::RanksAlone>> {
     let shape = Shape::QWEN_1_5B;
-    let together = ranks::RankSpec {
-        world_size: sizes.world_size,
-        steps: sizes.rank_steps,
-        batch_steps: sizes.rank_batch_steps,
-        shape,
-        lag_batches: 0,
-        server_args: Vec::new(),
-    };
+    let together = rank_spec(sizes, shape);
     let records = sizes.rank_steps * u64::from(sizes.world_size);
     let single_rank = ingest::IngestSpec {
         queries_after: Vec::new(),
@@ -463,13 +529,7 @@ async fn rank_rounds(sizes: &IngestSizes) -> anyhow::Result<Vec<report::RanksAlo
             together.world_size,
             together.steps
         );
-        let (single, multi) = if round % 2 == 0 {
-            let single = ingest::http(&single_rank).await?;
-            (single, ranks::http(&together, &Backend::Sqlite).await?)
-        } else {
-            let multi = ranks::http(&together, &Backend::Sqlite).await?;
-            (ingest::http(&single_rank).await?, multi)
-        };
+        let (single, multi) = single_beside_ranks(round, &single_rank, &together).await?;
         let alone = ingest::http(&one_run).await?;
         rounds.push(report::RanksAlone {
             single_rank: single,

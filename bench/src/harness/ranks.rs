@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use gradflow_e2e::ServerProcess;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -201,7 +202,9 @@ impl RankWriter {
     }
 }
 
-/// Runs one measurement on a fresh server and database.
+/// Runs one measurement on a fresh server and database: every rank registers, its
+/// bodies are built, the ranks post them while the server's memory is sampled, and
+/// the run is read back.
 pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResult> {
     anyhow::ensure!(
         spec.world_size >= 2,
@@ -221,9 +224,64 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
         )
         .await?;
     }
+    let bodies = build_bodies(spec).await?;
 
-    // Every rank's bodies, on every core: seeded per rank, so each round sends the
-    // same records.
+    let pid = server.pid();
+    let resident_before = memory(pid).map_or(0, |m| m.resident);
+    let sampler = PeakSampler::start(pid, resident_before);
+    let url = server.url(&format!("/api/v1/runs/{RUN}/steps"));
+    let started = Instant::now();
+    let mut latencies = post_ranks(spec, &client, &url, bodies).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    let resident_peak = sampler.stop().await?;
+    let peak_bytes = memory(pid).map_or(0, |m| m.peak);
+
+    let (combined_steps, alarms) = read_back(spec, &client, &server).await?;
+    let status = server.terminate();
+    anyhow::ensure!(status.success(), "the server stopped with {status}");
+    database.remove().await?;
+    anyhow::ensure!(
+        combined_steps == spec.steps,
+        "{combined_steps} of the run's {} steps combined",
+        spec.steps
+    );
+    latencies.sort();
+
+    let world = u64::from(spec.world_size);
+    let modules = spec.shape.modules as u64;
+    let rank_records = world * spec.steps;
+    let module_values = spec.steps * modules;
+    Ok(RankResult {
+        world_size: spec.world_size,
+        steps: spec.steps,
+        batch_steps: spec.batch_steps,
+        modules: spec.shape.modules,
+        lag_steps: lag_steps(spec),
+        rank_records,
+        rank_module_records: rank_records * modules,
+        module_values,
+        seconds,
+        module_values_per_second: module_values as f64 / seconds,
+        rank_records_per_second: rank_records as f64 / seconds,
+        rank_module_records_per_second: (rank_records * modules) as f64 / seconds,
+        batch_latency_p50_ms: ms(quantile(&latencies, 0.5)),
+        batch_latency_p99_ms: ms(quantile(&latencies, 0.99)),
+        resident_before_bytes: resident_before,
+        resident_peak_bytes: resident_peak,
+        peak_bytes,
+        combined_steps,
+        alarms,
+    })
+}
+
+/// Steps the last rank is held behind the others.
+fn lag_steps(spec: &RankSpec) -> u64 {
+    spec.lag_batches as u64 * spec.batch_steps
+}
+
+/// Every rank's bodies, on every core: seeded per rank, so each round sends the
+/// same records.
+async fn build_bodies(spec: &RankSpec) -> anyhow::Result<Vec<Vec<Vec<u8>>>> {
     let builders: Vec<_> = (0..spec.world_size)
         .map(|rank| {
             let spec = spec.clone();
@@ -248,33 +306,59 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
     for builder in builders {
         bodies.push(builder.await?);
     }
+    Ok(bodies)
+}
 
-    let pid = server.pid();
-    let resident_before = memory(pid).map_or(0, |m| m.resident);
-    let stop = Arc::new(AtomicBool::new(false));
-    let peak = Arc::new(AtomicU64::new(resident_before));
-    let sampler = {
-        let (stop, peak) = (stop.clone(), peak.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                if let Some(m) = memory(pid) {
-                    peak.fetch_max(m.resident, Ordering::Relaxed);
+/// The server's resident memory, sampled every 10 ms until stopped.
+struct PeakSampler {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PeakSampler {
+    fn start(pid: u32, resident_before: u64) -> PeakSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(resident_before));
+        let task = {
+            let (stop, peak) = (stop.clone(), peak.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(m) = memory(pid) {
+                        peak.fetch_max(m.resident, Ordering::Relaxed);
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-    };
+            })
+        };
+        PeakSampler { stop, peak, task }
+    }
+
+    /// Stops sampling; the most resident memory sampled.
+    async fn stop(self) -> anyhow::Result<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await?;
+        Ok(self.peak.load(Ordering::Relaxed))
+    }
+}
+
+/// Every rank posts its batches concurrently, the last one held `lag_batches`
+/// behind the others; the latency of every batch.
+async fn post_ranks(
+    spec: &RankSpec,
+    client: &reqwest::Client,
+    url: &str,
+    bodies: Vec<Vec<Vec<u8>>>,
+) -> anyhow::Result<Vec<Duration>> {
     // Batches each rank has had answered.
     let done: Arc<Vec<AtomicUsize>> =
         Arc::new((0..spec.world_size).map(|_| AtomicUsize::new(0)).collect());
     let lagging = spec.world_size - 1;
-    let url = server.url(&format!("/api/v1/runs/{RUN}/steps"));
-    let started = Instant::now();
     let tasks: Vec<_> = bodies
         .into_iter()
         .enumerate()
         .map(|(rank, batches)| {
-            let (client, url, done) = (client.clone(), url.clone(), done.clone());
+            let (client, url, done) = (client.clone(), url.to_owned(), done.clone());
             let lag = if rank as u32 == lagging {
                 spec.lag_batches
             } else {
@@ -307,11 +391,16 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
     for task in tasks {
         latencies.extend(task.await??);
     }
-    let seconds = started.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
-    sampler.await?;
-    let peak_bytes = memory(pid).map_or(0, |m| m.peak);
+    Ok(latencies)
+}
 
+/// The run's combined steps and what the detectors raised on it, labelled
+/// (`rank_missing` on a lagging rank is expected).
+async fn read_back(
+    spec: &RankSpec,
+    client: &reqwest::Client,
+    server: &ServerProcess,
+) -> anyhow::Result<(u64, WorkloadAlarms)> {
     let run: Value = client
         .get(server.url(&format!("/api/v1/runs/{RUN}")))
         .send()
@@ -319,8 +408,9 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
         .json()
         .await?;
     let combined_steps = run["step_count"].as_u64().unwrap_or(0);
-    let alerts = alerts_at(&client, &server, &format!("/api/v1/runs/{RUN}/alerts")).await?;
-    let lag_steps = spec.lag_batches as u64 * spec.batch_steps;
+    let alerts = alerts_at(client, server, &format!("/api/v1/runs/{RUN}/alerts")).await?;
+    let lagging = spec.world_size - 1;
+    let lag_steps = lag_steps(spec);
     let workload = if lag_steps > 0 {
         format!(
             "{} ranks × {} i.i.d. healthy steps × {} sharded modules, rank {lagging} {lag_steps} steps behind",
@@ -339,41 +429,7 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
             && a["subject"] == "qwen")
             || (lag_steps > 0 && a["kind"] == "rank_missing" && a["subject"] == *lagging_subject)
     });
-    let status = server.terminate();
-    anyhow::ensure!(status.success(), "the server stopped with {status}");
-    database.remove().await?;
-    anyhow::ensure!(
-        combined_steps == spec.steps,
-        "{combined_steps} of the run's {} steps combined",
-        spec.steps
-    );
-    latencies.sort();
-
-    let world = u64::from(spec.world_size);
-    let modules = spec.shape.modules as u64;
-    let rank_records = world * spec.steps;
-    let module_values = spec.steps * modules;
-    Ok(RankResult {
-        world_size: spec.world_size,
-        steps: spec.steps,
-        batch_steps: spec.batch_steps,
-        modules: spec.shape.modules,
-        lag_steps,
-        rank_records,
-        rank_module_records: rank_records * modules,
-        module_values,
-        seconds,
-        module_values_per_second: module_values as f64 / seconds,
-        rank_records_per_second: rank_records as f64 / seconds,
-        rank_module_records_per_second: (rank_records * modules) as f64 / seconds,
-        batch_latency_p50_ms: ms(quantile(&latencies, 0.5)),
-        batch_latency_p99_ms: ms(quantile(&latencies, 0.99)),
-        resident_before_bytes: resident_before,
-        resident_peak_bytes: peak.load(Ordering::Relaxed),
-        peak_bytes,
-        combined_steps,
-        alarms,
-    })
+    Ok((combined_steps, alarms))
 }
 
 #[cfg(test)]

@@ -152,172 +152,29 @@ impl Report {
     pub fn markdown(&self) -> String {
         let mut md = String::new();
         if let Some(m) = &self.machine {
-            let _ = writeln!(
-                md,
-                "Machine: {}, {} cores, {} GiB.{}\n",
-                m.cpu,
-                m.cores,
-                m.memory_gib,
-                if self.quick {
-                    " Quick (smoke) sizes: not the recorded figures."
-                } else {
-                    ""
-                }
-            );
+            machine_line(&mut md, m, self.quick);
         }
         if let Some(ingest) = &self.ingest {
             self.ingest_tables(&mut md, ingest);
         }
         if let Some(q) = &self.queries {
-            let _ = writeln!(
-                md,
-                "### Queries\n\n{} runs ({} alerts: {} expected by construction, {} false \
-                alarms; see the false-alarm table); the long run: {} \
-                steps × {} modules. Median of the timed requests over HTTP, end to end.\n",
-                q.runs,
-                q.alerts,
-                q.alarms
-                    .iter()
-                    .flat_map(|w| w.expected.values())
-                    .sum::<usize>(),
-                q.alarms
-                    .iter()
-                    .flat_map(|w| w.unexpected.values())
-                    .sum::<usize>(),
-                thousands(q.long_steps as f64),
-                q.long_modules
-            );
-            let _ = writeln!(
-                md,
-                "| query | median | max | answer | target |\n| --- | --- | --- | --- | --- |"
-            );
-            for t in &q.timings {
-                let target = match t.name.as_str() {
-                    n if n.starts_with("series") => Some(20.0),
-                    "grad-flow chart (SVG)" => Some(300.0),
-                    "runs list" | "alerts, every run" => Some(50.0),
-                    _ => None,
-                };
-                let target = target.map_or_else(String::new, |ms| {
-                    format!("≤ {ms} ms: {}", verdict(t.median_ms <= ms))
-                });
-                let _ = writeln!(
-                    md,
-                    "| {} | {:.1} ms | {:.1} ms | {} B | {} |",
-                    t.name,
-                    t.median_ms,
-                    t.max_ms,
-                    thousands(t.response_bytes as f64),
-                    target
-                );
-            }
-            md.push('\n');
+            queries_table(&mut md, q);
         }
         if self.overhead.is_some() || self.overhead_tiny.is_some() {
-            let _ = writeln!(
-                md,
-                "### Trainer overhead\n\nInstrumentation, in one process: median step times of an instrumented and an \
-                uninstrumented trainer stepped alternately.\n\n\
-                | preset | device | parameter tensors | steps | instrumented | `--no-instrument` | overhead | target |\n\
-                | --- | --- | --- | --- | --- | --- | --- | --- |"
-            );
-            for o in self.overhead.iter().chain(&self.overhead_tiny) {
-                // The target is the `small` preset's; at `tiny` fixed costs dominate.
-                let target = if o.preset == "small" {
-                    format!("≤ 3 %: {}", verdict(o.percent() <= 3.0))
-                } else {
-                    String::new()
-                };
-                let _ = writeln!(
-                    md,
-                    "| {} | {} | {} | {} | {:.3} ms | {:.3} ms | {:+.3} ms, {:+.2} % | {} |",
-                    o.preset,
-                    o.device,
-                    thousands(o.params as f64),
-                    o.steps,
-                    o.instrumented_ms,
-                    o.uninstrumented_ms,
-                    o.extra_ms(),
-                    o.percent(),
-                    target
-                );
-            }
-            md.push('\n');
+            overhead_table(&mut md, self.overhead.iter().chain(&self.overhead_tiny));
         }
         if let Some(r) = &self.reporting {
             reporting_table(&mut md, r);
         }
         if let Some(detections) = &self.latency {
-            let _ = writeln!(
-                md,
-                "### Detection latency\n\nThe fault's first step is read back from the stored telemetry where it shows \
-                there directly (`telemetry`), and taken from where the scenario injects it otherwise \
-                (`construction`).\n\n| scenario | alert | subject | fault from step | threshold | earliest allowed | opened on | late by |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
-            );
-            for d in detections {
-                let step =
-                    |s: Option<u64>| s.map_or_else(|| "registration".to_owned(), |s| s.to_string());
-                let late = d.steps_late.map_or_else(
-                    || "0 (at registration)".to_owned(),
-                    |l| format!("{l} steps"),
-                );
-                let _ = writeln!(
-                    md,
-                    "| {} | `{}` | {} | {} | {} | {} | {} | {} |",
-                    d.scenario,
-                    d.kind,
-                    d.subject,
-                    match d.fault_step {
-                        Some(s) => format!("{s} ({})", d.fault_step_from),
-                        None => step(None),
-                    },
-                    d.threshold_steps,
-                    step(d.earliest_step),
-                    step(d.opened_step),
-                    late
-                );
-            }
-            md.push('\n');
+            latency_table(&mut md, detections);
         }
         if let Some(alarms) = &self.false_alarms {
             false_alarm_table(&mut md, alarms);
         }
         if let Some(sweeps) = &self.scaling {
             for s in sweeps {
-                let _ = writeln!(md, "### Scaling: {}\n\n{}.\n", s.axis, s.method);
-                let names: Vec<&str> = s
-                    .points
-                    .first()
-                    .map(|p| p.queries.iter().map(|q| q.name.as_str()).collect())
-                    .unwrap_or_default();
-                let _ = write!(
-                    md,
-                    "| {} | M module values/s | B per module value | batch p50 |",
-                    s.axis
-                );
-                for n in &names {
-                    let _ = write!(md, " {n} |");
-                }
-                let _ = write!(md, "\n| --- | --- | --- | --- |");
-                md.push_str(&" --- |".repeat(names.len()));
-                md.push('\n');
-                for p in &s.points {
-                    let _ = write!(
-                        md,
-                        "| {} | {:.2} | {} | {} |",
-                        thousands(p.x as f64),
-                        p.module_values_per_second / 1e6,
-                        p.bytes_per_module_value
-                            .map_or("".into(), |b| format!("{b:.2}")),
-                        p.batch_latency_p50_ms
-                            .map_or("".into(), |l| format!("{l:.1} ms"))
-                    );
-                    for q in &p.queries {
-                        let _ = write!(md, " {:.1} ms |", q.median_ms);
-                    }
-                    md.push('\n');
-                }
-                md.push('\n');
+                scaling_table(&mut md, s);
             }
         }
         if let Some(l) = &self.long_run {
@@ -434,6 +291,172 @@ impl Report {
 }
 
 /// Ingest by database and trace, detectors on: medians over the rounds.
+/// The line that says which machine measured, and whether at the recorded sizes.
+fn machine_line(md: &mut String, m: &Machine, quick: bool) {
+    let _ = writeln!(
+        md,
+        "Machine: {}, {} cores, {} GiB.{}\n",
+        m.cpu,
+        m.cores,
+        m.memory_gib,
+        if quick {
+            " Quick (smoke) sizes: not the recorded figures."
+        } else {
+            ""
+        }
+    );
+}
+
+/// The timed reads after the queries part's runs, each beside its target.
+fn queries_table(md: &mut String, q: &QueryResult) {
+    let _ = writeln!(
+        md,
+        "### Queries\n\n{} runs ({} alerts: {} expected by construction, {} false \
+        alarms; see the false-alarm table); the long run: {} \
+        steps × {} modules. Median of the timed requests over HTTP, end to end.\n",
+        q.runs,
+        q.alerts,
+        q.alarms
+            .iter()
+            .flat_map(|w| w.expected.values())
+            .sum::<usize>(),
+        q.alarms
+            .iter()
+            .flat_map(|w| w.unexpected.values())
+            .sum::<usize>(),
+        thousands(q.long_steps as f64),
+        q.long_modules
+    );
+    let _ = writeln!(
+        md,
+        "| query | median | max | answer | target |\n| --- | --- | --- | --- | --- |"
+    );
+    for t in &q.timings {
+        let target = match t.name.as_str() {
+            n if n.starts_with("series") => Some(20.0),
+            "grad-flow chart (SVG)" => Some(300.0),
+            "runs list" | "alerts, every run" => Some(50.0),
+            _ => None,
+        };
+        let target = target.map_or_else(String::new, |ms| {
+            format!("≤ {ms} ms: {}", verdict(t.median_ms <= ms))
+        });
+        let _ = writeln!(
+            md,
+            "| {} | {:.1} ms | {:.1} ms | {} B | {} |",
+            t.name,
+            t.median_ms,
+            t.max_ms,
+            thousands(t.response_bytes as f64),
+            target
+        );
+    }
+    md.push('\n');
+}
+
+/// The trainer's instrumentation overhead, one row per preset measured.
+fn overhead_table<'a>(md: &mut String, overheads: impl Iterator<Item = &'a Overhead>) {
+    let _ = writeln!(
+        md,
+        "### Trainer overhead\n\nInstrumentation, in one process: median step times of an instrumented and an \
+        uninstrumented trainer stepped alternately.\n\n\
+        | preset | device | parameter tensors | steps | instrumented | `--no-instrument` | overhead | target |\n\
+        | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
+    for o in overheads {
+        // The target is the `small` preset's; at `tiny` fixed costs dominate.
+        let target = if o.preset == "small" {
+            format!("≤ 3 %: {}", verdict(o.percent() <= 3.0))
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.3} ms | {:.3} ms | {:+.3} ms, {:+.2} % | {} |",
+            o.preset,
+            o.device,
+            thousands(o.params as f64),
+            o.steps,
+            o.instrumented_ms,
+            o.uninstrumented_ms,
+            o.extra_ms(),
+            o.percent(),
+            target
+        );
+    }
+    md.push('\n');
+}
+
+/// How many steps after its fault each scenario's alert opened.
+fn latency_table(md: &mut String, detections: &[Detection]) {
+    let _ = writeln!(
+        md,
+        "### Detection latency\n\nThe fault's first step is read back from the stored telemetry where it shows \
+        there directly (`telemetry`), and taken from where the scenario injects it otherwise \
+        (`construction`).\n\n| scenario | alert | subject | fault from step | threshold | earliest allowed | opened on | late by |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
+    for d in detections {
+        let step = |s: Option<u64>| s.map_or_else(|| "registration".to_owned(), |s| s.to_string());
+        let late = d.steps_late.map_or_else(
+            || "0 (at registration)".to_owned(),
+            |l| format!("{l} steps"),
+        );
+        let _ = writeln!(
+            md,
+            "| {} | `{}` | {} | {} | {} | {} | {} | {} |",
+            d.scenario,
+            d.kind,
+            d.subject,
+            match d.fault_step {
+                Some(s) => format!("{s} ({})", d.fault_step_from),
+                None => step(None),
+            },
+            d.threshold_steps,
+            step(d.earliest_step),
+            step(d.opened_step),
+            late
+        );
+    }
+    md.push('\n');
+}
+
+/// One scaling sweep: ingest rate, bytes and read times along its axis.
+fn scaling_table(md: &mut String, s: &Sweep) {
+    let _ = writeln!(md, "### Scaling: {}\n\n{}.\n", s.axis, s.method);
+    let names: Vec<&str> = s
+        .points
+        .first()
+        .map(|p| p.queries.iter().map(|q| q.name.as_str()).collect())
+        .unwrap_or_default();
+    let _ = write!(
+        md,
+        "| {} | M module values/s | B per module value | batch p50 |",
+        s.axis
+    );
+    for n in &names {
+        let _ = write!(md, " {n} |");
+    }
+    let _ = write!(md, "\n| --- | --- | --- | --- |");
+    md.push_str(&" --- |".repeat(names.len()));
+    md.push('\n');
+    for p in &s.points {
+        let _ = write!(
+            md,
+            "| {} | {:.2} | {} | {} |",
+            thousands(p.x as f64),
+            p.module_values_per_second / 1e6,
+            p.bytes_per_module_value
+                .map_or("".into(), |b| format!("{b:.2}")),
+            p.batch_latency_p50_ms
+                .map_or("".into(), |l| format!("{l:.1} ms"))
+        );
+        for q in &p.queries {
+            let _ = write!(md, " {:.1} ms |", q.median_ms);
+        }
+        md.push('\n');
+    }
+    md.push('\n');
+}
 fn backends_table(md: &mut String, ingest: &IngestReport) {
     let postgres = ingest.rounds.iter().any(|r| r.postgres.is_some());
     let _ = writeln!(
