@@ -4,7 +4,9 @@
 
 use rustc_hash::FxHashMap as HashMap;
 
-use gradflow_protocol::{Float, GpuStat, ModuleStep, ParamStep, StepRecord, default_group};
+use gradflow_protocol::{
+    Float, GpuStat, ModuleStep, ParamStep, ScalerState, StepRecord, default_group,
+};
 
 use super::codec::{ABSENT_BITS, Cell, widen_for_display};
 use super::columns::{ColumnAssigner, ColumnDictionary, SeriesKind};
@@ -48,67 +50,18 @@ impl RowWriter<'_, '_> {
         self.row.set(position, cell);
     }
 
-    /// The run's own numbers: loss, learning rates, the scaler, the step's timing.
+    /// The run's own numbers ([`SCALARS`]: loss, lr, the scaler, the step's timing),
+    /// with each optimizer parameter group's lr (v1.1) right after the run-wide one.
     fn run_fields(&mut self, record: &StepRecord) {
-        if let Some(loss) = record.loss {
-            self.put(SeriesKind::Loss, "", Cell::from_wire(Some(loss.get())));
-        }
-        if let Some(lr) = record.lr {
-            self.put(SeriesKind::Lr, "", Cell::from_wire(Some(lr.get())));
-        }
-        // v1.1: each optimizer parameter group's lr, under the group's name.
-        for (group, lr) in &record.lrs {
-            self.put(SeriesKind::Lr, group, Cell::from_wire(Some(lr.get())));
-        }
-        if let Some(dropped) = record.dropped_steps {
-            self.put(
-                SeriesKind::DroppedSteps,
-                "",
-                Cell::from_wire(Some(dropped as f64)),
-            );
-        }
-        if let Some(scaler) = &record.scaler {
-            if let Some(scale) = scaler.scale {
-                self.put(
-                    SeriesKind::ScalerScale,
-                    "",
-                    Cell::from_wire(Some(scale.get())),
-                );
+        for scalar in SCALARS {
+            if let Some(cell) = (scalar.get)(record) {
+                self.put(scalar.kind, "", cell);
             }
-            if let Some(tracker) = scaler.growth_tracker {
-                self.put(
-                    SeriesKind::ScalerGrowthTracker,
-                    "",
-                    Cell::from_wire(Some(tracker as f64)),
-                );
+            if scalar.kind == SeriesKind::Lr {
+                for (group, lr) in &record.lrs {
+                    self.put(SeriesKind::Lr, group, Cell::from_wire(Some(lr.get())));
+                }
             }
-            if let Some(found_inf) = scaler.found_inf {
-                self.put(SeriesKind::FoundInf, "", flag(found_inf));
-            }
-            if let Some(skipped) = scaler.step_skipped {
-                self.put(SeriesKind::StepSkipped, "", flag(skipped));
-            }
-        }
-
-        if let Some(seconds) = record.step_time {
-            self.put(
-                SeriesKind::StepTime,
-                "",
-                Cell::from_wire(Some(seconds.get())),
-            );
-        }
-        if let Some(carried) = record.grads_carried_over {
-            self.put(SeriesKind::GradsCarriedOver, "", flag(carried));
-        }
-        if let Some(local) = record.local_grads_nonfinite {
-            self.put(SeriesKind::LocalGradsNonfinite, "", flag(local));
-        }
-        if let Some(absmax) = record.input_absmax {
-            self.put(
-                SeriesKind::InputAbsmax,
-                "",
-                Cell::from_wire(Some(absmax.get())),
-            );
         }
     }
 
@@ -279,32 +232,12 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
                 params.len() - 1
             })
         };
-        let scaler = &mut record.scaler;
         match kind {
-            SeriesKind::Loss => record.loss = float,
-            SeriesKind::Lr if subject.is_empty() => record.lr = float,
-            SeriesKind::Lr => {
+            SeriesKind::Lr if !subject.is_empty() => {
                 if let Some(lr) = float {
                     record.lrs.insert(subject.to_owned(), lr);
                 }
             }
-            SeriesKind::ScalerScale => scaler.get_or_insert_with(Default::default).scale = float,
-            SeriesKind::ScalerGrowthTracker => {
-                scaler.get_or_insert_with(Default::default).growth_tracker = count
-            }
-            SeriesKind::FoundInf => {
-                scaler.get_or_insert_with(Default::default).found_inf = value.map(|v| v != 0.0)
-            }
-            SeriesKind::StepSkipped => {
-                scaler.get_or_insert_with(Default::default).step_skipped = value.map(|v| v != 0.0)
-            }
-            SeriesKind::DroppedSteps => record.dropped_steps = count,
-            SeriesKind::StepTime => record.step_time = float,
-            SeriesKind::GradsCarriedOver => record.grads_carried_over = value.map(|v| v != 0.0),
-            SeriesKind::LocalGradsNonfinite => {
-                record.local_grads_nonfinite = value.map(|v| v != 0.0)
-            }
-            SeriesKind::InputAbsmax => record.input_absmax = float,
             SeriesKind::Metric => {
                 record.metrics.insert(subject.to_owned(), float);
             }
@@ -334,12 +267,109 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
             | SeriesKind::GpuUtilizationPct
             | SeriesKind::GpuTemperatureC
             | SeriesKind::GpuPowerW => set_gpu_field(&mut gpus, kind, subject, float, count),
+            // The run's own numbers, the run-wide lr among them.
+            _ => {
+                if let Some(scalar) = Scalar::of(kind) {
+                    (scalar.set)(&mut record, value);
+                }
+            }
         }
     }
     record.modules = modules;
     record.params = params;
     record.gpu = gpus;
     record
+}
+
+/// One of the run's own numbers (no subject): where a step record keeps it, read
+/// for [`flatten`] and written back by [`unflatten`].
+struct Scalar {
+    kind: SeriesKind,
+    /// The record's value as a cell; `None` when the record leaves it out.
+    get: fn(&StepRecord) -> Option<Cell>,
+    /// A stored value (`None` for a null cell) back into the record, as the field's
+    /// own type: floats as they are, counts as integers, flags as anything but 0.
+    set: fn(&mut StepRecord, Option<f64>),
+}
+
+/// Every subject-less series kind, in the order a run's first step hands out their
+/// columns (a test holds it to [`SeriesKind::ALL`]).
+const SCALARS: &[Scalar] = &[
+    Scalar {
+        kind: SeriesKind::Loss,
+        get: |r| float_cell(r.loss),
+        set: |r, v| r.loss = v.map(Float),
+    },
+    Scalar {
+        kind: SeriesKind::Lr,
+        get: |r| float_cell(r.lr),
+        set: |r, v| r.lr = v.map(Float),
+    },
+    Scalar {
+        kind: SeriesKind::DroppedSteps,
+        get: |r| count_cell(r.dropped_steps),
+        set: |r, v| r.dropped_steps = v.map(|v| v as u64),
+    },
+    Scalar {
+        kind: SeriesKind::ScalerScale,
+        get: |r| float_cell(r.scaler.as_ref()?.scale),
+        set: |r, v| scaler(r).scale = v.map(Float),
+    },
+    Scalar {
+        kind: SeriesKind::ScalerGrowthTracker,
+        get: |r| count_cell(r.scaler.as_ref()?.growth_tracker),
+        set: |r, v| scaler(r).growth_tracker = v.map(|v| v as u64),
+    },
+    Scalar {
+        kind: SeriesKind::FoundInf,
+        get: |r| r.scaler.as_ref()?.found_inf.map(flag),
+        set: |r, v| scaler(r).found_inf = v.map(|v| v != 0.0),
+    },
+    Scalar {
+        kind: SeriesKind::StepSkipped,
+        get: |r| r.scaler.as_ref()?.step_skipped.map(flag),
+        set: |r, v| scaler(r).step_skipped = v.map(|v| v != 0.0),
+    },
+    Scalar {
+        kind: SeriesKind::StepTime,
+        get: |r| float_cell(r.step_time),
+        set: |r, v| r.step_time = v.map(Float),
+    },
+    Scalar {
+        kind: SeriesKind::GradsCarriedOver,
+        get: |r| r.grads_carried_over.map(flag),
+        set: |r, v| r.grads_carried_over = v.map(|v| v != 0.0),
+    },
+    Scalar {
+        kind: SeriesKind::LocalGradsNonfinite,
+        get: |r| r.local_grads_nonfinite.map(flag),
+        set: |r, v| r.local_grads_nonfinite = v.map(|v| v != 0.0),
+    },
+    Scalar {
+        kind: SeriesKind::InputAbsmax,
+        get: |r| float_cell(r.input_absmax),
+        set: |r, v| r.input_absmax = v.map(Float),
+    },
+];
+
+impl Scalar {
+    /// The entry for `kind`, if it is one of the run's own numbers.
+    fn of(kind: SeriesKind) -> Option<&'static Scalar> {
+        SCALARS.iter().find(|scalar| scalar.kind == kind)
+    }
+}
+
+fn float_cell(value: Option<Float>) -> Option<Cell> {
+    value.map(|v| Cell::from_wire(Some(v.get())))
+}
+
+fn count_cell(value: Option<u64>) -> Option<Cell> {
+    value.map(|n| Cell::from_wire(Some(n as f64)))
+}
+
+/// The record's scaler state, started empty if the record had none.
+fn scaler(record: &mut StepRecord) -> &mut ScalerState {
+    record.scaler.get_or_insert_with(ScalerState::default)
 }
 
 /// One module column's value, into the module's record.
@@ -467,6 +497,7 @@ impl Row {
 mod tests {
     use super::*;
     use crate::columnar::columns::ColumnDictionary;
+    use crate::model::metric::{METRICS, Subject};
 
     fn record(json: &str) -> StepRecord {
         gradflow_protocol::parse_steps_json(format!("[{json}]").as_bytes())
@@ -516,6 +547,63 @@ mod tests {
         }
         let back = unflatten(7, &row, &dictionary);
         assert_eq!(back, sent);
+    }
+
+    /// The kinds that take a subject (a module, parameter, group, device, metric
+    /// name, or an optimizer parameter group's lr); every other kind is a scalar.
+    const PER_SUBJECT: &[SeriesKind] = &[
+        SeriesKind::Lr,
+        SeriesKind::ModuleGradNorm,
+        SeriesKind::HookHits,
+        SeriesKind::ModuleNumel,
+        SeriesKind::ModuleNonfinite,
+        SeriesKind::ModuleParamSum,
+        SeriesKind::GroupGradNorm,
+        SeriesKind::ParamGradNorm,
+        SeriesKind::UpdateNorm,
+        SeriesKind::Drift,
+        SeriesKind::ParamMean,
+        SeriesKind::IntendedUpdateNorm,
+        SeriesKind::IntendedUpdateMaxUlp,
+        SeriesKind::IntendedNonzero,
+        SeriesKind::RoundedAway,
+        SeriesKind::ParamNumel,
+        SeriesKind::GpuMemoryUsedBytes,
+        SeriesKind::GpuMemoryTotalBytes,
+        SeriesKind::GpuUtilizationPct,
+        SeriesKind::GpuTemperatureC,
+        SeriesKind::GpuPowerW,
+        SeriesKind::Metric,
+    ];
+
+    #[test]
+    fn every_subject_less_kind_is_a_scalar_exactly_once() {
+        for kind in SeriesKind::ALL {
+            let entries = SCALARS.iter().filter(|s| s.kind == kind).count();
+            // The lr is both: run-wide without a subject, per group with one.
+            let expected = usize::from(!PER_SUBJECT.contains(&kind) || kind == SeriesKind::Lr);
+            assert_eq!(entries, expected, "{kind:?}");
+        }
+        for metric in METRICS {
+            if matches!(metric.subject, Subject::None | Subject::Optional) {
+                for &kind in metric.kinds {
+                    assert!(Scalar::of(kind).is_some(), "{}", metric.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_scalar_reads_back_the_field_it_writes() {
+        for scalar in SCALARS {
+            let mut record = StepRecord::default();
+            assert_eq!((scalar.get)(&record), None, "{:?}", scalar.kind);
+            (scalar.set)(&mut record, Some(1.0));
+            for other in SCALARS {
+                let expected = (other.kind == scalar.kind).then_some(Cell::Value(1.0));
+                assert_eq!((other.get)(&record), expected, "{:?}", other.kind);
+            }
+        }
     }
 
     #[test]
