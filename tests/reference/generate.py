@@ -5,7 +5,7 @@ Builds transformers' Qwen2ForCausalLM from the tiny checkpoint in tiny-qwen2/
 the fixed batch below in float32 with eager attention, and writes fixture.json:
 the logits, the causal-LM loss (mean next-token cross-entropy, what `labels=ids`
 computes) and every parameter's gradient norm, by HF name. The Rust test
-trainer-client/tests/reference.rs recomputes them and compares.
+trainer-client/tests/trainer/reference.rs recomputes them and compares.
 
     python3 tests/reference/generate.py   # needs torch and transformers
 """
