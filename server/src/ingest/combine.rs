@@ -279,11 +279,11 @@ impl PendingStep {
                 SeriesKind::ModuleNonfinite => value.is_some_and(|v| v > 0.0),
                 _ => false,
             };
-            if flags_nonfinite && kind == SeriesKind::Loss {
-                self.loss_nonfinite.push(rank);
-            }
+            // What says where a NaN began: this rank's own loss and gradients, and
+            // whether its loss scaler skipped the step.
             let set = value.is_some_and(|v| v > 0.0);
             match kind {
+                SeriesKind::Loss if flags_nonfinite => self.loss_nonfinite.push(rank),
                 SeriesKind::LocalGradsNonfinite if set => self.local_grads_nonfinite.push(rank),
                 SeriesKind::FoundInf | SeriesKind::StepSkipped if set => self.scaler_skipped = true,
                 _ => {}
