@@ -121,6 +121,15 @@ pub struct Args {
     #[arg(long)]
     pub no_report: bool,
 
+    /// Measure what instrumentation costs a step instead of training a run: a
+    /// second, uninstrumented trainer of the same options and seed is stepped
+    /// alternately with the instrumented one in this process, --steps steps each
+    /// after 3 warm-up steps, the device synchronised at the end of each; prints the
+    /// median step times as JSON on stdout. The instrumented steps are sent to the
+    /// server unless --no-report, so the hand-over to the reporter is charged too.
+    #[arg(long)]
+    pub measure_overhead: bool,
+
     /// Where undelivered steps are spooled while the server is unreachable.
     #[arg(long, env = "GRADFLOW_SPOOL_DIR")]
     pub spool_dir: Option<PathBuf>,

@@ -26,12 +26,30 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match gradflow_trainer::run::run(&args) {
         Ok(outcome) => {
+            if let Some(overhead) = &outcome.overhead {
+                let mut json = serde_json::to_value(overhead).expect("plain numbers and strings");
+                json["percent"] = overhead.percent().into();
+                json["extra_ms"] = overhead.extra_ms().into();
+                println!("{json}");
+                eprintln!(
+                    "gradflow-trainer: instrumentation costs {:+.3} ms a step ({:+.2} %): \
+                     {:.3} ms instrumented, {:.3} ms not (medians of {} steps each, {})",
+                    overhead.extra_ms(),
+                    overhead.percent(),
+                    overhead.instrumented_ms,
+                    overhead.uninstrumented_ms,
+                    overhead.steps,
+                    overhead.device,
+                );
+            }
             let loss = match (outcome.first_loss, outcome.last_loss) {
                 (Some(a), Some(b)) => format!("loss {a:.4} → {b:.4}"),
+                _ if outcome.overhead.is_some() => "overhead measured".into(),
                 _ => "no steps".into(),
             };
             let pace = outcome
                 .step_ms()
+                .filter(|_| outcome.overhead.is_none())
                 .map(|ms| format!(" ({ms:.3} ms a step)"))
                 .unwrap_or_default();
             eprintln!(

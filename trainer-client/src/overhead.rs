@@ -15,7 +15,10 @@
 
 use std::time::Instant;
 
+use anyhow::Context;
+
 use candle_core::{DType, Device};
+use gradflow_protocol::StepRecord;
 use serde::Serialize;
 
 use crate::model::HybridModel;
@@ -50,7 +53,6 @@ const WARM_UP_STEPS: u64 = 3;
 
 /// Steps both trainers `steps` times, interleaved, and returns the medians.
 pub fn measure(preset: &Preset, steps: u64, device: &Device) -> anyhow::Result<Overhead> {
-    anyhow::ensure!(steps > 0, "measure at least one step");
     let trainer = |instrument: bool| -> anyhow::Result<Trainer> {
         let model = HybridModel::random(preset, DType::F32, device, 0)?;
         let options = TrainOptions {
@@ -61,10 +63,36 @@ pub fn measure(preset: &Preset, steps: u64, device: &Device) -> anyhow::Result<O
     };
     let mut on = trainer(true)?;
     let mut off = trainer(false)?;
+    let overhead = measure_pair(&mut on, &mut off, steps, device, |_, _| {})?;
+    Ok(Overhead {
+        preset: preset.name.to_owned(),
+        ..overhead
+    })
+}
+
+/// Steps two trainers built alike but for `instrument` (`on` instrumented, `off`
+/// not) `steps` times, interleaved, and returns the medians. Each instrumented
+/// step's record goes to `sink` inside the timed region, so a sink that hands it to
+/// a reporter charges the hand-over too (the sending is the reporter thread's).
+/// The device is synchronised at the end of every timed step: on CUDA the step's
+/// kernels are queued, and only a synchronised clock sees them finish.
+pub fn measure_pair(
+    on: &mut Trainer,
+    off: &mut Trainer,
+    steps: u64,
+    device: &Device,
+    mut sink: impl FnMut(u64, StepRecord),
+) -> anyhow::Result<Overhead> {
+    anyhow::ensure!(steps > 0, "measure at least one step");
+    anyhow::ensure!(
+        on.options.instrument && !off.options.instrument,
+        "the first trainer is the instrumented one, the second is not"
+    );
     for step in 0..WARM_UP_STEPS {
         on.step(step)?;
         off.step(step)?;
     }
+    device.synchronize()?;
     let (mut t_on, mut t_off) = (Vec::new(), Vec::new());
     for step in WARM_UP_STEPS..WARM_UP_STEPS + steps {
         // Alternate which goes first, so neither always runs on a warmer cache.
@@ -78,7 +106,8 @@ pub fn measure(preset: &Preset, steps: u64, device: &Device) -> anyhow::Result<O
             if instrumented {
                 let output = on.step(step)?;
                 // Building the record is part of the cost; serialising it is the reporter's.
-                anyhow::ensure!(output.record.is_some(), "an instrumented step has a record");
+                let record = output.record.context("an instrumented step has a record")?;
+                sink(step, record);
                 device.synchronize()?;
                 t_on.push(start.elapsed().as_secs_f64());
             } else {
@@ -89,7 +118,7 @@ pub fn measure(preset: &Preset, steps: u64, device: &Device) -> anyhow::Result<O
         }
     }
     Ok(Overhead {
-        preset: preset.name.to_owned(),
+        preset: String::new(),
         device: format!("{device:?}"),
         params: on.model.store.len(),
         steps,

@@ -13,6 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::cli::{self, Args};
 use crate::model::HybridModel;
 use crate::model::config::Preset;
+use crate::overhead::{self, Overhead};
 use crate::reporter::{Reporter, ReporterConfig, Summary};
 use crate::telemetry::Telemetry;
 use crate::train::{BETAS, EPS, LrSchedule, PARAM_GROUP, TrainOptions, Trainer};
@@ -30,6 +31,8 @@ pub struct RunOutcome {
     pub seconds: f64,
     /// The training loop alone, from the first step to the end of the last.
     pub training_seconds: f64,
+    /// `--measure-overhead`: the instrumented and uninstrumented medians.
+    pub overhead: Option<Overhead>,
 }
 
 impl RunOutcome {
@@ -138,13 +141,16 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
     let settings = cli::settings(args)?;
     let device = device(&args.device)?;
     let preset = Preset::named(&args.preset)?;
-    let model = match &args.weights {
-        Some(dir) => {
-            HybridModel::from_checkpoint(dir, &preset, settings.param_dtype, &device, args.seed)
-                .with_context(|| format!("loading the checkpoint in {}", dir.display()))?
-        }
-        None => HybridModel::random(&preset, settings.param_dtype, &device, args.seed)?,
+    let build_model = || -> anyhow::Result<HybridModel> {
+        Ok(match &args.weights {
+            Some(dir) => {
+                HybridModel::from_checkpoint(dir, &preset, settings.param_dtype, &device, args.seed)
+                    .with_context(|| format!("loading the checkpoint in {}", dir.display()))?
+            }
+            None => HybridModel::random(&preset, settings.param_dtype, &device, args.seed)?,
+        })
     };
+    let model = build_model()?;
     let options = TrainOptions {
         param_dtype: settings.param_dtype,
         compute_dtype: settings.compute_dtype,
@@ -164,11 +170,14 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         seed: args.seed,
         instrument: !args.no_instrument,
     };
-    let tokenizer = match &args.weights {
-        Some(dir) => crate::tasks::Tokenizer::for_checkpoint(dir, model.qwen.config.vocab_size)?,
-        None => crate::tasks::Tokenizer::Bytes,
+    let vocab_size = model.qwen.config.vocab_size;
+    let tokenizer = || -> anyhow::Result<crate::tasks::Tokenizer> {
+        Ok(match &args.weights {
+            Some(dir) => crate::tasks::Tokenizer::for_checkpoint(dir, vocab_size)?,
+            None => crate::tasks::Tokenizer::Bytes,
+        })
     };
-    let mut trainer = Trainer::with_tokenizer(model, options, tokenizer, &device)?;
+    let mut trainer = Trainer::with_tokenizer(model, options, tokenizer()?, &device)?;
     let run_id = args
         .run_id
         .clone()
@@ -222,6 +231,47 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
     }
 
     let telemetry = Telemetry::new();
+    if args.measure_overhead {
+        let measuring = Instant::now();
+        // A second trainer of the same options and seed, uninstrumented, stepped
+        // alternately with the first in this process.
+        let mut off = Trainer::with_tokenizer(
+            build_model()?,
+            TrainOptions {
+                instrument: false,
+                ..trainer.options.clone()
+            },
+            tokenizer()?,
+            &device,
+        )?;
+        let mut overhead = overhead::measure_pair(
+            &mut trainer,
+            &mut off,
+            args.steps,
+            &device,
+            |_, mut record| {
+                if let Some(reporter) = &reporter {
+                    record.gpu = telemetry.sample();
+                    reporter.report(record);
+                }
+            },
+        )?;
+        overhead.preset = preset.name.to_owned();
+        overhead.device = args.device.clone();
+        let training_seconds = measuring.elapsed().as_secs_f64();
+        let summary = reporter.map(|r| r.finish(Duration::from_secs(10)));
+        return Ok(RunOutcome {
+            run_id,
+            steps: args.steps,
+            first_loss: None,
+            last_loss: None,
+            last_accuracy: None,
+            summary,
+            seconds: started.elapsed().as_secs_f64(),
+            training_seconds,
+            overhead: Some(overhead),
+        });
+    }
     let progress = progress_bar(args);
     let mut first_loss = None;
     let mut last = None;
@@ -270,6 +320,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         summary,
         seconds: started.elapsed().as_secs_f64(),
         training_seconds,
+        overhead: None,
     })
 }
 

@@ -229,3 +229,59 @@ async fn a_spool_no_server_ever_saw_is_imported_later() {
         meta["registration"]["params"].as_array().unwrap().len()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn measuring_the_overhead_prints_both_medians_and_sends_the_instrumented_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("gradflow.db"), &["--sync", "normal"]);
+    let output = trainer(&[
+        "--server",
+        &server.base,
+        "--run-id",
+        "overhead",
+        "--steps",
+        "6",
+        "--measure-overhead",
+    ])
+    .output()
+    .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let figures: Value = serde_json::from_slice(&output.stdout).expect("one JSON object");
+    for key in ["instrumented_ms", "uninstrumented_ms"] {
+        let ms = figures[key].as_f64().unwrap();
+        assert!(ms > 0.0 && ms.is_finite(), "{key}: {figures}");
+    }
+    assert_eq!(figures["steps"], 6, "{figures}");
+    assert_eq!(figures["preset"], "tiny", "{figures}");
+    let extra = figures["instrumented_ms"].as_f64().unwrap()
+        - figures["uninstrumented_ms"].as_f64().unwrap();
+    assert!(
+        (figures["extra_ms"].as_f64().unwrap() - extra).abs() < 1e-9,
+        "{figures}"
+    );
+    assert!(
+        text(&output).contains("delivered 6 steps"),
+        "{}",
+        text(&output)
+    );
+    // The measured steps of the instrumented trainer, after its 3 warm-up steps.
+    let client = reqwest::Client::new();
+    let loss = get(
+        &client,
+        server.url("/api/v1/runs/overhead/series?metric=loss"),
+    )
+    .await;
+    let steps: Vec<u64> = loss["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[0].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (3..9).collect::<Vec<_>>(), "{loss}");
+    let alerts = get(&client, server.url("/api/v1/runs/overhead/alerts")).await;
+    assert_eq!(
+        alerts["alerts"],
+        serde_json::json!([]),
+        "a healthy run: {alerts}"
+    );
+}
