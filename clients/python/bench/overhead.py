@@ -111,7 +111,14 @@ def start_server(binary: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
 class Mode:
     """One copy of the model, its optimizer, and what watches it."""
 
-    def __init__(self, name: str, preset: Dict[str, Any], device: str, dtype: torch.dtype):
+    def __init__(
+        self,
+        name: str,
+        preset: Dict[str, Any],
+        device: str,
+        dtype: torch.dtype,
+        param_dtype: torch.dtype = torch.float32,
+    ):
         torch.manual_seed(0)
         self.name = name
         self.agent = preset.get("model") == "prompt-agent"
@@ -122,7 +129,7 @@ class Mode:
             self.model: torch.nn.Module = PromptAgent(seed=0).to(device)
         else:
             config = Qwen2Config(max_position_embeddings=preset["seq"], **preset["config"])
-            self.model = Qwen2ForCausalLM(config).to(device)
+            self.model = Qwen2ForCausalLM(config).to(device, param_dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.device = device
         self.dtype = dtype
@@ -176,6 +183,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, help="the preset's sequence length, overridden")
     parser.add_argument("--profile", help="write a cProfile of the gradflow mode's steps here")
     parser.add_argument("--autocast", choices=["none", "bf16"], default=None)
+    parser.add_argument(
+        "--param-dtype",
+        choices=["f32", "bf16"],
+        default="f32",
+        help="the Qwen2 presets' parameters (bf16: pure bf16 training, no autocast needed)",
+    )
     parser.add_argument("--server-bin")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -193,7 +206,8 @@ def main() -> None:
     server = None
     modes: List[Mode] = []
     for name in names:
-        mode = Mode(name, preset, args.device, dtype)
+        param_dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
+        mode = Mode(name, preset, args.device, dtype, param_dtype)
         if name == "gradflow":
             import gradflow
 
@@ -243,6 +257,9 @@ def main() -> None:
         server.wait()
 
     medians = {m.name: statistics.median(m.times[args.warmup :]) for m in modes}
+    # The mean also carries the work done only every few steps (the low-precision
+    # update check runs every `updates_every`-th step), which the median skips.
+    means = {m.name: statistics.fmean(m.times[args.warmup :]) for m in modes}
     cpu = {m.name: statistics.median(m.cpu[args.warmup :]) for m in modes}
     bare = medians.get("bare")
     device_name = (
@@ -250,15 +267,28 @@ def main() -> None:
     )
     print(
         f"preset {preset_name}, {args.device} ({device_name}), autocast {autocast}, "
+        f"parameters {args.param_dtype}, "
         f"batch {preset['batch']}x{preset['seq']}, torch {torch.__version__}; "
         f"median of {args.steps} steps after {args.warmup} warm-up, rounds of {args.block}"
     )
-    result: Dict[str, Any] = {"preset": preset_name, "device": device_name, "modes": {}}
+    result: Dict[str, Any] = {
+        "preset": preset_name,
+        "device": device_name,
+        "batch": preset["batch"],
+        "seq": preset["seq"],
+        "param_dtype": args.param_dtype,
+        "autocast": autocast,
+        "modes": {},
+    }
     for mode in modes:
         median = medians[mode.name]
         line = f"  {mode.name:9s} {median * 1e3:9.2f} ms/step"
         line += f" (thread CPU {cpu[mode.name] * 1e3:.2f} ms)"
-        entry: Dict[str, Any] = {"median_ms": median * 1e3, "thread_cpu_ms": cpu[mode.name] * 1e3}
+        entry: Dict[str, Any] = {
+            "median_ms": median * 1e3,
+            "mean_ms": means[mode.name] * 1e3,
+            "thread_cpu_ms": cpu[mode.name] * 1e3,
+        }
         if bare and mode.name != "bare":
             overhead = median / bare - 1
             entry["overhead"] = overhead
@@ -268,6 +298,8 @@ def main() -> None:
                 f"   {median / bare:.3f}x bare ({overhead * 100:+6.2f} %),"
                 f" {(median - bare) * 1e3:+.2f} ms/step"
             )
+            entry["mean_overhead"] = means[mode.name] / means["bare"] - 1
+            line += f"; mean {entry['mean_overhead'] * 100:+.2f} %"
             entry["thread_cpu_fixed_ms"] = (cpu[mode.name] - cpu["bare"]) * 1e3
             line += f"; thread CPU {(cpu[mode.name] - cpu['bare']) * 1e3:+.2f} ms/step"
         seconds = background.get(mode.name)

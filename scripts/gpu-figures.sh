@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The figures only a GPU gives (BENCHMARKS.md, "On a GPU"), in one run:
+#
+#   1. the Python client over a bare loop, Qwen2.5-0.5B shape, 8×512 tokens, bf16
+#      autocast over f32 parameters and pure bf16 parameters (and 8×2048), side by
+#      side in one process;
+#   2. the client's per-parameter gradient norms against one read of the gradients;
+#   3. the Rust trainer's instrumentation on CUDA, instrumented and uninstrumented
+#      trainers stepped alternately in one process, reporting to a real server and not;
+#   4. the trainer's failure scenarios on CUDA, each verdict as the server gives it.
+#
+#   scripts/gpu-figures.sh OUT_DIR
+#
+# GRADFLOW_SERVER_BIN and GRADFLOW_TRAINER_BIN name the binaries (default:
+# target/release/; the trainer built by `scripts/cuda-toolchain.sh build`). The
+# trainer finds CUDA's libraries in PyTorch's `nvidia/cu13` wheels when
+# LD_LIBRARY_PATH does not already hold them.
+set -uo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:?usage: $0 OUT_DIR}
+mkdir -p "$out"
+server_bin=${GRADFLOW_SERVER_BIN:-$repo/target/release/gradflow-server}
+trainer_bin=${GRADFLOW_TRAINER_BIN:-$repo/target/release/gradflow-trainer}
+python=${PYTHON:-python3}
+export PYTHONPATH=$repo/clients/python/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+"$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' | tee -a "$out/gpu.txt"
+
+cu13=$("$python" -c 'import nvidia, pathlib; print(pathlib.Path(list(nvidia.__path__)[0]) / "cu13" / "lib")' 2>/dev/null)
+[ -d "$cu13" ] && export LD_LIBRARY_PATH=$cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+echo "== 1. the Python client, qwen2.5-0.5b, bf16 autocast"
+for case in "512 f32" "512 bf16" "2048 f32"; do
+    read -r seq params <<<"$case"
+    steps=$([ "$seq" = 512 ] && echo 100 || echo 40)
+    "$python" "$repo/clients/python/bench/overhead.py" --device cuda --preset qwen2.5-0.5b \
+        --seq "$seq" --param-dtype "$params" --modes bare,gradflow --steps "$steps" \
+        --warmup 10 --block 10 --server-bin "$server_bin" --json "$out/client-8x$seq-$params.json"
+done
+
+echo "== 2. per-parameter gradient norms against one read of the gradients"
+"$python" "$repo/clients/python/bench/norms.py" --json "$out/norms.json"
+
+echo "== 3. the Rust trainer on CUDA, qwen2.5-0.5b, bf16, in one process"
+work=$(mktemp -d)
+port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$server_bin" --listen "127.0.0.1:$port" --db "$work/gpu.db" >"$work/server.log" 2>&1 &
+server=$!
+for _ in $(seq 50); do grep -q "listening" "$work/server.log" && break; sleep 0.2; done
+url=http://127.0.0.1:$port
+for report in on off; do
+    flags=(--device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16
+           --steps 40 --measure-overhead --quiet --server "$url" --run-id "overhead-report-$report")
+    [ "$report" = off ] && flags+=(--no-report)
+    "$trainer_bin" "${flags[@]}" >"$out/trainer-report-$report.json"
+    cat "$out/trainer-report-$report.json"
+done
+
+echo "== 4. the trainer's scenarios on CUDA (tiny), the server's verdicts"
+for scenario in healthy detached-prompt bf16-frozen-norms nan-gradient fp16-overflow; do
+    "$trainer_bin" --device cuda --scenario "$scenario" --steps 60 --quiet \
+        --server "$url" --run-id "cuda-$scenario" 2>&1 | tail -1
+    "$python" - "$url" "$scenario" <<'EOF'
+import json, sys, urllib.request
+url, scenario = sys.argv[1:]
+with urllib.request.urlopen(f"{url}/api/v1/runs/cuda-{scenario}/alerts") as answer:
+    alerts = json.load(answer)["alerts"]
+verdicts = sorted({(a["kind"], a["subject"], a["evidence"].get("cause")) for a in alerts})
+print(f"{scenario}: {verdicts or 'no alert'}")
+EOF
+done | tee "$out/scenarios.txt"
+kill "$server"
