@@ -26,15 +26,15 @@ def queue_callback(callback: Callable[[], None]) -> None:
 # -- norms ---------------------------------------------------------------------------
 
 
-def foreach_norm(grads: List[torch.Tensor]) -> List[torch.Tensor]:
-    """The L2 norm of each tensor, in f32 (``torch._foreach_norm``: multi-tensor
-    kernels; its ``dtype=`` argument came later, and without it the norms come in the
-    tensors' own dtype)."""
+def foreach_norm(grads: List[torch.Tensor], ord: float = 2) -> List[torch.Tensor]:
+    """The `ord`-norm (2, 1 or inf) of each tensor, in f32 (``torch._foreach_norm``:
+    multi-tensor kernels; its ``dtype=`` argument came later, and without it the norms
+    come in the tensors' own dtype)."""
     foreach = torch._foreach_norm
     try:
-        return list(foreach(grads, 2, dtype=torch.float32))
+        return list(foreach(grads, ord, dtype=torch.float32))
     except (TypeError, RuntimeError):
-        return [n.float() for n in foreach(grads)]
+        return [n.float() for n in foreach(grads, ord)]
 
 
 # -- DTensor -------------------------------------------------------------------------

@@ -352,11 +352,13 @@ class Measurer:
                     before[a:b],
                 )
                 if upd is not None:
-                    segments = (
-                        None if self._norm_width else self._segments(start, end, upd.device)[0]
+                    lengths = (
+                        None
+                        if self._norm_width
+                        else [self._norms[k].numel for k in range(start, end)]
                     )
                     summary = intended.summary(
-                        upd, before[a:b], after[a:b], first.tensor.dtype, segments, end - start
+                        upd, before[a:b], after[a:b], first.tensor.dtype, lengths, end - start
                     )
                     pieces.append(summary.reshape(-1))
                     for k in range(start, end):

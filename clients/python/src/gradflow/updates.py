@@ -85,24 +85,23 @@ class UpdateTracker:
             chunk = tensors[start:end]
             b = torch.cat([x.reshape(-1).float() for x in before[start:end]])
             a = torch.cat([local(t).detach().reshape(-1).float() for t in chunk])
-            sizes = torch.tensor([local(t).numel() for t in chunk])
-            segments = torch.repeat_interleave(torch.arange(len(chunk)), sizes).to(a.device)
+            sizes = [local(t).numel() for t in chunk]
             count = end - start
-            zeros = torch.zeros(count, device=a.device)
             diff = a - b
-            applied = zeros.index_add(0, segments, diff * diff)
+            applied = intended.segment_sums(diff * diff, sizes)
             summary = None
             if self._family is not None and group_index is not None and group_index < len(groups):
                 upd = intended.update(
                     self._family, self.registry.optimizer, groups[group_index], chunk, b
                 )
                 if upd is not None:
-                    summary = intended.summary(upd, b, a, chunk[0].dtype, segments, count)
+                    summary = intended.summary(upd, b, a, chunk[0].dtype, sizes, count)
             if summary is None:
                 summary = torch.full((count, 4), float("nan"), device=a.device)
-            rows.append(torch.cat([applied.reshape(-1, 1), summary], dim=1).reshape(-1))
+            applied = applied.to(summary.dtype).reshape(-1, 1)
+            rows.append(torch.cat([applied, summary], dim=1).reshape(-1))
             names.extend(name for name, _, _ in self._entries[start:end])
-            numels.extend(int(n) for n in sizes.tolist())
+            numels.extend(sizes)
         self._stats = torch.cat(rows) if rows else None
         self._names = names
         self._numels = numels
