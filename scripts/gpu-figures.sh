@@ -11,6 +11,8 @@
 #
 #   scripts/gpu-figures.sh OUT_DIR
 #
+# PARTS picks some of the parts (default: "1 2 3 4"), CLIENT_CASES the client's
+# cases ("TOKENS PARAM_DTYPE GIL_SWITCH_INTERVAL", comma-separated).
 # GRADFLOW_SERVER_BIN and GRADFLOW_TRAINER_BIN name the binaries (default:
 # target/release/; the trainer built by `scripts/cuda-toolchain.sh build`). The
 # trainer finds CUDA's libraries in PyTorch's `nvidia/cu13` wheels when
@@ -32,35 +34,54 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 cu13=$("$python" -c 'import nvidia, pathlib; print(pathlib.Path(list(nvidia.__path__)[0]) / "cu13" / "lib")' 2>/dev/null)
 [ -d "$cu13" ] && export LD_LIBRARY_PATH=$cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
-echo "== 1. the Python client, qwen2.5-0.5b, bf16 autocast"
-for case in "512 f32" "512 bf16" "2048 f32"; do
-    read -r seq params <<<"$case"
+parts=${PARTS:-1 2 3 4}
+part() { [[ " $parts " == *" $1 "* ]]; }
+
+part 1 && echo "== 1. the Python client, qwen2.5-0.5b, bf16 autocast"
+# The last case: Python's GIL handed over every 0.5 ms instead of 5 ms, to see how
+# much of the overhead is the training thread waiting for the reporter thread.
+IFS=, read -ra cases <<<"${CLIENT_CASES:-512 f32 0.005,512 bf16 0.005,2048 f32 0.005,512 f32 0.0005}"
+part 1 && for case in "${cases[@]}"; do
+    read -r seq params switch <<<"$case"
     steps=$([ "$seq" = 512 ] && echo 100 || echo 40)
     "$python" "$repo/clients/python/bench/overhead.py" --device cuda --preset qwen2.5-0.5b \
         --seq "$seq" --param-dtype "$params" --modes bare,gradflow --steps "$steps" \
-        --warmup 10 --block 10 --server-bin "$server_bin" --json "$out/client-8x$seq-$params.json"
+        --warmup 10 --block 10 --switch-interval "$switch" --server-bin "$server_bin" \
+        --json "$out/client-8x$seq-$params-$switch.json"
 done
 
-echo "== 2. per-parameter gradient norms against one read of the gradients"
-"$python" "$repo/clients/python/bench/norms.py" --json "$out/norms.json"
+if part 2; then
+    echo "== 2. per-parameter gradient norms against one read of the gradients"
+    "$python" "$repo/clients/python/bench/norms.py" --json "$out/norms.json"
+fi
 
-echo "== 3. the Rust trainer on CUDA, qwen2.5-0.5b, bf16, in one process"
+part 3 && echo "== 3. the Rust trainer on CUDA, qwen2.5-0.5b, bf16, in one process"
 work=$(mktemp -d)
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 "$server_bin" --listen "127.0.0.1:$port" --db "$work/gpu.db" >"$work/server.log" 2>&1 &
 server=$!
 for _ in $(seq 50); do grep -q "listening" "$work/server.log" && break; sleep 0.2; done
 url=http://127.0.0.1:$port
-for report in on off; do
+part 3 && for report in on off; do
     flags=(--device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16
            --steps 40 --measure-overhead --quiet --server "$url" --run-id "overhead-report-$report")
     [ "$report" = off ] && flags+=(--no-report)
     "$trainer_bin" "${flags[@]}" >"$out/trainer-report-$report.json"
     cat "$out/trainer-report-$report.json"
 done
+# Where the instrumented step's time goes (the device synchronised between phases).
+part 3 && "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \
+    --steps 20 --measure-overhead --phases --no-report --quiet >"$out/trainer-phases.json"
+part 3 && "$python" - "$out/trainer-phases.json" <<'EOF'
+import json, sys
+figures = json.load(open(sys.argv[1]))
+for trainer in ("instrumented", "uninstrumented"):
+    phases = ", ".join(f"{p['phase']} {p['median_ms']:.2f}" for p in figures[f"phases_{trainer}"])
+    print(f"{trainer} (ms): {phases}")
+EOF
 
-echo "== 4. the trainer's scenarios on CUDA (tiny), the server's verdicts"
-for scenario in healthy detached-prompt bf16-frozen-norms nan-gradient fp16-overflow; do
+part 4 && echo "== 4. the trainer's scenarios on CUDA (tiny), the server's verdicts"
+part 4 && for scenario in healthy detached-prompt bf16-frozen-norms nan-gradient fp16-overflow; do
     "$trainer_bin" --device cuda --scenario "$scenario" --steps 60 --quiet \
         --server "$url" --run-id "cuda-$scenario" 2>&1 | tail -1
     "$python" - "$url" "$scenario" <<'EOF'

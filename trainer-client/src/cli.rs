@@ -130,6 +130,13 @@ pub struct Args {
     #[arg(long)]
     pub measure_overhead: bool,
 
+    /// With --measure-overhead: also time each phase of both trainers' steps, the
+    /// device synchronised between phases, and print each phase's median (the
+    /// synchronisations slow the steps: the medians then locate the cost, and the
+    /// overhead figure is the run without this flag).
+    #[arg(long, requires = "measure_overhead")]
+    pub phases: bool,
+
     /// Where undelivered steps are spooled while the server is unreachable.
     #[arg(long, env = "GRADFLOW_SPOOL_DIR")]
     pub spool_dir: Option<PathBuf>,

@@ -12,6 +12,7 @@
 //! - [`optim`]: AdamW that also says what update it meant to apply.
 //! - [`scaler`]: `GradScaler`-style dynamic loss scaling.
 //! - [`overhead`]: what instrumentation costs a step, measured side by side.
+//! - [`phases`]: where a step's time goes, the device synchronised between phases.
 //! - [`reporter`]: delivers step records to one or several servers, never blocking.
 //! - [`threads`]: candle's thread count, settled once per process.
 
@@ -19,6 +20,7 @@ pub mod cli;
 pub mod model;
 pub mod optim;
 pub mod overhead;
+pub mod phases;
 pub mod reporter;
 pub mod run;
 pub mod scaler;

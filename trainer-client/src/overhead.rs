@@ -23,6 +23,7 @@ use serde::Serialize;
 
 use crate::model::HybridModel;
 use crate::model::config::Preset;
+use crate::phases::{PhaseMedian, Phases};
 use crate::train::{TrainOptions, Trainer};
 
 /// Median step times of the instrumented and the uninstrumented trainer.
@@ -35,6 +36,12 @@ pub struct Overhead {
     pub steps: u64,
     pub instrumented_ms: f64,
     pub uninstrumented_ms: f64,
+    /// With phases timed (`Trainer::phases` set on both): each phase's median, of
+    /// the instrumented and of the uninstrumented trainer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phases_instrumented: Option<Vec<PhaseMedian>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phases_uninstrumented: Option<Vec<PhaseMedian>>,
 }
 
 impl Overhead {
@@ -93,6 +100,11 @@ pub fn measure_pair(
         off.step(step)?;
     }
     device.synchronize()?;
+    for trainer in [&mut *on, &mut *off] {
+        if let Some(phases) = &mut trainer.phases {
+            phases.clear();
+        }
+    }
     let (mut t_on, mut t_off) = (Vec::new(), Vec::new());
     for step in WARM_UP_STEPS..WARM_UP_STEPS + steps {
         // Alternate which goes first, so neither always runs on a warmer cache.
@@ -124,6 +136,8 @@ pub fn measure_pair(
         steps,
         instrumented_ms: median(t_on) * 1e3,
         uninstrumented_ms: median(t_off) * 1e3,
+        phases_instrumented: on.phases.as_ref().map(Phases::medians),
+        phases_uninstrumented: off.phases.as_ref().map(Phases::medians),
     })
 }
 

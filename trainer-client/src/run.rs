@@ -14,6 +14,7 @@ use crate::cli::{self, Args};
 use crate::model::HybridModel;
 use crate::model::config::Preset;
 use crate::overhead::{self, Overhead};
+use crate::phases::Phases;
 use crate::reporter::{Reporter, ReporterConfig, Summary};
 use crate::telemetry::Telemetry;
 use crate::train::{BETAS, EPS, LrSchedule, PARAM_GROUP, TrainOptions, Trainer};
@@ -244,6 +245,10 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
             tokenizer()?,
             &device,
         )?;
+        if args.phases {
+            trainer.phases = Some(Phases::new(&device));
+            off.phases = Some(Phases::new(&device));
+        }
         let mut overhead = overhead::measure_pair(
             &mut trainer,
             &mut off,

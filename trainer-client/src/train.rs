@@ -20,6 +20,7 @@ use rand::rngs::StdRng;
 use crate::model::HybridModel;
 use crate::model::trace::{self, Outputs};
 use crate::optim::{AdamW, ParamsAdamW, intended_summary};
+use crate::phases::Phases;
 use crate::scaler::LossScaler;
 use crate::tasks::{Batch, Task, Tokenizer};
 
@@ -150,6 +151,8 @@ pub struct Trainer {
     tokenizer: Tokenizer,
     device: Device,
     cached_prompt: Option<Tensor>,
+    /// Set to time each phase of every step (`--phases`).
+    pub phases: Option<Phases>,
 }
 
 impl Trainer {
@@ -220,6 +223,7 @@ impl Trainer {
             tokenizer,
             device: device.clone(),
             cached_prompt: None,
+            phases: None,
             options,
         })
     }
@@ -264,8 +268,19 @@ impl Trainer {
         self.model.agent.forward(grids, &prompt, dtype)
     }
 
+    /// Ends a phase of the step when phases are timed.
+    fn mark(&mut self, phase: &'static str) -> candle_core::Result<()> {
+        match &mut self.phases {
+            Some(phases) => phases.mark(phase),
+            None => Ok(()),
+        }
+    }
+
     /// Runs step `step`.
     pub fn step(&mut self, step: u64) -> anyhow::Result<StepOutput> {
+        if let Some(phases) = &mut self.phases {
+            phases.start()?;
+        }
         let Batch {
             ids,
             grids,
@@ -273,6 +288,7 @@ impl Trainer {
         } = self.sample_batch()?;
         let lr = self.options.schedule.lr_at(self.options.lr, step);
         self.optimizer.set_learning_rate(lr);
+        self.mark("batch")?;
         // Module outputs are recorded only when instrumented: hook hits are read
         // from them once the loss is known.
         let (logits, outputs) = if self.options.instrument {
@@ -283,6 +299,7 @@ impl Trainer {
         };
         let flat = logits.to_dtype(DType::F32)?.flatten_to(1)?;
         let loss = candle_nn::loss::cross_entropy(&flat, &targets)?;
+        self.mark("forward")?;
         let scale = self.scaler.map_or(1.0, |s| s.scale);
         let mut grads = if self.scaler.is_some() {
             (&loss * scale)?.backward()?
@@ -295,6 +312,7 @@ impl Trainer {
         {
             grads.insert(&param.var, (grad * f64::NAN)?);
         }
+        self.mark("backward")?;
         if self.scaler.is_some() {
             for var in &self.vars {
                 if let Some(grad) = grads.remove(var) {
@@ -314,8 +332,11 @@ impl Trainer {
             if !skipped {
                 self.optimizer.step(&grads, &[])?;
             }
+            self.mark("optimizer")?;
+            let loss = loss.to_scalar::<f32>()? as f64;
+            self.mark("loss to host")?;
             return Ok(StepOutput {
-                loss: loss.to_scalar::<f32>()? as f64,
+                loss,
                 accuracy: None,
                 qwen_grad_norm: None,
                 record: None,
@@ -329,8 +350,11 @@ impl Trainer {
             .eq(&targets)?
             .to_dtype(DType::F32)?
             .sum_all()?;
-        let module_names: Vec<&str> = self.modules.iter().map(|m| m.name.as_str()).collect();
-        let hook_hits = outputs.hits(&loss, &module_names);
+        let hook_hits = {
+            let module_names: Vec<&str> = self.modules.iter().map(|m| m.name.as_str()).collect();
+            outputs.hits(&loss, &module_names)
+        };
+        self.mark("hook hits")?;
         let mut stage_a = vec![loss.reshape(1)?, correct.reshape(1)?];
         let mut has_grad = Vec::with_capacity(self.vars.len());
         for var in &self.vars {
@@ -342,12 +366,14 @@ impl Trainer {
                 None => has_grad.push(false),
             }
         }
+        self.mark("gradient sums")?;
 
         let before: Vec<Tensor> = self
             .watched
             .iter()
             .map(|w| self.vars[w.param].as_tensor().copy()?.to_dtype(DType::F32))
             .collect::<candle_core::Result<_>>()?;
+        self.mark("norm weights before")?;
 
         let stage_a_host = if self.scaler.is_some() {
             Some(Tensor::cat(&stage_a, 0)?.to_vec1::<f32>()?)
@@ -367,6 +393,7 @@ impl Trainer {
             let watch: Vec<&Var> = self.watched.iter().map(|w| &self.vars[w.param]).collect();
             self.optimizer.step(&grads, &watch)?
         };
+        self.mark("optimizer, with intended updates")?;
 
         // Stage B: per watched norm weight, squared update, drift, mean — on the
         // values in their own dtype (converting bf16 to f32 is exact) — then, where
@@ -387,6 +414,7 @@ impl Trainer {
             }
         }
         let has_intended: Vec<bool> = intended.iter().map(Option::is_some).collect();
+        self.mark("norm weight stats")?;
         let (host_a, host_b) = match stage_a_host {
             Some(a) => {
                 let b = if stage_b.is_empty() {
@@ -403,6 +431,7 @@ impl Trainer {
                 (all[..n].to_vec(), all[n..].to_vec())
             }
         };
+        self.mark("to host")?;
         let measured = Measured {
             lr,
             host_a: &host_a,
@@ -411,7 +440,9 @@ impl Trainer {
             hook_hits: &hook_hits,
             has_intended: &has_intended,
         };
-        Ok(self.record(step, &measured, found_inf, skipped))
+        let output = self.record(step, &measured, found_inf, skipped);
+        self.mark("record")?;
+        Ok(output)
     }
 
     fn record(

@@ -190,6 +190,12 @@ def main() -> None:
         help="the Qwen2 presets' parameters (bf16: pure bf16 training, no autocast needed)",
     )
     parser.add_argument("--server-bin")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval for the whole process (default: Python's 5 ms): how "
+        "long the training thread can wait for the GIL while the reporter thread holds it",
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     preset_name = args.preset or ("qwen2.5-0.5b" if args.device == "cuda" else "cpu")
@@ -201,6 +207,8 @@ def main() -> None:
     autocast = args.autocast or ("bf16" if args.device == "cuda" else "none")
     dtype = torch.bfloat16 if autocast == "bf16" else torch.float32
     names = [m for m in args.modes.split(",") if m]
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     workdir = Path(tempfile.mkdtemp(prefix="gradflow-bench-"))
     server = None
@@ -267,7 +275,7 @@ def main() -> None:
     )
     print(
         f"preset {preset_name}, {args.device} ({device_name}), autocast {autocast}, "
-        f"parameters {args.param_dtype}, "
+        f"parameters {args.param_dtype}, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms, "
         f"batch {preset['batch']}x{preset['seq']}, torch {torch.__version__}; "
         f"median of {args.steps} steps after {args.warmup} warm-up, rounds of {args.block}"
     )
