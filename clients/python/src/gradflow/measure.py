@@ -453,7 +453,10 @@ class Measurer:
             if device.type == "cuda":
                 host = torch.empty(vector.shape, dtype=wide, pin_memory=True)
                 host.copy_(vector, non_blocking=True)
-                event = torch.cuda.Event()
+                # Blocking: the reporter thread sleeps until the copy lands instead of
+                # spinning on a core for the rest of the step (44 ms of CPU a step at
+                # 8x2048 tokens on Qwen2.5-0.5B before).
+                event = torch.cuda.Event(blocking=True)
                 event.record()
                 pending.vector, pending.event = host, event
             else:
