@@ -5,7 +5,9 @@
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use gradflow_e2e::{ServerProcess, binary, free_loopback_address, wait_for_exit};
+use gradflow_e2e::{
+    ServerProcess, binary, free_loopback_address, stored_loss_steps, wait_for_exit,
+};
 use gradflow_trainer::scenario::SCENARIOS;
 use serde_json::Value;
 
@@ -150,19 +152,8 @@ async fn a_run_whose_server_is_down_trains_to_the_end_and_delivers_its_spool() {
     );
     assert!(stderr.contains("delivered 150 steps"), "{stderr}");
     let client = reqwest::Client::new();
-    let loss = get(
-        &client,
-        server.url("/api/v1/runs/outage/series?metric=loss"),
-    )
-    .await;
-    let steps: Vec<u64> = loss["points"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p[0].as_u64().unwrap())
-        .collect();
     assert_eq!(
-        steps,
+        stored_loss_steps(&client, &server, "outage").await,
         (0..150).collect::<Vec<_>>(),
         "every step, in order, once"
     );
@@ -266,18 +257,10 @@ async fn measuring_the_overhead_prints_both_medians_and_sends_the_instrumented_s
     );
     // The measured steps of the instrumented trainer, after its 3 warm-up steps.
     let client = reqwest::Client::new();
-    let loss = get(
-        &client,
-        server.url("/api/v1/runs/overhead/series?metric=loss"),
-    )
-    .await;
-    let steps: Vec<u64> = loss["points"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p[0].as_u64().unwrap())
-        .collect();
-    assert_eq!(steps, (3..9).collect::<Vec<_>>(), "{loss}");
+    assert_eq!(
+        stored_loss_steps(&client, &server, "overhead").await,
+        (3..9).collect::<Vec<_>>()
+    );
     let alerts = get(&client, server.url("/api/v1/runs/overhead/alerts")).await;
     assert_eq!(
         alerts["alerts"],
