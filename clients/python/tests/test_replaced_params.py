@@ -105,3 +105,32 @@ def test_the_identity_check_notices_parameters_and_modules_only():
     assert not registry.replaced()
     model.agent.extra = nn.Linear(2, 2)  # a new module is a change too
     assert registry.replaced()
+
+
+def test_a_change_no_registration_hook_sees_is_still_found_within_a_few_checks():
+    from gradflow.registration import WALK_EVERY
+
+    model = PromptAgent()
+    registry = Registry(model, None, None, None)
+    assert not registry.replaced()
+    # A write straight into the parameter dict runs no registration hook.
+    model.agent.head._parameters["weight"] = nn.Parameter(torch.zeros(4, 48))
+    found = [registry.replaced() for _ in range(WALK_EVERY)]
+    assert any(found), "the periodic walk finds it"
+    registry.remove()
+    # Without the hooks every check walks the model.
+    model.agent.head._parameters["bias"] = nn.Parameter(torch.zeros(4))
+    assert registry.replaced()
+
+
+def test_modules_built_outside_the_model_do_not_make_it_walk():
+    model = PromptAgent()
+    registry = Registry(model, None, None, None)
+    assert not registry.replaced()
+    # What a Hugging Face forward does every step: `self.layers[:n]` is a new
+    # ModuleList holding the model's layers.
+    nn.ModuleList(list(model.children()))
+    assert not registry._registered
+    model.agent.extra = nn.Linear(2, 2)
+    assert registry._registered and registry.replaced()
+    registry.remove()

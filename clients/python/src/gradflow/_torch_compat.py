@@ -37,6 +37,27 @@ def foreach_norm(grads: List[torch.Tensor], ord: float = 2) -> List[torch.Tensor
         return [n.float() for n in foreach(grads, ord)]
 
 
+# -- module registration -------------------------------------------------------------
+
+
+def registration_hooks(callback: Callable[[Any, str, Any], None]) -> List[Any]:
+    """Calls `callback(module, name, value)` whenever any module registers a parameter
+    or a submodule (``torch.nn.modules.module``'s global registration hooks, torch
+    2.0 and later); the handles to remove them. An empty list where torch has none:
+    the caller then cannot tell when nothing was registered."""
+    from torch.nn.modules import module
+
+    handles = []
+    for name in (
+        "register_module_parameter_registration_hook",
+        "register_module_module_registration_hook",
+    ):
+        register = getattr(module, name, None)
+        if register is not None:
+            handles.append(register(callback))
+    return handles
+
+
 # -- DTensor -------------------------------------------------------------------------
 
 

@@ -91,6 +91,7 @@ class Instruments:
         self.tracer.remove()
         self.registry.built_in_forward.remove()
         self.registry.loop_order.remove()
+        self.registry.remove()
         if self.scaler is not None:
             self.scaler.uninstall()
 
