@@ -278,7 +278,15 @@ class Measurer:
 
     def snapshot_norms(self) -> None:
         if self._norms:
-            self._before = torch.cat([_flat32(n.tensor) for n in self._norms])
+            self._before = self._flat_norms()
+
+    def _flat_norms(self) -> torch.Tensor:
+        """Every norm weight's elements this rank holds, one weight after another, in
+        f32: one concatenation and one cast (a copy), not three operations a weight."""
+        if self._sharded:
+            return torch.cat([_flat32(n.tensor) for n in self._norms])
+        with torch.no_grad():
+            return torch.cat([n.tensor.reshape(-1) for n in self._norms]).float()
 
     def after_step(self) -> None:
         """Update, drift and mean of the norm weights, and what the optimizer meant."""
@@ -286,7 +294,7 @@ class Measurer:
             return
         before = self._before
         self._before = None
-        after = torch.cat([_flat32(n.tensor) for n in self._norms])
+        after = self._flat_norms()
         if after.shape != before.shape or self._norm_init is None:
             return  # a norm weight was replaced or resized since the snapshot
         device = after.device
