@@ -2,7 +2,7 @@
 ``wandb.watch(model, log="all", log_freq=1)`` in offline mode, side by side.
 
     python clients/python/bench/overhead.py [--device cpu|cuda]
-        [--preset tiny|tiny-50ms|cpu|qwen2.5-0.5b] [--profile FILE]
+        [--preset tiny|tiny-50ms|cpu|qwen2.5-0.5b-narrow|qwen2.5-0.5b] [--profile FILE]
 
 Each mode trains its own copy of the same model (same seed, same batches). The modes
 take turns in rounds of ``--block`` steps, so a machine that slows down mid-run slows
