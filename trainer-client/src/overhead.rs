@@ -70,11 +70,7 @@ pub fn measure(preset: &Preset, steps: u64, device: &Device) -> anyhow::Result<O
     };
     let mut on = trainer(true)?;
     let mut off = trainer(false)?;
-    let overhead = measure_pair(&mut on, &mut off, steps, device, |_, _| {})?;
-    Ok(Overhead {
-        preset: preset.name.to_owned(),
-        ..overhead
-    })
+    measure_pair(&mut on, &mut off, steps, device, |_, _| {})
 }
 
 /// Steps two trainers built alike but for `instrument` (`on` instrumented, `off`
@@ -130,7 +126,7 @@ pub fn measure_pair(
         }
     }
     Ok(Overhead {
-        preset: String::new(),
+        preset: on.model.preset.name.to_owned(),
         device: format!("{device:?}"),
         params: on.model.store.len(),
         steps,

@@ -261,7 +261,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
                 }
             },
         )?;
-        overhead.preset = preset.name.to_owned();
+        // As the user named it ("cuda"), not candle's description of the device.
         overhead.device = args.device.clone();
         let training_seconds = measuring.elapsed().as_secs_f64();
         let summary = reporter.map(|r| r.finish(Duration::from_secs(10)));

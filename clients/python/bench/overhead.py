@@ -60,22 +60,6 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         batch=4,
         seq=128,
     ),
-    # Qwen2.5-0.5B's module structure (24 layers: 290 parameter tensors, 219 modules)
-    # at a narrow width: the client's per-module and per-parameter host work at that
-    # count, on a CPU.
-    "qwen2.5-0.5b-narrow": dict(
-        config=dict(
-            vocab_size=1024,
-            hidden_size=64,
-            intermediate_size=256,
-            num_hidden_layers=24,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        ),
-        batch=4,
-        seq=32,
-    ),
     # Qwen2.5-0.5B's shape, random weights.
     "qwen2.5-0.5b": dict(
         config=dict(
@@ -91,6 +75,21 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         seq=512,
     ),
 }
+
+# Qwen2.5-0.5B's module structure (24 layers: 290 parameter tensors, 219 modules) at a
+# narrow width: the client's per-module and per-parameter host work at that count, on
+# a CPU.
+PRESETS["qwen2.5-0.5b-narrow"] = dict(
+    config=dict(
+        PRESETS["qwen2.5-0.5b"]["config"],
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=256,
+        num_attention_heads=4,
+    ),
+    batch=4,
+    seq=32,
+)
 
 
 def server_binary(explicit: str | None) -> Path:

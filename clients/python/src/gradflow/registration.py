@@ -147,10 +147,9 @@ class Registry:
         checks, one per module and parameter (~180 µs for a 24-layer Qwen2), made
         only when torch's registration hooks saw a parameter or module assigned to
         one of the model's modules since the last walk, and every ``WALK_EVERY``-th
-        call regardless:
-        a change the hooks cannot see (``del``, a write to ``_parameters``) is still
-        found within a few steps, long before any threshold a stale tensor could
-        trip."""
+        call regardless: a change the hooks cannot see (``del``, a write to
+        ``_parameters``) is still found within a few steps, long before any threshold
+        a stale tensor could trip."""
         structure = self._structure
         if structure is None:
             return False
