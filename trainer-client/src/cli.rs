@@ -7,6 +7,7 @@ use candle_core::DType;
 use clap::builder::{PossibleValue, PossibleValuesParser};
 use clap::{Parser, ValueEnum};
 
+use crate::grad_sums::GradSums;
 use crate::scenario;
 use crate::train::Faults;
 
@@ -120,6 +121,13 @@ pub struct Args {
     /// Compute telemetry but send nothing (no server needed).
     #[arg(long)]
     pub no_report: bool,
+
+    /// How each gradient's sum of squares is computed: one dot product a gradient
+    /// (`per-tensor`, the cheaper on a CPU) or same-shaped gradients stacked and
+    /// reduced together (`stacked`, fewer kernel launches on CUDA). `auto` picks by
+    /// device. The sums are the same either way.
+    #[arg(long, value_enum, default_value_t = GradSums::Auto)]
+    pub grad_sums: GradSums,
 
     /// Measure what instrumentation costs a step instead of training a run: a
     /// second, uninstrumented trainer of the same options and seed is stepped

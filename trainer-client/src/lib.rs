@@ -10,6 +10,9 @@
 //! - [`train`]: one training step with precision, loss scaling, faults, and its
 //!   instrumentation into a step record.
 //! - [`optim`]: AdamW that also says what update it meant to apply.
+//! - [`grad_sums`]: every gradient's sum of squares, per tensor or stacked by shape.
+//! - [`norm_watch`]: the norm weights' update, drift, mean and intended update,
+//!   measured a group of same-shaped weights at a time.
 //! - [`scaler`]: `GradScaler`-style dynamic loss scaling.
 //! - [`overhead`]: what instrumentation costs a step, measured side by side.
 //! - [`phases`]: where a step's time goes, the device synchronised between phases.
@@ -17,7 +20,9 @@
 //! - [`threads`]: candle's thread count, settled once per process.
 
 pub mod cli;
+pub mod grad_sums;
 pub mod model;
+pub mod norm_watch;
 pub mod optim;
 pub mod overhead;
 pub mod phases;

@@ -9,7 +9,7 @@
 //! updates): Adam's step is often far below `lr`, so `lr` alone cannot decide.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{D, DType, Result, Tensor, Var};
 pub use candle_nn::optim::ParamsAdamW;
 
 struct VarAdamW {
@@ -134,30 +134,31 @@ fn ulp(x: &Tensor, dtype: DType) -> Result<Tensor> {
     (next - m)?.to_dtype(DType::F32)
 }
 
-/// The summary of one intended update against the weights it was meant for, as four
-/// scalars on the device (each shape `[1]`): the update's squared norm, the largest
-/// |update| / ulp(weight) with the ulp in `dtype` at each weight's value before the
-/// step, how many elements had a non-zero intended update, and how many of those
-/// kept their stored value. `before` and `after` are the weights in f32 (exact for
-/// every narrower dtype). A non-finite update makes the ratio NaN, never a number
-/// that hides it.
+/// The summary of intended updates against the weights they were meant for, as four
+/// reductions over the last dimension (kept, so a weight's `[n]` gives `[1]` and
+/// stacked rows `[k, n]` give `[k, 1]`), on the device: the update's squared norm,
+/// the largest |update| / ulp(weight) with the ulp in `dtype` at each weight's value
+/// before the step, how many elements had a non-zero intended update, and how many
+/// of those kept their stored value. `before` and `after` are the weights in f32
+/// (exact for every narrower dtype). A non-finite update makes the ratio NaN, never
+/// a number that hides it.
 pub fn intended_summary(
     intended: &Tensor,
     before: &Tensor,
     after: &Tensor,
     dtype: DType,
 ) -> Result<[Tensor; 4]> {
-    let squared = intended.sqr()?.sum_all()?.reshape(1)?;
+    let squared = intended.sqr()?.sum_keepdim(D::Minus1)?;
     let ulp = ulp(before, dtype)?;
     let ratio = (intended.abs()? / ulp)?;
-    // max_all skips NaN on some devices; adding 0 × the sum brings any NaN or
-    // infinity of the update back.
-    let poison = (intended.sum_all()? * 0.0)?;
-    let max_ratio = (ratio.max_all()? + poison)?.reshape(1)?;
+    // max skips NaN on some devices; adding 0 × the sum brings any NaN or infinity
+    // of the update back.
+    let poison = (intended.sum_keepdim(D::Minus1)? * 0.0)?;
+    let max_ratio = (ratio.max_keepdim(D::Minus1)? + poison)?;
     let nonzero = intended.ne(0.0)?.to_dtype(DType::F32)?;
     let unchanged = after.eq(before)?.to_dtype(DType::F32)?;
-    let count_nonzero = nonzero.sum_all()?.reshape(1)?;
-    let rounded_away = (nonzero * unchanged)?.sum_all()?.reshape(1)?;
+    let count_nonzero = nonzero.sum_keepdim(D::Minus1)?;
+    let rounded_away = (nonzero * unchanged)?.sum_keepdim(D::Minus1)?;
     Ok([squared, max_ratio, count_nonzero, rounded_away])
 }
 

@@ -170,6 +170,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         faults: settings.faults.clone(),
         seed: args.seed,
         instrument: !args.no_instrument,
+        grad_sums: args.grad_sums,
     };
     let vocab_size = model.qwen.config.vocab_size;
     let tokenizer = || -> anyhow::Result<crate::tasks::Tokenizer> {

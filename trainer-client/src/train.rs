@@ -17,9 +17,11 @@ use gradflow_protocol::{Float, ModuleStep, ParamStep, Role, ScalerState, StepRec
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
+use crate::grad_sums::{self, GradSums};
 use crate::model::HybridModel;
 use crate::model::trace::{self, Outputs};
-use crate::optim::{AdamW, ParamsAdamW, intended_summary};
+use crate::norm_watch::NormWatch;
+use crate::optim::{AdamW, ParamsAdamW};
 use crate::phases::Phases;
 use crate::scaler::LossScaler;
 use crate::tasks::{Batch, Task, Tokenizer};
@@ -60,6 +62,8 @@ pub struct TrainOptions {
     pub seed: u64,
     /// Compute and report telemetry (off: train only, to measure the overhead).
     pub instrument: bool,
+    /// How the instrumented step sums each gradient's squares.
+    pub grad_sums: GradSums,
 }
 
 impl TrainOptions {
@@ -78,6 +82,7 @@ impl TrainOptions {
             faults: Faults::default(),
             seed: 0,
             instrument: true,
+            grad_sums: GradSums::Auto,
         }
     }
 }
@@ -133,12 +138,6 @@ struct ModuleParams {
     params: Vec<usize>,
 }
 
-/// A norm weight whose update, drift and mean are reported.
-struct Watched {
-    param: usize,
-    initial: Tensor,
-}
-
 pub struct Trainer {
     pub model: HybridModel,
     pub options: TrainOptions,
@@ -146,7 +145,10 @@ pub struct Trainer {
     optimizer: AdamW,
     vars: Vec<Var>,
     modules: Vec<ModuleParams>,
-    watched: Vec<Watched>,
+    /// The norm weights whose update, drift and mean are reported.
+    watched: NormWatch,
+    /// `options.grad_sums` for this trainer's device.
+    grad_sums: GradSums,
     rng: StdRng,
     tokenizer: Tokenizer,
     device: Device,
@@ -200,15 +202,14 @@ impl Trainer {
                     .collect(),
             })
             .collect();
-        let mut watched = Vec::new();
-        for (i, param) in model.store.iter().enumerate() {
-            if param.role == Role::Norm {
-                watched.push(Watched {
-                    param: i,
-                    initial: param.var.as_tensor().copy()?.to_dtype(DType::F32)?,
-                });
-            }
-        }
+        let norms = model
+            .store
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.role == Role::Norm)
+            .map(|(i, _)| i)
+            .collect();
+        let watched = NormWatch::new(&vars, norms)?;
         let scaler = options
             .loss_scaler
             .then(|| LossScaler::new(options.growth_interval));
@@ -220,6 +221,7 @@ impl Trainer {
             vars,
             modules,
             watched,
+            grad_sums: options.grad_sums.resolve(device),
             tokenizer,
             device: device.clone(),
             cached_prompt: None,
@@ -356,23 +358,12 @@ impl Trainer {
         };
         self.mark("hook hits")?;
         let mut stage_a = vec![loss.reshape(1)?, correct.reshape(1)?];
-        let mut has_grad = Vec::with_capacity(self.vars.len());
-        for var in &self.vars {
-            match grads.get(var) {
-                Some(g) => {
-                    stage_a.push(sum_of_squares(g)?);
-                    has_grad.push(true);
-                }
-                None => has_grad.push(false),
-            }
-        }
+        let has_grad: Vec<bool> = self.vars.iter().map(|v| grads.get(v).is_some()).collect();
+        let present: Vec<&Tensor> = self.vars.iter().filter_map(|v| grads.get(v)).collect();
+        stage_a.extend(grad_sums::sums_of_squares(&present, self.grad_sums)?);
         self.mark("gradient sums")?;
 
-        let before: Vec<Tensor> = self
-            .watched
-            .iter()
-            .map(|w| self.vars[w.param].as_tensor().copy()?.to_dtype(DType::F32))
-            .collect::<candle_core::Result<_>>()?;
+        let before = self.watched.before(&self.vars)?;
         self.mark("norm weights before")?;
 
         let stage_a_host = if self.scaler.is_some() {
@@ -388,9 +379,14 @@ impl Trainer {
             _ => (None, false),
         };
         let intended = if skipped {
-            vec![None; self.watched.len()]
+            vec![None; self.watched.params().len()]
         } else {
-            let watch: Vec<&Var> = self.watched.iter().map(|w| &self.vars[w.param]).collect();
+            let watch: Vec<&Var> = self
+                .watched
+                .params()
+                .iter()
+                .map(|&i| &self.vars[i])
+                .collect();
             self.optimizer.step(&grads, &watch)?
         };
         self.mark("optimizer, with intended updates")?;
@@ -398,36 +394,25 @@ impl Trainer {
         // Stage B: per watched norm weight, squared update, drift, mean — on the
         // values in their own dtype (converting bf16 to f32 is exact) — then, where
         // the optimizer updated it, the summary of its intended update.
-        let mut stage_b = Vec::with_capacity(self.watched.len() * 7);
-        for ((w, before), intended) in self.watched.iter().zip(&before).zip(&intended) {
-            let var = &self.vars[w.param];
-            let after = var.as_tensor().to_dtype(DType::F32)?;
-            let moved = (&after - &w.initial)?;
-            stage_b.push((&after - before)?.sqr()?.sum_all()?.reshape(1)?);
-            // max_all skips NaN on CUDA (a NaN weight gave a drift of −Infinity):
-            // adding 0 × the sum brings any NaN or infinity back.
-            let poison = (moved.sum_all()? * 0.0)?;
-            stage_b.push((moved.abs()?.max_all()? + poison)?.reshape(1)?);
-            stage_b.push(after.mean_all()?.reshape(1)?);
-            if let Some(intended) = intended {
-                stage_b.extend(intended_summary(intended, before, &after, var.dtype())?);
-            }
-        }
+        let stage_b = self.watched.statistics(&self.vars, &before, &intended)?;
         let has_intended: Vec<bool> = intended.iter().map(Option::is_some).collect();
         self.mark("norm weight stats")?;
         let (host_a, host_b) = match stage_a_host {
             Some(a) => {
-                let b = if stage_b.is_empty() {
-                    Vec::new()
-                } else {
-                    Tensor::cat(&stage_b, 0)?.to_vec1::<f32>()?
+                let b = match stage_b {
+                    Some(b) => b.to_vec1::<f32>()?,
+                    None => Vec::new(),
                 };
                 (a, b)
             }
             None => {
-                let n = stage_a.len();
-                stage_a.extend(stage_b);
-                let all = Tensor::cat(&stage_a, 0)?.to_vec1::<f32>()?;
+                let stage_a = Tensor::cat(&stage_a, 0)?;
+                let n = stage_a.dim(0)?;
+                let all = match stage_b {
+                    Some(b) => Tensor::cat(&[stage_a, b], 0)?,
+                    None => stage_a,
+                };
+                let all = all.to_vec1::<f32>()?;
                 (all[..n].to_vec(), all[n..].to_vec())
             }
         };
@@ -500,26 +485,26 @@ impl Trainer {
                 }
             })
             .collect();
-        let mut values = host_b.iter().map(|v| *v as f64);
+        let stats = self.watched.decode(host_b, has_intended);
         let param_steps: Vec<ParamStep> = self
             .watched
+            .params()
             .iter()
-            .zip(has_intended)
-            .map(|(w, &has_intended)| {
-                let mut next = || values.next();
+            .zip(stats)
+            .map(|(&i, stats)| {
                 let mut param = ParamStep {
-                    name: params[w.param].name.clone(),
-                    grad_norm: sumsq[w.param].map(|s| Float(s.sqrt())),
-                    update_norm: next().map(|v| norm(v.sqrt())),
-                    drift: next().map(norm),
-                    mean: next().map(Float),
+                    name: params[i].name.clone(),
+                    grad_norm: sumsq[i].map(|s| Float(s.sqrt())),
+                    update_norm: Some(norm((stats.update_squared as f64).sqrt())),
+                    drift: Some(norm(stats.drift as f64)),
+                    mean: Some(Float(stats.mean as f64)),
                     ..Default::default()
                 };
-                if has_intended {
-                    param.intended_update_norm = next().map(|v| norm(v.sqrt()));
-                    param.intended_update_max_ulp = next().map(norm);
-                    param.intended_nonzero = next().map(|v| v as u64);
-                    param.rounded_away = next().map(|v| v as u64);
+                if let Some([squared, max_ulp, nonzero, rounded]) = stats.intended {
+                    param.intended_update_norm = Some(norm((squared as f64).sqrt()));
+                    param.intended_update_max_ulp = Some(norm(max_ulp as f64));
+                    param.intended_nonzero = Some(nonzero as u64);
+                    param.rounded_away = Some(rounded as u64);
                 }
                 param
             })
@@ -556,22 +541,6 @@ impl Trainer {
     }
 }
 
-/// The sum of squares of a tensor's elements as a one-element f32 tensor, computed
-/// as a dot product: one read of the data and no temporary the size of the tensor
-/// (`sqr().sum_all()` writes a full squared copy first). NaN and infinity propagate.
-fn sum_of_squares(t: &Tensor) -> candle_core::Result<Tensor> {
-    let t = if t.dtype() == DType::F32 {
-        t.clone()
-    } else {
-        t.to_dtype(DType::F32)?
-    };
-    let n = t.elem_count();
-    let flat = t.flatten_all()?.contiguous()?;
-    flat.reshape((1, n))?
-        .matmul(&flat.reshape((n, 1))?)?
-        .reshape(1)
-}
-
 /// What one step's transfers brought to the host.
 struct Measured<'a> {
     lr: f64,
@@ -599,7 +568,7 @@ fn all_finite(vars: &[Var], grads: &candle_core::backprop::GradStore) -> candle_
     let sums: Vec<Tensor> = vars
         .iter()
         .filter_map(|v| grads.get(v))
-        .map(sum_of_squares)
+        .map(grad_sums::sum_of_squares)
         .collect::<candle_core::Result<_>>()?;
     if sums.is_empty() {
         return Ok(true);
