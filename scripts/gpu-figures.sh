@@ -12,7 +12,11 @@
 #   scripts/gpu-figures.sh OUT_DIR
 #
 # PARTS picks some of the parts (default: "1 2 3 4"), CLIENT_CASES the client's
-# cases ("TOKENS PARAM_DTYPE GIL_SWITCH_INTERVAL", comma-separated).
+# cases ("TOKENS PARAM_DTYPE GIL_SWITCH_INTERVAL [EVERY]", comma-separated; EVERY is
+# gradflow.watch's every=, default 1), GRAD_SUMS the trainer's --grad-sums choices
+# measured beside its default (space-separated, default "per-tensor stacked"),
+# TRAINER_REPORT whether the trainer's overhead is measured reporting "on", "off" or
+# both (default "on off").
 # GRADFLOW_SERVER_BIN and GRADFLOW_TRAINER_BIN name the binaries (default:
 # target/release/; the trainer built by `scripts/cuda-toolchain.sh build`). The
 # trainer finds CUDA's libraries in PyTorch's `nvidia/cu13` wheels when
@@ -42,12 +46,13 @@ part 1 && echo "== 1. the Python client, qwen2.5-0.5b, bf16 autocast"
 # much of the overhead is the training thread waiting for the reporter thread.
 IFS=, read -ra cases <<<"${CLIENT_CASES:-512 f32 0.005,512 bf16 0.005,2048 f32 0.005,512 f32 0.0005}"
 part 1 && for case in "${cases[@]}"; do
-    read -r seq params switch <<<"$case"
+    read -r seq params switch every <<<"$case"
+    every=${every:-1}
     steps=$([ "$seq" = 512 ] && echo 100 || echo 40)
     "$python" "$repo/clients/python/bench/overhead.py" --device cuda --preset qwen2.5-0.5b \
         --seq "$seq" --param-dtype "$params" --modes bare,gradflow --steps "$steps" \
-        --warmup 10 --block 10 --switch-interval "$switch" --server-bin "$server_bin" \
-        --json "$out/client-8x$seq-$params-$switch.json"
+        --warmup 10 --block 10 --switch-interval "$switch" --every "$every" \
+        --server-bin "$server_bin" --json "$out/client-8x$seq-$params-$switch-every$every.json"
 done
 
 if part 2; then
@@ -62,23 +67,33 @@ port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)
 server=$!
 for _ in $(seq 50); do grep -q "listening" "$work/server.log" && break; sleep 0.2; done
 url=http://127.0.0.1:$port
-part 3 && for report in on off; do
+part 3 && for report in ${TRAINER_REPORT:-on off}; do
     flags=(--device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16
            --steps 40 --measure-overhead --quiet --server "$url" --run-id "overhead-report-$report")
     [ "$report" = off ] && flags+=(--no-report)
     "$trainer_bin" "${flags[@]}" >"$out/trainer-report-$report.json"
     cat "$out/trainer-report-$report.json"
 done
+# The ways of summing the gradients' squares, without reporting, side by side.
+part 3 && for sums in ${GRAD_SUMS:-per-tensor stacked}; do
+    "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \
+        --steps 40 --measure-overhead --quiet --no-report --grad-sums "$sums" \
+        >"$out/trainer-sums-$sums.json"
+    echo "--grad-sums $sums: $(cat "$out/trainer-sums-$sums.json")"
+done
 # Where the instrumented step's time goes (the device synchronised between phases).
-part 3 && "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \
-    --steps 20 --measure-overhead --phases --no-report --quiet >"$out/trainer-phases.json"
-part 3 && "$python" - "$out/trainer-phases.json" <<'EOF'
+part 3 && for sums in ${GRAD_SUMS:-per-tensor stacked}; do
+    "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \
+        --steps 20 --measure-overhead --phases --no-report --quiet --grad-sums "$sums" \
+        >"$out/trainer-phases-$sums.json"
+    "$python" - "$out/trainer-phases-$sums.json" "$sums" <<'EOF'
 import json, sys
 figures = json.load(open(sys.argv[1]))
 for trainer in ("instrumented", "uninstrumented"):
     phases = ", ".join(f"{p['phase']} {p['median_ms']:.2f}" for p in figures[f"phases_{trainer}"])
-    print(f"{trainer} (ms): {phases}")
+    print(f"--grad-sums {sys.argv[2]}, {trainer} (ms): {phases}")
 EOF
+done
 
 part 4 && echo "== 4. the trainer's scenarios on CUDA (tiny), the server's verdicts"
 part 4 && for scenario in healthy detached-prompt bf16-frozen-norms nan-gradient fp16-overflow; do

@@ -211,6 +211,14 @@ def main() -> None:
         help="sys.setswitchinterval for the whole process (default: Python's 5 ms): how "
         "long the training thread can wait for the GIL while the reporter thread holds it",
     )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=1,
+        help="gradflow.watch(every=K): measure and report every K-th step; the hooks still "
+        "run on every step, so the median of the steps between separates their cost from "
+        "the per-step measuring and reporting",
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     preset_name = args.preset or ("qwen2.5-0.5b" if args.device == "cuda" else "cpu")
@@ -237,7 +245,12 @@ def main() -> None:
             if server is None:
                 server, url = start_server(server_binary(args.server_bin), workdir)
             gf = gradflow.watch(
-                mode.model, mode.optimizer, server=url, run_id="bench-overhead", on_alert=None
+                mode.model,
+                mode.optimizer,
+                server=url,
+                run_id="bench-overhead",
+                on_alert=None,
+                every=args.every,
             )
             mode.after_step = lambda loss, gf=gf: gf.step(loss=loss)
             mode.close = gf.close
