@@ -24,6 +24,18 @@ pub fn memory(pid: u32) -> Option<Memory> {
     })
 }
 
+/// CPU time process `pid` has used so far, every thread's, user and system, in
+/// seconds: what tells a server working on one core from one working on all.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces: count from its closing parenthesis.
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    // utime and stime are fields 14 and 15; the first after the name is field 3.
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // In USER_HZ, which Linux fixes at 100 for /proc whatever the kernel's own tick.
+    Some(ticks as f64 / 100.0)
+}
+
 /// Bytes of the database file `db` and its write-ahead log.
 pub fn bytes_on_disk(db: &Path) -> u64 {
     let wal = db.with_extension("db-wal");

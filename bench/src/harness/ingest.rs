@@ -14,6 +14,7 @@ use serde::Serialize;
 use super::alarms::WorkloadAlarms;
 use super::backend::{Backend, Database};
 use super::queries::{QueryTiming, alerts_at, post_as, register, time_get, timed_get};
+use crate::server::cpu_seconds;
 use crate::stats::{ms, quantile};
 use crate::workload::{BatchWriter, Generator, Shape, Trace};
 
@@ -144,6 +145,9 @@ pub struct IngestResult {
     pub values_per_second: f64,
     pub batch_latency_p50_ms: f64,
     pub batch_latency_p99_ms: f64,
+    /// CPU the servers used while the clients posted, in seconds (÷ `seconds`: how
+    /// many cores they kept busy).
+    pub server_cpu_seconds: f64,
     /// The database after the servers stopped: SQLite's file and WAL, PostgreSQL's
     /// tables with their TOAST and indexes (see `Database::bytes`).
     pub bytes_on_disk: u64,
@@ -207,6 +211,8 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
             stop_probe.clone(),
         ))
     });
+    let server_cpu = || -> f64 { servers.iter().filter_map(|s| cpu_seconds(s.pid())).sum() };
+    let cpu_before = server_cpu();
     let started = Instant::now();
     let tasks: Vec<_> = bodies
         .into_iter()
@@ -229,6 +235,7 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
         latencies.extend(task.await??);
     }
     let seconds = started.elapsed().as_secs_f64();
+    let server_cpu_seconds = server_cpu() - cpu_before;
     stop_probe.store(true, Ordering::Relaxed);
     let probe = match probe {
         Some(task) => Some(task.await??),
@@ -265,6 +272,7 @@ pub async fn http(spec: &IngestSpec) -> anyhow::Result<IngestResult> {
         values_per_second: values as f64 / seconds,
         batch_latency_p50_ms: ms(quantile(&latencies, 0.5)),
         batch_latency_p99_ms: ms(quantile(&latencies, 0.99)),
+        server_cpu_seconds,
         bytes_on_disk: bytes,
         bytes_per_module_value: bytes as f64 / module_values as f64,
         bytes_per_value: bytes as f64 / values as f64,

@@ -25,7 +25,7 @@ use serde_json::{Value, json};
 use super::alarms::WorkloadAlarms;
 use super::backend::{Backend, Database};
 use super::queries::{alerts_at, post, register};
-use crate::server::memory;
+use crate::server::{cpu_seconds, memory};
 use crate::stats::{ms, quantile};
 use crate::workload::{Generator, Shape, Step};
 
@@ -67,6 +67,9 @@ pub struct RankResult {
     pub rank_module_records_per_second: f64,
     pub batch_latency_p50_ms: f64,
     pub batch_latency_p99_ms: f64,
+    /// CPU the server used while the ranks posted, in seconds (÷ `seconds`: how many
+    /// cores it kept busy).
+    pub server_cpu_seconds: f64,
     /// The server's resident memory once every rank had registered, before the clock.
     pub resident_before_bytes: u64,
     /// The most resident memory sampled (every 10 ms) while the ranks posted.
@@ -230,9 +233,11 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
     let resident_before = memory(pid).map_or(0, |m| m.resident);
     let sampler = PeakSampler::start(pid, resident_before);
     let url = server.url(&format!("/api/v1/runs/{RUN}/steps"));
+    let cpu_before = cpu_seconds(pid).unwrap_or(0.0);
     let started = Instant::now();
     let mut latencies = post_ranks(spec, &client, &url, bodies).await?;
     let seconds = started.elapsed().as_secs_f64();
+    let server_cpu_seconds = cpu_seconds(pid).unwrap_or(0.0) - cpu_before;
     let resident_peak = sampler.stop().await?;
     let peak_bytes = memory(pid).map_or(0, |m| m.peak);
 
@@ -266,6 +271,7 @@ pub async fn http(spec: &RankSpec, backend: &Backend) -> anyhow::Result<RankResu
         rank_module_records_per_second: (rank_records * modules) as f64 / seconds,
         batch_latency_p50_ms: ms(quantile(&latencies, 0.5)),
         batch_latency_p99_ms: ms(quantile(&latencies, 0.99)),
+        server_cpu_seconds,
         resident_before_bytes: resident_before,
         resident_peak_bytes: resident_peak,
         peak_bytes,

@@ -827,7 +827,8 @@ fn ranks_alone_table(md: &mut String, rounds: &[RanksAlone]) {
     );
     md.push_str(
         "| round | 4 single-rank runs | 1 single-rank run | ranks (module records/s) | \
-         ÷ 4 runs | ÷ 1 run | batch p50, ranks |\n| --- | --- | --- | --- | --- | --- | --- |\n",
+         ÷ 4 runs | ÷ 1 run | batch p50, ranks | server cores busy: 4 runs, 1 run, ranks |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     let mut four = Vec::new();
     let mut one = Vec::new();
@@ -837,14 +838,17 @@ fn ranks_alone_table(md: &mut String, rounds: &[RanksAlone]) {
         one.push(multi / r.one_run.module_values_per_second);
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {:.2}× | {:.2}× | {:.1} ms |",
+            "| {} | {} | {} | {} | {:.2}× | {:.2}× | {:.1} ms | {:.2}, {:.2}, {:.2} |",
             i + 1,
             thousands(r.single_rank.module_values_per_second),
             thousands(r.one_run.module_values_per_second),
             thousands(multi),
             four[i],
             one[i],
-            r.together.batch_latency_p50_ms
+            r.together.batch_latency_p50_ms,
+            r.single_rank.server_cpu_seconds / r.single_rank.seconds,
+            r.one_run.server_cpu_seconds / r.one_run.seconds,
+            r.together.server_cpu_seconds / r.together.seconds,
         );
     }
     let _ = writeln!(
