@@ -53,7 +53,7 @@ pub fn sums_of_squares(grads: &[&Tensor], how: GradSums) -> Result<Vec<Tensor>> 
 /// The sum of squares of a tensor's elements as a one-element f32 tensor, computed
 /// as a dot product: one read of the data and no temporary the size of the tensor
 /// (`sqr().sum_all()` writes a full squared copy first). NaN and infinity propagate.
-pub fn sum_of_squares(t: &Tensor) -> Result<Tensor> {
+fn sum_of_squares(t: &Tensor) -> Result<Tensor> {
     let t = t.to_dtype(DType::F32)?;
     let n = t.elem_count();
     let flat = t.flatten_all()?.contiguous()?;

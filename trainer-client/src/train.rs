@@ -326,7 +326,7 @@ impl Trainer {
         if !self.options.instrument {
             let skipped = match &mut self.scaler {
                 Some(scaler) => {
-                    let found_inf = !all_finite(&self.vars, &grads)?;
+                    let found_inf = !all_finite(&self.vars, &grads, self.grad_sums)?;
                     scaler.update(found_inf)
                 }
                 None => false,
@@ -563,16 +563,18 @@ fn norm(value: f64) -> Float {
     }
 }
 
-/// Whether every gradient is finite (one reduction per gradient, one transfer).
-fn all_finite(vars: &[Var], grads: &candle_core::backprop::GradStore) -> candle_core::Result<bool> {
-    let sums: Vec<Tensor> = vars
-        .iter()
-        .filter_map(|v| grads.get(v))
-        .map(grad_sums::sum_of_squares)
-        .collect::<candle_core::Result<_>>()?;
-    if sums.is_empty() {
+/// Whether every gradient is finite: their sums of squares, computed `how` the
+/// instrumented step computes them, in one transfer.
+fn all_finite(
+    vars: &[Var],
+    grads: &candle_core::backprop::GradStore,
+    how: GradSums,
+) -> candle_core::Result<bool> {
+    let present: Vec<&Tensor> = vars.iter().filter_map(|v| grads.get(v)).collect();
+    if present.is_empty() {
         return Ok(true);
     }
+    let sums = grad_sums::sums_of_squares(&present, how)?;
     Ok(Tensor::cat(&sums, 0)?
         .to_vec1::<f32>()?
         .iter()
