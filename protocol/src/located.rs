@@ -1,11 +1,13 @@
 //! Deserialising JSON or CBOR with errors that say where.
 //!
 //! Valid bodies take the fast path: JSON through sonic-rs (a SIMD parser driving the
-//! same serde types), CBOR through ciborium, straight into the typed values. Only a
-//! body that fails is parsed a second time through `serde_path_to_error` to find where,
-//! so tracking paths costs nothing on the ingest hot path. For JSON that second pass is
-//! serde_json's, so the errors read as they always have; should the two parsers ever
-//! disagree on a body, serde_json's verdict stands.
+//! same serde types), CBOR through minicbor-serde (decoding from the body's slice),
+//! straight into the typed values. Only a body that fails is parsed a second time,
+//! by the reference parser, through `serde_path_to_error` to find where, so tracking
+//! paths costs nothing on the ingest hot path. That second pass is serde_json's for
+//! JSON and ciborium's for CBOR, so the errors read as they always have; should the
+//! two parsers ever disagree on a body the fast one refused, the reference parser's
+//! verdict stands.
 
 use serde::de::DeserializeOwned;
 
@@ -51,6 +53,12 @@ pub(crate) fn cbor_with_path<T: DeserializeOwned>(
     body: &[u8],
     root: &str,
 ) -> Result<T, InvalidBody> {
+    let mut fast = minicbor_serde::Deserializer::new(body);
+    if let Ok(value) = T::deserialize(&mut fast) {
+        if fast.decoder().position() == body.len() {
+            return Ok(value);
+        }
+    }
     let mut rest = body;
     let Ok(value) = ciborium::from_reader::<T, _>(&mut rest) else {
         return Err(locate_cbor_error::<T>(body, root));

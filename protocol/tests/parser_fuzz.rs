@@ -1,9 +1,10 @@
 //! Property tests of the protocol's parsers, run in CI with a fixed case budget:
 //! no input makes them panic, a broken valid body is rejected with a path inside the
-//! body, and valid batches read back exactly as written.
+//! body, and valid batches read back exactly as written, in JSON and in CBOR.
 
 use gradflow_protocol::{
-    Float, ModuleStep, RunRegistration, StepRecord, parse_steps_json, parse_steps_ndjson,
+    Float, InvalidBody, ModuleStep, RunRegistration, StepRecord, parse_steps_cbor,
+    parse_steps_json, parse_steps_ndjson, to_cbor,
 };
 use proptest::prelude::*;
 
@@ -22,6 +23,9 @@ fn batch() -> impl Strategy<Value = Vec<StepRecord>> {
     let value = prop_oneof![
         4 => (0.0f64..1e6).prop_map(Some),
         1 => Just(Some(0.0)),
+        // Written by CBOR encoders as half and single floats (their shortest exact form).
+        1 => Just(Some(0.5)),
+        1 => Just(Some(16_777_216.0)),
         1 => Just(Some(f64::NAN)),
         1 => Just(Some(f64::INFINITY)),
         1 => Just(None),
@@ -96,7 +100,9 @@ proptest! {
     fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         let _ = parse_steps_json(&bytes);
         let _ = parse_steps_ndjson(&bytes);
+        let _ = parse_steps_cbor(&bytes);
         let _ = RunRegistration::from_json(&bytes);
+        let _ = RunRegistration::from_cbor(&bytes);
     }
 
     #[test]
@@ -124,6 +130,12 @@ proptest! {
             })
             .collect();
         prop_assert!(same(&parse_steps_ndjson(&ndjson).unwrap(), &records));
+        // CBOR as a Rust client writes it. The fast decoder must read it by itself:
+        // a body only the reference decoder (ciborium) reads would be parsed twice.
+        let cbor = to_cbor(&records);
+        prop_assert!(same(&parse_steps_cbor(&cbor).unwrap(), &records));
+        let fast: Vec<StepRecord> = minicbor_serde::from_slice(&cbor).unwrap();
+        prop_assert!(same(&fast, &records));
     }
 
     #[test]
@@ -133,17 +145,37 @@ proptest! {
         byte in any::<u8>(),
     ) {
         let json = serde_json::to_vec(&records).unwrap();
-        let at = cut.index(json.len());
-        // Truncated: never valid (the closing bracket is gone).
-        let error = parse_steps_json(&json[..at]).unwrap_err();
+        cut_or_corrupted(&json, cut.index(json.len()), byte, parse_steps_json)?;
+    }
+
+    #[test]
+    fn a_cut_or_corrupted_cbor_batch_is_an_error_with_a_path(
+        records in batch(),
+        cut in any::<prop::sample::Index>(),
+        byte in any::<u8>(),
+    ) {
+        let cbor = to_cbor(&records);
+        cut_or_corrupted(&cbor, cut.index(cbor.len()), byte, parse_steps_cbor)?;
+    }
+}
+
+/// `body` (a valid batch) cut at `at` is an error with a path inside the body (JSON
+/// loses its closing bracket, CBOR its whole data item); with the byte at `at`
+/// replaced by `byte` it is either still valid or such an error.
+fn cut_or_corrupted(
+    body: &[u8],
+    at: usize,
+    byte: u8,
+    parse: fn(&[u8]) -> Result<Vec<StepRecord>, InvalidBody>,
+) -> Result<(), TestCaseError> {
+    let error = parse(&body[..at]).unwrap_err();
+    prop_assert!(error.path.starts_with("steps"), "path {:?}", error.path);
+    prop_assert!(!error.message.is_empty());
+    let mut corrupted = body.to_vec();
+    corrupted[at] = byte;
+    if let Err(error) = parse(&corrupted) {
         prop_assert!(error.path.starts_with("steps"), "path {:?}", error.path);
         prop_assert!(!error.message.is_empty());
-        // One byte replaced: either still valid, or an error with a path.
-        let mut corrupted = json.clone();
-        corrupted[at] = byte;
-        if let Err(error) = parse_steps_json(&corrupted) {
-            prop_assert!(error.path.starts_with("steps"), "path {:?}", error.path);
-            prop_assert!(!error.message.is_empty());
-        }
     }
+    Ok(())
 }
