@@ -156,8 +156,9 @@ pub struct Args {
 
     /// How step batches are encoded: `json` (the default), or `cbor` (protocol v1.6;
     /// the client falls back to JSON on its own against an older server, which
-    /// answers `415`). JSON stays the default because the server parses it faster
-    /// than CBOR today (BENCHMARKS.md, "What bounds ingest").
+    /// answers `415`). CBOR costs the server less (about 10 % more module values a
+    /// second, BENCHMARKS.md, "What bounds ingest"); JSON stays the default because
+    /// every server and every person can read it.
     #[arg(long, env = "GRADFLOW_BODY", default_value = "json")]
     pub body: BodyArg,
 
