@@ -1,27 +1,30 @@
 //! Deserialising JSON or CBOR with errors that say where.
 //!
-//! Valid bodies take the fast path: JSON through sonic-rs (a SIMD parser driving the
-//! same serde types), CBOR through minicbor-serde (decoding from the body's slice),
-//! straight into the typed values. Only a body that fails is parsed a second time,
-//! by the reference parser, through `serde_path_to_error` to find where, so tracking
-//! paths costs nothing on the ingest hot path. That second pass is serde_json's for
-//! JSON and ciborium's for CBOR, so the errors read as they always have; should the
-//! two parsers ever disagree on a body the fast one refused, the reference parser's
-//! verdict stands.
+//! Valid bodies take the fast path straight into the typed values: JSON through
+//! serde_json, and CBOR step batches through minicbor-serde (decoding from the body's
+//! slice; other CBOR bodies through ciborium, see [`bounded_cbor_with_path`]). Only a
+//! body that fails is parsed a second time through `serde_path_to_error` to find
+//! where, so tracking paths costs nothing on the ingest hot path. That second pass is
+//! serde_json's for JSON and ciborium's for CBOR, so the errors read as they always
+//! have; should the two CBOR decoders ever disagree on a body the fast one refused,
+//! ciborium's verdict stands.
+//!
+//! Every parser here must refuse a body nested far past its types (a hostile
+//! `[[[[…` a million deep) with an error, never a stack overflow: serde_json stops at
+//! 128 levels and ciborium at 256. sonic-rs, a SIMD JSON parser tried here, recursed
+//! until the stack overflowed, even into typed structs, and is not used.
 
 use serde::de::DeserializeOwned;
 
 use crate::error::InvalidBody;
 
-/// Deserializes `body`; on failure the error's path is prefixed with `root`
-/// (`steps`, or empty for an object body).
+/// Deserializes `body` with serde_json, which refuses nesting past 128 levels; on
+/// failure the error's path is prefixed with `root` (`steps`, or empty for an object
+/// body).
 pub(crate) fn json_with_path<T: DeserializeOwned>(
     body: &[u8],
     root: &str,
 ) -> Result<T, InvalidBody> {
-    if let Ok(value) = sonic_rs::from_slice(body) {
-        return Ok(value);
-    }
     match serde_json::from_slice(body) {
         Ok(value) => Ok(value),
         Err(fast) => Err(
@@ -46,10 +49,17 @@ fn locate_error<T: DeserializeOwned>(body: &[u8], root: &str) -> Option<InvalidB
     Some(InvalidBody::new(path, error.into_inner().to_string()))
 }
 
-/// Deserializes one CBOR data item (RFC 8949) that makes up all of `body`; on failure
-/// the error names the path as [`json_with_path`] does, and the byte offset where the
-/// CBOR itself was malformed.
-pub(crate) fn cbor_with_path<T: DeserializeOwned>(
+/// [`cbor_with_path`] for a type whose nesting its own definition bounds, through the
+/// fast decoder first.
+///
+/// minicbor-serde has no nesting limit, so a body nested a million deep where `T`
+/// takes free-form data (a `serde_json::Value`, a `#[serde(flatten)]` map) would
+/// overflow the stack. `T` must take none anywhere: every struct denying unknown
+/// fields, no free-form values. The step batch is such a type (its test nests a
+/// value a million deep in every field); the registration, with its free-form
+/// `config`, is not, and goes through [`cbor_with_path`] alone, whose decoder stops
+/// at 256 levels.
+pub(crate) fn bounded_cbor_with_path<T: DeserializeOwned>(
     body: &[u8],
     root: &str,
 ) -> Result<T, InvalidBody> {
@@ -59,6 +69,16 @@ pub(crate) fn cbor_with_path<T: DeserializeOwned>(
             return Ok(value);
         }
     }
+    cbor_with_path(body, root)
+}
+
+/// Deserializes one CBOR data item (RFC 8949) that makes up all of `body`; on failure
+/// the error names the path as [`json_with_path`] does, and the byte offset where the
+/// CBOR itself was malformed.
+pub(crate) fn cbor_with_path<T: DeserializeOwned>(
+    body: &[u8],
+    root: &str,
+) -> Result<T, InvalidBody> {
     let mut rest = body;
     let Ok(value) = ciborium::from_reader::<T, _>(&mut rest) else {
         return Err(locate_cbor_error::<T>(body, root));

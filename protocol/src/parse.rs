@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 use crate::error::InvalidBody;
-use crate::located::{cbor_with_path, json_with_path};
+use crate::located::{bounded_cbor_with_path, json_with_path};
 use crate::step::{StepRecord, validate_batch};
 
 /// Parses and validates a JSON array of step records (`application/json`).
@@ -28,7 +28,7 @@ pub const CBOR_CONTENT_TYPE: &str = "application/cbor";
 /// Parses and validates a CBOR array of step records (`application/cbor`): the same
 /// records, validation and error paths as [`parse_steps_json`].
 pub fn parse_steps_cbor(body: &[u8]) -> Result<Vec<StepRecord>, InvalidBody> {
-    let records: Vec<StepRecord> = cbor_with_path(body, "steps")?;
+    let records: Vec<StepRecord> = bounded_cbor_with_path(body, "steps")?;
     validate_batch(&records)?;
     Ok(records)
 }
@@ -331,6 +331,125 @@ mod tests {
         assert_eq!(err.path, "steps", "JSON sent as CBOR: {err}");
         assert!(parse_steps_cbor(&[0xff]).is_err());
         assert!(parse_steps_cbor(&[]).is_err());
+    }
+
+    /// A CBOR text string's bytes.
+    fn cbor_text(text: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        ciborium::into_writer(&text, &mut out).unwrap();
+        out
+    }
+
+    /// One CBOR step batch `[{"step": 0, path[0]: {path[1]: … value}}]`, where a
+    /// `[]` segment stands for an array of one element.
+    fn step_body_with(path: &[&str], value: &[u8]) -> Vec<u8> {
+        let mut inner = value.to_vec();
+        for segment in path.iter().rev() {
+            let mut outer = Vec::new();
+            if *segment == "[]" {
+                outer.push(0x81);
+            } else {
+                outer.push(0xa1);
+                outer.extend(cbor_text(segment));
+            }
+            outer.extend(inner);
+            inner = outer;
+        }
+        // [{"step": 0, …}]: the record's own map gets the step as a second entry.
+        let mut body = vec![0x81, 0xa2];
+        body.extend(cbor_text("step"));
+        body.push(0x00);
+        body.extend_from_slice(&inner[1..]);
+        body
+    }
+
+    /// The same step batch as [`step_body_with`], in JSON.
+    fn json_step_body_with(path: &[&str], value: &str) -> String {
+        let mut inner = value.to_owned();
+        for segment in path.iter().rev() {
+            inner = if *segment == "[]" {
+                format!("[{inner}]")
+            } else {
+                format!(r#"{{"{segment}": {inner}}}"#)
+            };
+        }
+        format!(r#"[{{"step": 0, {}]"#, &inner[1..])
+    }
+
+    /// The fields serde names as expected after an unknown one, in `message`.
+    fn expected_fields(message: &str) -> Vec<String> {
+        let Some((_, list)) = message.split_once("expected") else {
+            return Vec::new();
+        };
+        list.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn a_hostile_nesting_is_refused_without_overflowing_the_stack() {
+        // A million arrays deep, then 0: far past any stack if decoded recursively.
+        let mut deep = vec![0x81u8; 1_000_000];
+        deep.push(0x00);
+        // The registration takes free-form `config`: only ciborium (and serde_json,
+        // which stop at a fixed depth) may read it.
+        let mut registration = vec![0xa1];
+        registration.extend(cbor_text("config"));
+        registration.extend(&deep);
+        assert!(crate::RunRegistration::from_cbor(&registration).is_err());
+        let deep_json = format!("{}0{}", "[".repeat(1_000_000), "]".repeat(1_000_000));
+        let json = format!(r#"{{"config": {deep_json}}}"#);
+        assert!(crate::RunRegistration::from_json(json.as_bytes()).is_err());
+        // The step batch goes through the fast decoder, which has no depth limit: the
+        // nesting is placed in every field of every struct a record holds, found by
+        // asking the parser which fields it expects, down to three levels.
+        let unknown = [0xa1]
+            .into_iter()
+            .chain(cbor_text("zz_unknown"))
+            .chain([0x00])
+            .collect::<Vec<u8>>();
+        let mut paths: Vec<Vec<&str>> = vec![vec![]];
+        let mut tried = 0;
+        let mut names: Vec<String> = Vec::new();
+        while let Some(path) = paths.pop() {
+            let probe = if path.is_empty() {
+                let mut body = vec![0x81, 0xa2];
+                body.extend(cbor_text("step"));
+                body.push(0x00);
+                body.extend(&unknown[1..]);
+                body
+            } else {
+                step_body_with(&path, &unknown)
+            };
+            let Err(error) = parse_steps_cbor(&probe) else {
+                continue; // a map of free keys (metrics, lrs): its values are leaves
+            };
+            if error.message.contains("expected array") && path.len() < 4 {
+                let mut deeper = path.clone();
+                deeper.push("[]");
+                paths.push(deeper);
+                continue;
+            }
+            for field in expected_fields(&error.message) {
+                let mut at = path.clone();
+                names.push(field);
+                at.push(Box::leak(names.last().unwrap().clone().into_boxed_str()));
+                let body = step_body_with(&at, &deep);
+                assert!(parse_steps_cbor(&body).is_err(), "{at:?}");
+                let body = json_step_body_with(&at, &deep_json);
+                assert!(parse_steps_json(body.as_bytes()).is_err(), "{at:?}");
+                assert!(parse_steps_ndjson(&body.as_bytes()[1..body.len() - 1]).is_err());
+                tried += 1;
+                if at.iter().filter(|s| **s != "[]").count() < 3 {
+                    paths.push(at);
+                }
+            }
+        }
+        // StepRecord's own fields and those of the modules, params, amendment, …
+        assert!(tried > 40, "only {tried} fields reached: {names:?}");
+        assert!(names.iter().any(|n| n == "grad_sumsq"), "{names:?}");
     }
 
     #[test]
