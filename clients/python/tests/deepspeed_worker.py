@@ -114,6 +114,9 @@ def main() -> None:
             }
         )
     )
+    # Left to interpreter exit, the process group's threads can be torn down while
+    # still joinable ("terminate called without an active exception", SIGABRT).
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
