@@ -62,19 +62,27 @@ fn sum_of_squares(t: &Tensor) -> Result<Tensor> {
         .reshape(1)
 }
 
-/// Same-shaped gradients stacked and reduced together, the sums put back in order.
-fn stacked(grads: &[&Tensor]) -> Result<Tensor> {
+/// Indices of `tensors` grouped by dtype and shape: each group can be stacked into
+/// one tensor. Members keep their order, and groups the order of their first member.
+/// The norm weights' statistics (`norm_watch`) stack by the same rule.
+pub(crate) fn same_shape_groups(tensors: &[&Tensor]) -> Vec<Vec<usize>> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    for (i, g) in grads.iter().enumerate() {
+    for (i, t) in tensors.iter().enumerate() {
         let same = |m: &&mut Vec<usize>| {
-            let first = grads[m[0]];
-            first.dtype() == g.dtype() && first.shape() == g.shape()
+            let first = tensors[m[0]];
+            first.dtype() == t.dtype() && first.shape() == t.shape()
         };
         match groups.iter_mut().find(same) {
             Some(members) => members.push(i),
             None => groups.push(vec![i]),
         }
     }
+    groups
+}
+
+/// Same-shaped gradients stacked and reduced together, the sums put back in order.
+fn stacked(grads: &[&Tensor]) -> Result<Tensor> {
+    let groups = same_shape_groups(grads);
     let mut sums = Vec::with_capacity(groups.len());
     let mut order = Vec::with_capacity(grads.len());
     for members in groups {

@@ -10,6 +10,7 @@
 
 use candle_core::{D, DType, Result, Tensor, Var};
 
+use crate::grad_sums::same_shape_groups;
 use crate::optim::intended_summary;
 
 /// Weights of one shape and dtype, stacked in this order.
@@ -60,24 +61,14 @@ fn stack_rows(vars: &[Var], params: impl Iterator<Item = usize>) -> Result<Tenso
 impl NormWatch {
     /// Watches `params` (indices into `vars`), from their current values.
     pub fn new(vars: &[Var], params: Vec<usize>) -> Result<NormWatch> {
-        let mut members: Vec<(Vec<usize>, DType)> = Vec::new();
-        for (k, &i) in params.iter().enumerate() {
-            let var = &vars[i];
-            let same = |(m, dtype): &&mut (Vec<usize>, DType)| {
-                *dtype == var.dtype() && vars[params[m[0]]].shape() == var.shape()
-            };
-            match members.iter_mut().find(same) {
-                Some((m, _)) => m.push(k),
-                None => members.push((vec![k], var.dtype())),
-            }
-        }
-        let groups = members
+        let tensors: Vec<&Tensor> = params.iter().map(|&i| vars[i].as_tensor()).collect();
+        let groups = same_shape_groups(&tensors)
             .into_iter()
-            .map(|(members, dtype)| {
+            .map(|members| {
                 Ok(Group {
+                    dtype: tensors[members[0]].dtype(),
                     initial: stack_rows(vars, members.iter().map(|&k| params[k]))?,
                     members,
-                    dtype,
                 })
             })
             .collect::<Result<_>>()?;
