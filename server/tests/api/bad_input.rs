@@ -78,11 +78,12 @@ fn cases() -> Vec<Case> {
     let many_modules: Vec<Value> = (0..100_001)
         .map(|i| json!({"module": format!("m.{i}"), "grad_norm": 1.0}))
         .collect();
-    let deep = format!(
-        r#"[{{"step": 10, "metrics": {{"a": {}1{}}}}}]"#,
-        "[".repeat(10_000),
-        "]".repeat(10_000)
-    );
+    // Deep enough to overflow any parser that recurses without a limit, and well
+    // under the body limit (2 MB). sonic-rs refused the first in time but recursed
+    // to the end of the second, where a module is expected, and took the server down.
+    let nested = format!("{}1{}", "[".repeat(1_000_000), "]".repeat(1_000_000));
+    let deep = format!(r#"[{{"step": 10, "metrics": {{"a": {nested}}}}}]"#);
+    let deep_module = format!(r#"[{{"step": 10, "modules": {nested}}}]"#);
     // 64 MiB of zeros: ~64 KiB compressed, over the 32 MiB limit once inflated.
     let bomb = {
         let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
@@ -234,7 +235,18 @@ fn cases() -> Vec<Case> {
             "invalid_body",
             "steps[0].modules",
         ),
-        steps_case("10,000 levels of nesting", deep, "invalid_body", "steps[0]"),
+        steps_case(
+            "1,000,000 levels of nesting",
+            deep,
+            "invalid_body",
+            "steps[0]",
+        ),
+        steps_case(
+            "1,000,000 levels of nesting where a module is expected",
+            deep_module,
+            "invalid_body",
+            "steps[0].modules",
+        ),
         steps_case(
             "invalid UTF-8",
             b"[{\"step\": 10, \"modules\": [{\"module\": \"\xff\xfe\"}]}]".to_vec(),
