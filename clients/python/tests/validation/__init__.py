@@ -1,0 +1,1 @@
+"""The blind validation set of issue 39: see README.md."""
