@@ -11,7 +11,8 @@ that is not reported; it never talks to the server.
 from __future__ import annotations
 
 import functools
-from typing import Any, List, Mapping, Optional
+import time
+from typing import Any, Dict, List, Mapping, Optional
 
 from . import ranks as _ranks
 from . import wire
@@ -182,7 +183,7 @@ class Instruments:
             pending = self._collect(
                 loss,
                 self.scaler.take() if self.scaler is not None else None,
-                dict(metrics) if metrics else None,
+                _detached(metrics) if metrics else None,
                 self.updates.take(),
             )
             if self.rank is not None and step_span is not None:
@@ -210,16 +211,33 @@ class Instruments:
         self.shape.observe(steps, steps > 0 and self.hooks.forwards > self._forwards_at_step)
 
     def unreported(self) -> Optional[PendingStep]:
-        """A step that never reached ``gf.step`` (training died inside it: the
-        optimizer, or a GradScaler, crashing on parameters whose dtype just changed)
-        may have seen an amendment or a graph cut: they come back in a record of that
-        step, with whatever of it was measured, so the cause of the crash is on the
-        server."""
+        """What ``close`` still owes the server after the last ``gf.step``.
+
+        A step that saw a backward pass but never reached ``gf.step`` (training died
+        inside it: the optimizer, or a GradScaler, crashing on parameters whose dtype
+        just changed) comes back as a record of that step, with whatever of it was
+        measured and the amendment or graph cut it saw, so the cause of the crash is
+        on the server. Without a backward pass there was no training step: forwards
+        after the last ``gf.step`` are an evaluation (under ``torch.no_grad()``, the
+        usual end of a loop, of the ``Trainer``'s ``eval_strategy`` and of
+        Lightning's validation), and a record of them would read as a step in which
+        backward reached no module. Only a registration change is sent then, alone
+        in a record with no step data (a module missing from a record was not
+        measured that step)."""
         self._check_amend()
-        self._pending_cuts.extend(self.tracer.take())
-        if self._pending_amend is None and not self._pending_cuts:
+        cuts = self.tracer.take()
+        if self.hooks.hits:
+            self._pending_cuts.extend(cuts)
+            if self._pending_amend is None and not self._pending_cuts:
+                return None
+            return self._collect(None, None, None, None)
+        self._pending_cuts = []
+        amend, self._pending_amend = self._pending_amend, None
+        if amend is None:
             return None
-        return self._collect(None, None, None, None)
+        pending = PendingStep(step=self.step, time=time.time(), amend=amend)
+        pending.rank = self.rank
+        return pending
 
     def _collect(self, loss: Any, scaler_state: Any, metrics: Any, updates: Any) -> PendingStep:
         """This step's record, with the amendment and graph cuts waiting for it."""
@@ -237,3 +255,16 @@ class Instruments:
 
 def _silent(_message: str) -> None:
     return None
+
+
+def _detached(metrics: Mapping[str, Any]) -> Dict[str, Any]:
+    """The user's metrics with every tensor cut from its graph: a loss passed as a
+    metric still carries one, and reading it as a number (on the reporter thread)
+    would draw torch's warning about converting a tensor that requires grad, from
+    gradflow's code. Detaching keeps the same storage, no copy, and lets the graph
+    go now instead of when the record is built."""
+    out: Dict[str, Any] = {}
+    for name, value in metrics.items():
+        detach = getattr(value, "detach", None)
+        out[name] = detach() if callable(detach) else value
+    return out

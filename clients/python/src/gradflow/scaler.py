@@ -45,7 +45,13 @@ class ScalerTap:
             return result
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            tap._on_step(optimizer)
+            if tap._on_step(optimizer):
+                # What scaler.step does first anyway (through the wrapper above, which
+                # reads the gradients), also on steps it is about to skip. Outside the
+                # guard: an error here (fp16 gradients, bf16 ones on CUDA) is the
+                # user's own, raised as scaler.step would raise it, with nothing of
+                # gradflow's said.
+                tap.scaler.unscale_(optimizer)
             return tap._original_step(optimizer, *args, **kwargs)
 
         def update(*args: Any, **kwargs: Any) -> Any:
@@ -62,16 +68,16 @@ class ScalerTap:
         is_enabled = getattr(self.scaler, "is_enabled", None)
         return bool(is_enabled()) if callable(is_enabled) else True
 
-    @guarded("scaler.step")
-    def _on_step(self, optimizer: Any) -> None:
+    @guarded("scaler.step", default=False)
+    def _on_step(self, optimizer: Any) -> bool:
+        """Before scaler.step: whether to unscale first (the gradients are then read
+        by the unscale_ wrapper), else reads them now."""
         if unwrap_optimizer(optimizer) is not self._optimizer or not self._wants_grads():
-            return
+            return False
         if self.enabled() and _torch_compat.scaler_unscale_pending(self.scaler, optimizer):
-            # What scaler.step would do first anyway (through the wrapper above, which
-            # reads the gradients), also on steps it is about to skip.
-            self.scaler.unscale_(optimizer)
-            return
+            return True
         self._before_step()
+        return False
 
     @guarded("scaler.unscale_")
     def _on_unscaled(self, optimizer: Any) -> None:
