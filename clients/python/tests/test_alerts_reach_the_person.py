@@ -1,5 +1,6 @@
 """Alerts and delivery trouble reach the person running training: on stderr whatever
-the warning filters, once each, with the run's dashboard URL; a critical alert in
+the warning filters, once each, with the run's dashboard URL (test_alerts_said_once:
+in four lines, never also as a warning); a critical alert in
 raise mode is never dropped at close; an unreachable server or a refused token is said
 at once, and what could not be sent stays importable."""
 
@@ -38,7 +39,7 @@ for step, (tokens, target) in enumerate(batches({steps})):
     loss = torch.nn.functional.cross_entropy(model(tokens), target)
     loss.backward()
     optimizer.step()
-    gf.step(loss=loss)  # THE STEP LINE
+    gf.step(loss=loss)
     {pause}
 {close}
 """
@@ -78,11 +79,6 @@ def run_script(
     )
 
 
-def step_line(tmp_path) -> int:
-    lines = (tmp_path / "train.py").read_text().splitlines()
-    return next(i + 1 for i, line in enumerate(lines) if "THE STEP LINE" in line)
-
-
 def test_alerts_reach_stderr_under_w_ignore_with_the_dashboard_url(tmp_path, gradflow_server):
     run_id = new_run_id("ignored")
     done = run_script(tmp_path, gradflow_server.url, run_id, flags=("-W", "ignore"))
@@ -92,7 +88,6 @@ def test_alerts_reach_stderr_under_w_ignore_with_the_dashboard_url(tmp_path, gra
     shown = done.stderr.count("gradflow: [critical] grad_stuck_zero on qwen")
     assert shown == 1, done.stderr
     assert f"see: {page}" in done.stderr
-    assert "GradflowAlertWarning" not in done.stderr  # the warning itself was filtered
 
 
 def test_filterwarnings_ignore_in_the_script_hides_no_alert(tmp_path, gradflow_server):
@@ -103,15 +98,6 @@ def test_filterwarnings_ignore_in_the_script_hides_no_alert(tmp_path, gradflow_s
     assert done.stderr.count("gradflow: [critical] grad_stuck_zero on qwen") == 1, done.stderr
 
 
-def test_the_alert_warning_points_at_the_users_step_line(tmp_path, gradflow_server):
-    run_id = new_run_id("located")
-    done = run_script(tmp_path, gradflow_server.url, run_id)
-    assert done.returncode == 0, done.stderr
-    where = f"train.py:{step_line(tmp_path)}: GradflowAlertWarning: [critical] grad_stuck_zero"
-    assert where in done.stderr, done.stderr
-    assert "sys:1:" not in done.stderr
-
-
 def test_raise_mode_raises_a_critical_alert_that_arrives_during_close(tmp_path, gradflow_server):
     # Five steps, and the detector needs five: the verdict can only come from the
     # last step's record, after the loop, while close delivers it.
@@ -120,7 +106,7 @@ def test_raise_mode_raises_a_critical_alert_that_arrives_during_close(tmp_path, 
     assert done.returncode == 1, done.stdout + done.stderr
     assert "gradflow.errors.TrainingAlert: [critical] grad_stuck_zero on qwen" in done.stderr
     assert "gf.close()" in done.stderr  # raised from the close call
-    assert "gradflow: [critical] grad_stuck_zero on qwen" in done.stderr
+    assert done.stderr.count("[critical] grad_stuck_zero on qwen") == 1  # raised, not also said
 
 
 def test_raise_mode_without_close_exits_non_zero_at_exit(tmp_path, gradflow_server):

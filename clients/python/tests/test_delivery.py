@@ -8,11 +8,11 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 
 import pytest
 import torch
 from conftest import PromptAgent, ServerProcess, free_port, new_run_id, server_binary, train
+from said import alerts_said
 
 import gradflow
 
@@ -221,7 +221,7 @@ def test_internal_failures_never_reach_the_training_loop(gradflow_server, monkey
     assert len(losses) == 3
 
 
-def test_alerts_are_warned_once_while_training(gradflow_server):
+def test_alerts_are_said_once_while_training(gradflow_server):
     model = PromptAgent(detach_prompt=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gf = gradflow.watch(
@@ -231,14 +231,12 @@ def test_alerts_are_warned_once_while_training(gradflow_server):
         run_id=new_run_id(),
         detectors={"stuck_zero_steps": 5},
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with alerts_said() as shown:
         train(model, optimizer, gf, 8)
         gradflow_server.wait_for_alert(gf.run_id, "grad_stuck_zero", subject="qwen")
         open_alerts = gf.alerts()
         gf.close()
     assert [a["kind"] for a in open_alerts] == ["grad_stuck_zero"]
-    shown = [str(w.message) for w in caught if w.category is gradflow.GradflowAlertWarning]
     assert len([m for m in shown if "grad_stuck_zero on qwen" in m]) == 1, shown
     assert all("fix:" in m for m in shown)
 

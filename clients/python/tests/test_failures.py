@@ -4,11 +4,11 @@ must give the server what it needs to name each one, with the right cause."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 from conftest import PromptAgent, new_run_id, train
+from said import alerts_said
 from torch import nn
 
 import gradflow
@@ -58,11 +58,9 @@ def test_grad_scaler_over_bf16_params_is_flagged_before_the_first_step(gradflow_
     model = PromptAgent().to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with alerts_said() as shown:
         gf = watch(gradflow_server, model, optimizer, scaler=scaler, on_alert="warn")
-    shown = [w for w in caught if issubclass(w.category, gradflow.GradflowAlertWarning)]
-    assert any("scaler_bf16_incompatible" in str(w.message) for w in shown), shown
+    assert any("scaler_bf16_incompatible" in m for m in shown), shown
     gf.close()
     alert = gradflow_server.wait_for_alert(gf.run_id, "scaler_bf16_incompatible")
     assert alert["first_step"] is None and alert["severity"] == "critical"

@@ -4,13 +4,13 @@ parameters changed dtype."""
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import pytest
 import torch
 from conftest import AgentHead, batches, new_run_id, qwen_config, train
+from said import alerts_said
 from test_failures import lora_model, trainable
 from torch import nn
 from transformers import Qwen2Model
@@ -70,11 +70,9 @@ class CutAgent(nn.Module):
         return self.agent(prompt)  # agent call
 
 
-def test_the_warning_in_the_training_process_names_the_line(gradflow_server):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+def test_the_alert_in_the_training_process_names_the_line(gradflow_server):
+    with alerts_said() as messages:
         run_cut(gradflow_server, "no_grad", on_alert="warn")
-    messages = [str(w.message) for w in caught if w.category is gradflow.GradflowAlertWarning]
     cut = [m for m in messages if "grad_stuck_zero on qwen" in m]
     assert cut, messages
     where = f"  where: qwen (no_grad) at {shown(HERE)}:{line_of('encode call')} in encode"
@@ -191,8 +189,7 @@ def test_adapters_cast_to_bf16_under_a_grad_scaler_are_flagged_on_that_step(grad
     assert gradflow_server.alerts(gf.run_id) == [], "f32 adapters under a scaler are fine"
 
     cast = cast_adapters_at_step_10(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with alerts_said() as shown_alerts:
         train(model, optimizer, gf, 14, scaler=scaler, autocast=torch.float16, before_step=cast)
         gf.close()
     scaler_alert = gradflow_server.wait_for_alert(gf.run_id, "scaler_bf16_incompatible")
@@ -200,8 +197,7 @@ def test_adapters_cast_to_bf16_under_a_grad_scaler_are_flagged_on_that_step(grad
     assert scaler_alert["detail"].startswith("From step 10,"), scaler_alert["detail"]
     mismatch = gradflow_server.wait_for_alert(gf.run_id, "dtype_mismatch", subject="qwen")
     assert mismatch["first_step"] == 10 and "From step 10," in mismatch["detail"]
-    # The person training saw it as it happened, as a warning with the step.
-    shown_alerts = [str(w.message) for w in caught if w.category is gradflow.GradflowAlertWarning]
+    # The person training saw it as it happened.
     assert any("scaler_bf16_incompatible" in m for m in shown_alerts), shown_alerts
 
 

@@ -1,6 +1,9 @@
-"""The exception gradflow may raise into a training loop, and the warning it prints."""
+"""The exception gradflow may raise into a training loop, its warnings, and how an
+alert reads."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 from .wire import Alert
 
@@ -9,12 +12,14 @@ class TrainingAlert(RuntimeError):
     """A critical gradflow alert, raised from ``gf.step`` when ``on_alert="raise"``.
 
     ``alert`` is the alert as the server returned it (``kind``, ``subject``,
-    ``severity``, ``title``, ``detail``, ``fix``, ``evidence``, ...).
+    ``severity``, ``title``, ``detail``, ``fix``, ``evidence``, ...); ``page`` the
+    run's dashboard page, named in the message.
     """
 
-    def __init__(self, alert: Alert) -> None:
+    def __init__(self, alert: Alert, page: Optional[str] = None) -> None:
         self.alert = alert
-        super().__init__(describe(alert))
+        self.page = page
+        super().__init__(describe(alert) + (f"\n  see: {page}" if page else ""))
 
     @property
     def kind(self) -> str:
@@ -22,7 +27,9 @@ class TrainingAlert(RuntimeError):
 
 
 class GradflowAlertWarning(UserWarning):
-    """The warning category of alerts printed with ``on_alert="warn"``."""
+    """Formerly the category of alerts shown with ``on_alert="warn"``, which are now
+    logged on the ``gradflow.alerts`` logger only; kept so that warning filters
+    naming it still work."""
 
 
 class GradflowWarning(UserWarning):

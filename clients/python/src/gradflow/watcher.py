@@ -230,11 +230,7 @@ class Watcher:
             self.delivery.close(timeout)
         except Exception as exc:
             swallow("gf.close", exc)
-        try:
-            self._alerts.deliver()
-        except TrainingAlert:
-            if raising:
-                raise
+        self._alerts.deliver(raising=raising)
 
     def __enter__(self) -> Watcher:
         return self
@@ -282,6 +278,7 @@ def _close_at_exit(ref: Any) -> None:
     try:
         watcher._close(timeout)
     except TrainingAlert as alert:
+        watcher._alerts.say(alert.alert)
         say(
             f"{watcher._label}: stopping with exit status 1: on_alert='raise' and a critical "
             f"alert arrived as the run ended ({alert.kind} on {alert.alert.get('subject')})"
