@@ -1,32 +1,40 @@
 """``gradflow check``: run a training script under gradflow and fail when it is broken.
 
-    gradflow check [--server URL] [--steps N] [--fail-on warning|critical] [--json]
+    gradflow check [--server URL | --listen ADDR --db PATH] [--steps N]
+                   [--fail-on warning|critical] [--json]
                    -- python train.py --its --own --arguments
 
 For a CI job: the script runs with ``GRADFLOW_SERVER`` pointed at a server (one given
-with ``--server`` or ``GRADFLOW_SERVER``, where the run gets an id of its own; or an
-embedded one on a free port and a temporary database: the ``gradflow-server`` from
+with ``--server`` or ``GRADFLOW_SERVER``, where the run gets an id of its own unless
+the script chooses one; or an embedded one: the ``gradflow-server`` from
 ``--server-bin``, ``GRADFLOW_SERVER_BIN``, the one the ``gradflow`` wheel installed, or
-the PATH); every ``gradflow.watch`` in it reports there. ``--steps N`` stops the script
-after N optimizer steps (``gf.step`` closes the watcher and exits the script with
-status 0). When the script has finished, the alerts of its runs are printed, and the
-exit status says what was found:
+the PATH, on ``--listen`` (default a free port on 127.0.0.1) and ``--db`` (default a
+temporary database, deleted with the server when the check ends; a ``--db`` is kept
+and can be served afterwards with ``gradflow server --db PATH``). Every
+``gradflow.watch`` in the script reports there and names its run in the file
+``GRADFLOW_CHECK_RUNS_FILE`` (:mod:`gradflow.runs_file`): those are the runs judged.
+``--steps N`` stops the script after N optimizer steps (``gf.step`` closes the
+watcher and exits the script with status 0). When the script has finished, the
+alerts its runs raised are printed, and the exit status says what was found:
 
-- 0: no open alert at or above ``--fail-on`` (default ``warning``);
-- 1: at least one such alert;
+- 0: no alert at or above ``--fail-on`` (default ``warning``) was raised;
+- 1: at least one such alert was raised while the script ran, whether it is still
+  open at the end or was resolved (a verdict that does not depend on when the
+  script stopped);
 - 2: the script failed (non-zero exit) and raised no such alert — a failure gradflow
   did not diagnose;
 - 3: gradflow check itself could not run (no server binary, server did not start, the
   server is not a gradflow server);
-- 4: the script ran but reported no run: it never called ``gradflow.watch`` (or
-  watched under a ``run_id=`` of its own on a shared server), so nothing was checked.
+- 4: the script ran but reported no run: it never called ``gradflow.watch``, so
+  nothing was checked.
 
 A run that reported fewer steps than a detector needs to decide (a cut graph is only
 called after 50 steps of zero gradient) draws a warning: its pass says little.
 
 ``--json`` prints one JSON object on stdout, and nothing else (the script's own
 output goes to stderr): ``{"verdict", "exit_code", "script_exit_code", "server",
-"runs": [{"run_id", "steps", "alerts": [...]}], "warnings": [...]}``.
+"database", "runs": [{"run_id", "steps", "alerts": [...]}], "warnings": [...]}``,
+each alert with its ``status`` (``open`` or ``resolved``).
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote
+
+from .runs_file import RUNS_FILE_ENV, read_runs
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 
@@ -148,21 +158,32 @@ def probe(url: str, token: Optional[str] = None, timeout: float = 10.0) -> None:
         )
 
 
-class EmbeddedServer:
-    """A gradflow-server child process on 127.0.0.1 and a temporary database."""
+def _reachable(listen: str) -> str:
+    """The URL to reach a server listening on `listen` (HOST:PORT) from this host: a
+    wildcard address is reached on the loopback."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise CheckError(f"--listen {listen!r} is not HOST:PORT (e.g. 127.0.0.1:7071)")
+    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
+    return f"http://{host}:{port}"
 
-    def __init__(self, binary: str) -> None:
+
+class EmbeddedServer:
+    """A gradflow-server child process: on 127.0.0.1 and a free port unless `listen`
+    names the address, on a temporary database (deleted by `stop`) unless `db` names
+    one (kept)."""
+
+    def __init__(self, binary: str, listen: Optional[str] = None, db: Optional[str] = None) -> None:
+        listen = listen or f"127.0.0.1:{_free_port()}"
+        self.url = _reachable(listen)
         self.dir = tempfile.mkdtemp(prefix="gradflow-check-")
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.kept = db is not None
+        self.db = os.path.abspath(db) if db is not None else os.path.join(self.dir, "gradflow.db")
+        # A database that held runs before: only the runs the script names are its own.
+        self.fresh = not os.path.exists(self.db)
         self.log: List[str] = []
         self.process = subprocess.Popen(
-            [
-                binary,
-                "--listen",
-                self.url[len("http://") :],
-                "--db",
-                os.path.join(self.dir, "gradflow.db"),
-            ],
+            [binary, "--listen", listen, "--db", self.db],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -210,15 +231,21 @@ def _get(url: str, path: str, token: Optional[str]) -> Any:
 
 
 def _run_report(url: str, run_id: str, token: Optional[str]) -> Optional[Dict[str, Any]]:
+    """The run, its steps and every alert it raised (open or resolved since)."""
     run = _get(url, f"/api/v1/runs/{quote(run_id)}", token)
     if run is None:
         return None
-    answer = _get(url, f"/api/v1/runs/{quote(run_id)}/alerts?status=open", token) or {}
+    answer = _get(url, f"/api/v1/runs/{quote(run_id)}/alerts?status=all", token) or {}
     first, last = run.get("first_step"), run.get("last_step")
+    raised = [
+        a
+        for a in answer.get("alerts", [])
+        if SEVERITY_RANK.get(a.get("severity"), 0) >= SEVERITY_RANK["warning"]
+    ]
     return {
         "run_id": run_id,
         "steps": 0 if first is None or last is None else int(last) - int(first) + 1,
-        "alerts": list(answer.get("alerts", [])),
+        "alerts": raised,
         "registration": run,
     }
 
@@ -268,10 +295,13 @@ def run_check(
     fail_on: str = "warning",
     settle: float = 1.0,
     script_stdout: Any = None,
+    listen: Optional[str] = None,
+    db: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Runs `command` under gradflow and returns the report (see the module's doc).
     `server` may name several servers, comma-separated (failover): the script gets them
-    all, the alerts are read from the first that answers."""
+    all, the alerts are read from the first that answers. `listen` and `db` place the
+    embedded server (without `server`)."""
     if not command:
         raise CheckError("no command to run: gradflow check -- python train.py ...")
     token = os.environ.get("GRADFLOW_INGEST_TOKEN")
@@ -289,29 +319,38 @@ def run_check(
                 errors.append(str(err))
         if read_url is None:
             raise CheckError("; ".join(errors))
-    embedded = None if server else EmbeddedServer(_server_binary(server_bin))
+    embedded = None if server else EmbeddedServer(_server_binary(server_bin), listen=listen, db=db)
     url = read_url or embedded.url  # type: ignore[union-attr]
+    notes = tempfile.mkdtemp(prefix="gradflow-check-runs-")
     try:
         env = dict(os.environ)
         env["GRADFLOW_SERVER"] = server or url
         env.pop("GRADFLOW_DISABLED", None)
+        # The script's watchers name the runs they register here.
+        runs_file = os.path.join(notes, "runs")
+        env[RUNS_FILE_ENV] = runs_file
         run_id: Optional[str] = None
         if server:
-            # A shared server holds other runs: this check's run gets its own id.
+            # A shared server holds other runs: this check's run gets its own id
+            # (unless the script picks one with run_id=).
             run_id = env.get("GRADFLOW_RUN_ID") or f"check-{uuid.uuid4().hex[:12]}"
             env["GRADFLOW_RUN_ID"] = run_id
         if steps is not None:
             env["GRADFLOW_MAX_STEPS"] = str(steps)
         script_exit = subprocess.call(list(command), env=env, stdout=script_stdout)
         time.sleep(settle)  # the last batch's detectors run inside its commit; be safe
+        ids = read_runs(runs_file)
         if run_id is not None:
-            ids = [run_id]
-        else:
+            # A client that does not name its runs (another language's) takes the id.
+            ids = list(dict.fromkeys([*ids, run_id]))
+        elif embedded is not None and embedded.fresh:
+            # Every run on the check's own new database is the script's.
             listed = _get(url, "/api/v1/runs", token) or {}
-            ids = [r["run_id"] for r in listed.get("runs", [])]
+            ids = list(dict.fromkeys([*ids, *(r["run_id"] for r in listed.get("runs", []))]))
         found = [_run_report(url, r, token) for r in ids]
         runs = [r for r in found if r is not None]
     finally:
+        shutil.rmtree(notes, ignore_errors=True)
         if embedded is not None:
             embedded.stop()
     bar = SEVERITY_RANK[fail_on]
@@ -331,27 +370,58 @@ def run_check(
         "exit_code": code,
         "script_exit_code": script_exit,
         "server": server if server else "embedded",
+        # Where the runs can be seen once the check is over: the kept database of the
+        # embedded server (None: it was temporary and is gone).
+        "database": embedded.db if embedded is not None and embedded.kept else None,
         "run_id": run_id,
         "runs": [{k: r[k] for k in ("run_id", "steps", "alerts")} for r in runs],
         "warnings": _step_warnings(runs, steps),
+        "fail_on": fail_on,
     }
 
 
+def _episodes(report: Dict[str, Any]) -> List[Tuple[str, List[Dict[str, Any]]]]:
+    """The alerts by run, kind and subject, in the order they opened: an alert that
+    opened and resolved again and again is one entry with its episodes."""
+    grouped: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {}
+    for run in report["runs"]:
+        for a in run["alerts"]:
+            grouped.setdefault((run["run_id"], a.get("kind"), a.get("subject")), []).append(a)
+    return [(key[0], alerts) for key, alerts in grouped.items()]
+
+
 def _print_report(report: Dict[str, Any], out: Any) -> None:
-    alerts = [(r["run_id"], a) for r in report["runs"] for a in r["alerts"]]
-    for run_id, a in alerts:
+    episodes = _episodes(report)
+    for run_id, alerts in episodes:
+        a, last = alerts[0], alerts[-1]
         step = a.get("opened_step")
         when = f"step {step}" if step is not None else "registration"
-        print(f"\n[{a['severity']}] {a['kind']} on {a['subject']} ({run_id}, {when})", file=out)
+        if last.get("status") == "resolved":
+            resolved = last.get("resolved_step")
+            state = "resolved" + (f" at step {resolved}" if resolved is not None else "")
+        else:
+            state = "open at the end"
+        count = f"{len(alerts)} episodes, the last " if len(alerts) > 1 else ""
+        print(
+            f"\n[{a['severity']}] {a['kind']} on {a['subject']} ({run_id}, {when}; {count}{state})",
+            file=out,
+        )
         print(f"  {a['title']}", file=out)
         print(f"  {a['detail']}", file=out)
         print(f"  fix: {a['fix']}", file=out)
     for warning in report["warnings"]:
         print(f"gradflow check: warning: {warning}", file=out)
     runs = len(report["runs"])
+    raised = sum(len(r["alerts"]) for r in report["runs"])
+    still_open = sum(1 for r in report["runs"] for a in r["alerts"] if a.get("status") == "open")
     summary = {
-        "ok": f"gradflow check: OK ({runs} run(s), no open alert at or above the bar)",
-        "alerts": f"gradflow check: FAILED: {len(alerts)} open alert(s) in {runs} run(s)",
+        "ok": (
+            f"gradflow check: OK ({runs} run(s), no alert at or above {report['fail_on']} raised)"
+        ),
+        "alerts": (
+            f"gradflow check: FAILED: {raised} alert(s) raised in {runs} run(s) "
+            f"({still_open} still open at the end)"
+        ),
         "script_failed": (
             f"gradflow check: FAILED: the script exited with {report['script_exit_code']} "
             "and gradflow raised no alert about it"
@@ -359,14 +429,32 @@ def _print_report(report: Dict[str, Any], out: Any) -> None:
         "no_runs": (
             "gradflow check: FAILED: the script reported no run, so nothing was checked: "
             "it never called gradflow.watch"
-            + (
-                f" (or watched under a run_id= of its own instead of {report['run_id']})"
-                if report.get("run_id")
-                else ""
-            )
         ),
     }[report["verdict"]]
-    print(("\n" if alerts or report["warnings"] else "") + summary, file=out)
+    print(("\n" if episodes or report["warnings"] else "") + summary, file=out)
+
+
+def where_to_see(report: Dict[str, Any]) -> Optional[str]:
+    """Where the runs can be seen now that the check is over, or that they cannot:
+    the pages the script linked to were on the check's own server, which is gone."""
+    ids = [r["run_id"] for r in report["runs"]]
+    if not ids:
+        return None
+    if report["server"] != "embedded":
+        base = report["server"].split(",")[0].strip().rstrip("/")
+        base = base if "://" in base else f"http://{base}"
+        return "the runs: " + ", ".join(f"{base}/runs/{quote(i)}" for i in ids)
+    db = report.get("database")
+    if db:
+        return (
+            f"the runs are kept in {db}: `gradflow server --db {db}` serves them at "
+            + ", ".join(f"http://127.0.0.1:7070/runs/{quote(i)}" for i in ids)
+        )
+    return (
+        "the run pages the script linked to were on this check's own server, which has "
+        "stopped, and its temporary database is deleted: pass --db PATH to keep the runs "
+        "(then `gradflow server --db PATH`)"
+    )
 
 
 def _split(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -390,6 +478,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="a running gradflow-server (default: GRADFLOW_SERVER, or start one)",
     )
     parser.add_argument("--server-bin", help="the gradflow-server binary to start")
+    parser.add_argument(
+        "--listen",
+        metavar="ADDR",
+        help="the started server's address, HOST:PORT (default: 127.0.0.1 and a free port)",
+    )
+    parser.add_argument(
+        "--db",
+        metavar="PATH",
+        help="the started server's SQLite database, kept after the check "
+        "(default: a temporary one, deleted)",
+    )
     parser.add_argument("--steps", type=int, help="stop the script after N optimizer steps")
     parser.add_argument("--fail-on", choices=["warning", "critical"], default="warning")
     parser.add_argument(
@@ -402,9 +501,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = command or args.command
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be at least 1")
+    starts = args.server_bin or args.listen or args.db
+    if args.server and (args.listen or args.db):
+        parser.error("--listen and --db place the server gradflow check starts: not with --server")
     try:
-        # An explicit --server-bin starts that server even where GRADFLOW_SERVER is set.
-        server = args.server or (None if args.server_bin else os.environ.get("GRADFLOW_SERVER"))
+        # --server-bin, --listen or --db start a server even where GRADFLOW_SERVER is set.
+        server = args.server or (None if starts else os.environ.get("GRADFLOW_SERVER"))
         report = run_check(
             command,
             server=server or None,
@@ -412,6 +514,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             steps=args.steps,
             fail_on=args.fail_on,
             script_stdout=sys.stderr if args.json else None,
+            listen=args.listen,
+            db=args.db,
         )
     except CheckError as err:
         if args.json:
@@ -419,10 +523,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             print(f"gradflow check: {err}", file=sys.stderr)
         return 3
+    seen = where_to_see(report)
     if args.json:
         for warning in report["warnings"]:
             print(f"gradflow check: warning: {warning}", file=sys.stderr)
+        if seen:
+            print(f"gradflow check: {seen}", file=sys.stderr)
         print(json.dumps(report, indent=2))
     else:
         _print_report(report, sys.stdout)
+        if seen:
+            print(f"gradflow check: {seen}", file=sys.stdout)
     return int(report["exit_code"])

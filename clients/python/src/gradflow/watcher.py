@@ -34,6 +34,7 @@ from .options import WatchOptions
 from .ranks import Ranks
 from .registration import Registry
 from .reporter import Reporter
+from .runs_file import note_run
 from .steplimit import StepLimit
 from .transport import Refused, Unreachable
 
@@ -137,6 +138,7 @@ class Watcher:
         if generated_id and lead:
             say(f"run id {run_id} (set GRADFLOW_RUN_ID or run_id= to choose one)")
         self.delivery.start()
+        note_run(run_id)
         # Hooks on the optimizer and scaler last: nothing more is attached to the
         # user's objects unless all of the above worked.
         self.instruments.attach(self.optimizer, scaler)
