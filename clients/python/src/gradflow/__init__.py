@@ -8,8 +8,9 @@ for batch in loader:
 gf.close()
 
 ``import gradflow`` does not import torch: ``watch``, ``Watcher`` and ``NoopWatcher``
-are loaded on first use, so the ``gradflow check`` and ``gradflow report`` commands
-run where torch is not installed.
+are loaded on first use, and so is ``gradflow.integrations`` (whose ``transformers``
+and ``lightning`` submodules import those frameworks only when named), so the
+``gradflow check`` and ``gradflow report`` commands run where torch is not installed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .api import Watch
 from .errors import GradflowAlertWarning, GradflowWarning, TrainingAlert
 
 if TYPE_CHECKING:
+    from . import integrations
     from .watcher import NoopWatcher, Watcher, watch
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "TrainingAlert",
     "Watch",
     "Watcher",
+    "integrations",
     "watch",
 ]
 __version__ = "0.1.0"
@@ -37,6 +40,12 @@ _LAZY = ("NoopWatcher", "Watcher", "watch")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "integrations":
+        # ``gradflow.integrations.transformers.GradflowCallback()`` after a bare
+        # ``import gradflow``: the subpackage, loaded now (it imports no framework).
+        import importlib
+
+        return importlib.import_module(".integrations", __name__)
     if name in _LAZY:
         from . import watcher
 
@@ -47,4 +56,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | {"integrations"})

@@ -12,7 +12,8 @@ USAGE = (
     "usage: gradflow check [options] -- COMMAND...   (gradflow check --help)\n"
     "       gradflow report SPOOL [--out FILE]         (gradflow report --help)\n"
     "       gradflow server [OPTIONS] [COMMAND]        (gradflow server --help: the\n"
-    "                                                   gradflow-server this package installed)"
+    "                                                   gradflow-server this package installed)\n"
+    "       gradflow --version"
 )
 
 
@@ -40,6 +41,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"gradflow {__version__}")
+        return 0
     if args[0] == "check":
         from .check import main as check
 
