@@ -37,6 +37,20 @@ def foreach_norm(grads: List[torch.Tensor], ord: float = 2) -> List[torch.Tensor
         return [n.float() for n in foreach(grads, ord)]
 
 
+def flatten_dense(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The elements of `tensors`, one tensor after another, in one new 1-D tensor: one
+    call into C++ (``torch._utils._flatten_dense_tensors``, what DDP's buckets use)
+    instead of a reshape a tensor from Python; a concatenation of reshapes where this
+    torch has none. Always a copy (torch's returns a view of a lone tensor)."""
+    flatten = getattr(torch._utils, "_flatten_dense_tensors", None)
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1).clone()
+    if flatten is None:
+        return torch.cat([t.reshape(-1) for t in tensors])
+    flat: torch.Tensor = flatten(tensors)
+    return flat
+
+
 # -- module registration -------------------------------------------------------------
 
 
@@ -56,6 +70,53 @@ def registration_hooks(callback: Callable[[Any, str, Any], None]) -> List[Any]:
         if register is not None:
             handles.append(register(callback))
     return handles
+
+
+# -- module forward pre-hooks ---------------------------------------------------------
+
+
+class PausableForwardPreHooks:
+    """Forward pre-hooks (with kwargs) that can be taken out of their modules for the
+    rest of a step and put back, by key: a module whose hook dict is empty takes
+    ``Module._call_impl``'s fast path, so a paused hook costs its module nothing (a
+    hooked module call costs a few µs more than a bare one, whatever the hook does).
+    A pause removes the hook's entry from ``module._forward_pre_hooks`` (the slow
+    path iterates a copy of it, so a hook may pause its own module); a resume puts
+    it back, after any hook registered since (these hooks only read)."""
+
+    def __init__(self) -> None:
+        self._handles: List[Any] = []
+        # key -> (the module's hook dict, the hook's id, the hook)
+        self._slots: Dict[Any, List[Any]] = {}
+        self._paused: List[Any] = []
+
+    def add(self, module: torch.nn.Module, hook: Callable[..., Any], key: Any) -> None:
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        self._handles.append(handle)
+        self._slots.setdefault(key, []).append((module._forward_pre_hooks, handle.id, hook))
+
+    def pause(self, key: Any) -> None:
+        """Takes every hook of `key` out of its module until :meth:`resume`."""
+        slots = self._slots.get(key)
+        if not slots:
+            return
+        for hooks, hook_id, _hook in slots:
+            hooks.pop(hook_id, None)
+        self._paused.append(key)
+
+    def resume(self) -> None:
+        """Puts every paused hook back."""
+        paused, self._paused = self._paused, []
+        for key in paused:
+            for hooks, hook_id, hook in self._slots.get(key, ()):
+                hooks[hook_id] = hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._slots = {}
+        self._paused = []
 
 
 # -- DTensor -------------------------------------------------------------------------

@@ -22,9 +22,12 @@ transformers, accelerate, the standard library, installed packages and gradflow,
 then its callers) once per module per episode: again only after the module has run
 without it. The server keeps the cuts and names the one behind an alert.
 
-A step's cost is one ``torch.is_grad_enabled()`` and a set lookup per hooked module
-call; inputs are inspected once per group per step; the stack is walked only when a
-cut is first seen.
+A step's cost is a few hooked module calls per group: once a group's first module has
+been looked at (and its first module that owns parameters, with gradients enabled),
+the group's hooks are paused for the rest of the step (taken out of their modules, so
+those calls take torch's fast path) and put back when the step ends. Inputs are
+inspected once per group per step; the stack is walked only when a cut is first
+seen.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, cast
 import torch
 from torch import nn
 
-from . import wire
+from . import _torch_compat, wire
 from ._log import guarded, notice
 from .hooks import float_inputs
 from .registration import Registry
@@ -104,7 +107,7 @@ class CutTracer:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        self._handles: List[Any] = []
+        self._hooks = _torch_compat.PausableForwardPreHooks()
         self._pending: List[Dict[str, Any]] = []
         # Episodes reported and still going: (module, kind) -> the module's group.
         self._active: Dict[Tuple[str, str], str] = {}
@@ -115,6 +118,7 @@ class CutTracer:
         self.rebuild()
 
     def _reset_step(self) -> None:
+        self._hooks.resume()
         self._no_grad_checked: Set[str] = set()
         self._input_checked: Set[str] = set()
         self._ran_with_grad: List[str] = []
@@ -140,16 +144,10 @@ class CutTracer:
         for module_name, (group, leaf) in hooked.items():
             module = modules.get(module_name)
             if isinstance(module, nn.Module) and type(module).forward is not nn.Module.forward:
-                self._handles.append(
-                    module.register_forward_pre_hook(
-                        self._hook(module_name, group, leaf), with_kwargs=True
-                    )
-                )
+                self._hooks.add(module, self._hook(module_name, group, leaf), group)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._hooks.remove()
 
     def _hook(self, module_name: str, group: str, leaf: bool) -> Any:
         tracer = self
@@ -165,6 +163,9 @@ class CutTracer:
             if not leaf or group in tracer._input_checked or not torch.is_grad_enabled():
                 return
             tracer._input_checked.add(group)
+            # Both looks of this group are done for the step: its other modules' calls
+            # need no hook until the step ends.
+            tracer._hooks.pause(group)
             floats = float_inputs(args, kwargs)
             if floats and not any(t.requires_grad for t in floats):
                 upstream = [g for g in tracer._ran_with_grad if g != group]

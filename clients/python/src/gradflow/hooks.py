@@ -1,9 +1,13 @@
 """The hooks gradflow puts on the watched model: what they see during a step.
 
 Backward reaching a module is counted by ``register_post_accumulate_grad_hook`` on
-its parameters: a host counter, no tensor work, and training stays bit-identical
-(module full-backward hooks would change its numerics). The same hook can queue a
-callback for the end of the backward pass (:meth:`ModelHooks.arm_backward_end`).
+its parameters: no tensor work, and training stays bit-identical (module
+full-backward hooks would change its numerics). The hook is the bound ``append`` of
+one list, so the autograd engine calls C code, never a Python frame: each parameter
+reached is appended, and the hits are counted from that list on the reporter thread.
+Only when a hook has more to do (a multi-rank run's step clock and local sums, a
+callback queued for the end of the backward pass: :meth:`ModelHooks.arm_backward_end`)
+are the hooks Python functions that also append.
 A read-only forward pre-hook on the model keeps the step's largest input magnitude
 on the device (or, in a loop that calls the groups' root modules itself and never the
 model, on each group root: its inputs without autograd history), and a tensor hook
@@ -17,6 +21,7 @@ ones accumulated is gone (reset between the micro-batches of one step:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
@@ -31,12 +36,18 @@ class ModelHooks:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        # Set for a multi-rank run: times this rank's own work on each step.
-        self.clock: Optional[StepClock] = None
-        # Set for a multi-rank run: each parameter's local gradient summed on the
-        # device as its hook runs, before the all-reduce (see local_grads_finite).
-        self.local_sums: Optional[Dict[int, torch.Tensor]] = None
-        self._hits: Dict[int, int] = {}
+        # Set for a multi-rank run (through the properties below, which make the
+        # hooks Python functions): times this rank's own work on each step, and each
+        # parameter's local gradient summed on the device as its hook runs, before the
+        # all-reduce (see local_grads_finite).
+        self._clock: Optional[StepClock] = None
+        self._local_sums: Optional[Dict[int, torch.Tensor]] = None
+        # Every parameter backward reached this step, once per time it was reached:
+        # the hooks append to it (see the module's doc).
+        self._reached: List[torch.Tensor] = []
+        # Whether the hooks are Python functions (see _hook) rather than the list's
+        # append.
+        self._python_hooks = False
         self._handles: Dict[int, Any] = {}
         self._fresh: Set[int] = set()
         # Set by arm_backward_end: called once when the backward pass now running ends.
@@ -72,14 +83,49 @@ class ModelHooks:
             for module in _group_roots(registry)
         ]
 
+    @property
+    def clock(self) -> Optional[StepClock]:
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Optional[StepClock]) -> None:
+        self._clock = clock
+        if clock is not None:
+            self._use_python_hooks()
+
+    @property
+    def local_sums(self) -> Optional[Dict[int, torch.Tensor]]:
+        return self._local_sums
+
+    @local_sums.setter
+    def local_sums(self, sums: Optional[Dict[int, torch.Tensor]]) -> None:
+        self._local_sums = sums
+        if sums is not None:
+            self._use_python_hooks()
+
+    def _use_python_hooks(self) -> None:
+        """From now on, hooks that run Python (each parameter's hook hooked again,
+        once): a multi-rank run, or a callback at the end of backward."""
+        if self._python_hooks:
+            return
+        self._python_hooks = True
+        fresh = set(self._fresh)
+        for key in list(self._handles):
+            self._handles.pop(key).remove()
+        for p in self.registry.params:
+            self._hook(p)
+        # Hooked again, not newly: the hits they count stay this step's.
+        self._fresh = fresh
+
     def rebuild(self) -> None:
         """After registration or an amendment: hooks on parameters that have none, and
         none left on tensors the model no longer uses (a replaced parameter)."""
         live = {id(p.tensor) for p in self.registry.params}
         for key in [k for k in self._handles if k not in live]:
             self._handles.pop(key).remove()
-            self._hits.pop(key, None)
             self._fresh.discard(key)
+        if any(id(t) not in live for t in self._reached):
+            self._reached[:] = [t for t in self._reached if id(t) in live]
         if self._sentinel is not None and id(self._sentinel) not in live:
             if self._sentinel_hook is not None:
                 self._sentinel_hook.remove()
@@ -96,16 +142,21 @@ class ModelHooks:
         register = getattr(p.tensor, "register_post_accumulate_grad_hook", None)
         if register is None:
             return
-        hits = self._hits
+        reached = self._reached
+        if not self._python_hooks:
+            # C code: the autograd engine runs no Python frame for this parameter.
+            self._handles[key] = register(reached.append)
+            self._fresh.add(key)
+            return
         hooks = self
         cuda = p.tensor.device.type == "cuda"
 
         def hook(tensor: torch.Tensor, key: int = key) -> None:
-            hits[key] = hits.get(key, 0) + 1
-            if hooks.clock is not None:
-                hooks.clock.on_grad(cuda)
-            if hooks.local_sums is not None:
-                _keep_local_sum(hooks.local_sums, key, tensor.grad)
+            reached.append(tensor)
+            if hooks._clock is not None:
+                hooks._clock.on_grad(cuda)
+            if hooks._local_sums is not None:
+                _keep_local_sum(hooks._local_sums, key, tensor.grad)
             if hooks._at_backward_end is not None:
                 callback, hooks._at_backward_end = hooks._at_backward_end, None
                 _queue_at_backward_end(callback)
@@ -117,6 +168,7 @@ class ModelHooks:
         """Runs `callback` once, when the next backward pass that reaches a watched
         parameter has finished: after every gradient of that pass is accumulated (and,
         under DistributedDataParallel, averaged), before the loop clips them."""
+        self._use_python_hooks()
         self._at_backward_end = callback
 
     def local_grads_finite(self) -> Optional[torch.Tensor]:
@@ -266,13 +318,19 @@ class ModelHooks:
         self.input_absmax = None
         self._root_ran = False
         self._group_ran = False
-        self._hits.clear()
+        self._reached.clear()
         self._fresh.clear()
 
     @property
     def hits(self) -> Dict[int, int]:
         """This step's hook hits, by parameter key (``id`` of its tensor)."""
-        return self._hits
+        return count_hits(self._reached)
+
+    def take_reached(self) -> List[torch.Tensor]:
+        """A copy of the parameters backward reached this step (one entry per time),
+        for the reporter thread to count (:func:`count_hits`); the hooks go on
+        appending to the live list, which :meth:`reset` clears."""
+        return list(self._reached)
 
     @property
     def fresh(self) -> Set[int]:
@@ -282,6 +340,12 @@ class ModelHooks:
     def hooked(self) -> Set[int]:
         """The keys of the parameters that have a hook."""
         return set(self._handles)
+
+
+def count_hits(reached: List[Any]) -> Dict[int, int]:
+    """Hook hits by parameter key (``id`` of its tensor) from the parameters the hooks
+    appended: how many times backward reached each one."""
+    return dict(Counter(map(id, reached)))
 
 
 def _group_roots(registry: Registry) -> List[torch.nn.Module]:

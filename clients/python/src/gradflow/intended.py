@@ -12,7 +12,8 @@ Nesterov, weight decay); any other optimizer gets no intended update.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -64,32 +65,122 @@ def runs(
     return ranges
 
 
-def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """This rank's elements of `tensors` (a DTensor's local shard), flat, in f32."""
-    return torch.cat([local(t).detach().reshape(-1) for t in tensors]).float()
+def flat(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The elements of `tensors`, one tensor after another, in one new tensor (a copy,
+    in their dtype): one ``cat`` of 1-D tensors (norm weights, their optimizer state),
+    else one flattening call; never an operation a tensor from Python. Not for
+    DTensors (see :func:`local_flat`); under ``no_grad`` for parameters."""
+    if tensors[0].dim() == 1:
+        try:
+            out = torch.cat(tensors)
+        except RuntimeError:  # not all 1-D
+            return _torch_compat.flatten_dense(tensors)
+        return out if out.dim() == 1 else out.reshape(-1)
+    return _torch_compat.flatten_dense(tensors)
 
 
-def update(
+def local_flat(tensors: List[torch.Tensor], sharded: bool) -> torch.Tensor:
+    """This rank's elements of `tensors` (a DTensor's local shard when `sharded`),
+    flat, detached, in their dtype."""
+    if sharded:
+        return torch.cat([local(t).detach().reshape(-1) for t in tensors])
+    with torch.no_grad():
+        return flat(tensors)
+
+
+def _flat(tensors: List[torch.Tensor], sharded: bool) -> torch.Tensor:
+    """This rank's elements of `tensors` (optimizer state or gradients: nothing that
+    requires grad), flat, in f32."""
+    if sharded:
+        return local_flat(tensors, sharded).float()
+    return flat(tensors).float()
+
+
+class States:
+    """The optimizer's state dicts of some parameters, looked up once and kept while
+    the optimizer's state mapping is the same object of the same size: a lookup
+    hashes the parameter through ``Tensor.__hash__``, a Python call a parameter. The
+    optimizers update each parameter's dict in place; ``load_state_dict`` replaces
+    the mapping, and a parameter's first step adds to it."""
+
+    def __init__(self, optimizer: Any, params: List[torch.Tensor]) -> None:
+        self._optimizer = optimizer
+        self._params = params
+        self._mapping: Any = None
+        self._size = -1
+        self._dicts: List[Dict[str, Any]] = []
+
+    def get(self) -> List[Dict[str, Any]]:
+        state = self._optimizer.state
+        if state is not self._mapping or len(state) != self._size:
+            dicts = [state.get(p) for p in self._params]
+            self._dicts = [d if d is not None else {} for d in dicts]
+            # Kept only once every parameter has its own dict (not a stand-in).
+            complete = all(d is not None for d in dicts)
+            self._mapping = state if complete else None
+            self._size = len(state)
+        return self._dicts
+
+
+@dataclass(frozen=True)
+class AdamInputs:
+    """What Adam/AdamW's intended update is computed from, read right after the step:
+    the moments (flat f32 copies) and the group's scalars."""
+
+    m: torch.Tensor
+    v: torch.Tensor
+    lr: float
+    wd: float
+    eps: float
+    bc1: Any  # 1 - beta1**step: a float, or a device scalar (capturable / fused)
+    bc2_sqrt: Any
+    decoupled: bool
+
+
+@dataclass(frozen=True)
+class SgdInputs:
+    """What SGD's intended update is computed from: the gradients and the momentum
+    buffers (flat f32 copies) and the group's scalars."""
+
+    g: torch.Tensor
+    buf: Optional[torch.Tensor]
+    lr: float
+    wd: float
+    momentum: float
+    nesterov: bool
+    maximize: bool
+
+
+Inputs = Union[AdamInputs, SgdInputs]
+
+
+def inputs(
     kind: str,
     optimizer: Any,
     group: Dict[str, Any],
     params: List[torch.Tensor],
-    before: torch.Tensor,
-) -> Optional[torch.Tensor]:
-    """The flat f32 intended update of `params` (all in `group`), whose values before
-    the step are `before` (flat f32); None when the state does not allow it."""
-    states = [optimizer.state.get(p) or {} for p in params]
+    sharded: bool = True,
+    states: Optional[States] = None,
+) -> Optional[Inputs]:
+    """Everything the intended update of `params` (all in `group`) needs from the
+    optimizer, copied now (the next step overwrites the state in place); None when
+    the state does not allow it. `sharded` False: no parameter is a DTensor (their
+    state is read without looking for a local shard). `states`: the parameters' state
+    dicts, kept between steps."""
+    states_of = (
+        states.get() if states is not None else [optimizer.state.get(p) or {} for p in params]
+    )
     lr = float(group["lr"])
     wd = float(group.get("weight_decay", 0.0) or 0.0)
     if kind == "adam":
-        if any("exp_avg" not in s for s in states):
+        if any("exp_avg" not in s for s in states_of):
             return None
         b1, b2 = (float(b) for b in group["betas"])
         eps = float(group["eps"])
         second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
-        m = _flat([s["exp_avg"] for s in states])
-        v = _flat([s[second] for s in states])
-        count: Any = states[0]["step"]
+        m = _flat([s["exp_avg"] for s in states_of], sharded)
+        v = _flat([s[second] for s in states_of], sharded)
+        count: Any = states_of[0]["step"]
         count = local(count) if isinstance(count, torch.Tensor) else count
         bc1: Any
         bc2_sqrt: Any
@@ -102,28 +193,63 @@ def update(
             steps = float(count)
             bc1 = 1 - b1**steps
             bc2_sqrt = math.sqrt(1 - b2**steps)
-        upd = (m / bc1) / (v.sqrt() / bc2_sqrt + eps) * (-lr)
         decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
             "decoupled_weight_decay", False
         )
-        if decoupled and wd:
-            upd = upd - (lr * wd) * before
-        return upd
+        return AdamInputs(m, v, lr, wd, eps, bc1, bc2_sqrt, bool(decoupled))
     if kind == "sgd":
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        g = _flat(grads)
-        if group.get("maximize"):
-            g = -g
-        if wd:
-            g = g + wd * before
+        g = _flat(grads, sharded)
         momentum = float(group.get("momentum", 0.0) or 0.0)
+        buf = None
         if momentum:
-            if any(s.get("momentum_buffer") is None for s in states):
+            if any(s.get("momentum_buffer") is None for s in states_of):
                 return None
-            buf = _flat([s["momentum_buffer"] for s in states])
-            g = g + momentum * buf if group.get("nesterov") else buf
-        return g * (-lr)
+            buf = _flat([s["momentum_buffer"] for s in states_of], sharded)
+        return SgdInputs(
+            g,
+            buf,
+            lr,
+            wd,
+            momentum,
+            bool(group.get("nesterov")),
+            bool(group.get("maximize")),
+        )
     return None
+
+
+def apply(given: Inputs, before: torch.Tensor) -> torch.Tensor:
+    """The flat f32 intended update from `given`, for parameters whose values before
+    the step are `before` (flat f32). Arithmetic only: it can run on any thread."""
+    if isinstance(given, AdamInputs):
+        upd = (given.m / given.bc1) / (given.v.sqrt() / given.bc2_sqrt + given.eps) * (-given.lr)
+        if given.decoupled and given.wd:
+            upd = upd - (given.lr * given.wd) * before
+        return upd
+    g = given.g
+    if given.maximize:
+        g = -g
+    if given.wd:
+        g = g + given.wd * before
+    if given.buf is not None:
+        g = g + given.momentum * given.buf if given.nesterov else given.buf
+    return g * (-given.lr)
+
+
+def update(
+    kind: str,
+    optimizer: Any,
+    group: Dict[str, Any],
+    params: List[torch.Tensor],
+    before: torch.Tensor,
+    sharded: bool = True,
+    states: Optional[States] = None,
+) -> Optional[torch.Tensor]:
+    """The flat f32 intended update of `params` (all in `group`), whose values before
+    the step are `before` (flat f32); None when the state does not allow it (see
+    :func:`inputs`)."""
+    given = inputs(kind, optimizer, group, params, sharded, states)
+    return None if given is None else apply(given, before)
 
 
 def summary(

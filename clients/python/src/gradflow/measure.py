@@ -23,14 +23,15 @@ on Apple's MPS, which has no f64).
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from . import _torch_compat, intended, wire
-from .hooks import ModelHooks
+from . import _torch_compat, intended, vector, wire
+from .hooks import ModelHooks, count_hits
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
     TRAINING_METRIC,
@@ -45,6 +46,7 @@ from .record import (
 )
 from .registration import Registry
 from .updates import Updates
+from .vector import Deferred, Piece
 
 
 @dataclass
@@ -58,13 +60,36 @@ class _Norm:
     numel: int  # elements this rank holds
 
 
+# On a CPU, 1-D gradients of at most this many elements (biases, norm weights) are
+# concatenated and reduced together: copying them costs less than the ~2 µs of a
+# norm's own dispatch each (a CPU has no multi-tensor kernel: ``_foreach_norm`` loops
+# over per-tensor norms there).
+SMALL_ON_CPU = 8192
+
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+@dataclass(frozen=True)
+class NormGroup:
+    """Gradients whose norms are taken in one call: positions `members` of the step's
+    gradients (None: all of them, in order), by ``_foreach_norm``, or, with `ids`
+    (on a CPU), concatenated and summed by segment (`ids`: each element's segment,
+    `count` of them)."""
+
+    members: Optional[List[int]]
+    ids: Optional[torch.Tensor] = None
+    count: int = 0
+
+
 @dataclass(frozen=True)
 class GradLayout:
     """Where each parameter's gradient norm lies in `Measurer._grads`, for one set of
     parameters with gradients (built once per set, not every step)."""
 
-    # Positions in the norms vector, by (device, dtype) kind; None: one kind, in order.
-    kinds: Optional[List[List[int]]]
+    # The calls that take the norms; their results follow one another in the norms
+    # vector, in this order.
+    groups: List[NormGroup]
     device: Optional[torch.device]
     # Per module, the positions of its parameters' norms (None: no gradient), and the
     # gradient elements they cover.
@@ -100,6 +125,7 @@ class Measurer:
         self.optimizer = registry.optimizer
         self._family = intended.family(self.optimizer) if self.optimizer is not None else None
         self._norms: List[_Norm] = []
+        self._norm_tensors: List[torch.Tensor] = []
         self._layouts: Dict[Tuple[int, ...], GradLayout] = {}
         self._tensors: List[torch.Tensor] = []
         self._sharded = False
@@ -110,12 +136,16 @@ class Measurer:
         self._modules: List[str] = []
         self._module_of: List[int] = []
         self._norm_init: Optional[torch.Tensor] = None
-        # This step's numbers so far, on the device.
-        self._grads: Optional[torch.Tensor] = None
+        # This step's numbers so far, on the device: the gradient norms in pieces
+        # that follow one another (one stacked vector, except on a CPU: see
+        # group_norms).
+        self._grads: Optional[List[Piece]] = None
         self._grad_layout: Optional[GradLayout] = None
         self._before: Optional[torch.Tensor] = None
-        self._stats: Optional[torch.Tensor] = None
-        self._intended_slots: Dict[int, int] = {}
+        self._stats: Optional[Piece] = None
+        # Per run of norm weights with an intended update: (first, end, its slot in
+        # the stats), each weight's slot then following (see describe).
+        self._intended_runs: List[Tuple[int, int, int]] = []
         self.rebuild()
         self.reset()
 
@@ -153,11 +183,17 @@ class Measurer:
         # computed per run with plain scalars.
         norms.sort(key=lambda n: (n.group_index is None, n.group_index or 0, str(n.tensor.dtype)))
         self._norms = norms
+        self._norm_tensors = [n.tensor for n in norms]
         self._norm_init = torch.cat([n.init for n in norms]) if norms else None
         widths = {n.numel for n in norms}
         self._norm_width = widths.pop() if len(widths) == 1 else 0
         # The runs of one optimizer group and dtype, and where each weight starts.
         self._runs = intended.runs([n.tensor for n in norms], [n.group_index for n in norms])
+        self._run_states = (
+            [intended.States(self.optimizer, self._norm_tensors[a:b]) for a, b in self._runs]
+            if self.optimizer is not None
+            else []
+        )
         self._offsets = [0]
         for n in norms:
             self._offsets.append(self._offsets[-1] + n.numel)
@@ -172,7 +208,7 @@ class Measurer:
         self._grad_layout = None
         self._before = None
         self._stats = None
-        self._intended_slots = {}
+        self._intended_runs = []
 
     def _read_shape(self) -> Shape:
         trainable = [False] * len(self._modules)
@@ -197,8 +233,9 @@ class Measurer:
         self._grad_layout = None
         self._before = None
         self._stats = None
-        self._intended_slots = {}
+        self._intended_runs = []
         self.hooks.reset()
+        self.registry.release_signature()
 
     @property
     def grads_measured(self) -> bool:
@@ -208,39 +245,36 @@ class Measurer:
 
     def measure_grads(self) -> None:
         """Per-parameter gradient norms (foreach, in f32) of the elements this rank
-        holds, left on the device; the record sums their squares per module in f64."""
-        grads: List[torch.Tensor] = []
-        present: List[int] = []
-        for i, t in enumerate(self._tensors):
-            g = t.grad
-            if g is not None and t.requires_grad:
-                grads.append(g)
-                present.append(i)
+        holds, left on the device; the record sums their squares per module in f64.
+        Per parameter, only a C-level ``map`` reads the gradients and one
+        comprehension keeps those there; on a CPU the norms are not even stacked here
+        (the reporter thread assembles the step's numbers: :mod:`gradflow.vector`)."""
+        every = list(map(_GRAD, self._tensors))
+        trainable = self.registry.requires_grad
+        if trainable is None or len(trainable) != len(every):
+            trainable = tuple(map(_REQUIRES_GRAD, self._tensors))
+        if self.registry.all_trainable and len(trainable) == len(every):
+            present = [i for i, g in enumerate(every) if g is not None]
+        else:
+            present = [i for i, g in enumerate(every) if g is not None and trainable[i]]
         if not present:
             self._grads = None
             self._grad_layout = GradLayout(
-                None,
+                [],
                 None,
                 [None] * len(self._modules),
                 [None] * len(self._modules),
                 [None] * len(self._norms),
             )
             return
+        grads = every if len(present) == len(every) else [every[i] for i in present]
         if self._sharded:
             grads = [local(g) for g in grads]
         key = tuple(present)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(present, grads)
-        if layout.kinds is None:
-            self._grads = _norms(grads)
-        else:
-            self._grads = torch.cat(
-                [
-                    _norms([grads[k] for k in kind]).to(layout.device, non_blocking=True)
-                    for kind in layout.kinds
-                ]
-            )
+        self._grads = group_norms(layout, grads)
         self._grad_layout = layout
 
     def _layout(self, present: List[int], grads: List[torch.Tensor]) -> GradLayout:
@@ -248,8 +282,23 @@ class Measurer:
         by_kind: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
         for k, g in enumerate(grads):
             by_kind.setdefault((g.device, g.dtype), []).append(k)
-        kinds = list(by_kind.values()) if len(by_kind) > 1 else None
-        order = [k for kind in by_kind.values() for k in kind]  # k: index into present
+        groups: List[NormGroup] = []
+        cpu = grads[0].device.type == "cpu"
+        for (device, _dtype), kind in by_kind.items():
+            small = [k for k in kind if cpu and device.type == "cpu" and _small(grads[k])]
+            if len(small) < 2:
+                groups.append(NormGroup(kind))
+                continue
+            taken = set(small)
+            rest = [k for k in kind if k not in taken]
+            if rest:
+                groups.append(NormGroup(rest))
+            sizes = torch.tensor([grads[k].numel() for k in small])
+            ids = torch.repeat_interleave(torch.arange(len(small)), sizes)
+            groups.append(NormGroup(small, ids, len(small)))
+        if len(groups) == 1 and groups[0].ids is None:
+            groups = [NormGroup(None)]  # one call over every gradient, in order
+        order = [k for g in groups for k in (g.members or range(len(grads)))]
         positions: Dict[int, int] = {present[k]: at for at, k in enumerate(order)}
         members: List[List[int]] = [[] for _ in self._modules]
         numel: List[Optional[int]] = [None] * len(self._modules)
@@ -263,7 +312,7 @@ class Measurer:
             i = index.get(id(n.tensor))
             norm_grad.append(None if i is None else positions[i])
         layout = GradLayout(
-            kinds,
+            groups,
             grads[0].device,
             [tuple(sorted(m)) if m else None for m in members],
             numel,
@@ -285,11 +334,14 @@ class Measurer:
         f32: one concatenation and one cast (a copy), not three operations a weight."""
         if self._sharded:
             return torch.cat([_flat32(n.tensor) for n in self._norms])
-        with torch.no_grad():
-            return torch.cat([n.tensor.reshape(-1) for n in self._norms]).float()
+        return intended.local_flat(self._norm_tensors, False).float()
 
     def after_step(self) -> None:
-        """Update, drift and mean of the norm weights, and what the optimizer meant."""
+        """Update, drift and mean of the norm weights, and what the optimizer meant.
+        Here, on the training thread: the weights after the step and the optimizer
+        state they need, copied (the next step overwrites them in place). The
+        arithmetic (~40 small operations) runs here on a device, and on the reporter
+        thread on a CPU (:class:`Deferred`)."""
         if not self._norms or self._before is None:
             return
         before = self._before
@@ -299,30 +351,19 @@ class Measurer:
             return  # a norm weight was replaced or resized since the snapshot
         device = after.device
         count = len(self._norms)
-        diff = after - before
-        init = self._norm_init.to(device, non_blocking=True)
-        away = (after - init).abs()
-        rows = self._norm_width
-        if rows:
-            # Every norm weight holds as many elements: one row each, reduced by row.
-            diff = diff.view(count, rows)
-            away = away.view(count, rows)
-            update_sq = (diff * diff).sum(1)
-            # A NaN in a row is kept (amax over NaN is not reliable across devices).
-            drift = away.amax(1) + away.sum(1) * 0.0
-            mean = after.view(count, rows).mean(1)
-        else:
-            segments, sizes = self._segments(0, count, device)
-            zeros = torch.zeros(count, device=device)
-            update_sq = zeros.index_add(0, segments, diff * diff)
-            drift = zeros.scatter_reduce(0, segments, away, "amax", include_self=False)
-            drift = drift + zeros.index_add(0, segments, away) * 0.0
-            mean = zeros.index_add(0, segments, after) / sizes
-        pieces = [torch.stack([update_sq, drift, mean], dim=1).reshape(-1)]
-        self._intended_slots = {}
-        if self._family is not None:
-            pieces.extend(self._intended(before, after, width(NormStats) * count))
-        self._stats = torch.cat(pieces)
+        segments = None if self._norm_width else self._segments(0, count, device)
+        plans, numel = self._intended_plans(width(NormStats) * count)
+        compute = functools.partial(
+            _norm_stats,
+            before,
+            after,
+            self._norm_init.to(device, non_blocking=True),
+            count,
+            self._norm_width,
+            segments,
+            plans,
+        )
+        self._stats = Deferred(numel, device, compute) if device.type == "cpu" else compute()
 
     def _segments(
         self, start: int, end: int, device: torch.device
@@ -338,41 +379,43 @@ class Measurer:
             self._seg_cache[key] = cached
         return cached
 
-    def _intended(self, before: torch.Tensor, after: torch.Tensor, base: int) -> List[torch.Tensor]:
-        pieces: List[torch.Tensor] = []
+    def _intended_plans(self, base: int) -> Tuple[List[_IntendedPlan], int]:
+        """Per run of norm weights whose optimizer state allows it, what its intended
+        update is computed from (copied now), and where its summary goes; the stats'
+        size with them."""
+        plans: List[_IntendedPlan] = []
+        self._intended_runs = []
+        slot = base
+        if self._family is None:
+            return plans, slot
         offsets = self._offsets
         groups = self.optimizer.param_groups
-        slot = base
-        tensors = [n.tensor for n in self._norms]
-        for start, end in self._runs:
+        tensors = self._norm_tensors
+        for run, (start, end) in enumerate(self._runs):
             first = self._norms[start]
-            if (
-                self._family is not None
-                and first.group_index is not None
-                and first.group_index < len(groups)
-            ):
-                a, b = offsets[start], offsets[end]
-                upd = intended.update(
-                    self._family,
-                    self.optimizer,
-                    groups[first.group_index],
-                    tensors[start:end],
-                    before[a:b],
+            if first.group_index is None or first.group_index >= len(groups):
+                continue
+            given = intended.inputs(
+                self._family,
+                self.optimizer,
+                groups[first.group_index],
+                tensors[start:end],
+                self._sharded,
+                self._run_states[run],
+            )
+            if given is None:
+                continue
+            lengths = (
+                None if self._norm_width else [self._norms[k].numel for k in range(start, end)]
+            )
+            plans.append(
+                _IntendedPlan(
+                    offsets[start], offsets[end], given, first.tensor.dtype, lengths, end - start
                 )
-                if upd is not None:
-                    lengths = (
-                        None
-                        if self._norm_width
-                        else [self._norms[k].numel for k in range(start, end)]
-                    )
-                    summary = intended.summary(
-                        upd, before[a:b], after[a:b], first.tensor.dtype, lengths, end - start
-                    )
-                    pieces.append(summary.reshape(-1))
-                    for k in range(start, end):
-                        self._intended_slots[k] = slot + width(Intended) * (k - start)
-                    slot += width(Intended) * (end - start)
-        return pieces
+            )
+            self._intended_runs.append((start, end, slot))
+            slot += width(Intended) * (end - start)
+        return plans, slot
 
     # -- the step record ---------------------------------------------------------
 
@@ -398,18 +441,19 @@ class Measurer:
         # Whether the model was in training mode at gf.step (dropout on): a model left
         # in eval() after an evaluation trains without it. 1 or 0.
         pending.metrics.setdefault(TRAINING_METRIC, 1.0 if self.registry.model.training else 0.0)
-        pieces: List[torch.Tensor] = []
+        pieces: List[Piece] = []
         slots = Slots()
 
-        def add(t: torch.Tensor) -> int:
+        def add(t: Piece) -> int:
             pieces.append(t)
-            return slots.take(t.numel())
+            return slots.take(vector.numel(t))
 
         if isinstance(loss, torch.Tensor):
             pending.loss_at = add(loss.detach().float().mean().reshape(1))
         elif loss is not None:
             pending.loss = float(loss)
-        grad_base = add(self._grads) if self._grads is not None else 0
+        grad_slots = [add(piece) for piece in self._grads or ()]
+        grad_base = grad_slots[0] if grad_slots else 0
         stats_base = add(self._stats) if self._stats is not None else None
         if scaler_state is not None:
             pending.scaler_at = add(scaler_state)
@@ -417,7 +461,7 @@ class Measurer:
             pending.input_at = add(self.hooks.input_absmax.reshape(1))
         if updates is not None and updates.stats is not None:
             pending.updates = UpdatesAt(
-                list(updates.names), list(updates.numels), add(updates.stats.reshape(-1))
+                list(updates.names), list(updates.numels), add(updates.stats)
             )
         carried = self.hooks.carried
         if isinstance(carried, torch.Tensor):
@@ -449,26 +493,13 @@ class Measurer:
             self._grad_layout,
             grad_base,
             stats_base,
-            self._intended_slots,
+            list(self._intended_runs),
             sums_at,
-            dict(self.hooks.hits),
+            self.hooks.take_reached(),
             set(self.hooks.fresh) if self.hooks.fresh else _NONE,
         )
         if pieces:
-            device = pieces[0].device
-            wide = _wide(device)
-            vector = torch.cat([p.to(device, wide, non_blocking=True) for p in pieces])
-            if device.type == "cuda":
-                host = torch.empty(vector.shape, dtype=wide, pin_memory=True)
-                host.copy_(vector, non_blocking=True)
-                # Blocking: the reporter thread sleeps until the copy lands instead of
-                # spinning on a core for the rest of the step (44 ms of CPU a step at
-                # 8x2048 tokens on Qwen2.5-0.5B before).
-                event = torch.cuda.Event(blocking=True)
-                event.record()
-                pending.vector, pending.event = host, event
-            else:
-                pending.vector = vector
+            pending.vector, pending.event = vector.to_host(pieces)
         self.reset()
         return pending
 
@@ -476,18 +507,78 @@ class Measurer:
 _NONE: Set[int] = frozenset()  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class _IntendedPlan:
+    """A run of norm weights' intended update: elements [start, end) of the flat
+    weights, what the update is computed from, their dtype, and each weight's length
+    (None: all as long)."""
+
+    start: int
+    end: int
+    given: intended.Inputs
+    dtype: torch.dtype
+    lengths: Optional[List[int]]
+    count: int
+
+
+def _norm_stats(
+    before: torch.Tensor,
+    after: torch.Tensor,
+    init: torch.Tensor,
+    count: int,
+    rows: int,
+    segments: Optional[Tuple[torch.Tensor, torch.Tensor]],
+    plans: List[_IntendedPlan],
+) -> torch.Tensor:
+    """The norm weights' :class:`NormStats` one weight after another, then each plan's
+    :class:`Intended` summaries: arithmetic on copies, on any thread. `rows`: the
+    elements of every weight when all hold as many (reduced as a matrix's rows), else
+    0 and `segments` (each element's weight, each weight's size)."""
+    diff = after - before
+    away = (after - init).abs()
+    if rows:
+        diff = diff.view(count, rows)
+        away = away.view(count, rows)
+        update_sq = (diff * diff).sum(1)
+        # A NaN in a row is kept (amax over NaN is not reliable across devices).
+        drift = away.amax(1) + away.sum(1) * 0.0
+        mean = after.view(count, rows).mean(1)
+    else:
+        assert segments is not None
+        ids, sizes = segments
+        zeros = torch.zeros(count, device=after.device)
+        update_sq = zeros.index_add(0, ids, diff * diff)
+        drift = zeros.scatter_reduce(0, ids, away, "amax", include_self=False)
+        drift = drift + zeros.index_add(0, ids, away) * 0.0
+        mean = zeros.index_add(0, ids, after) / sizes
+    pieces = [torch.stack([update_sq, drift, mean], dim=1).reshape(-1)]
+    for plan in plans:
+        was, now = before[plan.start : plan.end], after[plan.start : plan.end]
+        upd = intended.apply(plan.given, was)
+        summary = intended.summary(upd, was, now, plan.dtype, plan.lengths, plan.count)
+        pieces.append(summary.reshape(-1))
+    return torch.cat(pieces)
+
+
 def describe(
     shape: Shape,
     layout: Optional[GradLayout],
     grad_base: int,
     stats_base: Optional[int],
-    intended_slots: Dict[int, int],
+    intended_runs: List[Tuple[int, int, int]],
     sums_at: Optional[int],
-    hits: Dict[int, int],
+    reached: List[Any],
     fresh: Set[int],
 ) -> Tuple[List[ModuleAt], List[NormAt]]:
     """A step's module and norm weight entries, and where their numbers lie (on the
-    reporter thread: nothing here touches torch or the live model)."""
+    reporter thread: nothing here runs a torch operation or reads the live model).
+    `reached`: the parameters backward reached, once per time (the hooks' list)."""
+    hits = count_hits(reached)
+    intended_slots = {
+        k: slot + width(Intended) * (k - start)
+        for start, end, slot in intended_runs
+        for k in range(start, end)
+    }
     count = len(shape.modules)
     module_hits: List[Optional[int]] = [0] * count
     for m, key, hooked in shape.hooked:
@@ -530,19 +621,42 @@ def describe(
     return modules, norms
 
 
-def _wide(device: torch.device) -> torch.dtype:
-    """The dtype of sums and of the vector brought to the host: f64, except on a
-    device without it (Apple's MPS)."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 def _flat32(t: torch.Tensor) -> torch.Tensor:
     """This rank's elements of a parameter, flat, in f32."""
     return local(t).detach().reshape(-1).float()
 
 
-def _norms(grads: List[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of each tensor, in f32, as one vector (multi-tensor kernels)."""
-    if any(g.is_sparse for g in grads):
-        return torch.stack([g.coalesce().values().float().norm() for g in grads])
-    return torch.stack(_torch_compat.foreach_norm(grads))
+def _small(g: torch.Tensor) -> bool:
+    return g.dim() == 1 and g.numel() <= SMALL_ON_CPU and not g.is_sparse
+
+
+def group_norms(layout: GradLayout, grads: List[torch.Tensor]) -> List[Piece]:
+    """The norms of `grads` by `layout`'s groups, as pieces of the step's vector: on a
+    CPU left as they come (0-dim norms, or a group's vector in f64); elsewhere
+    stacked, as one f32 vector on the layout's device."""
+    cpu = layout.device is not None and layout.device.type == "cpu"
+    pieces: List[Piece] = []
+    for group in layout.groups:
+        members = grads if group.members is None else [grads[k] for k in group.members]
+        if group.ids is not None:
+            flat = torch.cat(members).double()
+            sums = torch.zeros(group.count, dtype=flat.dtype).index_add_(0, group.ids, flat * flat)
+            pieces.append(sums.sqrt())
+        elif cpu:
+            pieces.append(_norms(members))
+        else:
+            pieces.append(torch.stack(_norms(members)).to(layout.device, non_blocking=True))
+    if not cpu and len(pieces) > 1:
+        return [torch.cat([p for p in pieces if isinstance(p, torch.Tensor)])]
+    return pieces
+
+
+def _norms(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The L2 norm of each tensor, in f32 (multi-tensor kernels): 0-dim tensors."""
+    try:
+        return _torch_compat.foreach_norm(grads)
+    except (RuntimeError, NotImplementedError):
+        if not any(g.is_sparse for g in grads):
+            raise
+    # A sparse gradient (an embedding's with sparse=True): its stored values' norm.
+    return [(g.coalesce().values() if g.is_sparse else g).float().norm() for g in grads]

@@ -14,13 +14,17 @@ parameters are left out: rounding does not freeze them. Of a sharded parameter
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+import functools
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from . import intended
-from .ranks import local
+from .ranks import is_dtensor, local
+from .record import LowPrecisionUpdate, width
 from .registration import Registry
+from .vector import Deferred
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Elements per chunk of the f32 temporaries (before, after, update: 3 × 4 B each).
@@ -33,8 +37,41 @@ class Updates(NamedTuple):
     this rank holds of each."""
 
     names: List[str]
-    stats: torch.Tensor
+    stats: Union[torch.Tensor, Deferred]
     numels: List[int]
+
+
+@dataclass(frozen=True)
+class _RunPlan:
+    """A run's numbers before and after the step (flat, in the parameters' dtype),
+    what its intended update is computed from (None: not known), its dtype and each
+    parameter's length."""
+
+    before: torch.Tensor
+    after: torch.Tensor
+    given: Optional[intended.Inputs]
+    dtype: torch.dtype
+    sizes: List[int]
+
+
+def _rows(plans: List[_RunPlan]) -> torch.Tensor:
+    """One ``record.LowPrecisionUpdate`` row per parameter, run after run: arithmetic
+    on copies, on any thread."""
+    rows: List[torch.Tensor] = []
+    for plan in plans:
+        b = plan.before.float()
+        a = plan.after.float()
+        count = len(plan.sizes)
+        diff = a - b
+        applied = intended.segment_sums(diff * diff, plan.sizes)
+        if plan.given is not None:
+            upd = intended.apply(plan.given, b)
+            summary = intended.summary(upd, b, a, plan.dtype, plan.sizes, count)
+        else:
+            summary = torch.full((count, 4), float("nan"), device=a.device)
+        applied = applied.to(summary.dtype).reshape(-1, 1)
+        rows.append(torch.cat([applied, summary], dim=1).reshape(-1))
+    return torch.cat(rows)
 
 
 class UpdateTracker:
@@ -45,8 +82,15 @@ class UpdateTracker:
             intended.family(registry.optimizer) if registry.optimizer is not None else None
         )
         self._entries: List[Tuple[str, torch.Tensor, Optional[int]]] = []
+        # [start, end) runs of one optimizer group and dtype, each within the chunk
+        # budget, and the elements this rank holds of each entry: fixed between
+        # rebuilds (a dtype or group change is an amendment, which rebuilds).
+        self._runs: List[Tuple[int, int]] = []
+        self._sizes: List[int] = []
+        self._sharded = False
+        self._states: List[intended.States] = []
         self._before: Optional[List[torch.Tensor]] = None
-        self._stats: Optional[torch.Tensor] = None
+        self._stats: Optional[Union[torch.Tensor, Deferred]] = None
         self._names: List[str] = []
         self._numels: List[int] = []
         self.rebuild()
@@ -61,6 +105,16 @@ class UpdateTracker:
         # Runs of one optimizer group and dtype share the intended-update arithmetic.
         entries.sort(key=lambda e: (e[2] is None, e[2] or 0, str(e[1].dtype)))
         self._entries = entries
+        tensors = [t for _, t, _ in entries]
+        self._runs = intended.runs(tensors, [g for _, _, g in entries], CHUNK_ELEMENTS)
+        self._sizes = [local(t).numel() for t in tensors]
+        self._sharded = any(is_dtensor(t) for t in tensors)
+        optimizer = self.registry.optimizer
+        self._states = (
+            [intended.States(optimizer, tensors[a:b]) for a, b in self._runs]
+            if optimizer is not None
+            else []
+        )
         self._before = None
         self._stats = None
 
@@ -68,43 +122,53 @@ class UpdateTracker:
         return bool(self._entries) and step % self.every == 0
 
     def before_step(self) -> None:
-        self._before = [local(t).detach().clone() for _, t, _ in self._entries]
+        """Each run's parameters before the optimizer step: one flat copy a run, in
+        their own dtype."""
+        tensors = [t for _, t, _ in self._entries]
+        self._before = [
+            intended.local_flat(tensors[start:end], self._sharded) for start, end in self._runs
+        ]
 
     def after_step(self) -> None:
+        """Each run's parameters after the step and the optimizer state their intended
+        update needs, copied here; the arithmetic runs here on a device, and on the
+        reporter thread on a CPU (:class:`gradflow.vector.Deferred`)."""
         before, self._before = self._before, None
-        if before is None or len(before) != len(self._entries):
+        if before is None or len(before) != len(self._runs):
             return
         groups = self.registry.optimizer.param_groups if self.registry.optimizer else []
-        rows: List[torch.Tensor] = []
+        plans: List[_RunPlan] = []
         names: List[str] = []
-        numels: List[int] = []
         tensors = [t for _, t, _ in self._entries]
         indices = [g for _, _, g in self._entries]
-        for start, end in intended.runs(tensors, indices, CHUNK_ELEMENTS):
+        for run, ((start, end), flat_before) in enumerate(zip(self._runs, before)):
             group_index = indices[start]
             chunk = tensors[start:end]
-            b = torch.cat([x.reshape(-1).float() for x in before[start:end]])
-            a = torch.cat([local(t).detach().reshape(-1).float() for t in chunk])
-            sizes = [local(t).numel() for t in chunk]
-            count = end - start
-            diff = a - b
-            applied = intended.segment_sums(diff * diff, sizes)
-            summary = None
+            after = intended.local_flat(chunk, self._sharded)
+            if after.shape != flat_before.shape:
+                return  # a parameter was resized since the copy
+            given = None
             if self._family is not None and group_index is not None and group_index < len(groups):
-                upd = intended.update(
-                    self._family, self.registry.optimizer, groups[group_index], chunk, b
+                given = intended.inputs(
+                    self._family,
+                    self.registry.optimizer,
+                    groups[group_index],
+                    chunk,
+                    self._sharded,
+                    self._states[run],
                 )
-                if upd is not None:
-                    summary = intended.summary(upd, b, a, chunk[0].dtype, sizes, count)
-            if summary is None:
-                summary = torch.full((count, 4), float("nan"), device=a.device)
-            applied = applied.to(summary.dtype).reshape(-1, 1)
-            rows.append(torch.cat([applied, summary], dim=1).reshape(-1))
+            plans.append(
+                _RunPlan(flat_before, after, given, chunk[0].dtype, self._sizes[start:end])
+            )
             names.extend(name for name, _, _ in self._entries[start:end])
-            numels.extend(sizes)
-        self._stats = torch.cat(rows) if rows else None
+        if not plans:
+            return
+        compute = functools.partial(_rows, plans)
+        device = plans[0].after.device
+        numel = width(LowPrecisionUpdate) * len(names)
+        self._stats = Deferred(numel, device, compute) if device.type == "cpu" else compute()
         self._names = names
-        self._numels = numels
+        self._numels = list(self._sizes)
 
     def take(self) -> Optional[Updates]:
         """What was measured at the last step, once."""

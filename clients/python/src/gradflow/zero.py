@@ -33,7 +33,7 @@ from torch import nn
 
 from ._log import guarded
 from .hooks import ModelHooks
-from .measure import Measurer
+from .measure import Measurer, group_norms
 from .registration import Param, Registry
 
 
@@ -139,21 +139,12 @@ class ZeroMeasurer(Measurer):
             super().measure_grads()  # nothing reduced: what p.grad holds (nothing)
             return
         layout = self._layouts.get(tuple(present)) or self._layout(present, grads)
-        if layout.kinds is None:
-            self._grads = _norms(grads)
-        else:
-            self._grads = torch.cat(
-                [_norms([grads[k] for k in kind]).to(layout.device) for kind in layout.kinds]
-            )
+        self._grads = group_norms(layout, grads)
         self._grad_layout = layout
 
     def snapshot_norms(self) -> None:
         if self.stage < 3:  # stage 3: the weights are partitioned (see the module)
             super().snapshot_norms()
-
-
-def _norms(grads: List[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(torch._foreach_norm(grads))
 
 
 # -- the registration ------------------------------------------------------------

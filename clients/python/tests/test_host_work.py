@@ -1,0 +1,248 @@
+"""The training thread's share of watching, cut down without changing what the server
+receives: hook hits counted by C-level hooks, the graph-cut tracer's hooks paused
+once they have looked, small gradients reduced together on a CPU, the step's numbers
+assembled on the reporter thread, the optimizer state and the registration's
+signature read once a step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import PromptAgent, batches, new_run_id
+from torch import nn
+
+import gradflow
+from gradflow import intended, measure, vector
+from gradflow._torch_compat import PausableForwardPreHooks
+from gradflow.hooks import count_hits
+
+
+def accumulate(model, optimizer, gf, steps, micro, before_last_backward=None):
+    """Each optimizer step over `micro` backward passes."""
+    data = batches(steps * micro)
+    for _step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for k in range(micro):
+            tokens, target = next(data)
+            loss = nn.functional.cross_entropy(model(tokens), target) / micro
+            if k == micro - 1 and before_last_backward is not None:
+                before_last_backward()
+            loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+
+
+@pytest.mark.parametrize("hooks", ["c", "python"])
+def test_hook_hits_count_every_backward_and_stay_zero_on_a_cut_module(gradflow_server, hooks):
+    """Three micro-batches a step: every trained module is reached three times, the
+    prompt encoder (cut by no_grad) never. The same counts whether the hooks are the
+    list's C-level append or Python functions (a callback at the end of backward)."""
+    model = PromptAgent(detach_prompt=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gf = gradflow.watch(
+        model, optimizer, server=gradflow_server.url, run_id=new_run_id("hits"), on_alert=None
+    )
+    later = gf.read_grads_at_backward_end if hooks == "python" else None
+    accumulate(model, optimizer, gf, 4, 3, before_last_backward=later)
+    gf.close()
+    assert gf.instruments.hooks._python_hooks is (hooks == "python")
+    for module in ("agent.head", "agent.hidden"):
+        hits = gradflow_server.series(gf.run_id, "hook_hits", module)
+        assert [value for _, value in hits] == [3, 3, 3, 3], (module, hits)
+    cut = gradflow_server.series(gf.run_id, "hook_hits", "qwen.layers.0.self_attn.q_proj")
+    assert [value for _, value in cut] == [0, 0, 0, 0], cut
+    norms = gradflow_server.series(gf.run_id, "grad_norm", "agent.head")
+    assert len(norms) == 4 and all(value > 0 for _, value in norms), norms
+
+
+def test_hits_are_counted_by_parameter_from_the_appended_list():
+    a, b = torch.zeros(1), torch.zeros(1)
+    assert count_hits([a, b, a, a]) == {id(a): 3, id(b): 1}
+    assert count_hits([]) == {}
+
+
+def hooked_modules(model: nn.Module) -> int:
+    return sum(1 for m in model.modules() if m._forward_pre_hooks)
+
+
+def test_the_cut_tracer_pauses_its_hooks_after_looking_and_puts_them_back(gradflow_server):
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    bare = hooked_modules(model)
+    gf = gradflow.watch(
+        model, optimizer, server=gradflow_server.url, run_id=new_run_id("cut"), on_alert=None
+    )
+    armed = hooked_modules(model)
+    assert armed > bare + 10  # the roots and every module that owns parameters
+    for tokens, target in batches(3):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens), target)
+        # Each group looked at its first module: the rest of its modules run bare.
+        assert hooked_modules(model) < armed // 2
+        loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+        assert hooked_modules(model) == armed
+    gf.close()
+    assert hooked_modules(model) == bare
+
+
+def test_paused_hooks_are_put_back_once_and_never_after_removal():
+    layer = nn.Linear(2, 2)
+    calls = []
+    hooks = PausableForwardPreHooks()
+    hooks.add(layer, lambda module, args, kwargs: calls.append("a"), "g")
+    x = torch.zeros(1, 2)
+    layer(x)
+    hooks.pause("g")
+    hooks.pause("missing")  # a key without hooks: nothing to do
+    layer(x)
+    assert calls == ["a"]
+    hooks.resume()
+    hooks.resume()
+    layer(x)
+    assert calls == ["a", "a"]
+    hooks.pause("g")
+    hooks.remove()
+    hooks.resume()
+    layer(x)
+    assert calls == ["a", "a"] and not layer._forward_pre_hooks
+
+
+def test_a_hook_may_pause_its_own_module_while_it_runs():
+    layer = nn.Linear(2, 2)
+    hooks = PausableForwardPreHooks()
+    seen = []
+
+    def look(module, args, kwargs):
+        seen.append(1)
+        hooks.pause("g")
+
+    hooks.add(layer, look, "g")
+    layer(torch.zeros(1, 2))
+    layer(torch.zeros(1, 2))
+    assert seen == [1]
+
+
+class Mixed(nn.Module):
+    """Gradients of every kind the CPU read groups differently: a sparse embedding,
+    small 1-D biases and norm weights (reduced together), a 1-D parameter past the
+    small size, and matrices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16, sparse=True)
+        self.norm = nn.LayerNorm(16)
+        self.proj = nn.Linear(16, 16)
+        self.wide = nn.Parameter(torch.randn(measure.SMALL_ON_CPU + 5) * 0.01)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.proj(self.norm(self.embed(tokens))).tanh()
+        return self.head(h).mean(1) + self.wide.sum()
+
+
+def test_grad_norms_of_every_kind_match_a_direct_computation(gradflow_server):
+    torch.manual_seed(0)
+    model = Mixed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    gf = gradflow.watch(
+        model, optimizer, server=gradflow_server.url, run_id=new_run_id("kinds"), on_alert=None
+    )
+    tokens = torch.randint(0, 50, (4, 6))
+    model(tokens).pow(2).sum().backward()
+
+    def norm(*params: torch.Tensor) -> float:
+        squares = [
+            (p.grad.coalesce().values() if p.grad.is_sparse else p.grad).double().pow(2).sum()
+            for p in params
+        ]
+        return float(torch.stack(squares).sum().sqrt())
+
+    expected = {
+        "embed": norm(model.embed.weight),
+        "norm": norm(model.norm.weight, model.norm.bias),
+        "proj": norm(model.proj.weight, model.proj.bias),
+        "wide": norm(model.wide),
+        "head": norm(model.head.weight, model.head.bias),
+    }
+    optimizer.step()
+    gf.step(loss=torch.tensor(1.0))
+    gf.close()
+    for module, want in expected.items():
+        ((step, got),) = gradflow_server.series(gf.run_id, "grad_norm", module)
+        assert step == 0 and abs(got - want) <= 1e-5 * want, (module, got, want)
+
+
+def test_the_step_vector_is_assembled_on_the_reporter_thread_on_a_cpu():
+    pieces = [
+        torch.tensor([1.5]),
+        [torch.tensor(2.0), torch.tensor(3.0)],
+        torch.tensor([[4.0, 5.0]], dtype=torch.float64),
+    ]
+    host = vector.HostPieces(pieces, torch.float64)
+    assert host.tolist() == [1.5, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_flat_keeps_the_order_of_every_element():
+    one_d = [torch.arange(3.0), torch.arange(3.0, 5.0)]
+    assert intended.flat(one_d).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    mixed = [torch.arange(2.0), torch.arange(2.0, 6.0).reshape(2, 2), torch.tensor([6.0])]
+    assert intended.flat(mixed).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    matrices = [torch.arange(4.0).reshape(2, 2).t(), torch.arange(4.0, 6.0).reshape(1, 2)]
+    assert intended.flat(matrices).tolist() == [0.0, 2.0, 1.0, 3.0, 4.0, 5.0]
+    copied = intended.flat(one_d)
+    copied.zero_()
+    assert one_d[0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_the_optimizer_state_is_looked_up_again_when_it_is_replaced():
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    states = intended.States(optimizer, params)
+    assert states.get() == [{}, {}]  # no step yet: stand-ins, not kept
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    first = states.get()
+    assert first[0] is optimizer.state[params[0]] and "exp_avg" in first[0]
+    assert states.get()[1] is first[1]
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    again = states.get()
+    assert again[0] is optimizer.state[params[0]] and again[0] is not first[0]
+
+
+def test_a_change_after_the_gradient_read_is_amended_on_the_step_it_first_trains(
+    gradflow_server,
+):
+    """The signature is read once a step, when the gradients are: a module unfrozen
+    between optimizer.step() and gf.step() is amended on the next step, the first
+    whose gradients it has; one unfrozen before the forward, on that step."""
+    model = PromptAgent()
+    model.agent.head.requires_grad_(False)
+    model.agent.hidden.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gf = gradflow.watch(
+        model, optimizer, server=gradflow_server.url, run_id=new_run_id("sig"), on_alert=None
+    )
+    for step, (tokens, target) in enumerate(batches(6)):
+        if step == 4:
+            model.agent.hidden.requires_grad_(True)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens), target)
+        loss.backward()
+        optimizer.step()
+        if step == 1:
+            model.agent.head.requires_grad_(True)
+        gf.step(loss=loss)
+    gf.close()
+    run = gradflow_server.run(gf.run_id)
+    amended = {
+        a["step"]: sorted(p["name"] for p in a["amend"]["params"]) for a in run["amendments"]
+    }
+    assert amended == {
+        2: ["agent.head.bias", "agent.head.weight"],
+        4: ["agent.hidden.bias", "agent.hidden.weight"],
+    }, run["amendments"]
