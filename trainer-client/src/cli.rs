@@ -123,11 +123,18 @@ pub struct Args {
     pub no_report: bool,
 
     /// How each gradient's sum of squares is computed: one dot product a gradient
-    /// (`per-tensor`, the cheaper on a CPU) or same-shaped gradients stacked and
-    /// reduced together (`stacked`, fewer kernel launches on CUDA). `auto` picks by
-    /// device. The sums are the same either way.
+    /// (`per-tensor`, the cheaper on a CPU), same-shaped gradients stacked and
+    /// reduced together (`stacked`), or every gradient in one launch of gradflow's
+    /// own kernel (`fused`, CUDA builds on a CUDA device). `auto`: fused on CUDA,
+    /// per tensor elsewhere. The sums are the same either way, up to f32 rounding.
     #[arg(long, value_enum, default_value_t = GradSums::Auto)]
     pub grad_sums: GradSums,
+
+    /// Check the fused gradient sums against the per-tensor ones on --device (random
+    /// gradients of every dtype and awkward shape), print the outcome, and exit: 0
+    /// when they agree.
+    #[arg(long, hide = true)]
+    pub check_grad_sums: bool,
 
     /// Measure what instrumentation costs a step instead of training a run: a
     /// second, uninstrumented trainer of the same options and seed is stepped

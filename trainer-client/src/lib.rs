@@ -10,7 +10,8 @@
 //! - [`train`]: one training step with precision, loss scaling, faults, and its
 //!   instrumentation into a step record.
 //! - [`optim`]: AdamW that also says what update it meant to apply.
-//! - [`grad_sums`]: every gradient's sum of squares, per tensor or stacked by shape.
+//! - [`grad_sums`]: every gradient's sum of squares, per tensor, stacked by shape, or
+//!   fused into one CUDA launch.
 //! - [`norm_watch`]: the norm weights' update, drift, mean and intended update,
 //!   measured a group of same-shaped weights at a time.
 //! - [`scaler`]: `GradScaler`-style dynamic loss scaling.

@@ -24,6 +24,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let args = Args::parse();
+    if args.check_grad_sums {
+        return check_grad_sums(&args.device);
+    }
     match gradflow_trainer::run::run(&args) {
         Ok(outcome) => {
             if let Some(overhead) = &outcome.overhead {
@@ -90,6 +93,33 @@ fn main() -> ExitCode {
         }
         Err(error) => {
             eprintln!("gradflow-trainer: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--check-grad-sums`: the fused kernel against the per-tensor sums on a device.
+fn check_grad_sums(device: &str) -> ExitCode {
+    let checked = gradflow_trainer::run::device(device)
+        .and_then(|device| Ok(gradflow_trainer::grad_sums::check_fused(&device)?));
+    match checked {
+        Ok(mismatches) if mismatches.is_empty() => {
+            println!(
+                "gradflow-trainer: fused gradient sums agree with the per-tensor sums on {device}"
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(mismatches) => {
+            for m in &mismatches {
+                println!(
+                    "mismatch: {}: per tensor {}, fused {}",
+                    m.case, m.per_tensor, m.fused
+                );
+            }
+            ExitCode::FAILURE
+        }
+        Err(error) => {
+            eprintln!("gradflow-trainer: checking the gradient sums: {error:#}");
             ExitCode::FAILURE
         }
     }
