@@ -7,17 +7,22 @@
 #   2. the client's per-parameter gradient norms against one read of the gradients;
 #   3. the Rust trainer's instrumentation on CUDA, instrumented and uninstrumented
 #      trainers stepped alternately in one process, reporting to a real server and not;
-#   4. the trainer's failure scenarios on CUDA, each verdict as the server gives it.
+#   4. the trainer's failure scenarios on CUDA, each verdict as the server gives it;
+#   5. the GPU's NVML readings as the server stored them, from a real CUDA run;
+#   0. the fused gradient-sums kernel against the per-tensor sums
+#      (`gradflow-trainer --check-grad-sums`).
 #
 #   scripts/gpu-figures.sh OUT_DIR
 #
-# PARTS picks some of the parts (default: "1 2 3 4"), CLIENT_CASES the client's
+# PARTS picks some of the parts (default: "0 1 2 3 4 5"), CLIENT_CASES the client's
 # cases ("TOKENS PARAM_DTYPE GIL_SWITCH_INTERVAL [EVERY]", comma-separated; EVERY is
 # gradflow.watch's every=, default 1), GRAD_SUMS the trainer's --grad-sums choices
-# measured beside its default (space-separated, default "per-tensor stacked"),
+# measured beside its default (space-separated, default "per-tensor stacked fused"),
 # TRAINER_REPORT whether the trainer's overhead is measured reporting "on", "off" or
 # both (default "on off").
-# GRADFLOW_SERVER_BIN and GRADFLOW_TRAINER_BIN name the binaries (default:
+# GRADFLOW_CLIENT_DIR is the Python client measured (default: clients/python; a copy
+# of another commit's, to measure it). GRADFLOW_SERVER_BIN and GRADFLOW_TRAINER_BIN
+# name the binaries (default:
 # target/release/; the trainer built by `scripts/cuda-toolchain.sh build`). The
 # trainer finds CUDA's libraries in PyTorch's `nvidia/cu13` wheels when
 # LD_LIBRARY_PATH does not already hold them.
@@ -29,7 +34,8 @@ mkdir -p "$out"
 server_bin=${GRADFLOW_SERVER_BIN:-$repo/target/release/gradflow-server}
 trainer_bin=${GRADFLOW_TRAINER_BIN:-$repo/target/release/gradflow-trainer}
 python=${PYTHON:-python3}
-export PYTHONPATH=$repo/clients/python/src${PYTHONPATH:+:$PYTHONPATH}
+client=${GRADFLOW_CLIENT_DIR:-$repo/clients/python}
+export PYTHONPATH=$client/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -38,8 +44,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 cu13=$("$python" -c 'import nvidia, pathlib; print(pathlib.Path(list(nvidia.__path__)[0]) / "cu13" / "lib")' 2>/dev/null)
 [ -d "$cu13" ] && export LD_LIBRARY_PATH=$cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
-parts=${PARTS:-1 2 3 4}
+parts=${PARTS:-0 1 2 3 4 5}
 part() { [[ " $parts " == *" $1 "* ]]; }
+
+if part 0; then
+    echo "== 0. the fused gradient-sums kernel against the per-tensor sums"
+    "$trainer_bin" --device cuda --check-grad-sums 2>&1 | tee "$out/fused-check.txt"
+fi
 
 part 1 && echo "== 1. the Python client, qwen2.5-0.5b, bf16 autocast"
 # The last case: Python's GIL handed over every 0.5 ms instead of 5 ms, to see how
@@ -49,7 +60,7 @@ part 1 && for case in "${cases[@]}"; do
     read -r seq params switch every <<<"$case"
     every=${every:-1}
     steps=$([ "$seq" = 512 ] && echo 100 || echo 40)
-    "$python" "$repo/clients/python/bench/overhead.py" --device cuda --preset qwen2.5-0.5b \
+    "$python" "$client/bench/overhead.py" --device cuda --preset qwen2.5-0.5b \
         --seq "$seq" --param-dtype "$params" --modes bare,gradflow --steps "$steps" \
         --warmup 10 --block 10 --switch-interval "$switch" --every "$every" \
         --server-bin "$server_bin" --json "$out/client-8x$seq-$params-$switch-every$every.json"
@@ -57,7 +68,7 @@ done
 
 if part 2; then
     echo "== 2. per-parameter gradient norms against one read of the gradients"
-    "$python" "$repo/clients/python/bench/norms.py" --json "$out/norms.json"
+    "$python" "$client/bench/norms.py" --json "$out/norms.json"
 fi
 
 part 3 && echo "== 3. the Rust trainer on CUDA, qwen2.5-0.5b, bf16, in one process"
@@ -75,14 +86,14 @@ part 3 && for report in ${TRAINER_REPORT:-on off}; do
     cat "$out/trainer-report-$report.json"
 done
 # The ways of summing the gradients' squares, without reporting, side by side.
-part 3 && for sums in ${GRAD_SUMS:-per-tensor stacked}; do
+part 3 && for sums in ${GRAD_SUMS:-per-tensor stacked fused}; do
     "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \
         --steps 40 --measure-overhead --quiet --no-report --grad-sums "$sums" \
         >"$out/trainer-sums-$sums.json"
     echo "--grad-sums $sums: $(cat "$out/trainer-sums-$sums.json")"
 done
 # Where the instrumented step's time goes (the device synchronised between phases).
-part 3 && for sums in ${GRAD_SUMS:-per-tensor stacked}; do
+part 3 && for sums in ${GRAD_SUMS:-per-tensor stacked fused}; do
     "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \
         --steps 20 --measure-overhead --phases --no-report --quiet --grad-sums "$sums" \
         >"$out/trainer-phases-$sums.json"
@@ -108,4 +119,25 @@ verdicts = sorted({(a["kind"], a["subject"], a["evidence"].get("cause")) for a i
 print(f"{scenario}: {verdicts or 'no alert'}")
 EOF
 done | tee "$out/scenarios.txt"
+
+part 5 && echo "== 5. NVML readings as the server stored them (qwen2.5-0.5b, bf16, 60 steps)"
+part 5 && "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \
+    --steps 60 --quiet --server "$url" --run-id cuda-nvml 2>&1 | tail -1
+part 5 && "$python" - "$url" "$out/nvml.json" <<'EOF'
+import json, statistics, sys, urllib.request
+url, path = sys.argv[1:]
+stored = {}
+for metric in ("gpu_memory_used_bytes", "gpu_memory_total_bytes", "gpu_utilization_pct",
+               "gpu_power_w", "gpu_temperature_c"):
+    with urllib.request.urlopen(f"{url}/api/v1/runs/cuda-nvml/series?metric={metric}") as answer:
+        points = json.load(answer)["points"]
+    values = [v for _, v in points if isinstance(v, (int, float))]
+    stored[metric] = points
+    if values:
+        print(f"{metric}: {len(values)} steps stored, min {min(values):.4g}, "
+              f"median {statistics.median(values):.4g}, max {max(values):.4g}")
+    else:
+        print(f"{metric}: nothing stored")
+json.dump(stored, open(path, "w"), indent=1)
+EOF
 kill "$server"
