@@ -16,12 +16,11 @@ use gradflow_core::model::alert::{AlertKind, AlertStatus, Opened, Severity};
 pub struct Alert {
     pub id: i64,
     pub run_id: String,
-    #[schema(value_type = String)]
+    #[schema(schema_with = kind_schema)]
     pub kind: AlertKind,
-    #[schema(value_type = String)]
     pub severity: Severity,
     pub subject: String,
-    #[schema(value_type = String)]
+    #[schema(schema_with = status_schema)]
     pub status: AlertStatus,
     pub first_step: Option<i64>,
     pub last_step: Option<i64>,
@@ -33,6 +32,16 @@ pub struct Alert {
     pub fix: String,
     #[schema(value_type = Object)]
     pub evidence: Value,
+}
+
+/// The API document's `kind`: one of the alert table's names.
+fn kind_schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    gradflow_protocol::vocabulary::names_schema::<AlertKind>()
+}
+
+/// The API document's `status`: `open` or `resolved`.
+fn status_schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    gradflow_protocol::vocabulary::names_schema::<AlertStatus>()
 }
 
 /// An alert's row as stored: names where the API type has enums.
