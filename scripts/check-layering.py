@@ -2,7 +2,10 @@
 """Checks the layering rules ARCHITECTURE.md states, from the source alone.
 
 - Within each crate, a top-level module imports only modules of a lower layer
-  (LAYERS below, highest first); within one module, files import freely.
+  (LAYERS below, highest first). Within one module, files import each other freely,
+  except that in the crates of PARENT_FREE no file imports the module it sits in
+  (its folder's `mod.rs`): a parent lists and runs its children, and what they share
+  lives in a file of its own beside them (`detect/view.rs`, not `detect/mod.rs`).
 - No two files import each other in a circle (file-level cycles, any length).
 - The pure core crate depends on no I/O crate (its Cargo.toml and its `use` lines).
 
@@ -45,6 +48,9 @@ LAYERS: dict[str, list[set[str]]] = {
         {"model"},
     ],
 }
+
+# Crates whose files never import their own parent module.
+PARENT_FREE = {"core/src"}
 
 # Crates the core must never depend on: they do I/O or drawing.
 CORE_FORBIDDEN = {
@@ -125,6 +131,11 @@ def check_crate(src_dir: str, errors: list[str]) -> tuple[int, int]:
             if target is None or target == module or not target:
                 continue
             graph[module].add(target)
+            if src_dir in PARENT_FREE and module[: len(target)] == target:
+                errors.append(
+                    f"{src_dir}/{path.relative_to(src)}: imports its parent module "
+                    f"`{'::'.join(target)}`; move what it needs into a file beside it"
+                )
             a, b = module[0], target[0]
             if a == b:
                 continue
@@ -204,7 +215,7 @@ def main() -> int:
     totals = [check_crate(src, errors) for src in LAYERS]
     check_core_dependencies(errors)
     if errors:
-        for e in errors:
+        for e in dict.fromkeys(errors):
             print(f"error: {e}", file=sys.stderr)
         return 1
     files = sum(t[0] for t in totals)

@@ -51,13 +51,20 @@ vocabulary! {
 /// What the alert table says of a kind beyond its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KindSpec {
-    /// The severities its alerts may have (the table's last column).
+    /// The severities its alerts may have (the table's last column; a detector
+    /// opening another is a bug its tests catch).
     pub severities: &'static [Severity],
+    /// Step numbers its condition must stay away before an open episode ends
+    /// (`detect::episode`): a return within them is the same episode.
+    pub hold: u64,
 }
 
 impl KindSpec {
     const fn new(severities: &'static [Severity]) -> KindSpec {
-        KindSpec { severities }
+        KindSpec {
+            severities,
+            hold: 0,
+        }
     }
 }
 
@@ -102,11 +109,12 @@ pub struct Opened {
 pub enum Transition {
     Open(Opened),
     /// The episode of `kind` on `subject` ended at `step`, the first step where the
-    /// condition no longer held.
+    /// condition no longer held; `last_step` is the last step it held on.
     Resolve {
         kind: AlertKind,
         subject: String,
         step: u64,
+        last_step: Option<u64>,
     },
 }
 

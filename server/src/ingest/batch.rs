@@ -12,10 +12,9 @@ use gradflow_protocol::{Amendment, StepRecord};
 use super::IngestOutcome;
 use super::error::{IngestError, IngestResult};
 use super::registry::Registry;
-use super::state::{Episode, Episodes, OpenBucket, RunState, StreamTail};
+use super::state::{OpenBucket, RunState, StreamTail};
 use crate::store::{
-    AlertOp, AlertRef, BatchWrite, BlockWrite, NewColumn, Progress, RUN_STREAM, RollupRow,
-    StoreResult,
+    AlertOp, BatchWrite, BlockWrite, NewColumn, Progress, RUN_STREAM, RollupRow, StoreResult,
 };
 use gradflow_core::columnar::block::{self, BlockRow, block_index};
 use gradflow_core::columnar::codec::{self, ABSENT_BITS};
@@ -137,7 +136,6 @@ pub fn prepare(
     let alerts = detect(
         detection.enabled,
         &mut next.detectors,
-        &mut next.open,
         &state.registry,
         new.iter().zip(&registries).map(|(r, g)| (r, g, None)),
     );
@@ -194,63 +192,39 @@ pub fn prepare(
 /// Runs the detectors over the new records in step order (each against the
 /// registration in force at it, amendments judged where they take effect, and a
 /// multi-rank step's view of its ranks), turning their transitions into alert
-/// operations and keeping the open episodes in step; every episode still open is
-/// extended. With the detectors off, only that.
+/// operations; every episode still open is extended. With the detectors off, only
+/// that.
 pub fn detect<'a>(
     enabled: bool,
     detectors: &mut DetectorSet,
-    open: &mut Episodes,
     before: &'a Arc<Registry>,
     records: impl IntoIterator<Item = (&'a StepRecord, &'a Arc<Registry>, Option<&'a RankView>)>,
 ) -> Vec<AlertOp> {
     let mut alerts = Vec::new();
-    let mut opened = 0;
     let mut in_force = before;
     for (record, registry, ranks) in records.into_iter().filter(|_| enabled) {
-        let mut transitions = Vec::new();
-        if !Arc::ptr_eq(in_force, registry) {
-            transitions = detectors.on_amendment(&in_force.context, &registry.context, record.step);
-            in_force = registry;
-        }
-        transitions.extend(detectors.on_step(&registry.context, record));
-        if let Some(view) = ranks {
-            detectors.ranks.on_step(view, &mut transitions);
-        }
-        for transition in transitions {
-            match transition {
-                Transition::Open(alert) => {
-                    open.insert(
-                        (alert.kind, alert.subject.clone()),
-                        Episode {
-                            alert: AlertRef::New(opened),
-                            last_step: alert.step,
-                        },
-                    );
-                    opened += 1;
-                    alerts.push(AlertOp::Open(Box::new(alert)));
-                }
-                Transition::Resolve {
-                    kind,
-                    subject,
-                    step,
-                } => {
-                    if let Some(episode) = open.remove(&(kind, subject)) {
-                        alerts.push(AlertOp::Resolve {
-                            alert: episode.alert,
-                            step,
-                            last_step: episode.last_step,
-                        });
-                    }
-                }
-            }
-        }
-        for episode in open.values_mut() {
-            episode.last_step = Some(record.step);
-        }
+        let amended = (!Arc::ptr_eq(in_force, registry)).then_some(&*in_force.context);
+        in_force = registry;
+        let transitions = detectors.on_step(&registry.context, record, amended, ranks);
+        alerts.extend(transitions.into_iter().map(|transition| match transition {
+            Transition::Open(alert) => AlertOp::Open(Box::new(alert)),
+            Transition::Resolve {
+                kind,
+                subject,
+                step,
+                last_step,
+            } => AlertOp::Resolve {
+                kind,
+                subject,
+                step,
+                last_step,
+            },
+        }));
     }
-    for episode in open.values() {
+    for (kind, subject, episode) in detectors.episodes.iter() {
         alerts.push(AlertOp::Extend {
-            alert: episode.alert,
+            kind,
+            subject: subject.to_owned(),
             last_step: episode.last_step,
         });
     }

@@ -44,14 +44,13 @@ use self::batch::{Preparation, prepare, with_codec};
 use self::cache::RunCache;
 pub use self::error::{IngestError, IngestResult};
 use self::ranks::{Clock, prepare_ranks};
-use self::state::{Episode, RunState};
+use self::state::RunState;
 use crate::events::EventBus;
 use crate::store::notify::Notice;
 use crate::store::{
-    AlertRef, NewRun, RUN_STREAM, Registered, Store, StoreError, StoredRun, now_seconds,
-    rank_stream,
+    NewRun, RUN_STREAM, Registered, Store, StoreError, StoredRun, now_seconds, rank_stream,
 };
-use gradflow_core::detect::{Detection, registration};
+use gradflow_core::detect::Detection;
 
 /// The answer to a batch, as docs/PROTOCOL.md words it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
@@ -170,7 +169,8 @@ impl Ingest {
             .map_err(|e| StoreError::Internal(anyhow::Error::new(e)))?;
         let mut state = RunState::new(0, &registration, self.settings.detection.thresholds);
         let checks = if self.settings.detection.enabled {
-            registration::check(&state.registry.context)
+            let context = &state.registry.context;
+            state.detectors.on_registration(context)
         } else {
             Vec::new()
         };
@@ -195,15 +195,6 @@ impl Ingest {
             }
         };
         state.head.key = key;
-        for (alert, id) in checks.iter().zip(&alert_ids) {
-            state.open.insert(
-                (alert.kind, alert.subject.clone()),
-                Episode {
-                    alert: AlertRef::Stored(*id),
-                    last_step: None,
-                },
-            );
-        }
         *self.runs.slot(run_id.as_str()).lock().await = Some(state);
         tracing::info!(run_id = %run_id, params = registration.params.len(), alerts = alert_ids.len(), "run registered");
         self.events
@@ -358,9 +349,7 @@ impl Ingest {
                 }
                 Err(error) => return Err(error.into()),
             };
-            let mut next = prepared.next;
-            next.settle(&written);
-            *cached = Some(next);
+            *cached = Some(prepared.next);
             drop(cached);
             self.events
                 .committed(Notice::of_batch(&prepared.write, &written))

@@ -438,7 +438,6 @@ fn store_combined(
     let alerts = detect(
         detection.enabled,
         &mut next.detectors,
-        &mut next.open,
         &in_force,
         run_records.iter().map(|(r, g, v)| (r, g, Some(v))),
     );

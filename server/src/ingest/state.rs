@@ -1,10 +1,10 @@
 //! What the ingest service keeps in memory of a run between its batches: enough to
 //! prepare the next batch without reading the database — the column dictionary, the
-//! registration in force, the detectors' state, the open alert episodes, and each
+//! registration in force, the detectors' state (their open episodes with it), and each
 //! stream's last block and rollup buckets, the only ones still growing — and the head
 //! (key, version) that says which stored state of the run it is.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -12,7 +12,7 @@ use gradflow_protocol::RunRegistration;
 
 use super::combine::{Pending, PendingStep};
 use super::registry::Registry;
-use crate::store::{AlertRef, LoadedRun, RunHead, StoreResult, Written};
+use crate::store::{LoadedRun, RunHead, StoreResult};
 use gradflow_core::columnar::columns::ColumnDictionary;
 use gradflow_core::columnar::rollup::{BucketSummary, ROLLUP_WIDTHS};
 use gradflow_core::detect::{DetectorSet, Thresholds};
@@ -29,9 +29,8 @@ pub struct RunState {
     /// that amends it keeps the one in force before the amendment for the records
     /// before it.
     pub registry: Arc<Registry>,
+    /// The detectors' state, and which of the run's alerts are open.
     pub detectors: DetectorSet,
-    /// The run's open alert episodes.
-    pub open: Episodes,
     /// Each stream's growing end.
     pub streams: BTreeMap<u32, StreamTail>,
     /// v1.4: ranks in the run (1 for a single process).
@@ -69,16 +68,6 @@ pub struct OpenBucket {
     pub summary: BucketSummary,
 }
 
-/// An open alert episode: the alert, and the last step its condition held on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Episode {
-    pub alert: AlertRef,
-    pub last_step: Option<u64>,
-}
-
-/// The open episodes of a run by (kind, subject).
-pub type Episodes = HashMap<(AlertKind, String), Episode>;
-
 impl RunState {
     /// The state of a run just registered under `key`.
     pub fn new(key: i64, registration: &RunRegistration, thresholds: Thresholds) -> RunState {
@@ -92,7 +81,6 @@ impl RunState {
             columns: ColumnDictionary::default(),
             registry,
             detectors: DetectorSet::default(),
-            open: Episodes::new(),
             streams: BTreeMap::new(),
         }
     }
@@ -121,20 +109,23 @@ impl RunState {
         }
         state.head = loaded.head;
         state.last_step = loaded.last_step;
+        let mut with_episodes = false;
         if let Some(detectors) = loaded.detector_state {
-            state.detectors = serde_json::from_str(&detectors)
+            let stored: serde_json::Value = serde_json::from_str(&detectors)
+                .with_context(|| format!("reading the detector state of run {run_id}"))?;
+            with_episodes = stored.get("episodes").is_some();
+            state.detectors = serde_json::from_value(stored)
                 .with_context(|| format!("reading the detector state of run {run_id}"))?;
         }
-        for (id, kind, subject, last_step) in loaded.open_alerts {
-            let kind =
-                AlertKind::parse(&kind).with_context(|| format!("unknown alert kind {kind:?}"))?;
-            state.open.insert(
-                (kind, subject),
-                Episode {
-                    alert: AlertRef::Stored(id),
-                    last_step,
-                },
-            );
+        // A run with no batch yet (its registration's alerts), or stored by a server
+        // that kept the open episodes apart from the detectors: its open alerts are
+        // the episodes.
+        if !with_episodes {
+            for (_, kind, subject, last_step) in loaded.open_alerts {
+                let kind = AlertKind::parse(&kind)
+                    .with_context(|| format!("unknown alert kind {kind:?}"))?;
+                state.detectors.episodes.restore(kind, subject, last_step);
+            }
         }
         for (position, kind, subject) in loaded.columns {
             state.columns.restore(kind, &subject, position);
@@ -212,13 +203,5 @@ impl RunState {
             .next_back()
             .map(|(_, registry)| registry)
             .unwrap_or(&self.registry)
-    }
-
-    /// The alerts the batch opened now have ids: the episodes that named them by
-    /// their place in the batch name them by id.
-    pub fn settle(&mut self, written: &Written) {
-        for episode in self.open.values_mut() {
-            episode.alert = AlertRef::Stored(written.id(episode.alert));
-        }
     }
 }
