@@ -18,9 +18,11 @@
 //!
 //! A report on which the condition no longer holds ends the episode, but the resolve
 //! takes effect only once the condition has stayed away for the kind's *hold*
-//! ([`crate::model::alert::KindSpec::hold`], in step numbers): a report on which it
-//! holds again within the hold continues the same episode, with no new alert. So a
-//! condition that flaps around its threshold is one episode, opened once and
+//! ([`crate::model::alert::KindSpec::hold`], in step numbers, 20 unless the table
+//! says otherwise): a report on which it holds again within the hold continues the
+//! same episode, with no new alert, and doubles that episode's hold (up to
+//! [`MAX_HOLD_STEPS`]), so a condition that keeps flapping is held longer each time.
+//! A condition that flaps around its threshold is one episode, opened once and
 //! resolved once, and its `resolved_step` is still the first step of the absence
 //! that ended it. A hold of 0 or 1 resolves on the first report without it.
 //!
@@ -32,6 +34,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::model::alert::{AlertKind, Opened, Transition};
+
+/// The longest an episode's hold grows by doubling.
+pub const MAX_HOLD_STEPS: u64 = 1000;
 
 /// A condition's run of consecutive reports: how many, and from which step. Only
 /// counts; whether an alert is open is [`Episodes`]' to say.
@@ -255,7 +260,10 @@ impl Alerts<'_> {
     pub fn holds(&mut self, kind: AlertKind, subject: &str) -> bool {
         match self.episodes.get_mut(kind, subject) {
             Some(episode) => {
-                episode.clear_since = None;
+                if episode.clear_since.take().is_some() {
+                    // Back within the hold: it flaps, so wait longer next time.
+                    episode.hold = (episode.hold * 2).clamp(episode.hold, MAX_HOLD_STEPS);
+                }
                 true
             }
             None => false,
@@ -439,6 +447,72 @@ mod tests {
         assert!(episodes.is_empty());
         // A run broken before it persists opens nothing.
         assert!(drive(&mut episodes, &steps(0, &[true, false, true]), 3).is_empty());
+    }
+
+    #[test]
+    fn a_condition_back_within_the_hold_is_the_same_episode() {
+        let mut episodes = Episodes::default();
+        let hold = AlertKind::LossDivergence.properties().hold;
+        assert!(hold > 2, "loss_divergence waits before it resolves");
+        // Above the bar for two reports, away for less than the hold, back: ten times.
+        let mut flapping = Vec::new();
+        for _ in 0..10 {
+            flapping.extend([true, true]);
+            flapping.extend(std::iter::repeat_n(false, hold as usize - 2));
+        }
+        let t = drive(&mut episodes, &steps(0, &flapping), 2);
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert!(matches!(t[0], (1, Transition::Open(_))));
+        // Each return doubled the hold. Away for the whole of it: one resolve, at
+        // the first step of the absence.
+        let hold_now = episodes
+            .get(AlertKind::LossDivergence, "loss")
+            .unwrap()
+            .hold;
+        assert_eq!(hold_now, (hold << 9).min(MAX_HOLD_STEPS));
+        let last = flapping.len() as u64 - 1;
+        let gone = vec![false; hold_now as usize];
+        let t = drive(&mut episodes, &steps(last + 1, &gone), 2);
+        let held = last - (hold - 2);
+        assert_eq!(
+            t,
+            [(
+                held + hold_now,
+                Transition::Resolve {
+                    kind: AlertKind::LossDivergence,
+                    subject: "loss".into(),
+                    step: held + 1,
+                    last_step: Some(held),
+                }
+            )]
+        );
+    }
+
+    #[test]
+    fn each_return_within_the_hold_doubles_it() {
+        let mut episodes = Episodes::default();
+        let hold = AlertKind::LossDivergence.properties().hold;
+        let mut alerts = episodes.at(0);
+        alerts.open(opened(0));
+        alerts.finish();
+        let kind = AlertKind::LossDivergence;
+        for (returns, step) in (1..=3).zip([10, 20, 30]) {
+            let mut alerts = episodes.at(step);
+            alerts.clear(kind, "loss", step);
+            alerts.finish();
+            let mut alerts = episodes.at(step + 1);
+            assert!(alerts.holds(kind, "loss"));
+            alerts.finish();
+            assert_eq!(episodes.get(kind, "loss").unwrap().hold, hold << returns);
+        }
+        // Never past the most.
+        for step in 40..60 {
+            let mut alerts = episodes.at(step);
+            alerts.clear(kind, "loss", step);
+            alerts.holds(kind, "loss");
+            alerts.finish();
+        }
+        assert_eq!(episodes.get(kind, "loss").unwrap().hold, MAX_HOLD_STEPS);
     }
 
     #[test]

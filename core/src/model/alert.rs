@@ -38,7 +38,7 @@ vocabulary! {
         ParamGroupEmpty = WiringKind::ParamGroupEmpty.as_str() => KindSpec::new(&[Severity::Warning]),
         GradsNotZeroed = "grads_not_zeroed" => KindSpec::new(&[Severity::Warning]),
         UpdateRoundedAway = "update_rounded_away" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
-        FirstStepHint = "first_step_hint" => KindSpec::new(&[Severity::Info]),
+        FirstStepHint = "first_step_hint" => KindSpec::new(&[Severity::Info]).ends_at_once(),
         LossDivergence = "loss_divergence" => KindSpec::new(&[Severity::Warning]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
@@ -59,12 +59,25 @@ pub struct KindSpec {
     pub hold: u64,
 }
 
+/// The hold of a kind whose table row says nothing else: long enough that a
+/// condition flapping around its threshold (a loss a few steps above its bar, a few
+/// below) is one episode, short enough that one that has ended says so soon. As
+/// short as the shortest streak threshold (`frozen_norm_steps`, 20), so that two
+/// faults the thresholds tell apart are two alerts.
+pub const HOLD_STEPS: u64 = 20;
+
 impl KindSpec {
     const fn new(severities: &'static [Severity]) -> KindSpec {
         KindSpec {
             severities,
-            hold: 0,
+            hold: HOLD_STEPS,
         }
+    }
+
+    /// An episode that ends on the first report without its condition (a hint that
+    /// a later verdict replaces).
+    const fn ends_at_once(self) -> KindSpec {
+        KindSpec { hold: 0, ..self }
     }
 }
 
