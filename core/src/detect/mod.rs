@@ -78,7 +78,6 @@ pub mod ranks;
 pub mod registration;
 pub mod scaler_overflow;
 pub mod stuck_zero;
-#[cfg(test)]
 pub(crate) mod testing;
 pub mod thresholds;
 pub mod unused;

@@ -1,6 +1,8 @@
 //! What the detectors' unit tests share: records fed in order through a run's
 //! episodes that resolve at once, so each test judges its detector's rule alone.
 
+#![cfg(test)]
+
 use std::borrow::Borrow;
 
 use gradflow_protocol::StepRecord;

@@ -10,13 +10,13 @@ use std::sync::Arc;
 use anyhow::Context;
 use gradflow_protocol::RunRegistration;
 
-use super::combine::{Pending, PendingStep};
-use super::registry::Registry;
 use crate::store::{LoadedRun, RunHead, StoreResult};
 use gradflow_core::columnar::columns::ColumnDictionary;
 use gradflow_core::columnar::rollup::{BucketSummary, ROLLUP_WIDTHS};
 use gradflow_core::detect::{DetectorSet, Thresholds};
 use gradflow_core::model::alert::AlertKind;
+use gradflow_core::run::combine::{Pending, PendingStep};
+use gradflow_core::run::registry::Registry;
 
 /// A run's ingest state, as of `head`.
 #[derive(Debug, Clone)]
@@ -203,5 +203,144 @@ impl RunState {
             .next_back()
             .map(|(_, registry)| registry)
             .unwrap_or(&self.registry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gradflow_protocol::RunRegistration;
+    use serde_json::json;
+
+    use super::*;
+    use crate::ingest::plan::Prepared;
+    use crate::ingest::testing::{records, registered, written};
+    use gradflow_core::columnar::codec;
+
+    fn registration() -> RunRegistration {
+        serde_json::from_value::<RunRegistration>(
+            json!({"params": [{"name": "qwen.a.weight"}, {"name": "agent.b.weight"}]}),
+        )
+        .unwrap()
+        .normalized()
+    }
+
+    /// What the store gives back of a run after `prepared` was its only batch.
+    fn stored(
+        prepared: &Prepared,
+        open_alerts: Vec<(i64, String, String, Option<u64>)>,
+    ) -> LoadedRun {
+        let write = &prepared.write;
+        let last = prepared.next.last_step;
+        LoadedRun {
+            head: RunHead {
+                key: write.key,
+                version: write.expected_version + 1,
+            },
+            last_step: last,
+            registration: registration(),
+            amendments: Vec::new(),
+            detector_state: Some(write.detector_state.clone()),
+            open_alerts,
+            columns: write
+                .columns
+                .iter()
+                .map(|c| (c.position, c.kind, c.subject.clone()))
+                .collect(),
+            open_blocks: write
+                .blocks
+                .iter()
+                .map(|b| (b.stream, b.index, b.blob.clone()))
+                .collect(),
+            rank_blocks: Vec::new(),
+            open_rollups: write
+                .rollups
+                .iter()
+                .filter(|r| last.is_some_and(|last| r.bucket == last / r.width))
+                .map(|r| (r.stream, r.width, r.chunk, r.blob.clone()))
+                .collect(),
+        }
+    }
+
+    fn read(loaded: LoadedRun) -> RunState {
+        let mut decompressor = codec::decompressor().unwrap();
+        RunState::from_loaded(loaded, "r", Thresholds::default(), 0.0, &mut decompressor).unwrap()
+    }
+
+    /// Steps 0–69 of a run whose `qwen` gets no gradient from step 10 on: its
+    /// grad_stuck_zero alert is open after the batch.
+    fn stuck_run() -> Prepared {
+        let batch = records((0..70).map(|s| {
+            let qwen = if s < 10 { 0.5 } else { 0.0 };
+            json!({"step": s, "loss": 2.0, "modules": [
+                {"module": "qwen.a", "grad_norm": qwen, "hook_hits": u32::from(s < 10)},
+                {"module": "agent.b", "grad_norm": 0.25, "hook_hits": 1}]})
+        }));
+        written(
+            registered(serde_json::to_value(registration()).unwrap()),
+            &batch,
+        )
+    }
+
+    #[test]
+    fn a_run_reads_back_as_it_was_prepared() {
+        let prepared = stuck_run();
+        let state = read(stored(&prepared, Vec::new()));
+        let next = &prepared.next;
+        assert_eq!((state.head, state.last_step), (next.head, next.last_step));
+        assert_eq!(state.columns.kinds(), next.columns.kinds());
+        assert_eq!(state.streams, next.streams);
+        assert_eq!(
+            serde_json::to_value(&state.detectors).unwrap(),
+            serde_json::to_value(&next.detectors).unwrap()
+        );
+        assert!(
+            state
+                .detectors
+                .episodes
+                .get(AlertKind::GradStuckZero, "qwen")
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn the_open_alert_rows_are_the_episodes_only_when_the_state_has_none() {
+        let prepared = stuck_run();
+        // A state stored with its episodes: they are what is open.
+        let rows = vec![(1, "loss_divergence".to_owned(), "loss".to_owned(), Some(3))];
+        let state = read(stored(&prepared, rows.clone()));
+        assert!(
+            state
+                .detectors
+                .episodes
+                .get(AlertKind::LossDivergence, "loss")
+                .is_none()
+        );
+        // Stored by a server that kept them apart, or no batch yet: the rows.
+        let mut older = stored(&prepared, rows);
+        let mut detectors: serde_json::Value =
+            serde_json::from_str(older.detector_state.as_deref().unwrap()).unwrap();
+        detectors.as_object_mut().unwrap().remove("episodes");
+        older.detector_state = Some(detectors.to_string());
+        let state = read(older.clone());
+        let episode = state
+            .detectors
+            .episodes
+            .get(AlertKind::LossDivergence, "loss");
+        assert_eq!(episode.map(|e| e.last_step), Some(Some(3)));
+        assert!(
+            state
+                .detectors
+                .episodes
+                .get(AlertKind::GradStuckZero, "qwen")
+                .is_none()
+        );
+        older.detector_state = None;
+        assert!(
+            read(older)
+                .detectors
+                .episodes
+                .get(AlertKind::LossDivergence, "loss")
+                .is_some()
+        );
     }
 }
