@@ -12,8 +12,11 @@
 //! - [`columnar`]: how a run's values are laid out and encoded for storage: records
 //!   flattened into columns, rollups, compressed blocks.
 //! - [`series`]: downsampling and read planning over stored resolutions.
+//! - [`run`]: a run as a whole: the registration in force with its lookups, and a
+//!   multi-rank run's steps combined from its ranks' records.
 
 pub mod columnar;
 pub mod detect;
 pub mod model;
+pub mod run;
 pub mod series;

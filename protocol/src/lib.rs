@@ -14,6 +14,7 @@
 //! - [`timestamp`]: RFC 3339 or Unix-seconds timestamps.
 //! - [`limits`]: the bounds on one request.
 //! - [`error`]: [`InvalidBody`], what was wrong and where.
+//! - [`vocabulary`]: [`vocabulary!`], a closed vocabulary declared once as a table.
 //! - `located`: deserialising JSON with the path of what failed, for `run` and `parse`.
 
 pub mod amend;
@@ -26,6 +27,7 @@ pub mod run;
 pub mod step;
 pub mod timestamp;
 mod validate;
+pub mod vocabulary;
 pub mod wiring;
 
 pub use amend::Amendment;
@@ -45,6 +47,10 @@ pub use step::{
 };
 pub use timestamp::Timestamp;
 pub use wiring::{WiringFinding, WiringKind};
+
+/// serde, for what [`vocabulary!`] expands to in other crates.
+#[doc(hidden)]
+pub use serde as __serde;
 
 /// Formats a float for an error message: `NaN`, `Infinity`, `-Infinity` as the wire
 /// spells them, other values in Rust's shortest round-trip form.

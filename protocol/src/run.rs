@@ -401,41 +401,17 @@ impl WebhookFormat {
     }
 }
 
-/// An alert's severity, most severe first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "lowercase")]
-pub enum AlertSeverity {
-    Critical,
-    Warning,
-    Info,
-}
-
-impl AlertSeverity {
-    pub const ALL: [AlertSeverity; 3] = [
-        AlertSeverity::Critical,
-        AlertSeverity::Warning,
-        AlertSeverity::Info,
-    ];
-
-    pub fn parse(text: &str) -> Option<AlertSeverity> {
-        AlertSeverity::ALL.into_iter().find(|s| s.as_str() == text)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AlertSeverity::Critical => "critical",
-            AlertSeverity::Warning => "warning",
-            AlertSeverity::Info => "info",
-        }
+crate::vocabulary! {
+    /// An alert's severity, most severe first.
+    pub enum AlertSeverity {
+        Critical = "critical",
+        Warning = "warning",
+        Info = "info",
     }
 }
 
-impl std::fmt::Display for AlertSeverity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+#[cfg(feature = "openapi")]
+crate::vocabulary_schema!(AlertSeverity);
 
 /// `scheme://host[:port]` of a webhook URL: what may be shown of it, since webhook
 /// URLs (Slack's, for one) carry their secret in the path or query.

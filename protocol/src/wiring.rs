@@ -32,61 +32,49 @@ pub struct WiringFinding {
     pub measured: Option<u64>,
 }
 
-/// What kind of wiring mistake a finding is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "snake_case")]
-pub enum WiringKind {
-    /// `module.requires_grad = False` set as a plain attribute, which `nn.Module`
-    /// ignores: the module's parameters still require grad (`requires_grad_(False)`
-    /// was meant).
-    FreezeFlagIgnored,
-    /// Modules held in a plain Python list, tuple or dict attribute instead of an
-    /// `nn.ModuleList`/`nn.ModuleDict`: their parameters are not the model's, so an
-    /// optimizer built from `model.parameters()` never updates them.
-    ModulesNotRegistered,
-    /// The model's config asks for tied input and output embeddings, and they are two
-    /// tensors.
-    TiedWeightsUntied,
-    /// A module's `forward` builds layers with parameters (`nn.Linear(d, d)(x)`) that
-    /// end up registered nowhere: new random weights at every call, never trained.
-    /// Seen during the first steps and sent in an amendment (`attribute`: the class of
-    /// the layer built, `params`: the parameter tensors built).
-    ParamsCreatedInForward,
-    /// *(v1.6)* `clip_grad_norm_` ran on the scaled gradients under a GradScaler
-    /// (after `backward`, with no `scaler.unscale_(optimizer)` before it): the norm
-    /// clipped is the scaled one (`measured`: the scale), so every step is cut to
-    /// `max_norm / scale` once unscaled. Sent in an amendment.
-    ClipBeforeUnscale,
-    /// *(v1.6)* `clip_grad_norm_` cut gradients that no `backward` had written since the
-    /// last `optimizer.step()` (called after the step, or before the next `backward`):
-    /// the optimizer steps on unclipped gradients. Sent in an amendment.
-    ClipAfterStep,
-    /// *(v1.6)* An LR scheduler of the optimizer advances `measured` (≥ 2) steps per
-    /// optimizer step, every step (stepped per micro-batch under gradient
-    /// accumulation): the schedule runs that many times too fast (`attribute`: the
-    /// scheduler's class). Sent in an amendment.
-    SchedulerPerMicroBatch,
-    /// *(v1.6)* An optimizer param group holds no parameter while its lr differs from
-    /// every group that holds some (a name filter that matched nothing): the
-    /// parameters meant for it train at another lr (`attribute`: the group's name).
-    ParamGroupEmpty,
-}
-
-impl WiringKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WiringKind::FreezeFlagIgnored => "freeze_flag_ignored",
-            WiringKind::ModulesNotRegistered => "modules_not_registered",
-            WiringKind::TiedWeightsUntied => "tied_weights_untied",
-            WiringKind::ParamsCreatedInForward => "params_created_in_forward",
-            WiringKind::ClipBeforeUnscale => "clip_before_unscale",
-            WiringKind::ClipAfterStep => "clip_after_step",
-            WiringKind::SchedulerPerMicroBatch => "scheduler_per_micro_batch",
-            WiringKind::ParamGroupEmpty => "param_group_empty",
-        }
+crate::vocabulary! {
+    /// What kind of wiring mistake a finding is. Each is also the alert kind the server
+    /// raises for it (`gradflow_core`'s `AlertKind` borrows these names).
+    pub enum WiringKind {
+        /// `module.requires_grad = False` set as a plain attribute, which `nn.Module`
+        /// ignores: the module's parameters still require grad (`requires_grad_(False)`
+        /// was meant).
+        FreezeFlagIgnored = "freeze_flag_ignored",
+        /// Modules held in a plain Python list, tuple or dict attribute instead of an
+        /// `nn.ModuleList`/`nn.ModuleDict`: their parameters are not the model's, so an
+        /// optimizer built from `model.parameters()` never updates them.
+        ModulesNotRegistered = "modules_not_registered",
+        /// The model's config asks for tied input and output embeddings, and they are two
+        /// tensors.
+        TiedWeightsUntied = "tied_weights_untied",
+        /// A module's `forward` builds layers with parameters (`nn.Linear(d, d)(x)`) that
+        /// end up registered nowhere: new random weights at every call, never trained.
+        /// Seen during the first steps and sent in an amendment (`attribute`: the class of
+        /// the layer built, `params`: the parameter tensors built).
+        ParamsCreatedInForward = "params_created_in_forward",
+        /// *(v1.6)* `clip_grad_norm_` ran on the scaled gradients under a GradScaler
+        /// (after `backward`, with no `scaler.unscale_(optimizer)` before it): the norm
+        /// clipped is the scaled one (`measured`: the scale), so every step is cut to
+        /// `max_norm / scale` once unscaled. Sent in an amendment.
+        ClipBeforeUnscale = "clip_before_unscale",
+        /// *(v1.6)* `clip_grad_norm_` cut gradients that no `backward` had written since the
+        /// last `optimizer.step()` (called after the step, or before the next `backward`):
+        /// the optimizer steps on unclipped gradients. Sent in an amendment.
+        ClipAfterStep = "clip_after_step",
+        /// *(v1.6)* An LR scheduler of the optimizer advances `measured` (≥ 2) steps per
+        /// optimizer step, every step (stepped per micro-batch under gradient
+        /// accumulation): the schedule runs that many times too fast (`attribute`: the
+        /// scheduler's class). Sent in an amendment.
+        SchedulerPerMicroBatch = "scheduler_per_micro_batch",
+        /// *(v1.6)* An optimizer param group holds no parameter while its lr differs from
+        /// every group that holds some (a name filter that matched nothing): the
+        /// parameters meant for it train at another lr (`attribute`: the group's name).
+        ParamGroupEmpty = "param_group_empty",
     }
 }
+
+#[cfg(feature = "openapi")]
+crate::vocabulary_schema!(WiringKind);
 
 pub(crate) fn validate_wiring(
     path: &Path<'_>,

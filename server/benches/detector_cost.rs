@@ -98,7 +98,7 @@ fn detectors_alone_seconds(batches: &[Vec<StepRecord>]) -> f64 {
     let mut transitions = 0;
     for batch in batches {
         for record in batch {
-            transitions += detectors.on_step(&context, record).len();
+            transitions += detectors.on_step(&context, record, None, None).len();
         }
     }
     assert_eq!(transitions, 0, "the bench stream is healthy");

@@ -10,99 +10,36 @@ use serde::Serialize;
 use crate::ingest::IngestError;
 use crate::store::StoreError;
 
-/// Every `code` an error answer carries (docs/PROTOCOL.md lists them; a test holds
-/// the two together). The code decides the HTTP status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorCode {
-    InvalidBody,
-    InvalidRunId,
-    InvalidQuery,
-    InvalidGzip,
-    Unauthorized,
-    RunNotFound,
-    UnknownSubject,
-    UnknownChart,
-    NotFound,
-    MethodNotAllowed,
-    RequestTimeout,
-    Conflict,
-    BodyTooLarge,
-    UnsupportedMediaType,
-    UnsupportedEncoding,
-    StorageUnavailable,
-    Overloaded,
-    Internal,
+gradflow_protocol::vocabulary! {
+    /// Every `code` an error answer carries, with the HTTP status it decides
+    /// (docs/PROTOCOL.md lists them; a test holds the two together).
+    pub enum ErrorCode: StatusCode {
+        InvalidBody = "invalid_body" => StatusCode::BAD_REQUEST,
+        InvalidRunId = "invalid_run_id" => StatusCode::BAD_REQUEST,
+        InvalidQuery = "invalid_query" => StatusCode::BAD_REQUEST,
+        InvalidGzip = "invalid_gzip" => StatusCode::BAD_REQUEST,
+        Unauthorized = "unauthorized" => StatusCode::UNAUTHORIZED,
+        RunNotFound = "run_not_found" => StatusCode::NOT_FOUND,
+        UnknownSubject = "unknown_subject" => StatusCode::NOT_FOUND,
+        UnknownChart = "unknown_chart" => StatusCode::NOT_FOUND,
+        NotFound = "not_found" => StatusCode::NOT_FOUND,
+        MethodNotAllowed = "method_not_allowed" => StatusCode::METHOD_NOT_ALLOWED,
+        RequestTimeout = "request_timeout" => StatusCode::REQUEST_TIMEOUT,
+        Conflict = "conflict" => StatusCode::CONFLICT,
+        BodyTooLarge = "body_too_large" => StatusCode::PAYLOAD_TOO_LARGE,
+        UnsupportedMediaType = "unsupported_media_type" => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        UnsupportedEncoding = "unsupported_encoding" => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        StorageUnavailable = "storage_unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+        Overloaded = "overloaded" => StatusCode::SERVICE_UNAVAILABLE,
+        Internal = "internal" => StatusCode::INTERNAL_SERVER_ERROR,
+    }
 }
 
+gradflow_protocol::vocabulary_schema!(ErrorCode);
+
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 18] = [
-        ErrorCode::InvalidBody,
-        ErrorCode::InvalidRunId,
-        ErrorCode::InvalidQuery,
-        ErrorCode::InvalidGzip,
-        ErrorCode::Unauthorized,
-        ErrorCode::RunNotFound,
-        ErrorCode::UnknownSubject,
-        ErrorCode::UnknownChart,
-        ErrorCode::NotFound,
-        ErrorCode::MethodNotAllowed,
-        ErrorCode::RequestTimeout,
-        ErrorCode::Conflict,
-        ErrorCode::BodyTooLarge,
-        ErrorCode::UnsupportedMediaType,
-        ErrorCode::UnsupportedEncoding,
-        ErrorCode::StorageUnavailable,
-        ErrorCode::Overloaded,
-        ErrorCode::Internal,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorCode::InvalidBody => "invalid_body",
-            ErrorCode::InvalidRunId => "invalid_run_id",
-            ErrorCode::InvalidQuery => "invalid_query",
-            ErrorCode::InvalidGzip => "invalid_gzip",
-            ErrorCode::Unauthorized => "unauthorized",
-            ErrorCode::RunNotFound => "run_not_found",
-            ErrorCode::UnknownSubject => "unknown_subject",
-            ErrorCode::UnknownChart => "unknown_chart",
-            ErrorCode::NotFound => "not_found",
-            ErrorCode::MethodNotAllowed => "method_not_allowed",
-            ErrorCode::RequestTimeout => "request_timeout",
-            ErrorCode::Conflict => "conflict",
-            ErrorCode::BodyTooLarge => "body_too_large",
-            ErrorCode::UnsupportedMediaType => "unsupported_media_type",
-            ErrorCode::UnsupportedEncoding => "unsupported_encoding",
-            ErrorCode::StorageUnavailable => "storage_unavailable",
-            ErrorCode::Overloaded => "overloaded",
-            ErrorCode::Internal => "internal",
-        }
-    }
-
     pub fn status(self) -> StatusCode {
-        match self {
-            ErrorCode::InvalidBody
-            | ErrorCode::InvalidRunId
-            | ErrorCode::InvalidQuery
-            | ErrorCode::InvalidGzip => StatusCode::BAD_REQUEST,
-            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
-            ErrorCode::RunNotFound
-            | ErrorCode::UnknownSubject
-            | ErrorCode::UnknownChart
-            | ErrorCode::NotFound => StatusCode::NOT_FOUND,
-            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ErrorCode::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
-            ErrorCode::Conflict => StatusCode::CONFLICT,
-            ErrorCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorCode::UnsupportedMediaType | ErrorCode::UnsupportedEncoding => {
-                StatusCode::UNSUPPORTED_MEDIA_TYPE
-            }
-            ErrorCode::StorageUnavailable | ErrorCode::Overloaded => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
-            ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        self.properties()
     }
 }
 

@@ -24,8 +24,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, StepView, Transition, step_range};
+use super::episode::{Alerts, Streak};
+use super::view::StepView;
+use super::wording::step_range;
+use crate::model::alert::{AlertKind, Opened, Severity};
 use gradflow_protocol::StepRecord;
 
 /// The metric the Python client sends: backward passes after the first of one
@@ -42,7 +44,7 @@ pub struct AccumulationReset {
 }
 
 impl AccumulationReset {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
         let Some(resets) = record.metrics.get(METRIC).and_then(|v| v.map(|f| f.get())) else {
             return;
@@ -50,14 +52,11 @@ impl AccumulationReset {
         if !resets.is_finite() {
             return;
         }
-        match self.streak.observe(resets >= 1.0, record.step, PERSIST) {
-            Some(Edge::Open) => out.push(Transition::Open(self.opened(record, resets))),
-            Some(Edge::Resolve) => out.push(Transition::Resolve {
-                kind: AlertKind::AccumulationReset,
-                subject: SUBJECT.into(),
-                step: record.step,
-            }),
-            None => {}
+        let (kind, reset) = (AlertKind::AccumulationReset, resets >= 1.0);
+        if alerts.observe(kind, SUBJECT, &mut self.streak, reset, |s| {
+            s.reports(PERSIST)
+        }) {
+            alerts.open(self.opened(record, resets));
         }
     }
 
@@ -103,6 +102,7 @@ impl AccumulationReset {
 mod tests {
     use super::*;
     use crate::detect::testing::{record, viewed};
+    use crate::model::alert::Transition;
 
     fn step(step: u64, resets: Option<f64>) -> StepRecord {
         match resets {

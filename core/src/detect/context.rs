@@ -8,7 +8,7 @@ use rustc_hash::FxHashMap as HashMap;
 
 use gradflow_protocol::{Dtype, Role, RunRegistration};
 
-use super::Thresholds;
+use super::thresholds::Thresholds;
 
 /// A module with trainable parameters.
 #[derive(Debug, Clone, PartialEq)]

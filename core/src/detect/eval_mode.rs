@@ -20,8 +20,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, StepView, Transition, step_range};
+use super::episode::{Alerts, Streak};
+use super::view::StepView;
+use super::wording::step_range;
+use crate::model::alert::{AlertKind, Opened, Severity};
 use gradflow_protocol::StepRecord;
 
 /// The metric the Python client sends: `model.training` at `gf.step`, 1 or 0.
@@ -35,14 +37,14 @@ const SUBJECT: &str = "model";
 pub struct EvalMode {
     /// The last step reported in training mode.
     last_training: Option<u64>,
-    /// The current run of eval-mode reports. Flattened: `open` keeps the key it was
-    /// stored under before [`Streak`]; a run still counting starts again.
+    /// The current run of eval-mode reports. Flattened, as stored before [`Streak`];
+    /// a run still counting starts again.
     #[serde(flatten)]
     eval: Streak,
 }
 
 impl EvalMode {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
         let Some(flag) = record.metrics.get(METRIC).and_then(|v| v.map(|f| f.get())) else {
             return;
@@ -55,17 +57,12 @@ impl EvalMode {
             return;
         };
         // Judged by step numbers (docs/PROTOCOL.md), not by reports.
-        match self.eval.observe_steps(!training, record.step, STEPS) {
-            Some(Edge::Resolve) => out.push(Transition::Resolve {
-                kind: AlertKind::ModelInEvalMode,
-                subject: SUBJECT.into(),
-                step: record.step,
-            }),
-            Some(Edge::Open) => {
-                let first = self.eval.first_step(record.step);
-                out.push(Transition::Open(self.opened(record, first, last_training)));
-            }
-            None => {}
+        let (kind, step) = (AlertKind::ModelInEvalMode, record.step);
+        if alerts.observe(kind, SUBJECT, &mut self.eval, !training, |s| {
+            s.spans(STEPS, step)
+        }) {
+            let first = self.eval.first_step(step);
+            alerts.open(self.opened(record, first, last_training));
         }
     }
 
@@ -103,6 +100,7 @@ impl EvalMode {
 mod tests {
     use super::*;
     use crate::detect::testing::{record, viewed};
+    use crate::model::alert::Transition;
 
     fn step(step: u64, training: f64) -> StepRecord {
         record(json!({"step": step, "metrics": {METRIC: training}}))

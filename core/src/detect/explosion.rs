@@ -40,8 +40,10 @@ use std::collections::{BTreeMap, VecDeque};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, StepView, Transition, sci};
+use super::episode::{Alerts, Streak};
+use super::view::StepView;
+use super::wording::sci;
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 /// How many times the level a norm must stay, [`PERSIST`] readings running.
 pub const FACTOR: f64 = 100.0;
@@ -69,7 +71,7 @@ pub struct GradExplosion {
 struct History {
     /// log10 of recent norms, clipped.
     recent: VecDeque<f64>,
-    /// Consecutive readings above the bar, and whether the alert is open.
+    /// Consecutive readings above the bar.
     high: Streak,
 }
 
@@ -81,7 +83,6 @@ struct StoredHistory {
     recent: VecDeque<f64>,
     high_since: Option<u64>,
     high_count: usize,
-    open: bool,
 }
 
 impl From<StoredHistory> for History {
@@ -91,7 +92,6 @@ impl From<StoredHistory> for History {
             high: Streak {
                 since: stored.high_since,
                 count: u32::try_from(stored.high_count).unwrap_or(u32::MAX),
-                open: stored.open,
             },
         }
     }
@@ -103,7 +103,6 @@ impl From<History> for StoredHistory {
             recent: history.recent,
             high_since: history.high.since,
             high_count: history.high.count as usize,
-            open: history.high.open,
         }
     }
 }
@@ -135,7 +134,7 @@ impl History {
 }
 
 impl GradExplosion {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
         let overrides = view.context.registration.detectors.as_ref();
         let factor = overrides
@@ -175,35 +174,31 @@ impl GradExplosion {
             // A spike opens on its own reading; a run above the bar, once it is
             // long enough and the loss rises with it.
             let spike = above >= spike_factor.log10();
-            let edge = history
-                .high
-                .observe_when(above >= factor.log10(), record.step, |high| {
-                    spike || (high.count as usize >= PERSIST && loss_rising)
-                });
-            match edge {
-                Some(Edge::Resolve) => out.push(Transition::Resolve {
-                    kind: AlertKind::GradExplosion,
-                    subject: group.to_owned(),
-                    step: record.step,
-                }),
-                Some(Edge::Open) => {
-                    let reading = Reading {
-                        group,
-                        norm,
-                        level: 10f64.powf(level),
-                        step: record.step,
-                        first_step: history.high.first_step(record.step),
-                        readings: history.high.count as usize,
-                        window: history.recent.len(),
-                    };
-                    out.push(if spike {
-                        opened(&reading, "spike", spike_factor)
-                    } else {
-                        opened(&reading, "sustained", factor)
-                    });
-                }
-                None => {}
+            let high = above >= factor.log10();
+            let opens = alerts.observe(
+                AlertKind::GradExplosion,
+                group,
+                &mut history.high,
+                high,
+                |s| spike || (s.count as usize >= PERSIST && loss_rising),
+            );
+            if !opens {
+                continue;
             }
+            let reading = Reading {
+                group,
+                norm,
+                level: 10f64.powf(level),
+                step: record.step,
+                first_step: history.high.first_step(record.step),
+                readings: history.high.count as usize,
+                window: history.recent.len(),
+            };
+            alerts.open(if spike {
+                opened(&reading, "spike", spike_factor)
+            } else {
+                opened(&reading, "sustained", factor)
+            });
         }
     }
 }
@@ -218,7 +213,7 @@ struct Reading<'a> {
     window: usize,
 }
 
-fn opened(r: &Reading<'_>, cause: &str, bar: f64) -> Transition {
+fn opened(r: &Reading<'_>, cause: &str, bar: f64) -> Opened {
     let ratio = r.norm / r.level;
     let (group, step) = (r.group, r.step);
     let what = if cause == "spike" {
@@ -240,7 +235,7 @@ fn opened(r: &Reading<'_>, cause: &str, bar: f64) -> Transition {
             sci(r.norm),
         )
     };
-    Transition::Open(Opened {
+    Opened {
         kind: AlertKind::GradExplosion,
         subject: group.to_owned(),
         severity: Severity::Warning,
@@ -262,16 +257,16 @@ fn opened(r: &Reading<'_>, cause: &str, bar: f64) -> Transition {
             "readings": r.readings,
             "window": r.window,
         }),
-    })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::RunContext;
-    use crate::detect::StepView;
-    use crate::detect::Thresholds;
+    use crate::detect::context::RunContext;
     use crate::detect::testing::{record, transitions};
+    use crate::detect::thresholds::Thresholds;
+    use crate::model::alert::Transition;
     use gradflow_protocol::RunRegistration;
 
     /// Norms of group qwen with an optional loss per step.
@@ -390,10 +385,11 @@ mod tests {
         let registration: RunRegistration =
             serde_json::from_value(json!({"params": [{"name": "qwen.a.weight"}]})).unwrap();
         let context = RunContext::new(&registration, Thresholds::default());
-        let mut out = Vec::new();
         let r = record(json!({"step": 32, "modules": [{"module": "qwen.a", "grad_norm": 300.0}]}));
-        detector.on_step(&StepView::new(&context, &r), &mut out);
-        let [Transition::Open(o)] = &out[..] else {
+        let out = transitions([r], |r, alerts| {
+            detector.on_step(&StepView::new(&context, r), alerts)
+        });
+        let [(32, Transition::Open(o))] = &out[..] else {
             panic!("{out:?}")
         };
         assert_eq!(
@@ -409,7 +405,6 @@ mod tests {
             ),
             (&json!(30), &json!(3))
         );
-        assert_eq!(saved["groups"]["qwen"]["open"], true);
     }
 
     #[test]

@@ -22,8 +22,12 @@ use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, Opened, Severity, StepView, Transition, is_within, name_list};
+use super::episode::Alerts;
+use super::view::StepView;
+use super::wording::{is_within, name_list};
+use crate::model::alert::{AlertKind, Opened, Severity, Transition};
 
+const KIND: AlertKind = AlertKind::FirstStepHint;
 const SUBJECT: &str = "first_step";
 /// Entities named at most (a model with thousands of dead modules is one story).
 const MAX_NAMED: usize = 1000;
@@ -39,18 +43,12 @@ pub struct FirstStepHint {
     no_gradient: BTreeSet<String>,
     /// Norm weights named as unchanged, still not seen moving.
     unchanged: BTreeSet<String>,
-    open: bool,
 }
 
 impl FirstStepHint {
-    /// After the streak detectors: `so_far` holds this step's transitions, whose
-    /// openings confirm what the hint named.
-    pub fn on_step(
-        &mut self,
-        view: &StepView<'_>,
-        so_far: &[Transition],
-        out: &mut Vec<Transition>,
-    ) {
+    /// After the streak detectors: this step's transitions so far, whose openings
+    /// confirm what the hint named.
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         if !self.judged {
             if view.record.modules.is_empty() && view.record.params.is_empty() {
                 return; // nothing measured yet
@@ -64,16 +62,15 @@ impl FirstStepHint {
             self.confirmed = true;
             self.drop_what_trains(view);
             if !self.no_gradient.is_empty() || !self.unchanged.is_empty() {
-                self.open = true;
-                out.push(Transition::Open(self.opened(view.record.step)));
+                alerts.open(self.opened(view.record.step));
             }
             return;
         }
-        if !self.open {
+        if !alerts.is_open(KIND, SUBJECT) {
             return;
         }
         self.drop_what_trains(view);
-        for t in so_far {
+        for t in alerts.transitions() {
             if let Transition::Open(o) = t
                 && matches!(
                     o.kind,
@@ -85,12 +82,7 @@ impl FirstStepHint {
             }
         }
         if self.no_gradient.is_empty() && self.unchanged.is_empty() {
-            self.open = false;
-            out.push(Transition::Resolve {
-                kind: AlertKind::FirstStepHint,
-                subject: SUBJECT.into(),
-                step: view.record.step,
-            });
+            alerts.clear(KIND, SUBJECT, view.record.step);
         }
     }
 
@@ -194,7 +186,9 @@ impl FirstStepHint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::{RunContext, Thresholds};
+    use crate::detect::context::RunContext;
+    use crate::detect::testing::Run;
+    use crate::detect::thresholds::Thresholds;
     use gradflow_protocol::{RunRegistration, StepRecord};
 
     fn context() -> RunContext {
@@ -222,25 +216,30 @@ mod tests {
     fn run(records: &[StepRecord], confirm_at: Option<u64>) -> Vec<(u64, Transition)> {
         let context = context();
         let mut hint = FirstStepHint::default();
+        let mut run = Run::default();
         let mut all = Vec::new();
         for r in records {
-            let mut so_far = Vec::new();
-            if confirm_at == Some(r.step) {
-                so_far.push(Transition::Open(Opened {
-                    kind: AlertKind::GradStuckZero,
-                    subject: "qwen".into(),
-                    severity: Severity::Critical,
-                    first_step: Some(0),
-                    step: Some(r.step),
-                    title: String::new(),
-                    detail: String::new(),
-                    fix: String::new(),
-                    evidence: json!({}),
-                }));
-            }
-            let mut out = Vec::new();
-            hint.on_step(&StepView::new(&context, r), &so_far, &mut out);
-            all.extend(out.into_iter().map(|t| (r.step, t)));
+            let out = run.step(r.step, |alerts| {
+                if confirm_at == Some(r.step) {
+                    alerts.open(Opened {
+                        kind: AlertKind::GradStuckZero,
+                        subject: "qwen".into(),
+                        severity: Severity::Critical,
+                        first_step: Some(0),
+                        step: Some(r.step),
+                        title: String::new(),
+                        detail: String::new(),
+                        fix: String::new(),
+                        evidence: json!({}),
+                    });
+                }
+                hint.on_step(&StepView::new(&context, r), alerts);
+            });
+            let hints = out.into_iter().filter(|t| match t {
+                Transition::Open(o) => o.kind == KIND,
+                Transition::Resolve { kind, .. } => *kind == KIND,
+            });
+            all.extend(hints.map(|t| (r.step, t)));
         }
         all
     }

@@ -26,14 +26,13 @@
 //! to step 29 has been frozen for 20 steps whether the client reported every step or
 //! every fifth.
 //!
-//! Its counting is its own, not [`super::episode::Streak`]'s: the runs are each
-//! weight's, the episode is the group's. The first weight of a group to reach the
-//! threshold opens it and later ones join it silently; it resolves when a weight
-//! whose run had spanned the threshold thaws and no weight of the group is still
-//! frozen for the threshold's span, both judged by the step numbers up to the step
-//! at hand, whether the weight was reported on it or not. A `Streak` opens and
-//! resolves on its own reports only, so one per weight would end the episode at
-//! other steps when weights are reported unevenly.
+//! The runs are each weight's ([`Streak`]), the episode is the group's. The first
+//! weight of a group to reach the threshold opens it and later ones join it
+//! silently; it ends when a weight whose run had spanned the threshold thaws and no
+//! weight of the group is still frozen for the threshold's span, both judged by the
+//! step numbers up to the step at hand, whether the weight was reported on it or
+//! not (an episode per weight would end at other steps when weights are reported
+//! unevenly).
 
 use std::collections::BTreeMap;
 
@@ -41,30 +40,41 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::context::{NormParam, OptimizerFamily, RunContext};
+use super::episode::{Alerts, Streak};
 use super::precision::{describe_magnitude, smallest_change};
-use super::{AlertKind, Opened, Severity, StepView, Transition, name_list, sci, step_range};
+use super::view::StepView;
+use super::wording::{name_list, sci, step_range};
+use crate::model::alert::{AlertKind, Opened, Severity};
 
+/// A stored state's `open_groups` is read and ignored: the episodes are [`Alerts`]'.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct FrozenNormWeight {
-    params: BTreeMap<String, Streak>,
-    /// Groups with an open episode.
-    open_groups: BTreeMap<String, u64>,
+    params: BTreeMap<String, WeightRun>,
 }
 
+/// One weight's run of frozen reports, stored in the layout it had before it
+/// counted with [`Streak`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-struct Streak {
-    /// Reports in the streak (for texts).
+#[serde(from = "StoredRun", into = "StoredRun")]
+struct WeightRun(Streak);
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoredRun {
     len: u32,
     first_step: u64,
 }
 
-impl Streak {
-    /// Steps the streak spans, by step number.
-    fn span(&self, step: u64) -> u64 {
-        if self.len == 0 {
-            0
-        } else {
-            step.saturating_sub(self.first_step) + 1
+impl From<StoredRun> for WeightRun {
+    fn from(stored: StoredRun) -> Self {
+        WeightRun(Streak::from_count(stored.len, stored.first_step))
+    }
+}
+
+impl From<WeightRun> for StoredRun {
+    fn from(run: WeightRun) -> Self {
+        StoredRun {
+            len: run.0.count,
+            first_step: run.0.since.unwrap_or_default(),
         }
     }
 }
@@ -80,11 +90,13 @@ struct Frozen<'a> {
     intended_max_ulp: Option<f64>,
     intended_nonzero: Option<u64>,
     rounded_away: Option<u64>,
-    streak: Streak,
+    /// The first step of its run, and the run's reports.
+    first_step: u64,
+    reports: u32,
 }
 
 impl FrozenNormWeight {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let (context, record) = (view.context, view.record);
         let step = record.step;
         let threshold = u64::from(context.thresholds.frozen_norm_steps);
@@ -102,18 +114,15 @@ impl FrozenNormWeight {
                 if self
                     .params
                     .remove(&param.name)
-                    .is_some_and(|s| s.span(step.saturating_sub(1)) >= threshold)
+                    .is_some_and(|s| s.0.span(step.saturating_sub(1)) >= threshold)
                 {
                     thawed_groups.push(&info.group);
                 }
                 continue;
             }
-            let streak = self.params.entry(param.name.clone()).or_default();
-            if streak.len == 0 {
-                streak.first_step = step;
-            }
-            streak.len += 1;
-            if streak.span(step) >= threshold {
+            let WeightRun(streak) = self.params.entry(param.name.clone()).or_default();
+            streak.observe(true, step);
+            if streak.spans(threshold, step) {
                 reached.entry(&info.group).or_default().push(Frozen {
                     name: &param.name,
                     info,
@@ -124,33 +133,29 @@ impl FrozenNormWeight {
                     intended_max_ulp: param.intended_update_max_ulp.map(|f| f.get()),
                     intended_nonzero: param.intended_nonzero,
                     rounded_away: param.rounded_away,
-                    streak: streak.clone(),
+                    first_step: streak.first_step(step),
+                    reports: streak.count,
                 });
             }
         }
         // An episode ends when none of its group's weights is frozen any longer.
         for group in thawed_groups {
             let still_frozen = self.params.iter().any(|(name, s)| {
-                s.span(step) >= threshold
+                s.0.spans(threshold, step)
                     && context
                         .norm_params
                         .get(name)
                         .is_some_and(|p| p.group == group)
             });
-            if !still_frozen && self.open_groups.remove(group).is_some() {
-                out.push(Transition::Resolve {
-                    kind: AlertKind::NormWeightFrozen,
-                    subject: group.to_owned(),
-                    step,
-                });
+            if !still_frozen {
+                alerts.clear(AlertKind::NormWeightFrozen, group, step);
             }
         }
         for (group, frozen) in reached {
-            if self.open_groups.contains_key(group) {
+            if alerts.holds(AlertKind::NormWeightFrozen, group) {
                 continue;
             }
-            self.open_groups.insert(group.to_owned(), step);
-            out.push(open(context, group, &frozen, step));
+            alerts.open(open(context, group, &frozen, step));
             // A client that cannot amend its registration (protocol v1) still shows
             // the late unfreeze: weights registered frozen that receive gradients and
             // never move are outside the optimizer.
@@ -160,7 +165,7 @@ impl FrozenNormWeight {
                 .map(|f| f.name)
                 .collect();
             if !unfrozen.is_empty() {
-                out.push(unfrozen_outside_optimizer(
+                alerts.open(unfrozen_outside_optimizer(
                     group, &unfrozen, &frozen[0], step,
                 ));
             }
@@ -175,12 +180,12 @@ fn unfrozen_outside_optimizer(
     names: &[&str],
     example: &Frozen<'_>,
     step: u64,
-) -> Transition {
-    Transition::Open(Opened {
+) -> Opened {
+    Opened {
         kind: AlertKind::ParamNotInOptimizer,
         subject: group.to_owned(),
         severity: Severity::Critical,
-        first_step: Some(example.streak.first_step),
+        first_step: Some(example.first_step),
         step: Some(step),
         title: format!(
             "{} parameters of {group} were unfrozen but are not in the optimizer",
@@ -193,7 +198,7 @@ fn unfrozen_outside_optimizer(
              them to it.",
             names.len(),
             name_list(names, 3),
-            step_range(example.streak.first_step, step),
+            step_range(example.first_step, step),
             sci(example.grad_norm),
         ),
         fix: "Add the unfrozen parameters to the optimizer (optimizer.add_param_group(\
@@ -206,7 +211,7 @@ fn unfrozen_outside_optimizer(
             "missing_params": names.len(),
             "from_steps": true,
         }),
-    })
+    }
 }
 
 /// Why the updates are exactly zero, with the numbers that say so.
@@ -369,7 +374,7 @@ fn verdict(context: &RunContext, example: &Frozen<'_>) -> Verdict {
     }
 }
 
-fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> Transition {
+fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> Opened {
     let example = &frozen[0];
     let lr = example.lr;
     let verdict = verdict(context, example);
@@ -391,8 +396,8 @@ fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> 
         frozen.len(),
         name_list(&names, 3),
         sci(example.grad_norm),
-        example.streak.len,
-        step_range(example.streak.first_step, step),
+        example.reports,
+        step_range(example.first_step, step),
     );
     let (title, fix) = match &verdict {
         Verdict::Underflow(basis) => {
@@ -482,17 +487,17 @@ fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> 
         }
     };
     let evidence = evidence(&verdict, example, &names, frozen.len(), lr);
-    Transition::Open(Opened {
+    Opened {
         kind: AlertKind::NormWeightFrozen,
         subject: group.to_owned(),
         severity: Severity::Critical,
-        first_step: Some(example.streak.first_step),
+        first_step: Some(example.first_step),
         step: Some(step),
         title,
         detail,
         fix,
         evidence,
-    })
+    }
 }
 
 /// The alert's evidence: what was measured, and the numbers behind the verdict.
@@ -505,8 +510,8 @@ fn evidence(
 ) -> serde_json::Value {
     let mut evidence = json!({
         "cause": verdict.cause(),
-        "steps": example.streak.len,
-        "first_step": example.streak.first_step,
+        "steps": example.reports,
+        "first_step": example.first_step,
         "params": names.iter().take(20).collect::<Vec<_>>(),
         "frozen_params": frozen,
         "dtype": example.info.dtype.map(|d| d.as_str()),
@@ -544,9 +549,10 @@ fn evidence(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::StepView;
-    use crate::detect::Thresholds;
     use crate::detect::testing::transitions;
+    use crate::detect::thresholds::Thresholds;
+    use crate::detect::view::StepView;
+    use crate::model::alert::Transition;
     use gradflow_protocol::RunRegistration;
     use gradflow_protocol::StepRecord;
     use serde_json::Value;
@@ -661,7 +667,8 @@ mod tests {
                 Transition::Resolve {
                     kind: AlertKind::NormWeightFrozen,
                     subject: "qwen".into(),
-                    step: 5
+                    step: 5,
+                    last_step: Some(4),
                 }
             )
         );

@@ -6,22 +6,23 @@
 //! One alert per group: a NaN spreads through everything upstream of it, so the
 //! modules of a group go non-finite together; the evidence names them.
 
-use std::collections::BTreeMap;
-
 use gradflow_protocol::StepRecord;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, GroupMap, Opened, Severity, StepView, Transition, name_list};
+use super::episode::Alerts;
+use super::view::{GroupMap, StepView};
+use super::wording::name_list;
+use crate::model::alert::{AlertKind, Opened, Severity};
 
+/// Keeps nothing of its own: one non-finite reading opens, one finite reading of
+/// the group ends the episode (a stored state's `open` map is read and ignored: the
+/// episodes are [`Alerts`]').
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct GradNonfinite {
-    /// Groups with an open episode.
-    open: BTreeMap<String, u64>,
-}
+pub struct GradNonfinite {}
 
 impl GradNonfinite {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
         if view.found_inf() {
             return;
@@ -36,27 +37,18 @@ impl GradNonfinite {
                 bad.push((&module.module, norm));
             }
         }
+        let kind = AlertKind::GradNonfinite;
         for (group, bad) in groups.iter() {
-            match (bad.is_empty(), self.open.contains_key(group)) {
-                (true, true) => {
-                    self.open.remove(group);
-                    out.push(Transition::Resolve {
-                        kind: AlertKind::GradNonfinite,
-                        subject: group.to_owned(),
-                        step: record.step,
-                    });
-                }
-                (false, false) => {
-                    self.open.insert(group.to_owned(), record.step);
-                    out.push(opened(group, bad, record));
-                }
-                _ => {}
+            if bad.is_empty() {
+                alerts.clear(kind, group, record.step);
+            } else if !alerts.holds(kind, group) {
+                alerts.open(opened(group, bad, record));
             }
         }
     }
 }
 
-fn opened(group: &str, bad: &[(&str, f64)], record: &StepRecord) -> Transition {
+fn opened(group: &str, bad: &[(&str, f64)], record: &StepRecord) -> Opened {
     let any_nan = bad.iter().any(|(_, n)| n.is_nan());
     let cause = if any_nan { "nan" } else { "inf" };
     let names: Vec<&str> = bad.iter().map(|(m, _)| *m).collect();
@@ -67,7 +59,7 @@ fn opened(group: &str, bad: &[(&str, f64)], record: &StepRecord) -> Transition {
         }
         _ => " No loss scaler caught it.",
     };
-    Transition::Open(Opened {
+    Opened {
         kind: AlertKind::GradNonfinite,
         subject: group.to_owned(),
         severity: Severity::Critical,
@@ -97,16 +89,17 @@ fn opened(group: &str, bad: &[(&str, f64)], record: &StepRecord) -> Transition {
             "modules": names.iter().take(20).collect::<Vec<_>>(),
             "nonfinite_modules": bad.len(),
         }),
-    })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::RunContext;
-    use crate::detect::StepView;
-    use crate::detect::Thresholds;
+    use crate::detect::context::RunContext;
     use crate::detect::testing::{record, transitions};
+    use crate::detect::thresholds::Thresholds;
+    use crate::detect::view::StepView;
+    use crate::model::alert::Transition;
     use gradflow_protocol::RunRegistration;
     use serde_json::Value;
 
@@ -152,7 +145,8 @@ mod tests {
                 Transition::Resolve {
                     kind: AlertKind::GradNonfinite,
                     subject: "qwen".into(),
-                    step: 3
+                    step: 3,
+                    last_step: Some(2),
                 }
             )
         );

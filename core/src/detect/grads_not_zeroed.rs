@@ -22,8 +22,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, StepView, Transition, sci, step_range};
+use super::episode::{Alerts, Streak};
+use super::view::StepView;
+use super::wording::{sci, step_range};
+use crate::model::alert::{AlertKind, Opened, Severity};
 use gradflow_protocol::StepRecord;
 
 /// Reported steps running with carried-over gradients that open the alert.
@@ -34,8 +36,8 @@ const SUBJECT: &str = "gradients";
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct GradsNotZeroed {
-    /// Flattened: stored as the `since`, `count` and `open` this detector kept
-    /// before it used [`Streak`], so a stored state reads back the same.
+    /// Flattened: stored as the `since` and `count` this detector kept before it
+    /// used [`Streak`], so a stored state reads back the same.
     #[serde(flatten)]
     streak: Streak,
     /// The total gradient norm on the first step of the streak.
@@ -54,7 +56,7 @@ fn total_norm(record: &StepRecord) -> Option<f64> {
 }
 
 impl GradsNotZeroed {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
         let Some(carried) = record.grads_carried_over else {
             return;
@@ -62,14 +64,11 @@ impl GradsNotZeroed {
         if carried && self.streak.since.is_none() {
             self.first_norm = total_norm(record);
         }
-        match self.streak.observe(carried, record.step, PERSIST) {
-            Some(Edge::Open) => out.push(Transition::Open(self.opened(record))),
-            Some(Edge::Resolve) => out.push(Transition::Resolve {
-                kind: AlertKind::GradsNotZeroed,
-                subject: SUBJECT.into(),
-                step: record.step,
-            }),
-            None => {}
+        let kind = AlertKind::GradsNotZeroed;
+        if alerts.observe(kind, SUBJECT, &mut self.streak, carried, |s| {
+            s.reports(PERSIST)
+        }) {
+            alerts.open(self.opened(record));
         }
         if !carried {
             self.first_norm = None;
@@ -126,6 +125,7 @@ impl GradsNotZeroed {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::alert::Transition;
 
     #[test]
     fn a_state_stored_before_the_shared_streak_reads_back_and_continues() {

@@ -12,7 +12,7 @@
 
 use gradflow_protocol::{RunRegistration, WiringFinding, WiringKind};
 
-use super::{AlertKind, Severity};
+use crate::model::alert::{AlertKind, Severity};
 
 /// Kind, severity, title, detail and fix, as the other wiring findings.
 pub(super) type Worded = (AlertKind, Severity, String, String, String);
@@ -149,7 +149,7 @@ mod tests {
 
     use super::super::{Thresholds, registration};
     use super::*;
-    use crate::detect::RunContext;
+    use crate::detect::context::RunContext;
 
     #[test]
     fn loop_findings_name_the_numbers_and_the_fix() {

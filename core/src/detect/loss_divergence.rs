@@ -24,8 +24,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, StepView, Transition, sci};
+use super::episode::{Alerts, Streak};
+use super::view::StepView;
+use super::wording::sci;
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 /// How many times its starting level the loss must stay.
 pub const FACTOR: f64 = 3.0;
@@ -41,15 +43,15 @@ const SUBJECT: &str = "loss";
 pub struct LossDivergence {
     /// The first finite losses, up to [`START_STEPS`].
     start: Vec<f64>,
-    /// Steps running above the bar. Flattened, so `open` is stored under the key
-    /// it had before this detector used [`Streak`]; a streak still counting when a
-    /// server of the older layout stopped starts its count again.
+    /// Steps running above the bar. Flattened, as stored before this detector used
+    /// [`Streak`]; a streak still counting when a server of the older layout stopped
+    /// starts its count again.
     #[serde(flatten)]
     above: Streak,
 }
 
 impl LossDivergence {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let (context, record) = (view.context, view.record);
         let Some(loss) = record.loss.map(|l| l.get()).filter(|l| l.is_finite()) else {
             return;
@@ -67,25 +69,17 @@ impl LossDivergence {
             .as_ref()
             .and_then(|d| d.divergence_factor)
             .map_or(FACTOR, f64::from);
-        match self
-            .above
-            .observe(loss > factor * level, record.step, PERSIST)
-        {
-            Some(Edge::Resolve) => {
-                out.push(Transition::Resolve {
-                    kind: AlertKind::LossDivergence,
-                    subject: SUBJECT.into(),
-                    step: record.step,
-                });
-                return;
-            }
-            Some(Edge::Open) => {}
-            None => return,
+        let above = loss > factor * level;
+        let kind = AlertKind::LossDivergence;
+        if !alerts.observe(kind, SUBJECT, &mut self.above, above, |s| {
+            s.reports(PERSIST)
+        }) {
+            return;
         }
         let first = self.above.first_step(record.step);
         let ratio = loss / level;
         let step = record.step;
-        out.push(Transition::Open(Opened {
+        alerts.open(Opened {
             kind: AlertKind::LossDivergence,
             subject: SUBJECT.into(),
             severity: Severity::Warning,
@@ -115,15 +109,17 @@ impl LossDivergence {
                 "factor": factor,
                 "steps": self.above.count,
             }),
-        }));
+        });
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::context::RunContext;
     use crate::detect::testing::{record, transitions};
-    use crate::detect::{RunContext, Thresholds};
+    use crate::detect::thresholds::Thresholds;
+    use crate::model::alert::Transition;
     use gradflow_protocol::RunRegistration;
 
     fn run(losses: &[f64]) -> Vec<(u64, Transition)> {

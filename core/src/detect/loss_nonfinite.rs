@@ -4,12 +4,13 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, StepView, Transition};
+use super::episode::{Alerts, Streak};
+use super::view::StepView;
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct LossNonfinite {
-    /// Flattened: `open` stays stored under the key it had before [`Streak`].
+    /// Flattened, as stored before [`Streak`].
     #[serde(flatten)]
     streak: Streak,
 }
@@ -17,23 +18,15 @@ pub struct LossNonfinite {
 const SUBJECT: &str = "loss";
 
 impl LossNonfinite {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
         let Some(loss) = record.loss.map(|l| l.get()) else {
             return;
         };
         // One non-finite loss is enough: it opens at once.
-        match self.streak.observe(!loss.is_finite(), record.step, 1) {
-            Some(Edge::Resolve) => {
-                out.push(Transition::Resolve {
-                    kind: AlertKind::LossNonfinite,
-                    subject: SUBJECT.into(),
-                    step: record.step,
-                });
-                return;
-            }
-            Some(Edge::Open) => {}
-            None => return,
+        let kind = AlertKind::LossNonfinite;
+        if !alerts.observe(kind, SUBJECT, &mut self.streak, !loss.is_finite(), |_| true) {
+            return;
         }
         let cause = if loss.is_nan() { "nan" } else { "inf" };
         let spelled = gradflow_protocol::format_float(loss);
@@ -41,7 +34,7 @@ impl LossNonfinite {
         let because = super::precision::input_explanation(input_absmax)
             .map(|(_, sentence)| sentence)
             .unwrap_or_default();
-        out.push(Transition::Open(Opened {
+        alerts.open(Opened {
             kind: AlertKind::LossNonfinite,
             subject: SUBJECT.into(),
             severity: Severity::Critical,
@@ -64,14 +57,16 @@ impl LossNonfinite {
                 "loss": spelled,
                 "input_absmax": super::precision::evidence_number(input_absmax),
             }),
-        }));
+        });
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::testing::{record, viewed};
+    use crate::detect::episode::{Episodes, Holds};
+    use crate::detect::testing::{empty_context, record, transitions_from, viewed};
+    use crate::model::alert::Transition;
 
     fn run(losses: &[serde_json::Value]) -> Vec<(u64, Transition)> {
         let mut detector = LossNonfinite::default();
@@ -84,9 +79,14 @@ mod tests {
 
     #[test]
     fn an_open_alert_stored_before_the_shared_streak_still_resolves() {
+        // The detector's old layout still reads; the episode is the one read back.
         let mut detector: LossNonfinite = serde_json::from_value(json!({"open": true})).unwrap();
-        let t = viewed([record(json!({"step": 7, "loss": 1.0}))], |v, out| {
-            detector.on_step(v, out)
+        let mut episodes = Episodes::new(Holds::Immediate);
+        episodes.restore(AlertKind::LossNonfinite, "loss".into(), Some(6));
+        let context = empty_context();
+        let records = [record(json!({"step": 7, "loss": 1.0}))];
+        let t = transitions_from(&mut episodes, records, |r, alerts| {
+            detector.on_step(&StepView::new(&context, r), alerts)
         });
         assert!(
             matches!(t.as_slice(), [(7, Transition::Resolve { .. })]),
@@ -115,7 +115,8 @@ mod tests {
                 Transition::Resolve {
                     kind: AlertKind::LossNonfinite,
                     subject: "loss".into(),
-                    step: 4
+                    step: 4,
+                    last_step: Some(3),
                 }
             )
         );

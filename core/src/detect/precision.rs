@@ -70,7 +70,7 @@ pub fn input_explanation(input_absmax: Option<f64>) -> Option<(&'static str, Str
                  65504: under fp16 autocast they become inf in the first layer, so the batch is \
                  the likely cause, not the model. Normalise or clip the inputs, or keep the \
                  first layer in fp32.",
-                super::sci(max)
+                super::wording::sci(max)
             ),
         )
     })

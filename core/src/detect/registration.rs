@@ -20,7 +20,9 @@ use std::collections::BTreeMap;
 use gradflow_protocol::{Dtype, LossScaler, ParamSpec};
 use serde_json::json;
 
-use super::{AlertKind, Opened, RunContext, Severity, is_within, name_list};
+use super::context::RunContext;
+use super::wording::{is_within, name_list};
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 /// Every registration-time alert of a run.
 pub fn check(context: &RunContext) -> Vec<Opened> {
@@ -421,7 +423,7 @@ fn param_not_in_optimizer(context: &RunContext, out: &mut Vec<Opened>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::Thresholds;
+    use crate::detect::thresholds::Thresholds;
     use gradflow_protocol::RunRegistration;
     use serde_json::Value;
 

@@ -6,13 +6,15 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, StepView, Transition, sci, step_range};
+use super::episode::{Alerts, Streak};
+use super::view::StepView;
+use super::wording::{sci, step_range};
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ScalerOverflowStreak {
-    /// The run of `found_inf` steps. Flattened: `open` keeps the key it was stored
-    /// under before [`Streak`]; a run still counting starts again.
+    /// The run of `found_inf` steps. Flattened, as stored before [`Streak`]; a run
+    /// still counting starts again.
     #[serde(flatten)]
     streak: Streak,
     /// The scale reported just before the streak began, and the latest.
@@ -27,20 +29,14 @@ pub struct ScalerOverflowStreak {
 const SUBJECT: &str = "scaler";
 
 impl ScalerOverflowStreak {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let (context, record) = (view.context, view.record);
         let Some(scaler) = &record.scaler else { return };
         let scale = scaler.scale.map(|s| s.get());
         match scaler.found_inf {
             None => {}
             Some(false) => {
-                if self.streak.observe(false, record.step, 1) == Some(Edge::Resolve) {
-                    out.push(Transition::Resolve {
-                        kind: AlertKind::ScalerOverflowStreak,
-                        subject: SUBJECT.into(),
-                        step: record.step,
-                    });
-                }
+                alerts.clear(AlertKind::ScalerOverflowStreak, SUBJECT, record.step);
                 *self = ScalerOverflowStreak {
                     scale_before: scale.or(self.scale_now),
                     scale_now: scale.or(self.scale_now),
@@ -63,14 +59,17 @@ impl ScalerOverflowStreak {
                 // Step numbers, not reports: a client reporting every k-th step
                 // reaches the threshold on the same step number.
                 let threshold = u64::from(context.thresholds.overflow_streak_steps);
-                if self.streak.observe_steps(true, record.step, threshold) == Some(Edge::Open) {
-                    out.push(self.opened(record.step));
+                let (kind, step) = (AlertKind::ScalerOverflowStreak, record.step);
+                if alerts.observe(kind, SUBJECT, &mut self.streak, true, |s| {
+                    s.spans(threshold, step)
+                }) {
+                    alerts.open(self.opened(step));
                 }
             }
         }
     }
 
-    fn opened(&self, step: u64) -> Transition {
+    fn opened(&self, step: u64) -> Opened {
         let first_step = self.streak.first_step(step);
         let len = self.streak.count;
         let scale = match (self.scale_before, self.scale_now) {
@@ -82,7 +81,7 @@ impl ScalerOverflowStreak {
         };
         let inputs = super::precision::input_explanation(self.input_absmax);
         let (cause, because) = inputs.unwrap_or(("overflow", String::new()));
-        Transition::Open(Opened {
+        Opened {
             kind: AlertKind::ScalerOverflowStreak,
             subject: SUBJECT.into(),
             severity: Severity::Critical,
@@ -113,17 +112,17 @@ impl ScalerOverflowStreak {
                 "scale_before": self.scale_before,
                 "scale_now": self.scale_now,
             }),
-        })
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::RunContext;
-    use crate::detect::StepView;
-    use crate::detect::Thresholds;
+    use crate::detect::context::RunContext;
     use crate::detect::testing::{record, transitions};
+    use crate::detect::thresholds::Thresholds;
+    use crate::model::alert::Transition;
     use gradflow_protocol::RunRegistration;
 
     fn run(found_inf: &[Option<bool>]) -> Vec<(u64, Transition)> {
@@ -213,7 +212,8 @@ mod tests {
                 Transition::Resolve {
                     kind: AlertKind::ScalerOverflowStreak,
                     subject: "scaler".into(),
-                    step: 5
+                    step: 5,
+                    last_step: Some(4),
                 }
             )
         );

@@ -32,11 +32,13 @@ use serde_json::json;
 
 use gradflow_protocol::{GraphCut, GraphCutKind, GraphCutVia};
 
-use super::episode::{Edge, Streak};
-use super::{
-    AlertKind, GroupMap, Opened, RunContext, Severity, StepView, Transition, is_within, sci,
-    step_range,
-};
+use super::context::RunContext;
+use super::episode::{Alerts, Streak};
+use super::view::{GroupMap, StepView};
+use super::wording::{is_within, name_list, sci, step_range};
+use crate::model::alert::{AlertKind, Opened, Severity};
+
+const KIND: AlertKind = AlertKind::GradStuckZero;
 
 /// More modules of one group than this, stuck together, are one alert.
 pub const MAX_MODULE_ALERTS: usize = 3;
@@ -108,6 +110,9 @@ struct StoredRun {
     missing: u32,
     #[serde(default)]
     hooks_fired: u32,
+    /// Read and ignored: whether an alert is open is the episodes' to say.
+    #[serde(default, skip_serializing)]
+    #[allow(dead_code)]
     open: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     batch: Option<String>,
@@ -116,7 +121,7 @@ struct StoredRun {
 impl From<StoredRun> for ZeroRun {
     fn from(stored: StoredRun) -> Self {
         ZeroRun {
-            streak: Streak::from_count(stored.len, stored.first_step, stored.open),
+            streak: Streak::from_count(stored.len, stored.first_step),
             hooks_silent: stored.hooks_silent,
             missing: stored.missing,
             hooks_fired: stored.hooks_fired,
@@ -133,7 +138,7 @@ impl From<ZeroRun> for StoredRun {
             hooks_silent: run.hooks_silent,
             missing: run.missing,
             hooks_fired: run.hooks_fired,
-            open: run.streak.open,
+            open: false,
             batch: run.batch,
         }
     }
@@ -197,15 +202,16 @@ impl Cause {
 }
 
 impl ZeroRun {
-    /// Folds in one step's reading; the run opens once `long_enough` says so (see
-    /// [`Streak::observe_when`]), and a reading with a gradient ends it.
+    /// Folds in one step's reading of `subject`; whether its alert opens now (see
+    /// [`Alerts::observe`]). A reading with a gradient ends the run.
     fn observe(
         &mut self,
-        step: u64,
+        alerts: &mut Alerts<'_>,
+        subject: &str,
         reading: Reading,
         long_enough: impl FnOnce(&Streak) -> bool,
-    ) -> Option<Edge> {
-        let edge = self.streak.observe_when(reading.zero, step, long_enough);
+    ) -> bool {
+        let opens = alerts.observe(KIND, subject, &mut self.streak, reading.zero, long_enough);
         if reading.zero {
             self.hooks_silent += u32::from(reading.hooks_silent);
             self.hooks_fired += u32::from(reading.hooks_fired);
@@ -213,7 +219,7 @@ impl ZeroRun {
         } else {
             *self = ZeroRun::default();
         }
-        edge
+        opens
     }
 
     /// The first step of the run (0 when none has begun).
@@ -223,7 +229,7 @@ impl ZeroRun {
 }
 
 impl StuckZeroGrad {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let (context, record) = (view.context, view.record);
         let step = record.step;
         self.keep_cuts(step, &record.graph_cuts);
@@ -253,23 +259,19 @@ impl StuckZeroGrad {
             let Some(run) = run_for(&mut self.groups, group, reading) else {
                 continue;
             };
-            match run.observe(step, reading, |s| s.span(step) >= threshold) {
-                Some(Edge::Resolve) => out.push(resolve(group, step)),
-                Some(Edge::Open) => {
-                    let others = healthy_others(&group_readings, group);
-                    let cut = cut_for(&self.cuts, group, None, run);
-                    out.push(open(
-                        context,
-                        group,
-                        None,
-                        reading.modules,
-                        run,
-                        step,
-                        &others,
-                        cut,
-                    ));
-                }
-                None => {}
+            if run.observe(alerts, group, reading, |s| s.spans(threshold, step)) {
+                let others = healthy_others(&group_readings, group);
+                let cut = cut_for(&self.cuts, group, None, run);
+                alerts.open(open(
+                    context,
+                    group,
+                    None,
+                    reading.modules,
+                    run,
+                    step,
+                    &others,
+                    cut,
+                ));
             }
         }
         // Modules reaching the threshold this step (their runs open here), by group
@@ -277,21 +279,22 @@ impl StuckZeroGrad {
         // says it.
         let mut reached: BTreeMap<(&str, &'static str), Vec<&str>> = BTreeMap::new();
         for (module, group, reading) in module_readings {
-            let group_stuck = self.groups.get(group).is_some_and(|g| g.streak.open);
+            let group_stuck = alerts.is_open(KIND, group);
             let Some(run) = run_for(&mut self.modules, module, reading) else {
                 continue;
             };
+            // A module of a common alert has reached the threshold already.
             let batch = run.batch.clone();
-            match run.observe(step, reading, |s| s.span(step) >= threshold && !group_stuck) {
-                Some(Edge::Resolve) => match batch {
-                    Some(subject) => leave_batch(&mut self.batches, &subject, module, step, out),
-                    None => out.push(resolve(module, step)),
-                },
-                Some(Edge::Open) => reached
+            let alone = batch.is_none();
+            let long_enough = |s: &Streak| alone && s.spans(threshold, step) && !group_stuck;
+            if run.observe(alerts, module, reading, long_enough) {
+                reached
                     .entry((group, Cause::of(run).as_str()))
                     .or_default()
-                    .push(module),
-                None => {}
+                    .push(module);
+            }
+            if let (Some(subject), false) = (batch, reading.zero) {
+                leave_batch(&mut self.batches, &subject, module, step, alerts);
             }
         }
         for ((group, _), modules) in reached {
@@ -299,7 +302,7 @@ impl StuckZeroGrad {
                 for module in modules {
                     let run = self.modules.get(module).expect("run just opened");
                     let cut = cut_for(&self.cuts, module, Some(group), run);
-                    out.push(open(context, module, Some(group), 1, run, step, &[], cut));
+                    alerts.open(open(context, module, Some(group), 1, run, step, &[], cut));
                 }
                 continue;
             }
@@ -310,17 +313,15 @@ impl StuckZeroGrad {
                 run.batch = Some(subject.clone());
             }
             let cut = cut_for(&self.cuts, &subject, Some(group), &example);
-            out.push(open_batch(
+            alerts.open(open_batch(
                 context, &subject, group, &modules, &example, step, cut,
             ));
             self.batches
                 .insert(subject, modules.iter().map(|m| (*m).to_owned()).collect());
         }
-        // Keep only what carries information: streaks in progress and open episodes.
-        self.groups
-            .retain(|_, r| r.streak.count > 0 || r.streak.open);
-        self.modules
-            .retain(|_, r| r.streak.count > 0 || r.streak.open);
+        // Keep only what carries information: streaks in progress.
+        self.groups.retain(|_, r| r.streak.count > 0);
+        self.modules.retain(|_, r| r.streak.count > 0);
     }
 
     fn keep_cuts(&mut self, step: u64, cuts: &[GraphCut]) {
@@ -426,13 +427,13 @@ fn leave_batch(
     subject: &str,
     module: &str,
     step: u64,
-    out: &mut Vec<Transition>,
+    alerts: &mut Alerts<'_>,
 ) {
     if let Some(members) = batches.get_mut(subject) {
         members.retain(|m| m != module);
         if members.is_empty() {
             batches.remove(subject);
-            out.push(resolve(subject, step));
+            alerts.clear(KIND, subject, step);
         }
     }
 }
@@ -467,8 +468,8 @@ fn open_batch(
     example: &ZeroRun,
     step: u64,
     cut: Option<&SeenCut>,
-) -> Transition {
-    let Transition::Open(mut alert) = open(
+) -> Opened {
+    let mut alert = open(
         context,
         subject,
         None,
@@ -477,9 +478,7 @@ fn open_batch(
         step,
         &[],
         cut,
-    ) else {
-        unreachable!("open() opens")
-    };
+    );
     let total = context
         .trainable_modules_per_group
         .get(group)
@@ -489,14 +488,14 @@ fn open_batch(
     alert.detail = format!(
         "{} of the {total} trainable modules of {group} ({}){}",
         modules.len(),
-        super::name_list(modules, 5),
+        name_list(modules, 5),
         &alert.detail[first..],
     ) + " One cause is behind them all: they went to zero on the same step; the rest of the \
        group still trains.";
     alert.evidence["modules"] = json!(modules.len());
     alert.evidence["module_names"] = json!(modules.iter().take(50).collect::<Vec<_>>());
     alert.evidence["group"] = json!(group);
-    Transition::Open(alert)
+    alert
 }
 
 /// The run to update for a reading: the existing one, or a new one for a zero
@@ -526,14 +525,6 @@ fn healthy_others(readings: &GroupMap<Option<Reading>>, stuck: &str) -> Vec<(Str
         .collect()
 }
 
-fn resolve(subject: &str, step: u64) -> Transition {
-    Transition::Resolve {
-        kind: AlertKind::GradStuckZero,
-        subject: subject.to_owned(),
-        step,
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 fn open(
     context: &RunContext,
@@ -544,7 +535,7 @@ fn open(
     step: u64,
     others: &[(String, f64)],
     cut: Option<&SeenCut>,
-) -> Transition {
+) -> Opened {
     let cause = Cause::of(run);
     let (reports, first_step, span) = (run.streak.count, run.first_step(), run.streak.span(step));
     let what = match module_of_group {
@@ -632,7 +623,7 @@ fn open(
             .to_owned(),
     };
     let mut opened = Opened {
-        kind: AlertKind::GradStuckZero,
+        kind: KIND,
         subject: subject.to_owned(),
         severity: Severity::Critical,
         first_step: Some(first_step),
@@ -653,15 +644,16 @@ fn open(
     if let Some((_, evidence)) = cut {
         opened.evidence["graph_cut"] = evidence;
     }
-    Transition::Open(opened)
+    opened
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::StepView;
-    use crate::detect::Thresholds;
-    use crate::detect::testing::transitions;
+    use crate::detect::testing::{Run, transitions};
+    use crate::detect::thresholds::Thresholds;
+    use crate::detect::view::StepView;
+    use crate::model::alert::Transition;
     use gradflow_protocol::RunRegistration;
     use gradflow_protocol::StepRecord;
     use serde_json::Value;
@@ -874,7 +866,8 @@ mod tests {
                 Transition::Resolve {
                     kind: AlertKind::GradStuckZero,
                     subject: "qwen".into(),
-                    step: 6
+                    step: 6,
+                    last_step: Some(5),
                 }
             )
         );
@@ -932,9 +925,10 @@ mod tests {
             .collect();
         let context = RunContext::new(&context().registration, Thresholds::default());
         let mut detector = StuckZeroGrad::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         for r in &cached {
-            detector.on_step(&StepView::new(&context, r), &mut out);
+            out.extend(run.step(r.step, |a| detector.on_step(&StepView::new(&context, r), a)));
         }
         assert!(out.is_empty(), "{out:?}");
     }
@@ -1070,8 +1064,10 @@ mod tests {
         let stored = json!({"groups": {"qwen": {"len": 4, "first_step": 0, "hooks_silent": 4,
             "missing": 4, "hooks_fired": 0, "open": false}}});
         let mut detector: StuckZeroGrad = serde_json::from_value(stored).unwrap();
-        let mut out = Vec::new();
-        detector.on_step(&StepView::new(&context(), &detached(4)), &mut out);
+        let context = context();
+        let out = Run::default().step(4, |a| {
+            detector.on_step(&StepView::new(&context, &detached(4)), a)
+        });
         let o = opened(&out[0]);
         assert_eq!((o.subject.as_str(), o.first_step), ("qwen", Some(0)));
         assert_eq!(o.evidence["cause"], "backward_not_reached");
@@ -1080,7 +1076,7 @@ mod tests {
         assert_eq!(
             saved["groups"]["qwen"],
             json!({"len": 5, "first_step": 0, "hooks_silent": 5, "missing": 5,
-                   "hooks_fired": 0, "open": true})
+                   "hooks_fired": 0})
         );
     }
 
@@ -1088,15 +1084,22 @@ mod tests {
     fn state_survives_serialization_mid_streak() {
         let context = context();
         let mut detector = StuckZeroGrad::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         for s in 0..3 {
-            detector.on_step(&StepView::new(&context, &detached(s)), &mut out);
+            out.extend(run.step(s, |a| {
+                detector.on_step(&StepView::new(&context, &detached(s)), a)
+            }));
         }
         let saved = serde_json::to_string(&detector).unwrap();
         let mut restored: StuckZeroGrad = serde_json::from_str(&saved).unwrap();
-        restored.on_step(&StepView::new(&context, &detached(3)), &mut out);
+        out.extend(run.step(3, |a| {
+            restored.on_step(&StepView::new(&context, &detached(3)), a)
+        }));
         assert!(out.is_empty());
-        restored.on_step(&StepView::new(&context, &detached(4)), &mut out);
+        out.extend(run.step(4, |a| {
+            restored.on_step(&StepView::new(&context, &detached(4)), a)
+        }));
         assert_eq!(out.len(), 1);
     }
 }

@@ -21,7 +21,11 @@ use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AlertKind, Opened, RunContext, Severity, StepView, Transition, name_list};
+use super::context::RunContext;
+use super::episode::Alerts;
+use super::view::StepView;
+use super::wording::name_list;
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -37,13 +41,13 @@ pub struct UnusedParameters {
 }
 
 impl UnusedParameters {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let (context, record) = (view.context, view.record);
         if record.modules.is_empty() {
             return;
         }
         if self.decided {
-            self.forgive_arrivals(view, out);
+            self.forgive_arrivals(view, alerts);
             return;
         }
         for (module, _) in view.trainable_modules() {
@@ -71,7 +75,7 @@ impl UnusedParameters {
             }
         }
         for (group, modules) in &self.unused {
-            out.push(opened(
+            alerts.open(opened(
                 context,
                 group,
                 modules,
@@ -81,7 +85,7 @@ impl UnusedParameters {
         }
     }
 
-    fn forgive_arrivals(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    fn forgive_arrivals(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         if self.unused.is_empty() {
             return;
         }
@@ -95,11 +99,7 @@ impl UnusedParameters {
             };
             if list.remove(&module.module) && list.is_empty() {
                 self.unused.remove(group);
-                out.push(Transition::Resolve {
-                    kind: AlertKind::UnusedParameters,
-                    subject: group.to_owned(),
-                    step: view.record.step,
-                });
+                alerts.clear(AlertKind::UnusedParameters, group, view.record.step);
             }
         }
     }
@@ -111,7 +111,7 @@ fn opened(
     modules: &FxHashSet<String>,
     steps: u32,
     step: u64,
-) -> Transition {
+) -> Opened {
     let mut names: Vec<&str> = modules.iter().map(String::as_str).collect();
     names.sort_unstable();
     let total = context
@@ -119,7 +119,7 @@ fn opened(
         .get(group)
         .copied()
         .unwrap_or(names.len());
-    Transition::Open(Opened {
+    Opened {
         kind: AlertKind::UnusedParameters,
         subject: group.to_owned(),
         severity: Severity::Warning,
@@ -146,15 +146,16 @@ fn opened(
             "unused_modules": names.len(),
             "steps": steps,
         }),
-    })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::StepView;
-    use crate::detect::Thresholds;
     use crate::detect::testing::{record, transitions};
+    use crate::detect::thresholds::Thresholds;
+    use crate::detect::view::StepView;
+    use crate::model::alert::Transition;
     use gradflow_protocol::RunRegistration;
     use serde_json::Value;
 
@@ -228,7 +229,8 @@ mod tests {
                 Transition::Resolve {
                     kind: AlertKind::UnusedParameters,
                     subject: "agent".into(),
-                    step: 5
+                    step: 5,
+                    last_step: Some(4),
                 }
             )
         );

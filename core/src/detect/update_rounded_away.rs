@@ -43,8 +43,10 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
-use super::{AlertKind, Opened, Severity, StepView, Transition, name_list, sci, step_range};
+use super::episode::{Alerts, Streak};
+use super::view::StepView;
+use super::wording::{name_list, sci, step_range};
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -88,13 +90,12 @@ struct StoredRun {
     #[serde(default = "one")]
     min_lost: f64,
     lr: Option<f64>,
-    open: bool,
 }
 
 impl From<StoredRun> for LostRun {
     fn from(stored: StoredRun) -> Self {
         LostRun {
-            streak: Streak::from_count(stored.reports, stored.first_step, stored.open),
+            streak: Streak::from_count(stored.reports, stored.first_step),
             max_ulp: stored.max_ulp,
             min_lost: stored.min_lost,
             lr: stored.lr,
@@ -110,7 +111,6 @@ impl From<LostRun> for StoredRun {
             max_ulp: run.max_ulp,
             min_lost: run.min_lost,
             lr: run.lr,
-            open: run.streak.open,
         }
     }
 }
@@ -152,7 +152,7 @@ impl Reading<'_> {
 }
 
 impl UpdateRoundedAway {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let (context, record) = (view.context, view.record);
         let mut readings: BTreeMap<&str, Reading> = BTreeMap::new();
         for param in &record.params {
@@ -176,32 +176,25 @@ impl UpdateRoundedAway {
         let threshold = u64::from(context.thresholds.frozen_norm_steps);
         let lr = step_lr(record);
         for (group, reading) in readings {
+            let kind = AlertKind::UpdateRoundedAway;
             if reading.lost_fraction() < WARN_FRACTION {
-                if let Some(mut run) = self.groups.remove(group)
-                    && run.streak.observe_when(false, record.step, |_| false) == Some(Edge::Resolve)
-                {
-                    out.push(Transition::Resolve {
-                        kind: AlertKind::UpdateRoundedAway,
-                        subject: group.to_owned(),
-                        step: record.step,
-                    });
-                }
+                self.groups.remove(group);
+                alerts.clear(kind, group, record.step);
                 continue;
             }
             let run = self.groups.entry(group.to_owned()).or_default();
             let warming_up = matches!((run.lr, lr), (Some(before), Some(now)) if now > before);
-            if run.streak.count == 0 || (warming_up && !run.streak.open) {
+            if run.streak.count == 0 || (warming_up && !alerts.is_open(kind, group)) {
                 *run = LostRun::default();
             }
             run.lr = lr;
             run.min_lost = run.min_lost.min(reading.lost_fraction());
             run.max_ulp = run.max_ulp.max(reading.max_ulp);
             // At least two reports, over the threshold's step numbers.
-            let edge = run.streak.observe_when(true, record.step, |streak| {
-                streak.count >= 2 && streak.span(record.step) >= threshold
-            });
-            if edge == Some(Edge::Open) {
-                out.push(Transition::Open(opened(group, &reading, run, record.step)));
+            let step = record.step;
+            let long_enough = |s: &Streak| s.reports(2) && s.spans(threshold, step);
+            if alerts.observe(kind, group, &mut run.streak, true, long_enough) {
+                alerts.open(opened(group, &reading, run, step));
             }
         }
     }
@@ -283,8 +276,10 @@ fn opened(group: &str, reading: &Reading<'_>, run: &LostRun, step: u64) -> Opene
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::context::RunContext;
     use crate::detect::testing::transitions;
-    use crate::detect::{RunContext, Thresholds};
+    use crate::detect::thresholds::Thresholds;
+    use crate::model::alert::Transition;
     use gradflow_protocol::{RunRegistration, StepRecord};
 
     fn context() -> RunContext {
@@ -379,9 +374,11 @@ mod tests {
         let stored = json!({"groups": {"qwen": {"first_step": 0, "reports": 2, "max_ulp": 0.2,
             "min_lost": 1.0, "lr": null, "open": false}}});
         let mut detector: UpdateRoundedAway = serde_json::from_value(stored).unwrap();
-        let mut out = Vec::new();
-        detector.on_step(&StepView::new(&context(), &record(10, 100)), &mut out);
-        let [Transition::Open(o)] = &out[..] else {
+        let context = context();
+        let out = transitions([record(10, 100)], |r, alerts| {
+            detector.on_step(&StepView::new(&context, r), alerts)
+        });
+        let [(10, Transition::Open(o))] = &out[..] else {
             panic!("{out:?}")
         };
         assert_eq!((o.first_step, &o.evidence["reports"]), (Some(0), &json!(3)));
@@ -389,7 +386,7 @@ mod tests {
         assert_eq!(
             saved["groups"]["qwen"],
             json!({"first_step": 0, "reports": 3, "max_ulp": 0.2, "min_lost": 1.0,
-                   "lr": null, "open": true})
+                   "lr": null})
         );
     }
 

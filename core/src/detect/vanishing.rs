@@ -12,9 +12,11 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::episode::{Edge, Streak};
+use super::episode::{Alerts, Streak};
 use super::layers::Layer;
-use super::{AlertKind, GroupMap, Opened, Severity, StepView, Transition, sci, step_range};
+use super::view::{GroupMap, StepView};
+use super::wording::{sci, step_range};
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 /// First-layer norm / last-layer norm below which gradients count as vanishing.
 pub const RATIO: f64 = 1e-3;
@@ -28,14 +30,13 @@ const MAX_LAYER: usize = 10_000;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct GradVanishing {
-    /// Per group, its run of steps with vanishing gradients. An open alert keeps
-    /// the `open` key it was stored under before [`Streak`]; a run still counting
-    /// starts again.
+    /// Per group, its run of steps with vanishing gradients, as stored before
+    /// [`Streak`]; a run still counting starts again.
     groups: BTreeMap<String, Streak>,
 }
 
 impl GradVanishing {
-    pub fn on_step(&mut self, view: &StepView<'_>, out: &mut Vec<Transition>) {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
         // Sum of squared module norms per (group, layer).
         // Per group, the sum of squared module norms of each layer, indexed by layer.
@@ -76,61 +77,56 @@ impl GradVanishing {
             let ratio = first / last;
             let streak = self.groups.entry(group.to_owned()).or_default();
             // Step numbers, not reports.
-            match streak.observe_steps(ratio < RATIO, record.step, u64::from(STEPS)) {
-                Some(Edge::Resolve) => out.push(Transition::Resolve {
-                    kind: AlertKind::GradVanishing,
-                    subject: group.to_owned(),
-                    step: record.step,
-                }),
-                Some(Edge::Open) => {
-                    let since = streak.first_step(record.step);
-                    out.push(Transition::Open(Opened {
-                    kind: AlertKind::GradVanishing,
-                    subject: group.to_owned(),
-                    severity: Severity::Warning,
-                    first_step: Some(since),
-                    step: Some(record.step),
-                    title: format!("Gradients vanish across the depth of {group}"),
-                    detail: format!(
-                        "On each of the last {} steps ({}) the gradient norm of layer {first_layer} of \
-                         {group} was below {RATIO:.0e} times that of layer {last_layer} (at step {}: \
-                         {} against {}, a ratio of {}): the early layers barely learn.",
-                        streak.count,
-                        step_range(since, record.step),
-                        record.step,
-                        sci(first),
-                        sci(last),
-                        sci(ratio),
-                    ),
-                    fix: "Check the residual connections (a missing skip path), put normalization \
-                          before each block (pre-norm), scale the initialization with depth, and \
-                          avoid saturating activations (sigmoid, tanh) inside deep stacks."
-                        .into(),
-                    evidence: json!({
-                        "cause": "depth_decay",
-                        "first_layer": first_layer,
-                        "last_layer": last_layer,
-                        "first_layer_norm": first,
-                        "last_layer_norm": last,
-                        "ratio": ratio,
-                        "steps": streak.count,
-                    }),
-                }));
-                }
-                None => {}
+            let (kind, step) = (AlertKind::GradVanishing, record.step);
+            let steps = u64::from(STEPS);
+            if !alerts.observe(kind, group, streak, ratio < RATIO, |s| s.spans(steps, step)) {
+                continue;
             }
+            let since = streak.first_step(record.step);
+            alerts.open(Opened {
+                kind: AlertKind::GradVanishing,
+                subject: group.to_owned(),
+                severity: Severity::Warning,
+                first_step: Some(since),
+                step: Some(record.step),
+                title: format!("Gradients vanish across the depth of {group}"),
+                detail: format!(
+                    "On each of the last {} steps ({}) the gradient norm of layer {first_layer} of \
+                 {group} was below {RATIO:.0e} times that of layer {last_layer} (at step {}: \
+                 {} against {}, a ratio of {}): the early layers barely learn.",
+                    streak.count,
+                    step_range(since, record.step),
+                    record.step,
+                    sci(first),
+                    sci(last),
+                    sci(ratio),
+                ),
+                fix: "Check the residual connections (a missing skip path), put normalization \
+                  before each block (pre-norm), scale the initialization with depth, and \
+                  avoid saturating activations (sigmoid, tanh) inside deep stacks."
+                    .into(),
+                evidence: json!({
+                    "cause": "depth_decay",
+                    "first_layer": first_layer,
+                    "last_layer": last_layer,
+                    "first_layer_norm": first,
+                    "last_layer_norm": last,
+                    "ratio": ratio,
+                    "steps": streak.count,
+                }),
+            });
         }
-        self.groups.retain(|_, s| s.count > 0 || s.open);
+        self.groups.retain(|_, s| s.count > 0);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::RunContext;
-    use crate::detect::StepView;
-    use crate::detect::Thresholds;
+    use crate::detect::context::RunContext;
     use crate::detect::testing::{record, transitions};
+    use crate::detect::thresholds::Thresholds;
+    use crate::model::alert::Transition;
     use gradflow_protocol::RunRegistration;
     use serde_json::Value;
 

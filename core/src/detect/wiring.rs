@@ -16,8 +16,9 @@
 use gradflow_protocol::{RunRegistration, WiringFinding, WiringKind};
 use serde_json::json;
 
+use super::context::RunContext;
 use super::loop_wiring;
-use super::{AlertKind, Opened, RunContext, Severity};
+use crate::model::alert::{AlertKind, Opened, Severity};
 
 pub fn check(context: &RunContext, out: &mut Vec<Opened>) {
     for finding in &context.registration.wiring {

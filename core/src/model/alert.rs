@@ -1,122 +1,90 @@
 //! What an alert is, as the detectors open it and every layer above names it: its
 //! kind, its severity, what it says when it opens, and a detector's decision.
 
-use serde::{Deserialize, Serialize};
+use gradflow_protocol::{WiringKind, vocabulary};
+use serde::Serialize;
 use serde_json::Value;
 
-/// The kinds of docs/PROTOCOL.md's alert table, then the ones gradflow adds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AlertKind {
-    GradStuckZero,
-    NormWeightFrozen,
-    ScalerBf16Incompatible,
-    ScalerOverflowStreak,
-    GradNonfinite,
-    LossNonfinite,
-    DtypeMismatch,
-    ParamNotInOptimizer,
-    GradExplosion,
-    GradVanishing,
-    UnusedParameters,
-    LossDivergence,
-    GroupNotTraining,
-    GradsNotZeroed,
-    FirstStepHint,
-    UpdateRoundedAway,
-    RankMissing,
-    RankStraggler,
-    RankNonfinite,
-    ReplicaDivergence,
-    ShardReportedAsGlobal,
-    NothingTrains,
-    AccumulationReset,
-    ModelInEvalMode,
-    FreezeFlagIgnored,
-    ModulesNotRegistered,
-    TiedWeightsUntied,
-    ParamsCreatedInForward,
-    ClipBeforeUnscale,
-    ClipAfterStep,
-    SchedulerPerMicroBatch,
-    ParamGroupEmpty,
+vocabulary! {
+    /// Every kind of alert, as docs/PROTOCOL.md's alert table lists them (a test holds
+    /// the page's table to this one, row by row): its name, and what the table says
+    /// of it. A kind a client's wiring finding raises borrows the finding's name.
+    ///
+    /// Adding a kind is adding a row here, a detector that opens it (one file under
+    /// `detect/`, with its tests) and its row in docs/PROTOCOL.md.
+    pub enum AlertKind: KindSpec {
+        GradStuckZero = "grad_stuck_zero" => KindSpec::new(&[Severity::Critical]),
+        NormWeightFrozen = "norm_weight_frozen" => KindSpec::new(&[Severity::Critical]),
+        ScalerBf16Incompatible = "scaler_bf16_incompatible" => KindSpec::new(&[Severity::Critical]),
+        ScalerOverflowStreak = "scaler_overflow_streak" => KindSpec::new(&[Severity::Critical]),
+        GradNonfinite = "grad_nonfinite" => KindSpec::new(&[Severity::Critical]),
+        LossNonfinite = "loss_nonfinite" => KindSpec::new(&[Severity::Critical]),
+        DtypeMismatch = "dtype_mismatch" => KindSpec::new(&[Severity::Warning]),
+        ParamNotInOptimizer = "param_not_in_optimizer" => KindSpec::new(&[Severity::Critical]),
+        GradExplosion = "grad_explosion" => KindSpec::new(&[Severity::Warning]),
+        GradVanishing = "grad_vanishing" => KindSpec::new(&[Severity::Warning]),
+        UnusedParameters = "unused_parameters" => KindSpec::new(&[Severity::Warning]),
+        GroupNotTraining = "group_not_training" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
+        NothingTrains = "nothing_trains" => KindSpec::new(&[Severity::Critical]),
+        AccumulationReset = "accumulation_reset" => KindSpec::new(&[Severity::Warning]),
+        ModelInEvalMode = "model_in_eval_mode" => KindSpec::new(&[Severity::Warning]),
+        FreezeFlagIgnored = WiringKind::FreezeFlagIgnored.as_str() => KindSpec::new(&[Severity::Warning]),
+        ModulesNotRegistered = WiringKind::ModulesNotRegistered.as_str() => KindSpec::new(&[Severity::Critical]),
+        TiedWeightsUntied = WiringKind::TiedWeightsUntied.as_str() => KindSpec::new(&[Severity::Warning]),
+        ParamsCreatedInForward = WiringKind::ParamsCreatedInForward.as_str() => KindSpec::new(&[Severity::Critical]),
+        ClipBeforeUnscale = WiringKind::ClipBeforeUnscale.as_str() => KindSpec::new(&[Severity::Critical]),
+        ClipAfterStep = WiringKind::ClipAfterStep.as_str() => KindSpec::new(&[Severity::Warning]),
+        SchedulerPerMicroBatch = WiringKind::SchedulerPerMicroBatch.as_str() => KindSpec::new(&[Severity::Warning]),
+        ParamGroupEmpty = WiringKind::ParamGroupEmpty.as_str() => KindSpec::new(&[Severity::Warning]),
+        GradsNotZeroed = "grads_not_zeroed" => KindSpec::new(&[Severity::Warning]),
+        UpdateRoundedAway = "update_rounded_away" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
+        FirstStepHint = "first_step_hint" => KindSpec::new(&[Severity::Info]).ends_at_once(),
+        LossDivergence = "loss_divergence" => KindSpec::new(&[Severity::Warning]),
+        RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
+        RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
+        RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),
+        ReplicaDivergence = "replica_divergence" => KindSpec::new(&[Severity::Critical]),
+        ShardReportedAsGlobal = "shard_reported_as_global" => KindSpec::new(&[Severity::Critical]),
+    }
 }
 
-impl AlertKind {
-    pub const ALL: [AlertKind; 32] = [
-        AlertKind::GradStuckZero,
-        AlertKind::NormWeightFrozen,
-        AlertKind::ScalerBf16Incompatible,
-        AlertKind::ScalerOverflowStreak,
-        AlertKind::GradNonfinite,
-        AlertKind::LossNonfinite,
-        AlertKind::DtypeMismatch,
-        AlertKind::ParamNotInOptimizer,
-        AlertKind::GradExplosion,
-        AlertKind::GradVanishing,
-        AlertKind::UnusedParameters,
-        AlertKind::LossDivergence,
-        AlertKind::GroupNotTraining,
-        AlertKind::GradsNotZeroed,
-        AlertKind::FirstStepHint,
-        AlertKind::UpdateRoundedAway,
-        AlertKind::RankMissing,
-        AlertKind::RankStraggler,
-        AlertKind::RankNonfinite,
-        AlertKind::ReplicaDivergence,
-        AlertKind::ShardReportedAsGlobal,
-        AlertKind::NothingTrains,
-        AlertKind::AccumulationReset,
-        AlertKind::ModelInEvalMode,
-        AlertKind::FreezeFlagIgnored,
-        AlertKind::ModulesNotRegistered,
-        AlertKind::TiedWeightsUntied,
-        AlertKind::ParamsCreatedInForward,
-        AlertKind::ClipBeforeUnscale,
-        AlertKind::ClipAfterStep,
-        AlertKind::SchedulerPerMicroBatch,
-        AlertKind::ParamGroupEmpty,
-    ];
+/// What the alert table says of a kind beyond its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KindSpec {
+    /// The severities its alerts may have (the table's last column; a detector
+    /// opening another is a bug its tests catch).
+    pub severities: &'static [Severity],
+    /// Step numbers its condition must stay away before an open episode ends
+    /// (`detect::episode`): a return within them is the same episode.
+    pub hold: u64,
+}
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AlertKind::GradStuckZero => "grad_stuck_zero",
-            AlertKind::NormWeightFrozen => "norm_weight_frozen",
-            AlertKind::ScalerBf16Incompatible => "scaler_bf16_incompatible",
-            AlertKind::ScalerOverflowStreak => "scaler_overflow_streak",
-            AlertKind::GradNonfinite => "grad_nonfinite",
-            AlertKind::LossNonfinite => "loss_nonfinite",
-            AlertKind::DtypeMismatch => "dtype_mismatch",
-            AlertKind::ParamNotInOptimizer => "param_not_in_optimizer",
-            AlertKind::GradExplosion => "grad_explosion",
-            AlertKind::GradVanishing => "grad_vanishing",
-            AlertKind::UnusedParameters => "unused_parameters",
-            AlertKind::LossDivergence => "loss_divergence",
-            AlertKind::GroupNotTraining => "group_not_training",
-            AlertKind::GradsNotZeroed => "grads_not_zeroed",
-            AlertKind::FirstStepHint => "first_step_hint",
-            AlertKind::UpdateRoundedAway => "update_rounded_away",
-            AlertKind::RankMissing => "rank_missing",
-            AlertKind::RankStraggler => "rank_straggler",
-            AlertKind::RankNonfinite => "rank_nonfinite",
-            AlertKind::ReplicaDivergence => "replica_divergence",
-            AlertKind::ShardReportedAsGlobal => "shard_reported_as_global",
-            AlertKind::NothingTrains => "nothing_trains",
-            AlertKind::AccumulationReset => "accumulation_reset",
-            AlertKind::ModelInEvalMode => "model_in_eval_mode",
-            AlertKind::FreezeFlagIgnored => "freeze_flag_ignored",
-            AlertKind::ModulesNotRegistered => "modules_not_registered",
-            AlertKind::TiedWeightsUntied => "tied_weights_untied",
-            AlertKind::ParamsCreatedInForward => "params_created_in_forward",
-            AlertKind::ClipBeforeUnscale => "clip_before_unscale",
-            AlertKind::ClipAfterStep => "clip_after_step",
-            AlertKind::SchedulerPerMicroBatch => "scheduler_per_micro_batch",
-            AlertKind::ParamGroupEmpty => "param_group_empty",
+/// The hold of a kind whose table row says nothing else: long enough that a
+/// condition flapping around its threshold (a loss a few steps above its bar, a few
+/// below) is one episode, short enough that one that has ended says so soon. As
+/// short as the shortest streak threshold (`frozen_norm_steps`, 20), so that two
+/// faults the thresholds tell apart are two alerts.
+pub const HOLD_STEPS: u64 = 20;
+
+impl KindSpec {
+    const fn new(severities: &'static [Severity]) -> KindSpec {
+        KindSpec {
+            severities,
+            hold: HOLD_STEPS,
         }
     }
 
-    pub fn parse(text: &str) -> Option<AlertKind> {
-        AlertKind::ALL.into_iter().find(|k| k.as_str() == text)
+    /// An episode that ends on the first report without its condition (a hint that
+    /// a later verdict replaces).
+    const fn ends_at_once(self) -> KindSpec {
+        KindSpec { hold: 0, ..self }
+    }
+}
+
+impl From<WiringKind> for AlertKind {
+    /// The alert a client's wiring finding raises: the kind of the same name.
+    fn from(finding: WiringKind) -> AlertKind {
+        AlertKind::parse(finding.as_str()).expect("every wiring kind is an alert kind")
     }
 }
 
@@ -124,38 +92,11 @@ impl AlertKind {
 /// uses (stored, filtered, sorted and sent as its `as_str`).
 pub use gradflow_protocol::AlertSeverity as Severity;
 
-/// Whether an alert's episode is still going on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AlertStatus {
-    Open,
-    Resolved,
-}
-
-impl AlertStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AlertStatus::Open => "open",
-            AlertStatus::Resolved => "resolved",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<AlertStatus> {
-        [AlertStatus::Open, AlertStatus::Resolved]
-            .into_iter()
-            .find(|s| s.as_str() == text)
-    }
-}
-
-impl std::fmt::Display for AlertStatus {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::fmt::Display for AlertKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+vocabulary! {
+    /// Whether an alert's episode is still going on.
+    pub enum AlertStatus {
+        Open = "open",
+        Resolved = "resolved",
     }
 }
 
@@ -181,11 +122,12 @@ pub struct Opened {
 pub enum Transition {
     Open(Opened),
     /// The episode of `kind` on `subject` ended at `step`, the first step where the
-    /// condition no longer held.
+    /// condition no longer held; `last_step` is the last step it held on.
     Resolve {
         kind: AlertKind,
         subject: String,
         step: u64,
+        last_step: Option<u64>,
     },
 }
 
@@ -193,20 +135,21 @@ pub enum Transition {
 mod tests {
     use super::*;
 
-    /// The API serialises these enums with serde and stores and filters them by
-    /// `as_str`: the two spellings must be one.
     #[test]
-    fn serde_names_are_the_stored_names() {
+    fn every_wiring_finding_raises_the_alert_kind_of_its_name() {
+        for finding in WiringKind::ALL {
+            assert_eq!(AlertKind::from(finding).as_str(), finding.as_str());
+        }
+    }
+
+    #[test]
+    fn names_are_unique_and_every_kind_has_a_severity() {
+        let mut names = AlertKind::NAMES.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), AlertKind::COUNT);
         for kind in AlertKind::ALL {
-            assert_eq!(serde_json::to_value(kind).unwrap(), kind.as_str());
-            assert_eq!(AlertKind::parse(kind.as_str()), Some(kind));
-        }
-        for severity in Severity::ALL {
-            assert_eq!(serde_json::to_value(severity).unwrap(), severity.as_str());
-        }
-        for status in [AlertStatus::Open, AlertStatus::Resolved] {
-            assert_eq!(serde_json::to_value(status).unwrap(), status.as_str());
-            assert_eq!(AlertStatus::parse(status.as_str()), Some(status));
+            assert!(!kind.properties().severities.is_empty(), "{kind}");
         }
     }
 }

@@ -1,7 +1,9 @@
 //! The metrics read by name — the series API's `metric=`, the runs comparison and the
 //! per-rank charts — in one table: each name, the stored series kinds behind it, and
 //! what subject it takes. Adding a metric is adding a row; the API's error texts, its
-//! OpenAPI description (held to this table by a test) and the charts read it.
+//! OpenAPI document and the charts read it.
+
+use gradflow_protocol::vocabulary;
 
 use super::series_kind::SeriesKind;
 
@@ -19,162 +21,81 @@ pub enum Subject {
     Optional,
 }
 
-/// Every metric name the series API reads: the series kinds behind it (a group's
-/// norm is derived; a name that is both a group and a module, a one-module group,
-/// gives the same value either way) and whether it needs a subject. The error text
-/// lists these names, and a test holds the API document's list to them.
-pub const METRICS: &[Metric] = &[
-    Metric {
-        name: "loss",
-        kinds: &[SeriesKind::Loss],
+vocabulary! {
+    /// Every metric name the series API reads: the series kinds behind it (a group's
+    /// norm is derived; a name that is both a group and a module, a one-module group,
+    /// gives the same value either way) and whether it needs a subject. The error
+    /// text and the API document list these names; the comparison's and the
+    /// per-rank charts' metrics are some of them.
+    pub enum MetricName: Reads {
+        Loss = "loss" => Reads::new(&[SeriesKind::Loss], Subject::None),
+        Lr = "lr" => Reads::new(&[SeriesKind::Lr], Subject::Optional),
+        GradNorm = "grad_norm" => Reads::new(&[SeriesKind::GroupGradNorm, SeriesKind::ModuleGradNorm], Subject::Required("a group or module")),
+        HookHits = "hook_hits" => Reads::new(&[SeriesKind::HookHits], Subject::Required("a module")),
+        ParamGradNorm = "param_grad_norm" => Reads::new(&[SeriesKind::ParamGradNorm], Subject::Required("a parameter")),
+        UpdateNorm = "update_norm" => Reads::new(&[SeriesKind::UpdateNorm], Subject::Required("a parameter")),
+        Drift = "drift" => Reads::new(&[SeriesKind::Drift], Subject::Required("a parameter")),
+        ParamMean = "param_mean" => Reads::new(&[SeriesKind::ParamMean], Subject::Required("a parameter")),
+        IntendedUpdateNorm = "intended_update_norm" => Reads::new(&[SeriesKind::IntendedUpdateNorm], Subject::Required("a parameter")),
+        IntendedUpdateMaxUlp = "intended_update_max_ulp" => Reads::new(&[SeriesKind::IntendedUpdateMaxUlp], Subject::Required("a parameter")),
+        IntendedNonzero = "intended_nonzero" => Reads::new(&[SeriesKind::IntendedNonzero], Subject::Required("a parameter")),
+        RoundedAway = "rounded_away" => Reads::new(&[SeriesKind::RoundedAway], Subject::Required("a parameter")),
+        ScalerScale = "scaler_scale" => Reads::new(&[SeriesKind::ScalerScale], Subject::None),
+        ScalerGrowthTracker = "scaler_growth_tracker" => Reads::new(&[SeriesKind::ScalerGrowthTracker], Subject::None),
+        FoundInf = "found_inf" => Reads::new(&[SeriesKind::FoundInf], Subject::None),
+        StepSkipped = "step_skipped" => Reads::new(&[SeriesKind::StepSkipped], Subject::None),
+        Metric = "metric" => Reads::new(&[SeriesKind::Metric], Subject::Required("a metrics name")),
+        GpuMemoryUsedBytes = "gpu_memory_used_bytes" => Reads::new(&[SeriesKind::GpuMemoryUsedBytes], Subject::Device),
+        GpuMemoryTotalBytes = "gpu_memory_total_bytes" => Reads::new(&[SeriesKind::GpuMemoryTotalBytes], Subject::Device),
+        GpuUtilizationPct = "gpu_utilization_pct" => Reads::new(&[SeriesKind::GpuUtilizationPct], Subject::Device),
+        GpuTemperatureC = "gpu_temperature_c" => Reads::new(&[SeriesKind::GpuTemperatureC], Subject::Device),
+        GpuPowerW = "gpu_power_w" => Reads::new(&[SeriesKind::GpuPowerW], Subject::Device),
+        DroppedSteps = "dropped_steps" => Reads::new(&[SeriesKind::DroppedSteps], Subject::None),
+        StepTime = "step_time" => Reads::new(&[SeriesKind::StepTime], Subject::None),
+        GradsCarriedOver = "grads_carried_over" => Reads::new(&[SeriesKind::GradsCarriedOver], Subject::None),
+        LocalGradsNonfinite = "local_grads_nonfinite" => Reads::new(&[SeriesKind::LocalGradsNonfinite], Subject::None),
+        InputAbsmax = "input_absmax" => Reads::new(&[SeriesKind::InputAbsmax], Subject::None),
+        GradNonfinite = "grad_nonfinite" => Reads::new(&[SeriesKind::ModuleNonfinite], Subject::Required("a module")),
+        GradNumel = "grad_numel" => Reads::new(&[SeriesKind::ModuleNumel], Subject::Required("a module")),
+        ParamSum = "param_sum" => Reads::new(&[SeriesKind::ModuleParamSum], Subject::Required("a module")),
+    }
+}
+
+/// What a metric name reads: the series kinds behind it, in the order they are
+/// tried (a group's norm first: a one-module group gives the same value either
+/// way), and what subject it takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reads {
+    pub kinds: &'static [SeriesKind],
+    pub subject: Subject,
+}
+
+impl Reads {
+    const fn new(kinds: &'static [SeriesKind], subject: Subject) -> Reads {
+        Reads { kinds, subject }
+    }
+}
+
+/// Every metric of the table, with its name.
+pub static METRICS: [Metric; MetricName::COUNT] = {
+    let mut metrics = [Metric {
+        name: "",
+        kinds: &[],
         subject: Subject::None,
-    },
-    Metric {
-        name: "lr",
-        kinds: &[SeriesKind::Lr],
-        subject: Subject::Optional,
-    },
-    Metric {
-        name: "grad_norm",
-        kinds: &[SeriesKind::GroupGradNorm, SeriesKind::ModuleGradNorm],
-        subject: Subject::Required("a group or module"),
-    },
-    Metric {
-        name: "hook_hits",
-        kinds: &[SeriesKind::HookHits],
-        subject: Subject::Required("a module"),
-    },
-    Metric {
-        name: "param_grad_norm",
-        kinds: &[SeriesKind::ParamGradNorm],
-        subject: Subject::Required("a parameter"),
-    },
-    Metric {
-        name: "update_norm",
-        kinds: &[SeriesKind::UpdateNorm],
-        subject: Subject::Required("a parameter"),
-    },
-    Metric {
-        name: "drift",
-        kinds: &[SeriesKind::Drift],
-        subject: Subject::Required("a parameter"),
-    },
-    Metric {
-        name: "param_mean",
-        kinds: &[SeriesKind::ParamMean],
-        subject: Subject::Required("a parameter"),
-    },
-    Metric {
-        name: "intended_update_norm",
-        kinds: &[SeriesKind::IntendedUpdateNorm],
-        subject: Subject::Required("a parameter"),
-    },
-    Metric {
-        name: "intended_update_max_ulp",
-        kinds: &[SeriesKind::IntendedUpdateMaxUlp],
-        subject: Subject::Required("a parameter"),
-    },
-    Metric {
-        name: "intended_nonzero",
-        kinds: &[SeriesKind::IntendedNonzero],
-        subject: Subject::Required("a parameter"),
-    },
-    Metric {
-        name: "rounded_away",
-        kinds: &[SeriesKind::RoundedAway],
-        subject: Subject::Required("a parameter"),
-    },
-    Metric {
-        name: "scaler_scale",
-        kinds: &[SeriesKind::ScalerScale],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "scaler_growth_tracker",
-        kinds: &[SeriesKind::ScalerGrowthTracker],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "found_inf",
-        kinds: &[SeriesKind::FoundInf],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "step_skipped",
-        kinds: &[SeriesKind::StepSkipped],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "metric",
-        kinds: &[SeriesKind::Metric],
-        subject: Subject::Required("a metrics name"),
-    },
-    Metric {
-        name: "gpu_memory_used_bytes",
-        kinds: &[SeriesKind::GpuMemoryUsedBytes],
-        subject: Subject::Device,
-    },
-    Metric {
-        name: "gpu_memory_total_bytes",
-        kinds: &[SeriesKind::GpuMemoryTotalBytes],
-        subject: Subject::Device,
-    },
-    Metric {
-        name: "gpu_utilization_pct",
-        kinds: &[SeriesKind::GpuUtilizationPct],
-        subject: Subject::Device,
-    },
-    Metric {
-        name: "gpu_temperature_c",
-        kinds: &[SeriesKind::GpuTemperatureC],
-        subject: Subject::Device,
-    },
-    Metric {
-        name: "gpu_power_w",
-        kinds: &[SeriesKind::GpuPowerW],
-        subject: Subject::Device,
-    },
-    Metric {
-        name: "dropped_steps",
-        kinds: &[SeriesKind::DroppedSteps],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "step_time",
-        kinds: &[SeriesKind::StepTime],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "grads_carried_over",
-        kinds: &[SeriesKind::GradsCarriedOver],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "local_grads_nonfinite",
-        kinds: &[SeriesKind::LocalGradsNonfinite],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "input_absmax",
-        kinds: &[SeriesKind::InputAbsmax],
-        subject: Subject::None,
-    },
-    Metric {
-        name: "grad_nonfinite",
-        kinds: &[SeriesKind::ModuleNonfinite],
-        subject: Subject::Required("a module"),
-    },
-    Metric {
-        name: "grad_numel",
-        kinds: &[SeriesKind::ModuleNumel],
-        subject: Subject::Required("a module"),
-    },
-    Metric {
-        name: "param_sum",
-        kinds: &[SeriesKind::ModuleParamSum],
-        subject: Subject::Required("a module"),
-    },
-];
+    }; MetricName::COUNT];
+    let mut i = 0;
+    while i < MetricName::COUNT {
+        let name = MetricName::ALL[i];
+        let reads = name.properties();
+        metrics[i] = Metric {
+            name: name.as_str(),
+            kinds: reads.kinds,
+            subject: reads.subject,
+        };
+        i += 1;
+    }
+    metrics
+};
 
 /// One metric name and what it reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,11 +115,7 @@ impl Metric {
 
     /// Every name, comma-separated, for error texts.
     pub fn names() -> String {
-        METRICS
-            .iter()
-            .map(|metric| metric.name)
-            .collect::<Vec<_>>()
-            .join(", ")
+        MetricName::names()
     }
 
     /// What a subject of this metric is, as an error text says it (`None`: it takes
@@ -218,7 +135,7 @@ mod tests {
 
     #[test]
     fn each_name_is_listed_once_and_reads_some_kind() {
-        for metric in METRICS {
+        for metric in &METRICS {
             assert_eq!(Metric::named(metric.name), Some(metric));
             assert!(!metric.kinds.is_empty(), "{}", metric.name);
         }

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use gradflow_protocol::{Role, RunId};
 
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
-use gradflow_core::model::metric::Metric;
+use gradflow_core::model::metric::{Metric, MetricName};
 use gradflow_core::model::series_kind::SeriesKind;
 
 use super::data::{Axis, LegendPlace, LineChart, Window, line_of};
@@ -20,39 +20,16 @@ pub const MIN_RUNS: usize = 2;
 /// starts repeating at ten).
 pub const MAX_RUNS: usize = 8;
 
-/// What can be compared.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CompareMetric {
-    Loss,
-    GradNorm,
-    Drift,
+gradflow_protocol::vocabulary! {
+    /// What can be compared: metrics of the series API's table, by its names.
+    pub enum CompareMetric {
+        Loss = MetricName::Loss.as_str(),
+        GradNorm = MetricName::GradNorm.as_str(),
+        Drift = MetricName::Drift.as_str(),
+    }
 }
 
 impl CompareMetric {
-    pub const ALL: [CompareMetric; 3] = [
-        CompareMetric::Loss,
-        CompareMetric::GradNorm,
-        CompareMetric::Drift,
-    ];
-
-    /// The series API's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            CompareMetric::Loss => "loss",
-            CompareMetric::GradNorm => "grad_norm",
-            CompareMetric::Drift => "drift",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<CompareMetric> {
-        CompareMetric::ALL.into_iter().find(|m| m.name() == name)
-    }
-
-    /// The metric names, for error messages.
-    pub fn names() -> String {
-        CompareMetric::ALL.map(CompareMetric::name).join(", ")
-    }
-
     /// What its subject is, or `None` for a run-wide metric.
     pub fn subject_noun(self) -> Option<&'static str> {
         match self {
@@ -66,7 +43,7 @@ impl CompareMetric {
     /// norm first: a one-module group gives the same value either way).
     /// The series API's table (`gradflow_core::model::metric`) says which.
     fn kinds(self) -> &'static [SeriesKind] {
-        Metric::named(self.name()).map_or(&[], |metric| metric.kinds)
+        Metric::named(self.as_str()).map_or(&[], |metric| metric.kinds)
     }
 }
 
@@ -261,7 +238,7 @@ mod tests {
     #[test]
     fn every_compared_metric_is_a_series_api_metric() {
         for metric in CompareMetric::ALL {
-            assert!(!metric.kinds().is_empty(), "{}", metric.name());
+            assert!(!metric.kinds().is_empty(), "{}", metric.as_str());
         }
     }
 }

@@ -27,40 +27,15 @@ use plotters::prelude::*;
 
 pub use data::ChartData;
 
-/// The charts `GET /api/v1/runs/{run_id}/charts/{chart}.{svg,png}` serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ChartKind {
-    GradFlow,
-    GroupGradNorms,
-    NormDrift,
-    Scaler,
-    Loss,
-    Gpu,
-}
-
-impl ChartKind {
-    pub const ALL: [ChartKind; 6] = [
-        ChartKind::GradFlow,
-        ChartKind::GroupGradNorms,
-        ChartKind::NormDrift,
-        ChartKind::Scaler,
-        ChartKind::Loss,
-        ChartKind::Gpu,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            ChartKind::GradFlow => "grad-flow",
-            ChartKind::GroupGradNorms => "group-grad-norms",
-            ChartKind::NormDrift => "norm-drift",
-            ChartKind::Scaler => "scaler",
-            ChartKind::Loss => "loss",
-            ChartKind::Gpu => "gpu",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<ChartKind> {
-        ChartKind::ALL.into_iter().find(|k| k.name() == name)
+gradflow_protocol::vocabulary! {
+    /// The charts `GET /api/v1/runs/{run_id}/charts/{chart}.{svg,png}` serves.
+    pub enum ChartKind {
+        GradFlow = "grad-flow",
+        GroupGradNorms = "group-grad-norms",
+        NormDrift = "norm-drift",
+        Scaler = "scaler",
+        Loss = "loss",
+        Gpu = "gpu",
     }
 }
 

@@ -15,6 +15,7 @@ use crate::store::{RUN_STREAM, SeriesRequest, Store, StoreResult, StoredRun, ran
 use gradflow_core::detect::AlertKind;
 use gradflow_core::model::alert::AlertStatus;
 use gradflow_core::model::cell::{Cell, widen_for_display};
+use gradflow_core::model::metric::MetricName;
 use gradflow_core::model::series_kind::SeriesKind;
 
 use super::DEFAULT_HEIGHT;
@@ -34,36 +35,18 @@ pub const RANK_ALERT_KINDS: [AlertKind; 5] = [
     AlertKind::ShardReportedAsGlobal,
 ];
 
-/// What a per-rank chart shows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RankMetric {
-    /// Seconds of each rank's own work per step.
-    StepTime,
-    /// A module's gradient norm as each rank computed it (for a sharded module, the
-    /// rank's own shard).
-    GradNorm,
+gradflow_protocol::vocabulary! {
+    /// What a per-rank chart shows: metrics of the series API's table, by its names.
+    pub enum RankMetric {
+        /// Seconds of each rank's own work per step.
+        StepTime = MetricName::StepTime.as_str(),
+        /// A module's gradient norm as each rank computed it (for a sharded module, the
+        /// rank's own shard).
+        GradNorm = MetricName::GradNorm.as_str(),
+    }
 }
 
 impl RankMetric {
-    pub const ALL: [RankMetric; 2] = [RankMetric::StepTime, RankMetric::GradNorm];
-
-    /// The series API's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            RankMetric::StepTime => "step_time",
-            RankMetric::GradNorm => "grad_norm",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<RankMetric> {
-        RankMetric::ALL.into_iter().find(|m| m.name() == name)
-    }
-
-    /// The metric names, for error messages.
-    pub fn names() -> String {
-        RankMetric::ALL.map(RankMetric::name).join(", ")
-    }
-
     /// One of the kinds the series API's table gives its name (a test holds it so):
     /// per rank, the module's own norm.
     fn kind(self) -> SeriesKind {
@@ -360,9 +343,9 @@ mod tests {
     #[test]
     fn every_rank_metric_reads_a_kind_of_its_series_api_metric() {
         for metric in RankMetric::ALL {
-            let table = gradflow_core::model::metric::Metric::named(metric.name())
+            let table = gradflow_core::model::metric::Metric::named(metric.as_str())
                 .expect("a series API metric");
-            assert!(table.kinds.contains(&metric.kind()), "{}", metric.name());
+            assert!(table.kinds.contains(&metric.kind()), "{}", metric.as_str());
         }
     }
 

@@ -2,9 +2,10 @@
 //! the HTTP routes above and the store below.
 //!
 //! For each batch it keeps the run's state in step with the database (the column
-//! dictionary, the registration in force, the detectors' state, the open alert
-//! episodes), prepares the rows to write and the detectors' verdicts, has the store
-//! write them in one transaction, and announces what committed on the event bus.
+//! dictionary, the registration in force, the detectors' state with the run's open
+//! alert episodes), prepares the rows to write and the detectors' verdicts, has the
+//! store write them in one transaction, and announces what committed on the event
+//! bus.
 //!
 //! Several servers may share one PostgreSQL database, and batches of one run may
 //! reach any of them. A server's cached state of a run is therefore only ever a
@@ -16,67 +17,43 @@
 //! # Layout
 //!
 //! - `state`: [`state::RunState`], what is kept of a run between its batches.
-//! - `registry`: the registration in force and the lookups derived from it.
 //! - `cache`: the runs' states, bounded, one slot per run.
-//! - `batch`: preparing a batch (pure: flatten, compress, rollups, detectors).
+//! - `plan`: preparing a batch, the one contract (pure: flatten, compress,
+//!   rollups, detectors) and the phases both preparers share.
+//! - `single`: preparing a batch of a run of one process.
 //! - `ranks`: preparing a batch of a multi-rank run: each rank's records into its
-//!   stream, and the steps all ranks have sent combined into the run's.
-//! - `combine`: how the ranks' records of one step become the run's.
+//!   stream, and the steps all ranks have sent combined into the run's
+//!   (`gradflow_core::run::combine`).
 //! - `register`: registering a run, and comparing a registration sent again.
 //! - `error`: [`IngestError`], what registering or storing a batch fails with.
+//!
+//! The registration in force and its lookups are `gradflow_core::run::registry`'s.
 
-mod batch;
 mod cache;
-mod combine;
 mod error;
+mod plan;
 mod ranks;
 mod register;
-mod registry;
+mod single;
 mod state;
+mod testing;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use gradflow_protocol::{RunId, RunRegistration, StepRecord};
-use serde::Serialize;
 
-use self::batch::{Preparation, prepare, with_codec};
 use self::cache::RunCache;
 pub use self::error::{IngestError, IngestResult};
-use self::ranks::{Clock, prepare_ranks};
-use self::state::{Episode, RunState};
+pub use self::plan::IngestOutcome;
+use self::plan::{Batch, Clock, Codec, Preparation, Refused, with_codec};
+use self::state::RunState;
 use crate::events::EventBus;
 use crate::store::notify::Notice;
 use crate::store::{
-    AlertRef, NewRun, RUN_STREAM, Registered, Store, StoreError, StoredRun, now_seconds,
-    rank_stream,
+    NewRun, RUN_STREAM, Registered, Store, StoreError, StoredRun, now_seconds, rank_stream,
 };
-use gradflow_core::detect::{Detection, registration};
-
-/// The answer to a batch, as docs/PROTOCOL.md words it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-pub struct IngestOutcome {
-    /// Records stored by this request.
-    pub accepted: usize,
-    /// Records whose step is already stored: ignored, as a resend after a timeout.
-    pub duplicates: usize,
-    /// *(v1.5)* Records whose step is below the run's (or the rank's) last stored step
-    /// but was never stored: refused, not stored. Sent only when some were. Another
-    /// writer moved the run past them (two clients, or a resend racing a batch still
-    /// in flight): what a client should say, since these steps are lost.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub late: usize,
-    /// The run's last stored step after this request.
-    pub last_step: Option<u64>,
-    /// Values stored by this request (for the server's own metrics; not in the
-    /// response).
-    #[serde(skip)]
-    pub values: usize,
-}
-
-fn is_zero(count: &usize) -> bool {
-    *count == 0
-}
+use gradflow_core::detect::Detection;
 
 /// Completes timed-out steps of multi-rank runs (see
 /// [`Ingest::complete_waiting_steps`]) until `shutdown` turns true, looking a few
@@ -170,7 +147,8 @@ impl Ingest {
             .map_err(|e| StoreError::Internal(anyhow::Error::new(e)))?;
         let mut state = RunState::new(0, &registration, self.settings.detection.thresholds);
         let checks = if self.settings.detection.enabled {
-            registration::check(&state.registry.context)
+            let context = &state.registry.context;
+            state.detectors.on_registration(context)
         } else {
             Vec::new()
         };
@@ -195,15 +173,6 @@ impl Ingest {
             }
         };
         state.head.key = key;
-        for (alert, id) in checks.iter().zip(&alert_ids) {
-            state.open.insert(
-                (alert.kind, alert.subject.clone()),
-                Episode {
-                    alert: AlertRef::Stored(*id),
-                    last_step: None,
-                },
-            );
-        }
         *self.runs.slot(run_id.as_str()).lock().await = Some(state);
         tracing::info!(run_id = %run_id, params = registration.params.len(), alerts = alert_ids.len(), "run registered");
         self.events
@@ -309,45 +278,27 @@ impl Ingest {
                 outcome.late = late;
                 outcome
             };
-            let clock = Clock {
-                now: now_seconds(),
-                rank_timeout: self.settings.rank_timeout.as_secs_f64(),
+            let batch = Batch {
+                run_id: run_id.as_str(),
+                records,
+                detection: self.settings.detection,
+                clock: Clock {
+                    now: now_seconds(),
+                    rank_timeout: self.settings.rank_timeout.as_secs_f64(),
+                },
+                closing,
             };
-            let detection = self.settings.detection;
-            let prepared = if state.world_size > 1 {
-                // Prepared in place (see prepare_ranks): a refused batch leaves the
-                // slot empty, and the next batch reads the state from the database.
-                match with_codec(|codec| {
-                    prepare_ranks(
-                        state,
-                        run_id.as_str(),
-                        records,
-                        detection,
-                        clock,
-                        closing,
-                        codec,
-                    )
-                })? {
-                    Preparation::Write(prepared) => *prepared,
-                    Preparation::NothingNew(outcome, state) => {
-                        *cached = Some(state);
-                        return Ok(settle_late(outcome));
-                    }
+            let prepared = match with_codec(|codec| prepare(state, &batch, codec)) {
+                Ok(Preparation::Write(prepared)) => *prepared,
+                Ok(Preparation::NothingNew(outcome, state)) => {
+                    *cached = Some(*state);
+                    return Ok(settle_late(outcome));
                 }
-            } else {
-                match with_codec(|codec| {
-                    prepare(&state, run_id.as_str(), records, detection, codec)
-                }) {
-                    Ok(Preparation::Write(prepared)) => *prepared,
-                    Ok(Preparation::NothingNew(outcome, ())) => {
-                        *cached = Some(state);
-                        return Ok(settle_late(outcome));
-                    }
-                    Err(error) => {
-                        // The batch was wrong, not the state.
-                        *cached = Some(state);
-                        return Err(error);
-                    }
+                Err(Refused { error, state }) => {
+                    // The batch was wrong; a state it left untouched stays, one it
+                    // may have changed is read again by the next batch.
+                    *cached = state.map(|state| *state);
+                    return Err(error);
                 }
             };
             let written = match self.store.write_batch(lock, &prepared.write).await {
@@ -358,9 +309,7 @@ impl Ingest {
                 }
                 Err(error) => return Err(error.into()),
             };
-            let mut next = prepared.next;
-            next.settle(&written);
-            *cached = Some(next);
+            *cached = Some(prepared.next);
             drop(cached);
             self.events
                 .committed(Notice::of_batch(&prepared.write, &written))
@@ -372,6 +321,16 @@ impl Ingest {
              writer is storing the same steps; retry"
         ))
         .into())
+    }
+}
+
+/// Prepares `batch` for the run of `state` (see `plan`), by the preparer of its kind
+/// of run.
+fn prepare(state: RunState, batch: &Batch<'_>, codec: &mut Codec) -> Result<Preparation, Refused> {
+    if state.world_size > 1 {
+        ranks::prepare_ranks(state, batch, codec)
+    } else {
+        single::prepare_single(state, batch, codec)
     }
 }
 

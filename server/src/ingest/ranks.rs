@@ -20,14 +20,11 @@
 use anyhow::Context;
 use gradflow_protocol::{StepRecord, Timestamp};
 
-use super::IngestOutcome;
-use super::batch::{
-    Codec, Preparation, Prepared, StepCells, check_amendment, check_params, detect, new_columns,
-    write_stream,
-};
-use super::combine::{Combined, LAG_STEPS, PendingStep};
 use super::error::{IngestError, IngestResult};
-use super::registry::Registry;
+use super::plan::{
+    Batch, Clock, Codec, IngestOutcome, Preparation, Prepared, Refused, StepCells, check_amendment,
+    check_params, detect, new_columns, write_stream,
+};
 use super::state::RunState;
 use crate::store::{
     AlertOp, BatchWrite, BlockWrite, Progress, RUN_STREAM, RollupRow, StoreResult, rank_stream,
@@ -37,26 +34,20 @@ use gradflow_core::columnar::columns::{ColumnAssigner, SeriesKind};
 use gradflow_core::columnar::flatten::{flatten, unflatten};
 use gradflow_core::detect::Detection;
 use gradflow_core::detect::ranks::RankView;
+use gradflow_core::run::combine::{Combined, LAG_STEPS, PendingStep};
+use gradflow_core::run::registry::Registry;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// When a multi-rank batch is prepared, and how long a step may wait for its ranks.
-#[derive(Debug, Clone, Copy)]
-pub struct Clock {
-    /// Server clock, Unix seconds.
-    pub now: f64,
-    pub rank_timeout: f64,
-}
-
-/// [`super::batch::prepare`] for a run of several ranks.
+/// Prepares `batch` for a run of several ranks (see [`super::plan`]).
 ///
-/// It takes the run's state and turns it into the next one in place, instead of
-/// preparing a copy: a multi-rank run's state holds a growing block and rollup
-/// buckets for each of its ranks' streams and an accumulator for every step still
-/// waiting for ranks, and copying all of that for every batch was a tenth of the
-/// server's work. When nothing is new the state comes back untouched with the
-/// outcome; when the batch is refused (an error) the state is gone, and the caller
-/// reads it again from the database.
+/// It turns the run's state into the next one in place: a multi-rank run's state
+/// holds a growing block and rollup buckets for each of its ranks' streams and an
+/// accumulator for every step still waiting for ranks, and copying all of that for
+/// every batch was a tenth of the server's work. When nothing is new the state
+/// comes back untouched with the outcome; a refused batch (an error) may have
+/// changed it, so it is not given back, and the caller reads it again from the
+/// database.
 ///
 /// The phases, in order: [`take_records`] (which records are new, amendments,
 /// flattening), [`store_rank_streams`] (each rank's rows into its stream),
@@ -65,13 +56,16 @@ pub struct Clock {
 /// into stream 0, judged by the detectors).
 pub fn prepare_ranks(
     state: RunState,
-    run_id: &str,
-    records: &[StepRecord],
-    detection: Detection,
-    clock: Clock,
-    closing: Option<u32>,
+    batch: &Batch<'_>,
     codec: &mut Codec,
-) -> IngestResult<Preparation<RunState>> {
+) -> Result<Preparation, Refused> {
+    let Batch {
+        run_id,
+        records,
+        detection,
+        clock,
+        closing,
+    } = *batch;
     let world = state.world_size;
     let head = state.head;
     let mut next = state;
@@ -93,7 +87,8 @@ pub fn prepare_ranks(
             return Err(IngestError::invalid(
                 "rank".to_owned(),
                 format!("rank {rank} is not below the run's world_size {world}"),
-            ));
+            )
+            .into());
         }
         closed_changed |= next.detectors.ranks.closed.insert(rank);
     }
@@ -107,7 +102,7 @@ pub fn prepare_ranks(
             last_step: next.last_step,
             values: 0,
         };
-        return Ok(Preparation::NothingNew(outcome, next));
+        return Ok(Preparation::NothingNew(outcome, Box::new(next)));
     }
     let run = store_combined(
         &mut next,
@@ -438,7 +433,6 @@ fn store_combined(
     let alerts = detect(
         detection.enabled,
         &mut next.detectors,
-        &mut next.open,
         &in_force,
         run_records.iter().map(|(r, g, v)| (r, g, Some(v))),
     );
@@ -451,4 +445,107 @@ fn store_combined(
         steps: run_rows.len() as u64,
         alerts,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::ingest::testing::{prepare_at, records, registered, written};
+    use crate::store::AlertOp;
+
+    /// Two ranks, `qwen.q` sharded across them.
+    fn run() -> RunState {
+        registered(json!({"world_size": 2, "params": [
+            {"name": "qwen.q.weight", "layout": "sharded", "shard_ranks": [0, 1]},
+            {"name": "agent.head.weight"}]}))
+    }
+
+    fn rank_steps(rank: u32, steps: std::ops::Range<u64>) -> Vec<StepRecord> {
+        records(steps.map(|s| {
+            json!({"step": s, "rank": rank, "loss": 2.0, "modules": [
+                {"module": "qwen.q", "grad_sumsq": 1.0 + rank as f64, "hook_hits": 1},
+                {"module": "agent.head", "grad_norm": 0.5, "hook_hits": 1}]})
+        }))
+    }
+
+    #[test]
+    fn a_step_is_the_run_s_once_every_rank_sent_it() {
+        // Rank 0 alone: its stream grows, the run's steps wait.
+        let first = written(run(), &rank_steps(0, 0..3));
+        assert!(
+            first
+                .write
+                .blocks
+                .iter()
+                .all(|b| b.stream == rank_stream(0))
+        );
+        assert_eq!(
+            (first.write.progress.steps, first.next.last_step),
+            (0, None)
+        );
+        assert_eq!(first.next.pending.len(), 3);
+        assert_eq!(first.write.pending_since, Some(0.0));
+        // Rank 1 of steps 0–1: those two are combined into the run's stream.
+        let second = written(first.next, &rank_steps(1, 0..2));
+        let write = &second.write;
+        assert_eq!(
+            (
+                write.progress.first_step,
+                write.progress.last_step,
+                write.progress.steps
+            ),
+            (Some(0), Some(1), 2)
+        );
+        let streams: Vec<u32> = write.blocks.iter().map(|b| b.stream).collect();
+        assert_eq!(streams, [rank_stream(1), RUN_STREAM]);
+        assert_eq!(second.next.pending.keys().collect::<Vec<_>>(), [&2]);
+        // One rank's batch answers with that rank's last step.
+        assert_eq!(second.outcome.last_step, Some(1));
+    }
+
+    #[test]
+    fn a_rank_outside_the_run_is_refused() {
+        let Err(refused) = prepare_at(run(), &rank_steps(5, 0..1), 0.0, None) else {
+            panic!("rank 5 of 2 is refused");
+        };
+        assert!(
+            refused.error.to_string().contains("world_size 2"),
+            "{}",
+            refused.error
+        );
+        let records = records([json!({"step": 0, "loss": 1.0})]);
+        let Err(refused) = prepare_at(run(), &records, 0.0, None) else {
+            panic!("a record without its rank is refused");
+        };
+        assert!(
+            refused.error.to_string().contains("which rank"),
+            "{}",
+            refused.error
+        );
+    }
+
+    #[test]
+    fn a_closed_rank_s_steps_complete_without_it_and_say_so() {
+        let first = written(run(), &rank_steps(0, 0..3));
+        let closed = match prepare_at(first.next, &[], 1.0, Some(1)) {
+            Ok(Preparation::Write(prepared)) => *prepared,
+            _ => panic!("a closing rank completes the waiting steps"),
+        };
+        assert_eq!(closed.write.progress.steps, 3);
+        assert!(closed.next.detectors.ranks.closed.contains(&1));
+        let opened: Vec<(String, Value)> = closed
+            .write
+            .alerts
+            .iter()
+            .filter_map(|op| match op {
+                AlertOp::Open(o) => Some((o.subject.clone(), o.evidence["closed"].clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(opened, [("rank 1".to_owned(), json!(true))]);
+        // A step that waits for nobody is not waited for again.
+        assert!(closed.next.pending.is_empty());
+    }
 }

@@ -1,22 +1,22 @@
 //! What the ingest service keeps in memory of a run between its batches: enough to
 //! prepare the next batch without reading the database — the column dictionary, the
-//! registration in force, the detectors' state, the open alert episodes, and each
+//! registration in force, the detectors' state (their open episodes with it), and each
 //! stream's last block and rollup buckets, the only ones still growing — and the head
 //! (key, version) that says which stored state of the run it is.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use anyhow::Context;
 use gradflow_protocol::RunRegistration;
 
-use super::combine::{Pending, PendingStep};
-use super::registry::Registry;
-use crate::store::{AlertRef, LoadedRun, RunHead, StoreResult, Written};
+use crate::store::{LoadedRun, RunHead, StoreResult};
 use gradflow_core::columnar::columns::ColumnDictionary;
 use gradflow_core::columnar::rollup::{BucketSummary, ROLLUP_WIDTHS};
 use gradflow_core::detect::{DetectorSet, Thresholds};
 use gradflow_core::model::alert::AlertKind;
+use gradflow_core::run::combine::{Pending, PendingStep};
+use gradflow_core::run::registry::Registry;
 
 /// A run's ingest state, as of `head`.
 #[derive(Debug, Clone)]
@@ -29,9 +29,8 @@ pub struct RunState {
     /// that amends it keeps the one in force before the amendment for the records
     /// before it.
     pub registry: Arc<Registry>,
+    /// The detectors' state, and which of the run's alerts are open.
     pub detectors: DetectorSet,
-    /// The run's open alert episodes.
-    pub open: Episodes,
     /// Each stream's growing end.
     pub streams: BTreeMap<u32, StreamTail>,
     /// v1.4: ranks in the run (1 for a single process).
@@ -69,16 +68,6 @@ pub struct OpenBucket {
     pub summary: BucketSummary,
 }
 
-/// An open alert episode: the alert, and the last step its condition held on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Episode {
-    pub alert: AlertRef,
-    pub last_step: Option<u64>,
-}
-
-/// The open episodes of a run by (kind, subject).
-pub type Episodes = HashMap<(AlertKind, String), Episode>;
-
 impl RunState {
     /// The state of a run just registered under `key`.
     pub fn new(key: i64, registration: &RunRegistration, thresholds: Thresholds) -> RunState {
@@ -92,7 +81,6 @@ impl RunState {
             columns: ColumnDictionary::default(),
             registry,
             detectors: DetectorSet::default(),
-            open: Episodes::new(),
             streams: BTreeMap::new(),
         }
     }
@@ -121,20 +109,23 @@ impl RunState {
         }
         state.head = loaded.head;
         state.last_step = loaded.last_step;
+        let mut with_episodes = false;
         if let Some(detectors) = loaded.detector_state {
-            state.detectors = serde_json::from_str(&detectors)
+            let stored: serde_json::Value = serde_json::from_str(&detectors)
+                .with_context(|| format!("reading the detector state of run {run_id}"))?;
+            with_episodes = stored.get("episodes").is_some();
+            state.detectors = serde_json::from_value(stored)
                 .with_context(|| format!("reading the detector state of run {run_id}"))?;
         }
-        for (id, kind, subject, last_step) in loaded.open_alerts {
-            let kind =
-                AlertKind::parse(&kind).with_context(|| format!("unknown alert kind {kind:?}"))?;
-            state.open.insert(
-                (kind, subject),
-                Episode {
-                    alert: AlertRef::Stored(id),
-                    last_step,
-                },
-            );
+        // A run with no batch yet (its registration's alerts), or stored by a server
+        // that kept the open episodes apart from the detectors: its open alerts are
+        // the episodes.
+        if !with_episodes {
+            for (_, kind, subject, last_step) in loaded.open_alerts {
+                let kind = AlertKind::parse(&kind)
+                    .with_context(|| format!("unknown alert kind {kind:?}"))?;
+                state.detectors.episodes.restore(kind, subject, last_step);
+            }
         }
         for (position, kind, subject) in loaded.columns {
             state.columns.restore(kind, &subject, position);
@@ -213,12 +204,143 @@ impl RunState {
             .map(|(_, registry)| registry)
             .unwrap_or(&self.registry)
     }
+}
 
-    /// The alerts the batch opened now have ids: the episodes that named them by
-    /// their place in the batch name them by id.
-    pub fn settle(&mut self, written: &Written) {
-        for episode in self.open.values_mut() {
-            episode.alert = AlertRef::Stored(written.id(episode.alert));
+#[cfg(test)]
+mod tests {
+    use gradflow_protocol::RunRegistration;
+    use serde_json::json;
+
+    use super::*;
+    use crate::ingest::plan::Prepared;
+    use crate::ingest::testing::{records, registered, written};
+    use gradflow_core::columnar::codec;
+
+    fn registration() -> RunRegistration {
+        serde_json::from_value::<RunRegistration>(
+            json!({"params": [{"name": "qwen.a.weight"}, {"name": "agent.b.weight"}]}),
+        )
+        .unwrap()
+        .normalized()
+    }
+
+    /// What the store gives back of a run after `prepared` was its only batch.
+    fn stored(
+        prepared: &Prepared,
+        open_alerts: Vec<(i64, String, String, Option<u64>)>,
+    ) -> LoadedRun {
+        let write = &prepared.write;
+        let last = prepared.next.last_step;
+        LoadedRun {
+            head: RunHead {
+                key: write.key,
+                version: write.expected_version + 1,
+            },
+            last_step: last,
+            registration: registration(),
+            amendments: Vec::new(),
+            detector_state: Some(write.detector_state.clone()),
+            open_alerts,
+            columns: write
+                .columns
+                .iter()
+                .map(|c| (c.position, c.kind, c.subject.clone()))
+                .collect(),
+            open_blocks: write
+                .blocks
+                .iter()
+                .map(|b| (b.stream, b.index, b.blob.clone()))
+                .collect(),
+            rank_blocks: Vec::new(),
+            open_rollups: write
+                .rollups
+                .iter()
+                .filter(|r| last.is_some_and(|last| r.bucket == last / r.width))
+                .map(|r| (r.stream, r.width, r.chunk, r.blob.clone()))
+                .collect(),
         }
+    }
+
+    fn read(loaded: LoadedRun) -> RunState {
+        let mut decompressor = codec::decompressor().unwrap();
+        RunState::from_loaded(loaded, "r", Thresholds::default(), 0.0, &mut decompressor).unwrap()
+    }
+
+    /// Steps 0–69 of a run whose `qwen` gets no gradient from step 10 on: its
+    /// grad_stuck_zero alert is open after the batch.
+    fn stuck_run() -> Prepared {
+        let batch = records((0..70).map(|s| {
+            let qwen = if s < 10 { 0.5 } else { 0.0 };
+            json!({"step": s, "loss": 2.0, "modules": [
+                {"module": "qwen.a", "grad_norm": qwen, "hook_hits": u32::from(s < 10)},
+                {"module": "agent.b", "grad_norm": 0.25, "hook_hits": 1}]})
+        }));
+        written(
+            registered(serde_json::to_value(registration()).unwrap()),
+            &batch,
+        )
+    }
+
+    #[test]
+    fn a_run_reads_back_as_it_was_prepared() {
+        let prepared = stuck_run();
+        let state = read(stored(&prepared, Vec::new()));
+        let next = &prepared.next;
+        assert_eq!((state.head, state.last_step), (next.head, next.last_step));
+        assert_eq!(state.columns.kinds(), next.columns.kinds());
+        assert_eq!(state.streams, next.streams);
+        assert_eq!(
+            serde_json::to_value(&state.detectors).unwrap(),
+            serde_json::to_value(&next.detectors).unwrap()
+        );
+        assert!(
+            state
+                .detectors
+                .episodes
+                .get(AlertKind::GradStuckZero, "qwen")
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn the_open_alert_rows_are_the_episodes_only_when_the_state_has_none() {
+        let prepared = stuck_run();
+        // A state stored with its episodes: they are what is open.
+        let rows = vec![(1, "loss_divergence".to_owned(), "loss".to_owned(), Some(3))];
+        let state = read(stored(&prepared, rows.clone()));
+        assert!(
+            state
+                .detectors
+                .episodes
+                .get(AlertKind::LossDivergence, "loss")
+                .is_none()
+        );
+        // Stored by a server that kept them apart, or no batch yet: the rows.
+        let mut older = stored(&prepared, rows);
+        let mut detectors: serde_json::Value =
+            serde_json::from_str(older.detector_state.as_deref().unwrap()).unwrap();
+        detectors.as_object_mut().unwrap().remove("episodes");
+        older.detector_state = Some(detectors.to_string());
+        let state = read(older.clone());
+        let episode = state
+            .detectors
+            .episodes
+            .get(AlertKind::LossDivergence, "loss");
+        assert_eq!(episode.map(|e| e.last_step), Some(Some(3)));
+        assert!(
+            state
+                .detectors
+                .episodes
+                .get(AlertKind::GradStuckZero, "qwen")
+                .is_none()
+        );
+        older.detector_state = None;
+        assert!(
+            read(older)
+                .detectors
+                .episodes
+                .get(AlertKind::LossDivergence, "loss")
+                .is_some()
+        );
     }
 }

@@ -181,7 +181,7 @@ impl CompareView<'_> {
                         "Metric "
                         select name="metric" {
                             @for (metric, label) in metrics {
-                                option value=(metric.name()) selected[metric == self.metric] { (label) }
+                                option value=(metric.as_str()) selected[metric == self.metric] { (label) }
                             }
                         }
                     }
@@ -191,7 +191,7 @@ impl CompareView<'_> {
                             select name="subject" {
                                 @for (label, metric, list) in groups {
                                     @if !list.is_empty() {
-                                        optgroup label=(label) data-metric=(metric.name()) {
+                                        optgroup label=(label) data-metric=(metric.as_str()) {
                                             @for subject in list.iter() {
                                                 option value=(subject) selected[self.selected == Some(subject.as_str())] { (subject) }
                                             }
@@ -216,7 +216,7 @@ impl CompareView<'_> {
             .iter()
             .map(|r| ("run", r.id.as_str().to_owned()))
             .collect();
-        pairs.push(("metric", self.metric.name().to_owned()));
+        pairs.push(("metric", self.metric.as_str().to_owned()));
         if let Some(subject) = self.subject {
             pairs.push(("subject", subject.to_owned()));
         }

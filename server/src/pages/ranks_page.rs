@@ -310,7 +310,7 @@ impl RanksView<'_> {
     /// rank's step, so their address changes as the ranks move on and the live
     /// update loads them again.
     fn chart_src(&self, metric: RankMetric, extension: &str) -> String {
-        let mut pairs: Vec<(&str, String)> = vec![("metric", metric.name().to_owned())];
+        let mut pairs: Vec<(&str, String)> = vec![("metric", metric.as_str().to_owned())];
         if metric == RankMetric::GradNorm
             && let Some(module) = self.module
         {

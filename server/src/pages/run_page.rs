@@ -242,7 +242,7 @@ impl RunView<'_> {
             let mut url = format!(
                 "/api/v1/runs/{}/charts/{}.svg?width={width}",
                 self.run.run_id,
-                kind.name()
+                kind.as_str()
             );
             if let Some(from) = self.from {
                 url.push_str(&format!("&from_step={from}"));
@@ -261,7 +261,7 @@ impl RunView<'_> {
             }
             html! {
                 figure class=(class) {
-                    img id={"chart-" (kind.name())} src=(src) alt=(alt) width=(width) loading="lazy";
+                    img id={"chart-" (kind.as_str())} src=(src) alt=(alt) width=(width) loading="lazy";
                     figcaption { (caption) }
                     a.chart-link href=(src.replace(".svg?", ".png?")) { "PNG" }
                 }

@@ -50,7 +50,7 @@ pub async fn render_chart(
     Path((_, file)): Path<(String, String)>,
     ApiQuery(params): ApiQuery<ChartParams>,
 ) -> Result<Response, ApiError> {
-    let mut names: Vec<&str> = ChartKind::ALL.iter().map(|k| k.name()).collect();
+    let mut names: Vec<&str> = ChartKind::ALL.iter().map(|k| k.as_str()).collect();
     names.push(RANKS_CHART);
     let unknown = || {
         ApiError::new(
@@ -356,14 +356,14 @@ pub async fn render_comparison(
         (None, Some(_)) => {
             return Err(ApiError::invalid_query(format!(
                 "metric {:?} is run-wide and takes no subject",
-                metric.name()
+                metric.as_str()
             ))
             .with_path("subject"));
         }
         (Some(noun), None) => {
             return Err(ApiError::invalid_query(format!(
                 "metric {:?} needs a subject: a {noun}",
-                metric.name()
+                metric.as_str()
             ))
             .with_path("subject"));
         }

@@ -16,12 +16,11 @@ use gradflow_core::model::alert::{AlertKind, AlertStatus, Opened, Severity};
 pub struct Alert {
     pub id: i64,
     pub run_id: String,
-    #[schema(value_type = String)]
+    #[schema(schema_with = kind_schema)]
     pub kind: AlertKind,
-    #[schema(value_type = String)]
     pub severity: Severity,
     pub subject: String,
-    #[schema(value_type = String)]
+    #[schema(schema_with = status_schema)]
     pub status: AlertStatus,
     pub first_step: Option<i64>,
     pub last_step: Option<i64>,
@@ -33,6 +32,16 @@ pub struct Alert {
     pub fix: String,
     #[schema(value_type = Object)]
     pub evidence: Value,
+}
+
+/// The API document's `kind`: one of the alert table's names.
+fn kind_schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    gradflow_protocol::vocabulary::names_schema::<AlertKind>()
+}
+
+/// The API document's `status`: `open` or `resolved`.
+fn status_schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    gradflow_protocol::vocabulary::names_schema::<AlertStatus>()
 }
 
 /// An alert's row as stored: names where the API type has enums.
@@ -176,25 +185,32 @@ pub(super) async fn insert_opened(tx: &mut Tx, run: i64, opened: &Opened) -> Sto
 }
 
 /// Marks alert `id` resolved at `step`, with `last_step` the last step it held on.
+/// An open alert: its run's key, its kind and its subject.
+pub(super) type OpenAlert<'a> = (i64, AlertKind, &'a str);
+
+/// Resolves the open alert `open`; its id (none if it was not open).
 pub(super) async fn resolve(
     tx: &mut Tx,
-    id: i64,
+    open: OpenAlert<'_>,
     step: u64,
     last_step: Option<u64>,
-) -> StoreResult<()> {
-    on_tx!(tx, |c| {
-        sqlx::query(
+) -> StoreResult<Vec<i64>> {
+    let (run, kind, subject) = open;
+    Ok(on_tx!(tx, |c| {
+        sqlx::query_scalar(
             "UPDATE alerts SET status = 'resolved', resolved_step = $1, last_step = $2, \
-             resolved_at = $3 WHERE id = $4",
+             resolved_at = $3 WHERE run = $4 AND kind = $5 AND subject = $6 \
+             AND status = 'open' RETURNING id",
         )
         .bind(step as i64)
         .bind(last_step.map(|s| s as i64))
         .bind(now_seconds())
-        .bind(id)
-        .execute(&mut *c)
-        .await?;
-    });
-    Ok(())
+        .bind(run)
+        .bind(kind.as_str())
+        .bind(subject)
+        .fetch_all(&mut *c)
+        .await?
+    }))
 }
 
 /// One alert by id, inside a transaction.
@@ -211,13 +227,23 @@ pub(super) async fn read_one(tx: &mut Tx, id: i64) -> StoreResult<Option<Alert>>
 }
 
 /// Moves an open alert's `last_step` forward.
-pub(super) async fn extend(tx: &mut Tx, id: i64, last_step: Option<u64>) -> StoreResult<()> {
+pub(super) async fn extend(
+    tx: &mut Tx,
+    open: OpenAlert<'_>,
+    last_step: Option<u64>,
+) -> StoreResult<()> {
+    let (run, kind, subject) = open;
     on_tx!(tx, |c| {
-        sqlx::query("UPDATE alerts SET last_step = $1 WHERE id = $2")
-            .bind(last_step.map(|s| s as i64))
-            .bind(id)
-            .execute(&mut *c)
-            .await?;
+        sqlx::query(
+            "UPDATE alerts SET last_step = $1 \
+             WHERE run = $2 AND kind = $3 AND subject = $4 AND status = 'open'",
+        )
+        .bind(last_step.map(|s| s as i64))
+        .bind(run)
+        .bind(kind.as_str())
+        .bind(subject)
+        .execute(&mut *c)
+        .await?;
     });
     Ok(())
 }

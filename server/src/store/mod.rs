@@ -45,9 +45,7 @@ use anyhow::Context;
 pub use load::{LoadedRun, RunHead, last_present};
 pub use read::{LatestValues, RUN_STREAM, SeriesData, SeriesRequest, rank_stream};
 pub use runs::{NewRun, Registered, RunStatus, RunSummary, STALE_AFTER_SECONDS, StoredRun};
-pub use write::{
-    AlertOp, AlertRef, BatchWrite, BlockWrite, NewColumn, Progress, RollupRow, Written,
-};
+pub use write::{AlertOp, BatchWrite, BlockWrite, NewColumn, Progress, RollupRow, Written};
 
 /// Where the data lives, as given by `--database` (or `--db`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use super::load::RunLock;
 use super::notify::Notice;
 use super::{Store, StoreError, StoreResult, alerts, now_seconds, on_tx, webhooks};
 use gradflow_core::columnar::columns::SeriesKind;
-use gradflow_core::model::alert::Opened;
+use gradflow_core::model::alert::{AlertKind, Opened};
 
 /// Block rows upserted by one statement (five bound values each, far below both
 /// databases' limits on bound values).
@@ -90,27 +90,23 @@ pub struct RollupRow {
     pub blob: Vec<u8>,
 }
 
-/// An alert a transition acts on: one already stored, or one this batch opens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AlertRef {
-    Stored(i64),
-    /// The `n`-th [`AlertOp::Open`] of this batch.
-    New(usize),
-}
-
-/// One alert transition of the batch.
+/// One alert transition of the batch. An open alert is named by its kind and
+/// subject: a run has at most one open alert of each (the detectors' episodes say
+/// which are open; PostgreSQL's `alerts_one_open` index holds it too).
 #[derive(Debug, Clone)]
 pub enum AlertOp {
     Open(Box<Opened>),
     /// The episode ended at `step`; `last_step` is the last step it held on.
     Resolve {
-        alert: AlertRef,
+        kind: AlertKind,
+        subject: String,
         step: u64,
         last_step: Option<u64>,
     },
     /// The episode still holds, through `last_step`.
     Extend {
-        alert: AlertRef,
+        kind: AlertKind,
+        subject: String,
         last_step: Option<u64>,
     },
 }
@@ -122,15 +118,6 @@ pub struct Written {
     pub opened: Vec<i64>,
     /// The ids of the alerts it resolved.
     pub resolved: Vec<i64>,
-}
-
-impl Written {
-    pub fn id(&self, alert: AlertRef) -> i64 {
-        match alert {
-            AlertRef::Stored(id) => id,
-            AlertRef::New(n) => self.opened[n],
-        }
-    }
 }
 
 impl Store {
@@ -230,17 +217,24 @@ impl Store {
                     written.opened.push(id);
                 }
                 AlertOp::Resolve {
-                    alert,
+                    kind,
+                    subject,
                     step,
                     last_step,
                 } => {
-                    let id = written.id(*alert);
-                    alerts::resolve(&mut tx, id, *step, *last_step).await?;
-                    webhooks::enqueue_resolved(&mut tx, batch.key, id).await?;
-                    written.resolved.push(id);
+                    let open = (batch.key, *kind, subject.as_str());
+                    for id in alerts::resolve(&mut tx, open, *step, *last_step).await? {
+                        webhooks::enqueue_resolved(&mut tx, batch.key, id).await?;
+                        written.resolved.push(id);
+                    }
                 }
-                AlertOp::Extend { alert, last_step } => {
-                    alerts::extend(&mut tx, written.id(*alert), *last_step).await?;
+                AlertOp::Extend {
+                    kind,
+                    subject,
+                    last_step,
+                } => {
+                    let open = (batch.key, *kind, subject.as_str());
+                    alerts::extend(&mut tx, open, *last_step).await?;
                 }
             }
         }

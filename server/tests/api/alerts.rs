@@ -165,7 +165,11 @@ async fn a_detached_prompt_opens_grad_stuck_zero_on_the_50th_step_and_resolves()
         59
     );
 
-    stream(&app, "cut", (60..65).map(healthy).collect()).await;
+    // Healthy again from step 60: the alert resolves once the cut has stayed away
+    // for the kind's hold (20 steps), at the first step without it.
+    stream(&app, "cut", (60..79).map(healthy).collect()).await;
+    assert_eq!(alerts(&app, "run_id=cut&status=open").await.len(), 1);
+    stream(&app, "cut", (79..85).map(healthy).collect()).await;
     // The hint ended when grad_stuck_zero confirmed it, on step 49.
     let hint = alerts(&app, "run_id=cut&kind=first_step_hint").await;
     assert_eq!(hint[0]["resolved_step"], 49);
@@ -273,7 +277,8 @@ async fn overflow_streaks_nan_gradients_and_nan_losses() {
     )
     .await;
     let mut scale = 65536.0;
-    let records: Vec<Value> = (0..15)
+    // Steps after the streak, for the hold (20 steps) that ends the episode.
+    let records: Vec<Value> = (0..32)
         .map(|s| {
             let mut r = healthy(s);
             let inf = (2..12).contains(&s);
@@ -304,7 +309,7 @@ async fn overflow_streaks_nan_gradients_and_nan_losses() {
     assert_eq!(found[0]["resolved_step"], 12);
 
     app.register("nan", &healthy_registration()).await;
-    let mut records: Vec<Value> = (0..6).map(healthy).collect();
+    let mut records: Vec<Value> = (0..25).map(healthy).collect();
     records[3]["modules"][5]["grad_norm"] = json!("NaN");
     records[4]["loss"] = json!("NaN");
     stream(&app, "nan", records).await;
@@ -342,7 +347,8 @@ async fn alert_filters_and_their_errors() {
         ),
     )
     .await;
-    let mut nan = vec![healthy(0), healthy(1)];
+    // A finite loss after the first, for the hold (20 steps) that ends the episode.
+    let mut nan: Vec<Value> = (0..21).map(healthy).collect();
     nan[0]["loss"] = json!("Infinity");
     app.register("nan", &healthy_registration()).await;
     stream(&app, "nan", nan).await;
@@ -443,9 +449,12 @@ async fn detector_state_survives_a_restart() {
         ),
         (json!(0), json!(49))
     );
-    // And an open alert still resolves after another restart.
+    // And an open alert still resolves after another restart, one in the middle of
+    // its hold included.
     let app = app.restart().await;
-    stream(&app, "cut", vec![healthy(50)]).await;
+    stream(&app, "cut", (50..60).map(healthy).collect()).await;
+    let app = app.restart().await;
+    stream(&app, "cut", (60..70).map(healthy).collect()).await;
     assert_eq!(
         alerts(&app, "run_id=cut&status=resolved").await[0]["resolved_step"],
         50
@@ -537,7 +546,8 @@ async fn an_sse_listener_hears_the_alert_when_the_threshold_is_crossed() {
         (&event["action"], &event["alert"]["kind"]),
         (&json!("resolved"), &json!("first_step_hint"))
     );
-    stream(&app, "cut", vec![healthy(50)]).await;
+    // Announced once the cut has stayed away for the hold (20 steps).
+    stream(&app, "cut", (50..70).map(healthy).collect()).await;
     let event = next_alert_event(&mut events).await;
     assert_eq!(event["action"], "resolved");
     assert_eq!(event["alert"]["resolved_step"], 50);
@@ -564,7 +574,7 @@ async fn gradflows_own_kinds_fire_through_the_api() {
     // grad_explosion: one reading thousands of times its level in agent after a calm
     // start (a bad batch).
     app.register("spike", &healthy_registration()).await;
-    let mut records: Vec<Value> = (0..40).map(healthy).collect();
+    let mut records: Vec<Value> = (0..51).map(healthy).collect();
     records[30]["modules"][4]["grad_norm"] = json!(5000.0);
     stream(&app, "spike", records).await;
     let found = alerts(&app, "run_id=spike").await;

@@ -916,8 +916,10 @@ async fn requests_beyond_the_cap_get_503_at_once() {
 
 /// The steps of a run whose step 3 has a NaN gradient and step 4 a NaN loss: two
 /// alerts that open and resolve.
+/// Steps 0–24, a NaN gradient on 3 and a NaN loss on 4 (each episode ends once the
+/// NaN has stayed away for the hold, 20 steps).
 fn steps_with_nans() -> Value {
-    let mut records = steps(0..8);
+    let mut records = steps(0..25);
     records[3]["modules"][1]["grad_norm"] = json!("NaN");
     records[4]["loss"] = json!("NaN");
     records
@@ -994,7 +996,7 @@ async fn cbor_bodies_are_stored_and_judged_as_their_json() {
     );
 
     // gzip-compressed CBOR, and the batch typed as the trainer sends it.
-    let typed: Vec<gradflow_protocol::StepRecord> = serde_json::from_value(steps(8..10)).unwrap();
+    let typed: Vec<gradflow_protocol::StepRecord> = serde_json::from_value(steps(25..27)).unwrap();
     let response = app
         .post_raw(
             "/api/v1/runs/cbor/steps",
@@ -1004,7 +1006,7 @@ async fn cbor_bodies_are_stored_and_judged_as_their_json() {
         .await;
     assert_eq!(
         response.json::<Value>().await.unwrap(),
-        json!({"accepted": 2, "duplicates": 0, "last_step": 9})
+        json!({"accepted": 2, "duplicates": 0, "last_step": 26})
     );
 }
 

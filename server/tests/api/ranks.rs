@@ -266,7 +266,7 @@ async fn a_nan_on_one_rank_is_named_where_it_began() {
     let app = TestApp::spawn().await;
     register_all(&app, "nan", 2).await;
     let run = |rank: u32| -> Vec<Value> {
-        (0..20)
+        (0..40)
             .map(|s| {
                 let mut r = record(s, rank, 2);
                 if rank == 1 && s == 12 {

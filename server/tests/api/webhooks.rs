@@ -100,7 +100,8 @@ impl Receiver {
 }
 
 /// A run whose `qwen` group gets no gradient from step 1 to 5 (grad_stuck_zero
-/// opens at step 5 with `stuck_zero_steps` 5), then trains (it resolves at 6).
+/// opens at step 5 with `stuck_zero_steps` 5), then trains (it resolves at 6, said
+/// once the group has trained for the hold, 20 steps).
 async fn stuck_then_healed(app: &TestApp, run_id: &str, webhooks: Value) {
     let registration = json!({
         "params": [{"name": "qwen.proj.weight"}, {"name": "agent.head.weight"}],
@@ -115,7 +116,7 @@ async fn stuck_then_healed(app: &TestApp, run_id: &str, webhooks: Value) {
             {"module": "agent.head", "grad_norm": 0.5, "hook_hits": 1}]})
     };
     let stuck: Vec<Value> = (1..=5).map(|s| step(s, 0.0)).collect();
-    let healed: Vec<Value> = (6..=8).map(|s| step(s, 0.3)).collect();
+    let healed: Vec<Value> = (6..=26).map(|s| step(s, 0.3)).collect();
     for batch in [stuck, healed] {
         let response = app.post_steps(run_id, &Value::Array(batch)).await;
         assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
@@ -376,4 +377,75 @@ async fn bad_webhooks_and_queries_are_refused_and_store_nothing() {
     assert_eq!(status, 404, "{body}");
     let (status, body) = app.get_json("/api/v1/webhooks/deliveries").await;
     assert_eq!((status, body), (200, json!({"deliveries": []})));
+}
+
+/// A loss that flaps around `loss_divergence`'s bar (3× its starting level): above
+/// it on two steps, below it on the next five, eight times over, as a GAN's
+/// generator loss does while a faster discriminator learns. Each return within the
+/// hold continues the one episode (and doubles its hold, up to 1,000 steps), so the
+/// receiver hears one opening and, once the loss has stayed below for the hold, one
+/// resolve.
+#[tokio::test]
+async fn a_flapping_condition_is_one_alert_said_once_each_way() {
+    let receiver = Receiver::start(0, StatusCode::OK).await;
+    let app = TestApp::spawn_with(|c| {
+        c.webhooks.generic = vec![receiver.url.clone()];
+        c.webhooks.retry_secs = 0.05;
+    })
+    .await;
+    let registration = json!({"params": [{"name": "generator.proj.weight"}]});
+    assert_eq!(app.register("gan", &registration).await.status(), 201);
+    // Steps 0–4 set the starting level (1.0); cycle c is above the bar on steps
+    // 5 + 7c and 6 + 7c, below it on the next five. The last cycle's absence
+    // begins at step 56; the hold has reached 1,000 steps by then.
+    let loss = |step: u64| {
+        let cycle_step = step.checked_sub(5).map(|s| s % 7);
+        let above = step < 61 && cycle_step.is_some_and(|s| s < 2);
+        if above { 4.0 } else { 1.0 }
+    };
+    let records: Vec<Value> = (0..1056)
+        .map(|s| json!({"step": s, "loss": loss(s)}))
+        .collect();
+    for batch in records.chunks(250) {
+        let response = app.post_steps("gan", &Value::Array(batch.to_vec())).await;
+        assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    }
+
+    let (_, body) = app.get_json("/api/v1/runs/gan/alerts").await;
+    let alerts = body["alerts"].as_array().unwrap();
+    assert_eq!(alerts.len(), 1, "one episode: {alerts:?}");
+    let alert = &alerts[0];
+    assert_eq!(alert["kind"], "loss_divergence");
+    assert_eq!(
+        (
+            &alert["first_step"],
+            &alert["opened_step"],
+            &alert["last_step"],
+            &alert["resolved_step"],
+            &alert["status"]
+        ),
+        (
+            &json!(5),
+            &json!(6),
+            &json!(55),
+            &json!(56),
+            &json!("resolved")
+        )
+    );
+    receiver.wait_for(2).await;
+    // Nothing more comes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let bodies: Vec<Value> = receiver
+        .accepted()
+        .into_iter()
+        .filter(|b| b["alert"]["kind"] == "loss_divergence")
+        .collect();
+    let events: Vec<&str> = bodies
+        .iter()
+        .map(|b| b["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(events, ["alert.opened", "alert.resolved"], "{bodies:?}");
+    assert!(bodies.iter().all(|b| b["alert"]["id"] == alert["id"]));
+    assert_eq!(deliveries(&app, "?run_id=gan").await.len(), 2);
+    receiver.task.abort();
 }

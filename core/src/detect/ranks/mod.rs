@@ -41,125 +41,33 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{AlertKind, Transition, sci};
 use serde::{Deserialize, Serialize};
+
+use super::episode::Alerts;
 
 mod divergence;
 mod missing;
 mod nonfinite;
 mod shard;
 mod straggler;
+pub mod view;
 
-/// A rank is a straggler at a step when its work takes at least this many times the
-/// other ranks' median...
-pub const STRAGGLER_RATIO: f64 = 1.5;
-/// ...and at least this many seconds more (microsecond steps are all noise).
-pub const STRAGGLER_MIN_EXCESS: f64 = 0.005;
-/// Step numbers running that make a straggler alert, and that end one.
-pub const STRAGGLER_STEPS: u64 = 10;
-/// Replicas disagree when their values differ by more than this, relative to the
-/// larger magnitude: identical all-reduced gradients give identical norms, and f32
-/// storage keeps them identical.
-pub const DIVERGENCE_TOLERANCE: f64 = 1e-4;
-/// Step numbers running with a disagreement that open `replica_divergence` (one
-/// step is a coincidence worth no alert; a desynchronised replica stays so).
-pub const DIVERGENCE_STEPS: u64 = 3;
-/// The series name of the weights' fingerprints among the compared values.
-pub const WEIGHTS_SERIES: &str = "param_sum";
-/// Fingerprint readings running (steps that carried one; a client sends them every
-/// few steps) on which replicas disagree that open `replica_divergence` on `weights`.
-pub const WEIGHTS_READINGS: usize = 2;
-/// The ranks' reported elements must add up to the registered whole within this
-/// fraction for `shard_reported_as_global`.
-pub const SHARD_SUM_TOLERANCE: f64 = 0.01;
+pub use view::{
+    DIVERGENCE_STEPS, DIVERGENCE_TOLERANCE, Divergence, RankView, SHARD_SUM_TOLERANCE,
+    STRAGGLER_MIN_EXCESS, STRAGGLER_RATIO, STRAGGLER_STEPS, ShardSuspect, WEIGHTS_READINGS,
+    WEIGHTS_SERIES,
+};
 
-/// What the ranks of a multi-rank run showed at one combined step.
-#[derive(Debug, Clone, Default)]
-pub struct RankView {
-    pub step: u64,
-    pub world_size: u32,
-    /// Ranks whose record of this step arrived.
-    pub reported: u32,
-    /// Ranks whose record never came (the step completed without them), each with
-    /// the last step it reported.
-    pub missing: Vec<(u32, Option<u64>)>,
-    /// Each reporting rank's `step_time`, when it sent one.
-    pub step_times: Vec<(u32, f64)>,
-    /// Ranks with a non-finite reading at this step (the first few), each with (up
-    /// to a few of) the subjects that were not finite.
-    pub nonfinite: Vec<(u32, Vec<String>)>,
-    /// How many ranks had one, listed or not.
-    pub nonfinite_count: u32,
-    /// Replicated subjects whose ranks disagree.
-    pub divergences: Vec<Divergence>,
-    /// Replicated modules whose ranks each report part of the elements.
-    pub shard_suspects: Vec<ShardSuspect>,
-    /// Of the `missing` ranks, those that had closed (v1.5: their client said it
-    /// finished), so the step was completed at once instead of waited for.
-    pub closed: Vec<u32>,
-    /// Reporting ranks whose own loss was not finite (computed before any
-    /// all-reduce, so it says which ranks a NaN began on).
-    pub loss_nonfinite: Vec<u32>,
-    /// Reporting ranks whose own gradients held a NaN or infinity before the
-    /// all-reduce (v1.7 `local_grads_nonfinite`).
-    pub local_grads_nonfinite: Vec<u32>,
-    /// Whether a rank's loss scaler found non-finite gradients at this step (and
-    /// skipped it): an overflow the scaler handles, not a NaN to trace.
-    pub scaler_skipped: bool,
-    /// Whether replicas' weight fingerprints were compared at this step (v1.5).
-    pub fingerprinted: bool,
-}
-
-/// A replicated module's or parameter's value on which its ranks disagree.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Divergence {
-    /// The module or parameter.
-    pub subject: String,
-    /// The series (`grad_norm`, `update_norm`, `param_mean`, …).
-    pub series: &'static str,
-    /// The smallest and largest value, with a rank that had each.
-    pub min: (f64, u32),
-    pub max: (f64, u32),
-}
-
-impl Divergence {
-    /// The spread relative to the larger magnitude.
-    pub fn relative(&self) -> f64 {
-        let scale = self.min.0.abs().max(self.max.0.abs());
-        if scale == 0.0 {
-            0.0
-        } else {
-            (self.max.0 - self.min.0) / scale
-        }
-    }
-}
-
-/// A module registered `replicated` whose ranks report parts of its elements.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ShardSuspect {
-    pub module: String,
-    pub group: String,
-    /// Elements of the module's parameters as registered (their shapes).
-    pub registered: u64,
-    /// Elements each rank reported: the largest, and the sum over ranks.
-    pub largest: u64,
-    pub sum: u64,
-    pub ranks: u32,
-}
-
+/// The rank detectors' state. What a stored state of an older layout kept of its
+/// open episodes (`missing`, `nonfinite`, `shards`) is read and ignored: the
+/// episodes are [`Alerts`]'.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct RankDetectors {
-    /// Open `rank_missing` episodes: rank → first step it was missing from.
-    missing: BTreeMap<u32, u64>,
-    stragglers: BTreeMap<u32, Streak>,
-    /// Open `rank_nonfinite` episodes: rank → the step it began.
-    nonfinite: BTreeMap<u32, u64>,
-    divergence: Streak,
+    stragglers: BTreeMap<u32, view::Sampled>,
+    divergence: view::Sampled,
     /// Of the weights' fingerprints (v1.5): counted in readings, not steps.
-    weights: Streak,
-    /// Open `shard_reported_as_global` alerts, by group.
-    shards: BTreeSet<String>,
+    weights: view::Sampled,
     /// Ranks whose client said it closed (v1.5, `POST .../finish?rank=N`): the
     /// steps they did not send are completed at once, without waiting for them. A
     /// record from a closed rank reopens it. Kept here so that it is stored with the
@@ -167,65 +75,15 @@ pub struct RankDetectors {
     pub closed: BTreeSet<u32>,
 }
 
-/// A run of step numbers on which a condition held (or, once open, did not).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-struct Streak {
-    since: Option<u64>,
-    open: bool,
-    /// Once open: the first step of the current run of steps without it.
-    clear_since: Option<u64>,
-    /// The values seen over the streak, for the alert's numbers (bounded).
-    samples: Vec<(f64, f64)>,
-}
-
-const MAX_SAMPLES: usize = 64;
-
-fn rank_subject(rank: u32) -> String {
-    format!("rank {rank}")
-}
-
 impl RankDetectors {
-    pub fn on_step(&mut self, view: &RankView, out: &mut Vec<Transition>) {
-        self.on_missing(view, out);
-        self.on_stragglers(view, out);
-        self.on_nonfinite(view, out);
-        self.on_divergence(view, out);
-        self.on_weights(view, out);
-        self.on_shards(view, out);
+    pub fn on_step(&mut self, view: &RankView, alerts: &mut Alerts<'_>) {
+        missing::on_step(view, alerts);
+        straggler::on_step(&mut self.stragglers, view, alerts);
+        nonfinite::on_step(view, alerts);
+        divergence::on_gradients(&mut self.divergence, view, alerts);
+        divergence::on_weights(&mut self.weights, view, alerts);
+        shard::on_step(view, alerts);
     }
-}
-
-/// "3.2 %" or "2.1e-3 %".
-fn relative_text(relative: f64) -> String {
-    let percent = relative * 100.0;
-    if percent >= 0.1 {
-        format!("{percent:.1} %")
-    } else {
-        format!("{} %", sci(percent))
-    }
-}
-
-/// Resolves the open per-rank episodes of `kind` whose rank no longer meets the
-/// condition (`still` says which ranks do), forgetting them.
-fn resolve_ranks_gone(
-    open: &mut BTreeMap<u32, u64>,
-    still: impl Fn(&u32) -> bool,
-    kind: AlertKind,
-    step: u64,
-    out: &mut Vec<Transition>,
-) {
-    open.retain(|rank, _| {
-        if still(rank) {
-            return true;
-        }
-        out.push(Transition::Resolve {
-            kind,
-            subject: rank_subject(*rank),
-            step,
-        });
-        false
-    });
 }
 
 #[cfg(test)]
@@ -233,6 +91,8 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::detect::testing::Run;
+    use crate::model::alert::{AlertKind, Transition};
 
     fn view(step: u64) -> RankView {
         RankView {
@@ -256,6 +116,7 @@ mod tests {
     /// transitions in `all` and returns (step, opened) for each.
     fn drive(
         detectors: &mut RankDetectors,
+        run: &mut Run,
         all: &mut Vec<(u64, Transition)>,
         steps: std::ops::Range<u64>,
         shape: impl Fn(u64, &mut RankView),
@@ -264,12 +125,22 @@ mod tests {
             let mut v = view(step);
             shape(step, &mut v);
             let mut out = Vec::new();
-            detectors.on_step(&v, &mut out);
+            judge(detectors, run, &v, &mut out);
             all.extend(out.into_iter().map(|t| (step, t)));
         }
         all.iter()
             .map(|(s, t)| (*s, matches!(t, Transition::Open(_))))
             .collect()
+    }
+
+    /// One step of the rank detectors, its transitions added to `out`.
+    fn judge(
+        detectors: &mut RankDetectors,
+        run: &mut Run,
+        view: &RankView,
+        out: &mut Vec<Transition>,
+    ) {
+        out.extend(run.step(view.step, |alerts| detectors.on_step(view, alerts)));
     }
 
     fn opened(out: &[Transition]) -> Vec<(AlertKind, String)> {
@@ -288,6 +159,7 @@ mod tests {
                     kind,
                     subject,
                     step,
+                    ..
                 } => Some((*kind, subject.clone(), *step)),
                 Transition::Open(_) => None,
             })
@@ -297,6 +169,7 @@ mod tests {
     #[test]
     fn a_healthy_run_of_equal_ranks_is_silent() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         for step in 0..200 {
             let mut v = view(step);
             // Noisy but even step times; identical replicated values.
@@ -310,7 +183,7 @@ mod tests {
                 max: (0.5, 3),
             }];
             let mut out = Vec::new();
-            detectors.on_step(&v, &mut out);
+            judge(&mut detectors, &mut run, &v, &mut out);
             assert!(out.is_empty(), "step {step}: {out:?}");
         }
     }
@@ -318,8 +191,9 @@ mod tests {
     #[test]
     fn a_missing_rank_opens_once_and_resolves_when_back() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
-        detectors.on_step(&missing(10, 2, 7), &mut out);
+        judge(&mut detectors, &mut run, &missing(10, 2, 7), &mut out);
         assert_eq!(
             opened(&out),
             [(AlertKind::RankMissing, "rank 2".to_owned())]
@@ -329,9 +203,9 @@ mod tests {
         };
         assert_eq!(o.evidence["last_step"], 7);
         out.clear();
-        detectors.on_step(&missing(11, 2, 7), &mut out);
+        judge(&mut detectors, &mut run, &missing(11, 2, 7), &mut out);
         assert!(out.is_empty(), "{out:?}");
-        detectors.on_step(&view(12), &mut out);
+        judge(&mut detectors, &mut run, &view(12), &mut out);
         assert_eq!(
             resolved(&out),
             [(AlertKind::RankMissing, "rank 2".to_owned(), 12)]
@@ -341,6 +215,7 @@ mod tests {
     #[test]
     fn a_slow_rank_is_named_after_ten_steps_and_cleared_after_ten() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut all = Vec::new();
         for step in 0..40 {
             let slow = step < 20;
@@ -349,7 +224,7 @@ mod tests {
                 .map(|r| (r, if r == 1 && slow { 0.3 } else { 0.1 }))
                 .collect();
             let mut out = Vec::new();
-            detectors.on_step(&v, &mut out);
+            judge(&mut detectors, &mut run, &v, &mut out);
             all.extend(out.into_iter().map(|t| (step, t)));
         }
         let opens: Vec<u64> = all
@@ -374,12 +249,13 @@ mod tests {
     #[test]
     fn tiny_steps_do_not_make_stragglers_of_noise() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         for step in 0..50 {
             let mut v = view(step);
             // 2× slower, but only by 1 ms.
             v.step_times = vec![(0, 0.001), (1, 0.002), (2, 0.001), (3, 0.001)];
             let mut out = Vec::new();
-            detectors.on_step(&v, &mut out);
+            judge(&mut detectors, &mut run, &v, &mut out);
             assert!(out.is_empty(), "{out:?}");
         }
     }
@@ -387,11 +263,12 @@ mod tests {
     #[test]
     fn nan_on_one_rank_names_it_and_spreading_to_all_keeps_it_open() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         let mut v = view(30);
         v.nonfinite = vec![(1, vec!["loss".into(), "agent.head".into()])];
         v.nonfinite_count = 1;
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert_eq!(
             opened(&out),
             [(AlertKind::RankNonfinite, "rank 1".to_owned())]
@@ -401,9 +278,9 @@ mod tests {
         let mut v = view(31);
         v.nonfinite = (0..4).map(|r| (r, vec!["loss".into()])).collect();
         v.nonfinite_count = 4;
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert!(out.is_empty(), "{out:?}");
-        detectors.on_step(&view(32), &mut out);
+        judge(&mut detectors, &mut run, &view(32), &mut out);
         assert_eq!(
             resolved(&out),
             [(AlertKind::RankNonfinite, "rank 1".to_owned(), 32)]
@@ -413,6 +290,7 @@ mod tests {
     #[test]
     fn nan_spread_within_the_step_is_traced_to_the_rank_whose_loss_is_not_finite() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         // Every rank's gradients are NaN (the all-reduce spread them), only rank 1's
         // own loss is.
@@ -425,7 +303,7 @@ mod tests {
         ];
         v.nonfinite_count = 4;
         v.loss_nonfinite = vec![1];
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert_eq!(
             opened(&out),
             [(AlertKind::RankNonfinite, "rank 1".to_owned())]
@@ -441,7 +319,7 @@ mod tests {
         v.nonfinite = (0..4).map(|r| (r, vec!["loss".into()])).collect();
         v.nonfinite_count = 4;
         v.loss_nonfinite = vec![0, 1, 2, 3];
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert!(out.is_empty(), "{out:?}");
     }
 
@@ -457,8 +335,14 @@ mod tests {
     #[test]
     fn nan_from_one_rank_s_backward_is_traced_by_its_local_gradients() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
-        detectors.on_step(&spread_with_finite_losses(10, vec![2]), &mut out);
+        judge(
+            &mut detectors,
+            &mut run,
+            &spread_with_finite_losses(10, vec![2]),
+            &mut out,
+        );
         assert_eq!(
             opened(&out),
             [(AlertKind::RankNonfinite, "rank 2".to_owned())]
@@ -473,9 +357,14 @@ mod tests {
         assert!(o.fix.contains("set_detect_anomaly"), "{}", o.fix);
         out.clear();
         // Every rank's local gradients non-finite too: no single origin, nothing new.
-        detectors.on_step(&spread_with_finite_losses(11, vec![0, 1, 2, 3]), &mut out);
+        judge(
+            &mut detectors,
+            &mut run,
+            &spread_with_finite_losses(11, vec![0, 1, 2, 3]),
+            &mut out,
+        );
         assert!(out.is_empty(), "{out:?}");
-        detectors.on_step(&view(12), &mut out);
+        judge(&mut detectors, &mut run, &view(12), &mut out);
         assert_eq!(
             resolved(&out),
             [(AlertKind::RankNonfinite, "rank 2".to_owned(), 12)]
@@ -485,20 +374,22 @@ mod tests {
     #[test]
     fn one_rank_s_overflow_that_the_loss_scaler_skipped_is_not_traced() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         let mut v = spread_with_finite_losses(10, vec![1]);
         v.scaler_skipped = true;
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert!(out.is_empty(), "{out:?}");
     }
 
     #[test]
     fn a_rank_s_non_finite_loss_names_the_origin_before_its_local_gradients() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         let mut v = spread_with_finite_losses(10, vec![1, 3]);
         v.loss_nonfinite = vec![3];
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert_eq!(
             opened(&out),
             [(AlertKind::RankNonfinite, "rank 3".to_owned())]
@@ -512,12 +403,13 @@ mod tests {
     #[test]
     fn a_closed_rank_s_missing_steps_say_it_closed() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         let v = RankView {
             closed: vec![1],
             ..missing(21, 1, 20)
         };
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         let Transition::Open(o) = &out[0] else {
             unreachable!()
         };
@@ -533,19 +425,21 @@ mod tests {
     #[test]
     fn nan_on_every_rank_at_once_is_not_rank_local() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         let mut v = view(5);
         v.nonfinite = (0..4).map(|r| (r, vec!["loss".into()])).collect();
         v.nonfinite_count = 4;
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert!(out.is_empty(), "{out:?}");
     }
 
     #[test]
     fn disagreeing_replicas_open_after_three_steps() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut all = Vec::new();
-        let steps = drive(&mut detectors, &mut all, 0..10, |step, v| {
+        let steps = drive(&mut detectors, &mut run, &mut all, 0..10, |step, v| {
             if (2..7).contains(&step) {
                 v.divergences = vec![Divergence {
                     subject: "agent.head".into(),
@@ -561,9 +455,10 @@ mod tests {
     #[test]
     fn weights_that_come_apart_open_on_two_readings_and_steps_between_do_not_count() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut all = Vec::new();
         // Fingerprints every 5 steps; from step 10 rank 1's weights are off.
-        let steps = drive(&mut detectors, &mut all, 0..40, |step, v| {
+        let steps = drive(&mut detectors, &mut run, &mut all, 0..40, |step, v| {
             if step % 5 == 0 {
                 v.fingerprinted = true;
                 let off = if (10..30).contains(&step) { 0.01 } else { 0.0 };
@@ -586,6 +481,7 @@ mod tests {
     #[test]
     fn shards_reported_as_whole_tensors_are_one_alert_per_group() {
         let mut detectors = RankDetectors::default();
+        let mut run = Run::default();
         let mut out = Vec::new();
         let mut v = view(0);
         v.shard_suspects = ["a.q", "a.k"]
@@ -599,13 +495,13 @@ mod tests {
                 ranks: 4,
             })
             .collect();
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert_eq!(
             opened(&out),
             [(AlertKind::ShardReportedAsGlobal, "a".to_owned())]
         );
         out.clear();
-        detectors.on_step(&v, &mut out);
+        judge(&mut detectors, &mut run, &v, &mut out);
         assert!(out.is_empty());
     }
 }

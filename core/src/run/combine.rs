@@ -34,10 +34,12 @@ use std::collections::BTreeMap;
 use gradflow_protocol::GraphCut;
 
 use super::registry::Registry;
-use gradflow_core::columnar::columns::ColumnDictionary;
-use gradflow_core::detect::ranks::{Divergence, RankView, ShardSuspect};
-use gradflow_core::model::cell::{ABSENT_BITS, Cell, to_stored_f32};
-use gradflow_core::model::series_kind::SeriesKind;
+use crate::columnar::columns::ColumnDictionary;
+use crate::detect::ranks::{
+    Divergence, RankView, SHARD_SUM_TOLERANCE, ShardSuspect, WEIGHTS_SERIES,
+};
+use crate::model::cell::{ABSENT_BITS, Cell, to_stored_f32};
+use crate::model::series_kind::SeriesKind;
 
 /// A step waits at most until some rank is this many steps past it.
 pub const LAG_STEPS: u64 = 256;
@@ -128,7 +130,7 @@ fn compared(kind: SeriesKind) -> Option<&'static str> {
         SeriesKind::ParamGradNorm => Some("param_grad_norm"),
         SeriesKind::UpdateNorm => Some("update_norm"),
         SeriesKind::ParamMean => Some("param_mean"),
-        SeriesKind::ModuleParamSum => Some(gradflow_core::detect::ranks::WEIGHTS_SERIES),
+        SeriesKind::ModuleParamSum => Some(WEIGHTS_SERIES),
         _ => None,
     }
 }
@@ -435,7 +437,7 @@ impl PendingStep {
                 let largest = largest as u64;
                 if largest < registered
                     && (sum as f64 - registered as f64).abs()
-                        <= gradflow_core::detect::ranks::SHARD_SUM_TOLERANCE * registered as f64
+                        <= SHARD_SUM_TOLERANCE * registered as f64
                 {
                     shard_suspects.push(ShardSuspect {
                         module: subject.to_owned(),
@@ -482,3 +484,166 @@ impl PendingStep {
 
 /// The waiting steps of a multi-rank run.
 pub type Pending = BTreeMap<u64, PendingStep>;
+
+#[cfg(test)]
+mod tests {
+    use gradflow_protocol::{RunRegistration, StepRecord};
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::columnar::columns::ColumnAssigner;
+    use crate::columnar::flatten::{flatten, unflatten};
+    use crate::detect::thresholds::Thresholds;
+
+    /// Two ranks: `qwen.q` sharded across them (8 elements), `agent.head` replicated
+    /// (4 elements).
+    fn registry() -> Registry {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "world_size": 2,
+            "params": [
+                {"name": "qwen.q.weight", "shape": [8], "layout": "sharded", "shard_ranks": [0, 1]},
+                {"name": "agent.head.weight", "shape": [4]}
+            ]
+        }))
+        .unwrap();
+        Registry::new(registration.normalized(), Thresholds::default())
+    }
+
+    /// Each rank's record of step 7 folded in rank order, then combined: the run's
+    /// step as a record, and what the ranks showed together.
+    fn combine(records: &[Value]) -> (StepRecord, RankView) {
+        let registry = registry();
+        let mut columns = ColumnDictionary::default();
+        let mut pending = PendingStep::new(0.0);
+        for value in records {
+            let record: StepRecord = serde_json::from_value(value.clone()).unwrap();
+            let mut assigner = ColumnAssigner::new(&columns);
+            let cells = flatten(&record, &registry.module_groups, &mut assigner);
+            for (kind, subject, position) in assigner.added() {
+                columns.restore(kind, &subject, position);
+            }
+            let rank = record.rank.unwrap();
+            pending.fold(rank, &cells, None, &record.graph_cuts, &columns, &registry);
+        }
+        let combined = pending.combine(7, 2, &columns, &registry);
+        (
+            unflatten(combined.step, &combined.cells, &columns),
+            combined.view,
+        )
+    }
+
+    fn rank(rank: u32, loss: Value, qwen: f64, head: f64) -> Value {
+        json!({"step": 7, "rank": rank, "loss": loss, "modules": [
+            {"module": "qwen.q", "grad_sumsq": qwen * qwen, "hook_hits": 1 - rank.min(1), "numel": 4},
+            {"module": "agent.head", "grad_norm": head, "hook_hits": 1, "numel": 4}
+        ]})
+    }
+
+    fn module<'a>(record: &'a StepRecord, name: &str) -> &'a gradflow_protocol::ModuleStep {
+        record.modules.iter().find(|m| m.module == name).unwrap()
+    }
+
+    #[test]
+    fn each_column_combines_by_what_it_measures_and_its_layout() {
+        let (record, view) =
+            combine(&[rank(0, json!(2.0), 3.0, 0.5), rank(1, json!(4.0), 4.0, 0.5)]);
+        // The loss: the mean over ranks.
+        assert_eq!(record.loss.map(|l| l.get()), Some(3.0));
+        // A sharded module: the root of the ranks' summed squares; hook hits: the
+        // fewest (backward reached it on every rank, or not).
+        let qwen = module(&record, "qwen.q");
+        assert_eq!(qwen.grad_norm.map(|n| n.get()), Some(5.0));
+        assert_eq!(qwen.hook_hits, Some(0));
+        assert_eq!(qwen.numel, Some(8));
+        // A replicated one: the lowest rank's, compared across ranks.
+        let head = module(&record, "agent.head");
+        assert_eq!(head.grad_norm.map(|n| n.get()), Some(0.5));
+        let compared: Vec<(&str, f64)> = view
+            .divergences
+            .iter()
+            .map(|d| (d.subject.as_str(), d.relative()))
+            .collect();
+        assert_eq!(compared, [("agent.head", 0.0)]);
+        assert_eq!(
+            (view.reported, view.world_size, view.nonfinite_count),
+            (2, 2, 0)
+        );
+        // Each rank held the whole replicated module (4 of 4): not a shard.
+        assert!(view.shard_suspects.is_empty());
+    }
+
+    #[test]
+    fn replicas_that_disagree_and_a_nan_on_one_rank_are_in_the_view() {
+        let (record, view) = combine(&[
+            rank(0, json!(2.0), 3.0, 0.5),
+            rank(1, json!("NaN"), 4.0, 0.6),
+        ]);
+        assert!(record.loss.is_some_and(|l| l.get().is_nan()));
+        let head = &view.divergences[0];
+        assert_eq!(
+            (head.subject.as_str(), head.series),
+            ("agent.head", "grad_norm")
+        );
+        assert_eq!((head.min, head.max), ((0.5, 0), (0.6000000238418579, 1)));
+        assert!((head.relative() - 1.0 / 6.0).abs() < 1e-6);
+        assert_eq!(view.nonfinite, [(1, vec!["loss".to_owned()])]);
+        assert_eq!(view.loss_nonfinite, [1]);
+    }
+
+    #[test]
+    fn ranks_that_each_report_part_of_a_replicated_module_are_a_shard_suspect() {
+        let half = |r: u32| {
+            json!({"step": 7, "rank": r, "loss": 1.0, "modules": [
+                {"module": "agent.head", "grad_norm": 0.5, "numel": 2}]})
+        };
+        let (_, view) = combine(&[half(0), half(1)]);
+        let suspect = &view.shard_suspects[0];
+        assert_eq!(
+            (suspect.module.as_str(), suspect.group.as_str()),
+            ("agent.head", "agent")
+        );
+        assert_eq!(
+            (
+                suspect.registered,
+                suspect.largest,
+                suspect.sum,
+                suspect.ranks
+            ),
+            (4, 2, 4, 2)
+        );
+    }
+
+    #[test]
+    fn a_rank_folded_twice_counts_once() {
+        let registry = registry();
+        let mut columns = ColumnDictionary::default();
+        let record: StepRecord = serde_json::from_value(rank(0, json!(2.0), 3.0, 0.5)).unwrap();
+        let mut assigner = ColumnAssigner::new(&columns);
+        let cells = flatten(&record, &registry.module_groups, &mut assigner);
+        for (kind, subject, position) in assigner.added() {
+            columns.restore(kind, &subject, position);
+        }
+        let mut pending = PendingStep::new(0.0);
+        pending.fold(0, &cells, Some(5.0), &[], &columns, &registry);
+        pending.fold(0, &cells, Some(9.0), &[], &columns, &registry);
+        assert_eq!(pending.arrived.len(), 1);
+        let combined = pending.combine(7, 2, &columns, &registry);
+        assert_eq!(combined.time, Some(5.0));
+        assert_eq!(combined.view.reported, 1);
+        let record = unflatten(7, &combined.cells, &columns);
+        assert_eq!(
+            module(&record, "qwen.q").grad_norm.map(|n| n.get()),
+            Some(3.0)
+        );
+    }
+
+    #[test]
+    fn a_rank_set_holds_ranks_past_sixty_four() {
+        let mut ranks = RankSet::default();
+        assert!(ranks.insert(3));
+        assert!(ranks.insert(130));
+        assert!(!ranks.insert(130));
+        assert!(ranks.contains(130) && ranks.contains(3) && !ranks.contains(64));
+        assert_eq!(ranks.len(), 2);
+    }
+}

@@ -1,38 +1,93 @@
-//! Preparing a batch: from a run's state and its new records to the rows to write
-//! and the state that follows once they are committed. Pure CPU work — flattening,
-//! packing steps into blocks, rollups, the detectors — with no I/O, so it runs
-//! outside any transaction on SQLite and batches of different runs prepare in
-//! parallel.
+//! What preparing a batch is, whichever its run: the one contract both preparers
+//! keep (`super::single` for a run of one process, `super::ranks` for a multi-rank
+//! run; the service picks one by the run's world size), and the phases they share: checking
+//! records against the registration in force, adding rows to a stream (blocks and
+//! rollup buckets), and running the detectors into alert operations. Pure CPU work,
+//! no I/O, so it runs outside any transaction on SQLite and batches of different
+//! runs prepare in parallel.
+//!
+//! # The contract
+//!
+//! A preparer takes the run's state and the batch, and gives either the rows to
+//! write with the state that follows once they commit ([`Preparation::Write`]),
+//! the state unchanged when nothing is new ([`Preparation::NothingNew`]), or the
+//! refusal ([`Refused`]), with the state back when it is untouched (a record the
+//! run refuses is found before anything changes) and without it otherwise (the
+//! caller reads it again from the database). The state is taken, not copied: a
+//! run's state holds a growing block and rollup buckets per stream and, in a
+//! multi-rank run, an accumulator per waiting step.
 
 use std::sync::Arc;
 
-use anyhow::Context;
 use gradflow_protocol::{Amendment, StepRecord};
+use serde::Serialize;
 
-use super::IngestOutcome;
 use super::error::{IngestError, IngestResult};
-use super::registry::Registry;
-use super::state::{Episode, Episodes, OpenBucket, RunState, StreamTail};
+use super::state::{OpenBucket, RunState, StreamTail};
 use crate::store::{
-    AlertOp, AlertRef, BatchWrite, BlockWrite, NewColumn, Progress, RUN_STREAM, RollupRow,
-    StoreResult,
+    AlertOp, BatchWrite, BlockWrite, NewColumn, RollupRow, StoreError, StoreResult,
 };
+use anyhow::Context;
 use gradflow_core::columnar::block::{self, BlockRow, block_index};
-use gradflow_core::columnar::codec::{self, ABSENT_BITS};
-use gradflow_core::columnar::columns::ColumnAssigner;
-use gradflow_core::columnar::flatten::flatten;
+use gradflow_core::columnar::codec;
 use gradflow_core::columnar::rollup::{BucketSummary, ROLLUP_WIDTHS};
 use gradflow_core::detect::ranks::RankView;
-use gradflow_core::detect::{Detection, DetectorSet, Thresholds, Transition};
+use gradflow_core::detect::{Detection, DetectorSet, Transition};
 use gradflow_core::model::series_kind::SeriesKind;
+use gradflow_core::run::registry::Registry;
 
-/// What preparing a batch came to: rows to write, or nothing new to store (every
-/// record at or below its stream's last stored step). `Unchanged` is what the
-/// preparer hands back with the latter: nothing for [`prepare`], which borrows the
-/// run's state; the state itself for `prepare_ranks`, which takes it.
-pub enum Preparation<Unchanged> {
+/// A batch to prepare: its run, its records (validated, steps strictly increasing
+/// per stream), and what the server decides for it.
+pub struct Batch<'a> {
+    pub run_id: &'a str,
+    pub records: &'a [StepRecord],
+    pub detection: Detection,
+    pub clock: Clock,
+    /// v1.5: the rank of a multi-rank run that said it closed with this call.
+    pub closing: Option<u32>,
+}
+
+/// When a batch is prepared, and how long a step of a multi-rank run may wait for
+/// its ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    /// Server clock, Unix seconds.
+    pub now: f64,
+    pub rank_timeout: f64,
+}
+
+/// The answer to a batch, as docs/PROTOCOL.md words it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct IngestOutcome {
+    /// Records stored by this request.
+    pub accepted: usize,
+    /// Records whose step is already stored: ignored, as a resend after a timeout.
+    pub duplicates: usize,
+    /// *(v1.5)* Records whose step is below the run's (or the rank's) last stored step
+    /// but was never stored: refused, not stored. Sent only when some were. Another
+    /// writer moved the run past them (two clients, or a resend racing a batch still
+    /// in flight): what a client should say, since these steps are lost.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub late: usize,
+    /// The run's last stored step after this request.
+    pub last_step: Option<u64>,
+    /// Values stored by this request (for the server's own metrics; not in the
+    /// response).
+    #[serde(skip)]
+    pub values: usize,
+}
+
+fn is_zero(count: &usize) -> bool {
+    *count == 0
+}
+
+/// What preparing a batch came to.
+pub enum Preparation {
+    /// Rows to write, and the state once they are committed.
     Write(Box<Prepared>),
-    NothingNew(IngestOutcome, Unchanged),
+    /// Nothing new to store (every record at or below its stream's last stored
+    /// step): the outcome, and the state unchanged.
+    NothingNew(IngestOutcome, Box<RunState>),
 }
 
 /// A batch ready to write, and the run's state once it is written.
@@ -40,6 +95,41 @@ pub struct Prepared {
     pub write: BatchWrite,
     pub next: RunState,
     pub outcome: IngestOutcome,
+}
+
+/// A batch refused: why, and the run's state when the preparer left it untouched.
+pub struct Refused {
+    pub error: IngestError,
+    pub state: Option<Box<RunState>>,
+}
+
+impl Refused {
+    /// Refused before the state changed: it comes back.
+    pub fn untouched(error: IngestError, state: RunState) -> Refused {
+        Refused {
+            error,
+            state: Some(Box::new(state)),
+        }
+    }
+}
+
+/// A failure once the state has changed: it is gone.
+impl From<IngestError> for Refused {
+    fn from(error: IngestError) -> Refused {
+        Refused { error, state: None }
+    }
+}
+
+impl From<StoreError> for Refused {
+    fn from(error: StoreError) -> Refused {
+        IngestError::from(error).into()
+    }
+}
+
+impl From<anyhow::Error> for Refused {
+    fn from(error: anyhow::Error) -> Refused {
+        IngestError::from(error).into()
+    }
 }
 
 /// The zstd contexts a preparation reuses.
@@ -71,186 +161,42 @@ pub fn with_codec<T, E: From<anyhow::Error>>(
     })
 }
 
-/// Prepares `records` (validated, steps strictly increasing) for the run of
-/// `state`. The records up to the run's last stored step are not new; a batch of
-/// nothing else is [`Preparation::NothingNew`].
-pub fn prepare(
-    state: &RunState,
-    run_id: &str,
-    records: &[StepRecord],
-    detection: Detection,
-    codec: &mut Codec,
-) -> IngestResult<Preparation<()>> {
-    let last_stored = state.last_step;
-    // Steps strictly increase within a batch, so the duplicates are a prefix.
-    let first_new = records
-        .iter()
-        .position(|r| last_stored.is_none_or(|last| r.step > last))
-        .unwrap_or(records.len());
-    let (duplicates, new) = records.split_at(first_new);
-    if new.is_empty() {
-        return Ok(Preparation::NothingNew(
-            IngestOutcome {
-                accepted: 0,
-                duplicates: duplicates.len(),
-                late: 0,
-                last_step: last_stored,
-                values: 0,
-            },
-            (),
-        ));
-    }
-    // The registration in force at each new record: v1.1 amendments take effect at
-    // the record that carries them. A duplicate's amendment was applied when it was
-    // first stored.
-    let registries = registries_in_force(state, new, first_new, detection.thresholds)?;
-
-    let mut assigner = ColumnAssigner::new(&state.columns);
-    let rows: Vec<StepCells> = new
-        .iter()
-        .zip(&registries)
-        .map(|(record, registry)| StepCells {
-            step: record.step,
-            time: record.time.map(|t| t.unix_seconds()),
-            cells: flatten(record, &registry.module_groups, &mut assigner),
-        })
-        .collect();
-    let added = assigner.added();
-
-    let mut next = state.clone();
-    for (kind, subject, position) in &added {
-        next.columns.restore(*kind, subject, *position);
-    }
-    let mut blocks = Vec::new();
-    let mut rollups = Vec::new();
-    let tail = write_stream(
-        state.streams.get(&RUN_STREAM),
-        RUN_STREAM,
-        &rows,
-        next.columns.kinds(),
-        &mut blocks,
-        &mut rollups,
-        codec,
-    )?;
-    next.streams.insert(RUN_STREAM, tail);
-
-    let alerts = detect(
-        detection.enabled,
-        &mut next.detectors,
-        &mut next.open,
-        &state.registry,
-        new.iter().zip(&registries).map(|(r, g)| (r, g, None)),
-    );
-    let last = new.last().expect("at least one new record").step;
-    next.last_step = Some(last);
-    next.head.version += 1;
-    next.registry = registries.last().expect("at least one new record").clone();
-
-    let amendments = new
-        .iter()
-        .filter_map(|r| r.amend.as_ref().map(|a| (r.step, a)))
-        .map(|(step, amendment)| {
-            Ok((
-                step,
-                serde_json::to_string(amendment).context("encoding an amendment")?,
-            ))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let outcome = IngestOutcome {
-        accepted: new.len(),
-        duplicates: duplicates.len(),
-        late: 0,
-        last_step: Some(last),
-        values: rows
-            .iter()
-            .map(|row| row.cells.iter().filter(|c| **c != ABSENT_BITS).count())
-            .sum(),
-    };
-    let write = BatchWrite {
-        run_id: run_id.to_owned(),
-        key: state.head.key,
-        expected_version: state.head.version,
-        progress: Progress {
-            first_step: Some(new[0].step),
-            last_step: Some(last),
-            steps: new.len() as u64,
-        },
-        amendments,
-        columns: new_columns(added),
-        blocks,
-        rollups,
-        alerts,
-        detector_state: serde_json::to_string(&next.detectors)
-            .context("encoding detector state")?,
-        pending_since: None,
-    };
-    Ok(Preparation::Write(Box::new(Prepared {
-        write,
-        next,
-        outcome,
-    })))
-}
-
 /// Runs the detectors over the new records in step order (each against the
 /// registration in force at it, amendments judged where they take effect, and a
 /// multi-rank step's view of its ranks), turning their transitions into alert
-/// operations and keeping the open episodes in step; every episode still open is
-/// extended. With the detectors off, only that.
+/// operations; every episode still open is extended. With the detectors off, only
+/// that.
 pub fn detect<'a>(
     enabled: bool,
     detectors: &mut DetectorSet,
-    open: &mut Episodes,
     before: &'a Arc<Registry>,
     records: impl IntoIterator<Item = (&'a StepRecord, &'a Arc<Registry>, Option<&'a RankView>)>,
 ) -> Vec<AlertOp> {
     let mut alerts = Vec::new();
-    let mut opened = 0;
     let mut in_force = before;
     for (record, registry, ranks) in records.into_iter().filter(|_| enabled) {
-        let mut transitions = Vec::new();
-        if !Arc::ptr_eq(in_force, registry) {
-            transitions = detectors.on_amendment(&in_force.context, &registry.context, record.step);
-            in_force = registry;
-        }
-        transitions.extend(detectors.on_step(&registry.context, record));
-        if let Some(view) = ranks {
-            detectors.ranks.on_step(view, &mut transitions);
-        }
-        for transition in transitions {
-            match transition {
-                Transition::Open(alert) => {
-                    open.insert(
-                        (alert.kind, alert.subject.clone()),
-                        Episode {
-                            alert: AlertRef::New(opened),
-                            last_step: alert.step,
-                        },
-                    );
-                    opened += 1;
-                    alerts.push(AlertOp::Open(Box::new(alert)));
-                }
-                Transition::Resolve {
-                    kind,
-                    subject,
-                    step,
-                } => {
-                    if let Some(episode) = open.remove(&(kind, subject)) {
-                        alerts.push(AlertOp::Resolve {
-                            alert: episode.alert,
-                            step,
-                            last_step: episode.last_step,
-                        });
-                    }
-                }
-            }
-        }
-        for episode in open.values_mut() {
-            episode.last_step = Some(record.step);
-        }
+        let amended = (!Arc::ptr_eq(in_force, registry)).then_some(&*in_force.context);
+        in_force = registry;
+        let transitions = detectors.on_step(&registry.context, record, amended, ranks);
+        alerts.extend(transitions.into_iter().map(|transition| match transition {
+            Transition::Open(alert) => AlertOp::Open(Box::new(alert)),
+            Transition::Resolve {
+                kind,
+                subject,
+                step,
+                last_step,
+            } => AlertOp::Resolve {
+                kind,
+                subject,
+                step,
+                last_step,
+            },
+        }));
     }
-    for episode in open.values() {
+    for (kind, subject, episode) in detectors.episodes.iter() {
         alerts.push(AlertOp::Extend {
-            alert: episode.alert,
+            kind,
+            subject: subject.to_owned(),
             last_step: episode.last_step,
         });
     }
@@ -392,31 +338,6 @@ fn fold_rollups(
         });
     }
     Ok(last.expect("at least one row"))
-}
-
-/// The registration in force at each of `new` (which starts at batch index
-/// `offset`), checking that the parameters each record reports are registered by
-/// then and that what an amendment says holds together. Shares the registry between
-/// records until an amendment changes it.
-fn registries_in_force(
-    state: &RunState,
-    new: &[StepRecord],
-    offset: usize,
-    thresholds: Thresholds,
-) -> IngestResult<Vec<Arc<Registry>>> {
-    let mut current = state.registry.clone();
-    let mut registries = Vec::with_capacity(new.len());
-    for (k, record) in new.iter().enumerate() {
-        let i = offset + k;
-        if let Some(amendment) = &record.amend {
-            let amended = current.amended(amendment, thresholds);
-            check_amendment(&amended, amendment, i)?;
-            current = Arc::new(amended);
-        }
-        check_params(&current, record, i)?;
-        registries.push(current.clone());
-    }
-    Ok(registries)
 }
 
 /// Every parameter a record (at batch index `i`) reports must be in the

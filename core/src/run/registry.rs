@@ -1,15 +1,16 @@
 //! A registration in force (as first sent, with every amendment up to some step
-//! applied) and the lookups ingest derives from it once, so that each record of a
-//! batch is checked and flattened without walking the registration again.
+//! applied) and the lookups derived from it once, so that each record of a batch
+//! is checked, flattened and combined without walking the registration again.
 
 use std::sync::Arc;
 
-use gradflow_core::detect::{RunContext, Thresholds};
+use crate::detect::context::RunContext;
+use crate::detect::thresholds::Thresholds;
 use gradflow_protocol::{Amendment, RunRegistration};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 /// A registration in force (as first sent, with every amendment up to some step
-/// applied) and the lookups ingest derives from it.
+/// applied) and the lookups derived from it.
 #[derive(Debug)]
 pub struct Registry {
     pub registration: RunRegistration,
@@ -65,5 +66,43 @@ impl Registry {
         let mut registration = self.registration.clone();
         registration.amend(amendment);
         Registry::new(registration.normalized(), thresholds)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registration(value: serde_json::Value) -> RunRegistration {
+        let registration: RunRegistration = serde_json::from_value(value).unwrap();
+        registration.normalized()
+    }
+
+    #[test]
+    fn the_lookups_follow_the_registration_and_its_amendments() {
+        let registry = Registry::new(
+            registration(serde_json::json!({"world_size": 2, "params": [
+                {"name": "qwen.q.weight", "shape": [4, 4], "layout": "sharded", "shard_ranks": [0, 1]},
+                {"name": "qwen.q.bias", "shape": [4]},
+                {"name": "agent.head.weight"}
+            ]})),
+            Thresholds::default(),
+        );
+        assert!(registry.params.contains("qwen.q.bias"));
+        assert_eq!(registry.module_groups["qwen.q"], "qwen");
+        assert!(registry.sharded_params.contains("qwen.q.weight"));
+        assert!(registry.sharded_modules.contains("qwen.q"));
+        assert!(!registry.sharded_modules.contains("agent.head"));
+        // Elements only where every parameter of the module has a shape.
+        assert_eq!(registry.module_numel.get("qwen.q"), Some(&20));
+        assert_eq!(registry.module_numel.get("agent.head"), None);
+        let amendment: Amendment = serde_json::from_value(serde_json::json!({
+            "params": [{"name": "agent.extra.weight", "shape": [2]}]
+        }))
+        .unwrap();
+        let amended = registry.amended(&amendment, Thresholds::default());
+        assert!(amended.params.contains("agent.extra.weight"));
+        assert_eq!(amended.module_numel.get("agent.extra"), Some(&2));
+        assert!(!registry.params.contains("agent.extra.weight"));
     }
 }
