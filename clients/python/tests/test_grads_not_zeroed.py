@@ -88,3 +88,40 @@ def test_intended_accumulation_reports_no_reset_and_one_backward_reports_nothing
     with pytest.raises(urllib.error.HTTPError) as missing:
         gradflow_server.series(run_id, "metric", RESETS)
     assert missing.value.code == 404
+
+
+def test_steps_the_loss_scaler_skips_are_not_micro_batches(gradflow_server):
+    """fp16 under a `GradScaler` whose initial scale overflows: it skips
+    `optimizer.step()` on several steps running while the scale comes down (expected:
+    https://github.com/huggingface/accelerate/pull/139). A skipped step still ends
+    the loop's step, so the next `zero_grad()` is not a reset between the
+    micro-batches of one optimizer step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    gf = gradflow.watch(
+        model, optimizer, scaler=scaler, server=gradflow_server.url, run_id=new_run_id("skips")
+    )
+    skipped = []
+    for _ in range(16):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(
+                model(torch.randn(8, 16)).float(), torch.arange(8) % 4
+            )
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped.append(scaler.get_scale() < scale)
+        gf.step(loss=loss)
+    gf.close()
+    assert sum(skipped[:8]) >= 3, skipped  # several skipped steps running
+    try:
+        resets = gradflow_server.series(gf.run_id, "metric", "grads_reset_between_backwards")
+    except urllib.error.HTTPError as err:  # 404: never sent, no step had two backwards
+        assert err.code == 404, err
+        resets = []
+    assert not [p for p in resets if p[1]], resets
+    assert not gradflow_server.serious(gf.run_id)

@@ -207,6 +207,10 @@ class Instruments:
             if updates > steps:  # steps the scaler skipped: not compared with forwards
                 self._forwards_at_step = self.hooks.forwards
                 steps = updates
+                # A skipped step still ends the loop's step: the next backward pass
+                # begins a new one, not a second micro-batch of this one (which
+                # would read the next zero_grad as a reset between micro-batches).
+                self.hooks.arm_carry_probe()
         self._steps_since = 0
         self.shape.observe(steps, steps > 0 and self.hooks.forwards > self._forwards_at_step)
 
