@@ -107,7 +107,8 @@ impl From<History> for StoredHistory {
     }
 }
 
-fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
+/// The median of `values` (the upper one of an even count); `None` when empty.
+pub(super) fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
     let mut sorted: Vec<f64> = values.collect();
     if sorted.is_empty() {
         return None;

@@ -379,10 +379,10 @@ async fn bad_webhooks_and_queries_are_refused_and_store_nothing() {
     assert_eq!((status, body), (200, json!({"deliveries": []})));
 }
 
-/// A loss that flaps around `loss_divergence`'s bar (3× its starting level): above
-/// it on two steps, below it on the next five, eight times over, as a GAN's
-/// generator loss does while a faster discriminator learns. Each return within the
-/// hold continues the one episode (and doubles its hold, up to 1,000 steps), so the
+/// A loss that flaps around `loss_divergence`'s bar, its gradients with it: 4× its
+/// level with gradients 20× on six steps, back on the next fourteen, eight times
+/// over, as a run at the edge of stability does. Each return within the hold
+/// continues the one episode (and doubles its hold, up to 1,000 steps), so the
 /// receiver hears one opening and, once the loss has stayed below for the hold, one
 /// resolve.
 #[tokio::test]
@@ -395,17 +395,21 @@ async fn a_flapping_condition_is_one_alert_said_once_each_way() {
     .await;
     let registration = json!({"params": [{"name": "generator.proj.weight"}]});
     assert_eq!(app.register("gan", &registration).await.status(), 201);
-    // Steps 0–4 set the starting level (1.0); cycle c is above the bar on steps
-    // 5 + 7c and 6 + 7c, below it on the next five. The last cycle's absence
-    // begins at step 56; the hold has reached 1,000 steps by then.
-    let loss = |step: u64| {
-        let cycle_step = step.checked_sub(5).map(|s| s % 7);
-        let above = step < 61 && cycle_step.is_some_and(|s| s < 2);
-        if above { 4.0 } else { 1.0 }
+    // Steps 0–24 set the level (loss 1, gradient norm 1); cycle c is high on steps
+    // 25 + 20c to 30 + 20c, back on the next fourteen. The condition holds from the
+    // fifth high step of a cycle until the median of the last five is back under
+    // the bar: on steps 29 + 20c to 32 + 20c. The last cycle's absence begins at
+    // step 173; the hold has reached 1,000 steps by then.
+    let high = |step: u64| step < 180 && step.checked_sub(25).is_some_and(|s| s % 20 < 6);
+    let record = |step: u64| {
+        let (loss, grad) = if high(step) { (4.0, 20.0) } else { (1.0, 1.0) };
+        json!({
+            "step": step,
+            "loss": loss,
+            "modules": [{"module": "generator.proj", "grad_norm": grad}]
+        })
     };
-    let records: Vec<Value> = (0..1056)
-        .map(|s| json!({"step": s, "loss": loss(s)}))
-        .collect();
+    let records: Vec<Value> = (0..1176).map(record).collect();
     for batch in records.chunks(250) {
         let response = app.post_steps("gan", &Value::Array(batch.to_vec())).await;
         assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
@@ -425,10 +429,10 @@ async fn a_flapping_condition_is_one_alert_said_once_each_way() {
             &alert["status"]
         ),
         (
-            &json!(5),
-            &json!(6),
-            &json!(55),
-            &json!(56),
+            &json!(29),
+            &json!(30),
+            &json!(172),
+            &json!(173),
             &json!("resolved")
         )
     );

@@ -284,3 +284,12 @@ def silent(server: Any, run_id: str) -> None:
     """A healthy run: no warning or critical alert (info hints are allowed)."""
     serious = server.serious(run_id)
     assert not serious, f"false alarm: {described(serious)}"
+
+
+def silent_and_stored(server: Any, run_id: str, steps: int) -> None:
+    """A healthy run that was measured: the server stored every one of its `steps`
+    steps (a delivery failure is not silence), and it raised no warning or critical
+    alert."""
+    stored = server.run(run_id)["step_count"]
+    assert stored == steps, f"the server stored {stored} of {steps} steps"
+    silent(server, run_id)
