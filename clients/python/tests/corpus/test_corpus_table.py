@@ -38,7 +38,7 @@ def cases() -> Dict[str, str]:
         module = importlib.import_module(path.stem)
         for name in dir(module):
             if name.startswith("test_"):
-                healthy = path.stem == "test_corpus_healthy" or getattr(module, "LOOK_ALIKES", False)
+                healthy = getattr(module, "LOOK_ALIKES", path.stem == "test_corpus_healthy")
                 found[name] = status_of(getattr(module, name), healthy)
     return found
 
