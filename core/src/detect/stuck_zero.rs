@@ -98,7 +98,23 @@ struct ZeroRun {
     /// The subject of the alert this module's episode belongs to, when it is one
     /// of several modules under a common alert.
     batch: Option<String>,
+    /// Steps of the run on which the loop clipped the gradients to a norm of 0
+    /// (the client's `grads_clipped_to_zero` metric).
+    clipped: u32,
+    /// The loss was diverging (`loss_divergence` open) within the run's first
+    /// [`DIVERGENCE_STEPS`] reports: the blow-up is what zeroed the gradient.
+    diverging: bool,
 }
+
+/// Reports at the start of a zero-gradient run within which an open
+/// `loss_divergence` makes it the run's cause: that alert opens up to two reports
+/// after its condition first holds, and the gradient dies with the blow-up.
+const DIVERGENCE_STEPS: u32 = 3;
+
+/// The step metric the Python client sends: how many gradient clips of the watched
+/// parameters this step had a limit of 0 (`clip_grad_norm_(max_norm=0)`,
+/// `clip_grad_value_(clip_value=0)`), which zero every gradient they touch.
+pub const CLIPPED_TO_ZERO_METRIC: &str = "grads_clipped_to_zero";
 
 /// How a [`ZeroRun`] is stored: the layout it had before it counted with
 /// [`Streak`], so that stored detector states carry on where they were.
@@ -116,6 +132,14 @@ struct StoredRun {
     open: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     batch: Option<String>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    clipped: u32,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    diverging: bool,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl From<StoredRun> for ZeroRun {
@@ -126,6 +150,8 @@ impl From<StoredRun> for ZeroRun {
             missing: stored.missing,
             hooks_fired: stored.hooks_fired,
             batch: stored.batch,
+            clipped: stored.clipped,
+            diverging: stored.diverging,
         }
     }
 }
@@ -140,6 +166,8 @@ impl From<ZeroRun> for StoredRun {
             hooks_fired: run.hooks_fired,
             open: false,
             batch: run.batch,
+            clipped: run.clipped,
+            diverging: run.diverging,
         }
     }
 }
@@ -153,6 +181,10 @@ struct Reading {
     missing: bool,
     modules: usize,
     norm: f64,
+    /// The step's gradients were clipped to a norm of 0.
+    clipped: bool,
+    /// The loss was diverging on this step.
+    diverging: bool,
 }
 
 impl Reading {
@@ -161,6 +193,8 @@ impl Reading {
         self.hooks_silent &= other.hooks_silent;
         self.hooks_fired &= other.hooks_fired;
         self.missing &= other.missing;
+        self.clipped &= other.clipped;
+        self.diverging &= other.diverging;
         self.modules += other.modules;
         self.norm = (self.norm * self.norm + other.norm * other.norm).sqrt();
     }
@@ -175,6 +209,11 @@ enum Cause {
     /// step was read: something set `.grad` to None in between, a `zero_grad()`
     /// between `backward()` and `step()`.
     ClearedBeforeStep,
+    /// Reached, gradient 0, on steps whose gradients the loop clipped to a norm of 0.
+    ClippedToZero,
+    /// Reached, gradient 0 from when the loss diverged: the blow-up (saturated or
+    /// dead units) killed it.
+    AfterDivergence,
 }
 
 impl Cause {
@@ -186,6 +225,10 @@ impl Cause {
             Cause::ClearedBeforeStep
         } else if run.missing == len {
             Cause::GradMissing
+        } else if run.clipped == len {
+            Cause::ClippedToZero
+        } else if run.diverging {
+            Cause::AfterDivergence
         } else {
             Cause::ZeroGradient
         }
@@ -197,6 +240,8 @@ impl Cause {
             Cause::ZeroGradient => "zero_gradient",
             Cause::GradMissing => "grad_missing",
             Cause::ClearedBeforeStep => "cleared_before_step",
+            Cause::ClippedToZero => "clipped_to_zero",
+            Cause::AfterDivergence => "after_divergence",
         }
     }
 }
@@ -216,6 +261,8 @@ impl ZeroRun {
             self.hooks_silent += u32::from(reading.hooks_silent);
             self.hooks_fired += u32::from(reading.hooks_fired);
             self.missing += u32::from(reading.missing);
+            self.clipped += u32::from(reading.clipped);
+            self.diverging |= reading.diverging && self.streak.count <= DIVERGENCE_STEPS;
         } else {
             *self = ZeroRun::default();
         }
@@ -234,6 +281,12 @@ impl StuckZeroGrad {
         let step = record.step;
         self.keep_cuts(step, &record.graph_cuts);
         let threshold = u64::from(context.thresholds.stuck_zero_steps);
+        let clipped = record
+            .metrics
+            .get(CLIPPED_TO_ZERO_METRIC)
+            .and_then(|v| v.map(|v| v.get()))
+            .is_some_and(|n| n >= 1.0);
+        let diverging = alerts.is_open(AlertKind::LossDivergence, "loss");
         let mut module_readings: Vec<(&str, &str, Reading)> = Vec::new();
         let mut group_readings: GroupMap<Option<Reading>> = GroupMap::default();
         for (module, info) in view.trainable_modules() {
@@ -246,6 +299,8 @@ impl StuckZeroGrad {
                 missing: norm.is_none(),
                 modules: 1,
                 norm: norm.filter(|n| n.is_finite()).unwrap_or(0.0),
+                clipped,
+                diverging,
             };
             module_readings.push((&module.module, group, reading));
             match group_readings.entry(group) {
@@ -549,33 +604,8 @@ fn open(
             format!("Group {subject} ({modules} of its {total} trainable modules reported)")
         }
     };
-    let title = match cause {
-        Cause::BackwardNotReached => format!("Backward never reaches {subject}"),
-        Cause::ZeroGradient => format!("Gradient of {subject} is exactly zero"),
-        Cause::GradMissing => format!("{subject} gets no gradient"),
-        Cause::ClearedBeforeStep => {
-            format!("{subject}'s gradients are cleared before the optimizer step")
-        }
-    } + &format!(": gradient norm 0 for {span} steps");
-    let why = match cause {
-        Cause::BackwardNotReached => {
-            "Their backward hooks never fired (hook_hits 0): backward never reached them, \
-             so the graph is cut between them and the loss."
-        }
-        Cause::ZeroGradient => {
-            "Their backward hooks fired, so backward reached them, but the gradient that \
-             arrived was exactly zero."
-        }
-        Cause::GradMissing => {
-            "No gradient tensor was produced for their parameters (grad is None after backward)."
-        }
-        Cause::ClearedBeforeStep => {
-            "Their backward hooks fired on every one of these steps, so backward did \
-             accumulate a gradient, yet at the optimizer step no gradient tensor was left \
-             (grad is None): it was cleared in between, and the optimizer skips parameters \
-             without a gradient, so nothing is updated."
-        }
-    };
+    let (title, why) = explain(cause, subject);
+    let title = title + &format!(": gradient norm 0 for {span} steps");
     let mut detail = format!(
         "{what} had gradient norm 0.00e+00 or no gradient on each of its {} reports over the \
          last {span} steps ({}). {why}",
@@ -598,30 +628,7 @@ fn open(
     if let Some((sentence, _)) = &cut {
         detail.push_str(sentence);
     }
-    let fix = match cause {
-        Cause::BackwardNotReached if through_checkpoint => CHECKPOINT_FIX.to_owned(),
-        Cause::BackwardNotReached => format!(
-            "Find where the path from {subject}'s output to the loss is cut: a torch.no_grad() or \
-             torch.inference_mode() block, a .detach(), a .item()/.tolist()/.numpy() round trip, or \
-             a cached tensor computed in an earlier step (e.g. a prompt embedding). Just before \
-             the consumer, check that the tensor has requires_grad=True and a grad_fn."
-        ),
-        Cause::ZeroGradient => format!(
-            "Backward reaches {subject} but carries zeros: look for a multiplicative mask or gate \
-             that is all zero (a loss or attention mask, a zero-initialised gate), dead ReLUs, or \
-             a loss term that does not depend on {subject}'s output."
-        ),
-        Cause::GradMissing => format!(
-            "{subject}'s parameters are not in the graph that backward walks: check that forward \
-             uses the same parameter objects the optimizer holds (not a copy made before \
-             wrapping or loading), and that requires_grad was not switched off."
-        ),
-        Cause::ClearedBeforeStep => "Call optimizer.zero_grad() (or model.zero_grad()) at the \
-             start of the iteration or right after optimizer.step(), never between \
-             loss.backward() and optimizer.step(); look for a zero_grad inside a helper called \
-             after backward (a logging or clipping function)."
-            .to_owned(),
-    };
+    let fix = fix_for(cause, subject, through_checkpoint);
     let mut opened = Opened {
         kind: KIND,
         subject: subject.to_owned(),
@@ -645,6 +652,93 @@ fn open(
         opened.evidence["graph_cut"] = evidence;
     }
     opened
+}
+
+/// An alert's title (before its length) and why, for `cause`.
+fn explain(cause: Cause, subject: &str) -> (String, &'static str) {
+    let title = match cause {
+        Cause::BackwardNotReached => format!("Backward never reaches {subject}"),
+        Cause::ZeroGradient => format!("Gradient of {subject} is exactly zero"),
+        Cause::GradMissing => format!("{subject} gets no gradient"),
+        Cause::ClearedBeforeStep => {
+            format!("{subject}'s gradients are cleared before the optimizer step")
+        }
+        Cause::ClippedToZero => format!("{subject}'s gradients are clipped to zero"),
+        Cause::AfterDivergence => {
+            format!("The loss's divergence killed {subject}'s gradient")
+        }
+    };
+    let why = match cause {
+        Cause::BackwardNotReached => {
+            "Their backward hooks never fired (hook_hits 0): backward never reached them, \
+             so the graph is cut between them and the loss."
+        }
+        Cause::ZeroGradient => {
+            "Their backward hooks fired, so backward reached them, but the gradient that \
+             arrived was exactly zero."
+        }
+        Cause::GradMissing => {
+            "No gradient tensor was produced for their parameters (grad is None after backward)."
+        }
+        Cause::ClearedBeforeStep => {
+            "Their backward hooks fired on every one of these steps, so backward did \
+             accumulate a gradient, yet at the optimizer step no gradient tensor was left \
+             (grad is None): it was cleared in between, and the optimizer skips parameters \
+             without a gradient, so nothing is updated."
+        }
+        Cause::ClippedToZero => {
+            "Their backward hooks fired, so backward reached them, and on every one of these \
+             steps the loop clipped the gradients with a limit of 0 before the optimizer \
+             step: the clip, not the model, set them to zero."
+        }
+        Cause::AfterDivergence => {
+            "Their backward hooks fired, so backward reached them, but the gradient has been \
+             exactly zero since the loss diverged: it went to zero within the first steps of \
+             the divergence, and has stayed there."
+        }
+    };
+    (title, why)
+}
+
+/// What to do about `cause`.
+fn fix_for(cause: Cause, subject: &str, through_checkpoint: bool) -> String {
+    match cause {
+        Cause::BackwardNotReached if through_checkpoint => CHECKPOINT_FIX.to_owned(),
+        Cause::BackwardNotReached => format!(
+            "Find where the path from {subject}'s output to the loss is cut: a torch.no_grad() or \
+         torch.inference_mode() block, a .detach(), a .item()/.tolist()/.numpy() round trip, or \
+         a cached tensor computed in an earlier step (e.g. a prompt embedding). Just before \
+         the consumer, check that the tensor has requires_grad=True and a grad_fn."
+        ),
+        Cause::ZeroGradient => format!(
+            "Backward reaches {subject} but carries zeros: look for a multiplicative mask or gate \
+         that is all zero (a loss or attention mask, a zero-initialised gate), dead ReLUs, or \
+         a loss term that does not depend on {subject}'s output."
+        ),
+        Cause::GradMissing => format!(
+            "{subject}'s parameters are not in the graph that backward walks: check that forward \
+         uses the same parameter objects the optimizer holds (not a copy made before \
+         wrapping or loading), and that requires_grad was not switched off."
+        ),
+        Cause::ClearedBeforeStep => "Call optimizer.zero_grad() (or model.zero_grad()) at the \
+         start of the iteration or right after optimizer.step(), never between \
+         loss.backward() and optimizer.step(); look for a zero_grad inside a helper called \
+         after backward (a logging or clipping function)."
+            .to_owned(),
+        Cause::ClippedToZero => "Gradient clipping with a limit of 0 zeroes every gradient \
+         it touches: clip_grad_norm_(max_norm=0) scales them by 0 (and \
+         clip_grad_value_(clip_value=0) clamps them to 0). Give the clip the limit you \
+         meant (max_norm around 1.0), and check where it is read from: a config value of \
+         0 meant as \"no clipping\" is taken literally by torch."
+            .to_owned(),
+        Cause::AfterDivergence => format!(
+            "The cause is the loss's divergence (the loss_divergence alert): the steps that \
+         threw the weights far away saturated or killed the units feeding {subject}, and \
+         its gradient has been exactly 0 since. Lower the learning rate (by 10× to start \
+         with) or add a warm-up and clip gradients, then restart from a checkpoint taken \
+         before the divergence: the dead units do not come back on their own."
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -911,6 +1005,87 @@ mod tests {
             let transitions = run(&(0..5).map(make).collect::<Vec<_>>());
             assert_eq!(opened(&transitions[0].1).evidence["cause"], cause);
         }
+    }
+
+    /// Gradients of 0 that backward did reach, on steps whose `metrics` the client
+    /// filled.
+    fn zero_with(step: u64, metrics: Value) -> StepRecord {
+        let mut r = record(
+            step,
+            &[
+                ("qwen.a", json!(0.0), 1),
+                ("qwen.b", json!(0.0), 1),
+                ("qwen.c", json!(0.0), 1),
+                ("agent.x", json!(0.5), 1),
+                ("agent.y", json!(0.25), 1),
+            ],
+        );
+        r.metrics = serde_json::from_value(metrics).unwrap();
+        r
+    }
+
+    /// A clip to `max_norm=0` (as in strands-labs/robots#2028's table: "0 of 34,701
+    /// parameters moved") zeroes gradients that backward reached: the alert names the
+    /// clip, not masks or dead units. A clip on some steps only is not the cause.
+    #[test]
+    fn a_clip_to_zero_is_named_as_the_cause() {
+        let clipped = json!({CLIPPED_TO_ZERO_METRIC: 1.0});
+        let t = run(&(0..5)
+            .map(|s| zero_with(s, clipped.clone()))
+            .collect::<Vec<_>>());
+        let o = opened(&t[0].1);
+        assert_eq!(o.evidence["cause"], "clipped_to_zero", "{o:?}");
+        assert!(o.fix.contains("max_norm=0"), "{}", o.fix);
+        let some = (0..5)
+            .map(|s| zero_with(s, if s == 2 { clipped.clone() } else { json!({}) }))
+            .collect::<Vec<_>>();
+        assert_eq!(opened(&run(&some)[0].1).evidence["cause"], "zero_gradient");
+    }
+
+    /// A gradient that went to 0 as the loss diverged was killed by the blow-up
+    /// (gradflow-trainer --scenario lr-too-high): the alert leads with the
+    /// divergence. One already at 0 long before the loss diverged is not blamed on
+    /// it.
+    #[test]
+    fn a_gradient_killed_by_a_divergence_names_the_divergence() {
+        let context = context();
+        let divergence = |step| Opened {
+            kind: AlertKind::LossDivergence,
+            subject: "loss".into(),
+            severity: Severity::Warning,
+            first_step: Some(step),
+            step: Some(step),
+            title: String::new(),
+            detail: String::new(),
+            fix: String::new(),
+            evidence: json!({"cause": "divergence"}),
+        };
+        let judge = |diverges_at: u64| {
+            let mut detector = StuckZeroGrad::default();
+            let mut all = Vec::new();
+            let mut episodes = crate::detect::testing::Run::default();
+            for step in 0..8 {
+                all.extend(episodes.step(step, |alerts| {
+                    if step == diverges_at {
+                        alerts.open(divergence(step));
+                    }
+                    let record = zero_with(step, json!({}));
+                    detector.on_step(&StepView::new(&context, &record), alerts);
+                }));
+            }
+            all.into_iter()
+                .filter_map(|t| match t {
+                    Transition::Open(o) if o.kind == KIND => Some(o),
+                    _ => None,
+                })
+                .next()
+                .expect("a zero-gradient alert")
+        };
+        let o = judge(1);
+        assert_eq!(o.evidence["cause"], "after_divergence", "{o:?}");
+        assert!(o.title.starts_with("The loss's divergence"), "{}", o.title);
+        assert!(o.fix.contains("Lower the learning rate"), "{}", o.fix);
+        assert_eq!(judge(6).evidence["cause"], "zero_gradient");
     }
 
     #[test]

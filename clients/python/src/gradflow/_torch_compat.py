@@ -198,14 +198,26 @@ def wrap_clip_grads(observe: Callable[[Any, Any, Any], None]) -> Optional[Callab
     def clip(*args: Any, **kwargs: Any) -> Any:
         if len(args) >= 3:
             observe(args[0], args[1], args[2])
-        return original(*args, **kwargs)
+        # Read at each call: restoring a wrapper beneath this one relinks it.
+        return clip.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
 
     clip.__wrapped__ = original  # type: ignore[attr-defined]
+    clip._gradflow_clip = True  # type: ignore[attr-defined]
     clip_grad._clip_grads_with_norm_ = clip
 
     def restore() -> None:
-        if getattr(clip_grad, "_clip_grads_with_norm_", None) is clip:
-            clip_grad._clip_grads_with_norm_ = original
+        current = getattr(clip_grad, "_clip_grads_with_norm_", None)
+        if current is clip:
+            clip_grad._clip_grads_with_norm_ = clip.__wrapped__  # type: ignore[attr-defined]
+            return
+        # Wrapped since by another of these wrappers (which read `__wrapped__` at each
+        # call): take this one out of the chain beneath it. Anything else is left.
+        while getattr(current, "_gradflow_clip", False):
+            inner = current.__wrapped__  # type: ignore[union-attr]
+            if inner is clip:
+                current.__wrapped__ = clip.__wrapped__  # type: ignore[union-attr, attr-defined]
+                return
+            current = inner
 
     return restore
 

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from . import ranks as _ranks
 from . import wire
 from ._log import guarded
+from .clip_zero import METRIC as CLIPPED_TO_ZERO
+from .clip_zero import ClipsToZero
 from .cuts import CutTracer
 from .hooks import ModelHooks
 from .loopshape import LoopShape
@@ -58,6 +60,7 @@ class Instruments:
         self._pending_amend: Optional[wire.Amendment] = None
         self._handles: List[Any] = []
         self.scaler: Optional[ScalerTap] = None
+        self.clips: Optional[ClipsToZero] = None
         self.shape = LoopShape(self.tracer.notify)
         # Since the last gf.step: optimizer steps taken, scaler updates, and the
         # forward count at the last optimizer step.
@@ -80,6 +83,7 @@ class Instruments:
             return
         self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
         self._handles.append(optimizer.register_step_post_hook(self._post_step))
+        self.clips = ClipsToZero({id(p.tensor) for p in self.registry.params})
         if scaler is not None:
             self.scaler = ScalerTap(scaler, optimizer, self._measure, self.reporting)
 
@@ -91,6 +95,8 @@ class Instruments:
         self.hooks.remove()
         self.tracer.remove()
         self.registry.built_in_forward.remove()
+        if self.clips is not None:
+            self.clips.remove()
         self.registry.loop_order.remove()
         self.registry.remove()
         if self.scaler is not None:
@@ -250,6 +256,9 @@ class Instruments:
             self.step, loss, scaler_state, self.registry.lrs(), amend, metrics, updates
         )
         pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
+        clipped = self.clips.take() if self.clips is not None else None
+        if clipped:
+            pending.metrics.setdefault(CLIPPED_TO_ZERO, float(clipped))
         if self.rank is not None:
             # v1.4 fields only in a multi-rank run: a single process's records stay
             # what a v1.3 server accepts.
