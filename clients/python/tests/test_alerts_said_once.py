@@ -36,8 +36,8 @@ def test_raise_mode_says_the_alert_once_in_the_traceback(tmp_path, gradflow_serv
     assert f"see: {gradflow_server.url}/runs/{run_id}" in done.stderr
 
 
-# A loss that swings above three times its start and back, again and again: the
-# server opens loss_divergence and resolves it each time.
+# A loss that jumps tenfold, comes back and jumps again: loss_divergence opens,
+# its condition ends, and it holds again within the hold (one episode).
 FLAPPING = textwrap.dedent(
     """
     import sys, time
@@ -48,7 +48,9 @@ FLAPPING = textwrap.dedent(
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     gf = gradflow.watch(model, optimizer, server=sys.argv[1], run_id=sys.argv[2])
-    losses = [1.0] * 5 + ([10.0] * 4 + [1.0] * 2) * 4
+    # Tenfold at once (open), back for twelve steps (the episode's condition ends),
+    # tenfold again on six (the same episode, within its hold), back.
+    losses = [1.0] + [20.0] * 3 + [1.0] * 12 + [20.0] * 6 + [1.0] * 3
     for loss in losses:
         optimizer.zero_grad()
         model(torch.randn(2, 4)).pow(2).mean().backward()
@@ -73,4 +75,6 @@ def test_an_episode_that_reopens_is_said_once(tmp_path, gradflow_server):
     assert done.returncode == 0, done.stderr
     raised = [a for a in gradflow_server.alerts(run_id) if a["kind"] == "loss_divergence"]
     assert raised, gradflow_server.alerts(run_id)
+    # One episode, which the second jump continued.
+    assert len(raised) == 1 and raised[0]["last_step"] >= 20, raised
     assert done.stderr.count("loss_divergence on loss") == 1, done.stderr
