@@ -61,6 +61,25 @@ vocabulary! {
     }
 }
 
+vocabulary! {
+    /// The names of a step record's `metrics` that docs/PROTOCOL.md gives a meaning:
+    /// a client sends them for the detectors to read. They are not the user's own
+    /// numbers, which the dashboard charts and compares by name.
+    pub enum DetectorMetric {
+        /// The model's training flag at the client's step, 1 or 0 (`model_in_eval_mode`).
+        ModelTraining = "model_training",
+        /// On a step of several backward passes, how many after the first found the
+        /// gradient reset (`accumulation_reset`).
+        GradsResetBetweenBackwards = "grads_reset_between_backwards",
+    }
+}
+
+/// Whether `name`, a name of a step record's `metrics`, is the user's own: a name the
+/// protocol does not reserve for the detectors.
+pub fn is_users_metric(name: &str) -> bool {
+    DetectorMetric::parse(name).is_none()
+}
+
 /// What a metric name reads: the series kinds behind it, in the order they are
 /// tried (a group's norm first: a one-module group gives the same value either
 /// way), and what subject it takes.
@@ -132,6 +151,13 @@ impl Metric {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_detectors_names_are_not_the_users() {
+        assert!(!is_users_metric("model_training"));
+        assert!(!is_users_metric("grads_reset_between_backwards"));
+        assert!(is_users_metric("reward"));
+    }
 
     #[test]
     fn each_name_is_listed_once_and_reads_some_kind() {
