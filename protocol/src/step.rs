@@ -125,7 +125,9 @@ pub struct GraphCut {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<String>,
     /// `detached_input`: the group that ran with gradients just before, whose output
-    /// the module most likely received without its history.
+    /// the module most likely received without its history. `no_grad`: the group that
+    /// ran with gradients just before the block, when the module after the block got
+    /// its input without history (the block cut that group off too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream: Option<String>,
     /// The user's code that made the call, innermost frame first: the first frame
