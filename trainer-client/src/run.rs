@@ -16,8 +16,9 @@ use crate::model::config::Preset;
 use crate::overhead::{self, Overhead};
 use crate::phases::Phases;
 use crate::reporter::{Reporter, ReporterConfig, Summary};
+use crate::scenario::ScenarioSettings;
 use crate::telemetry::Telemetry;
-use crate::train::{BETAS, EPS, LrSchedule, PARAM_GROUP, TrainOptions, Trainer};
+use crate::train::{BETAS, EPS, LrSchedule, PARAM_GROUP, StepOutput, TrainOptions, Trainer};
 
 /// How a run ended.
 #[derive(Debug)]
@@ -153,7 +154,78 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         })
     };
     let model = build_model()?;
-    let options = TrainOptions {
+    let vocab_size = model.qwen.config.vocab_size;
+    let tokenizer = || -> anyhow::Result<crate::tasks::Tokenizer> {
+        Ok(match &args.weights {
+            Some(dir) => crate::tasks::Tokenizer::for_checkpoint(dir, vocab_size)?,
+            None => crate::tasks::Tokenizer::Bytes,
+        })
+    };
+    let options = train_options(args, &settings);
+    let mut trainer = Trainer::with_tokenizer(model, options, tokenizer()?, &device)?;
+    let run_id = args
+        .run_id
+        .clone()
+        .unwrap_or_else(|| generated_run_id(&args.scenario));
+    let registration = registration(
+        &trainer,
+        &format!("{} ({})", args.scenario, preset.name),
+        run_config(args, &settings, &preset),
+    );
+    let reporter = start_reporter(args, &run_id, registration)?;
+    tracing::info!(run_id = %run_id, scenario = %args.scenario, preset = preset.name, params = trainer.model.store.len(), "training");
+
+    if settings.loss_scaler && settings.param_dtype == DType::BF16 {
+        // Registered first (the server flags it), then fail as PyTorch does.
+        if let Some(reporter) = reporter {
+            reporter.finish(Duration::from_secs(5));
+        }
+        anyhow::bail!(
+            "GradScaler cannot unscale bf16 gradients: \"_amp_foreach_non_finite_check_and_unscale_cuda\" \
+             not implemented for 'BFloat16' (PyTorch stops the same way). bf16 has fp32's exponent range \
+             and needs no loss scaling: drop --loss-scaler, or keep f32 master weights \
+             (--param-dtype f32 --compute-dtype bf16)"
+        );
+    }
+
+    let telemetry = Telemetry::new();
+    if args.measure_overhead {
+        // A second trainer of the same options and seed, uninstrumented, stepped
+        // alternately with the first in this process.
+        let off = Trainer::with_tokenizer(
+            build_model()?,
+            TrainOptions {
+                instrument: false,
+                ..trainer.options.clone()
+            },
+            tokenizer()?,
+            &device,
+        )?;
+        let pair = Pair {
+            on: trainer,
+            off,
+            device: &device,
+        };
+        return measure_overhead(args, pair, reporter, &telemetry, run_id, started);
+    }
+    let trained = train(args, &mut trainer, reporter.as_ref(), &telemetry)?;
+    let summary = reporter.map(|r| r.finish(Duration::from_secs(10)));
+    Ok(RunOutcome {
+        run_id,
+        steps: args.steps,
+        first_loss: trained.first_loss,
+        last_loss: trained.last.as_ref().map(|o| o.loss),
+        last_accuracy: trained.last.and_then(|o| o.accuracy),
+        summary,
+        seconds: started.elapsed().as_secs_f64(),
+        training_seconds: trained.seconds,
+        overhead: None,
+    })
+}
+
+/// The trainer's options from the command line and the scenario's settings.
+fn train_options(args: &Args, settings: &ScenarioSettings) -> TrainOptions {
+    TrainOptions {
         param_dtype: settings.param_dtype,
         compute_dtype: settings.compute_dtype,
         lr: settings.lr,
@@ -172,20 +244,12 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         seed: args.seed,
         instrument: !args.no_instrument,
         grad_sums: args.grad_sums,
-    };
-    let vocab_size = model.qwen.config.vocab_size;
-    let tokenizer = || -> anyhow::Result<crate::tasks::Tokenizer> {
-        Ok(match &args.weights {
-            Some(dir) => crate::tasks::Tokenizer::for_checkpoint(dir, vocab_size)?,
-            None => crate::tasks::Tokenizer::Bytes,
-        })
-    };
-    let mut trainer = Trainer::with_tokenizer(model, options, tokenizer()?, &device)?;
-    let run_id = args
-        .run_id
-        .clone()
-        .unwrap_or_else(|| generated_run_id(&args.scenario));
-    let config = serde_json::json!({
+    }
+}
+
+/// The registration's `config`: what this run was asked to do.
+fn run_config(args: &Args, settings: &ScenarioSettings, preset: &Preset) -> serde_json::Value {
+    serde_json::json!({
         "trainer": format!("gradflow-trainer {}", env!("CARGO_PKG_VERSION")),
         "scenario": args.scenario,
         "preset": preset.name,
@@ -195,90 +259,100 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
         "qwen_every": settings.qwen_every,
         "faults": format!("{:?}", settings.faults),
         "weights": args.weights.as_ref().map(|w| w.display().to_string()),
-    });
-    let registration = registration(
-        &trainer,
-        &format!("{} ({})", args.scenario, preset.name),
-        config,
-    );
-    let reporter = if args.no_report || args.no_instrument {
-        None
-    } else {
-        let mut config = ReporterConfig::new(&args.server[0], &run_id);
-        config.servers = args
-            .server
-            .iter()
-            .map(|url| url.trim_end_matches('/').to_owned())
-            .collect();
-        config.token = args.ingest_token.clone();
-        config.spool_max_bytes = args.spool_max_bytes;
-        config.cbor = args.body == crate::cli::BodyArg::Cbor;
-        if let Some(dir) = &args.spool_dir {
-            config.spool_path = dir.join(format!("gradflow-spool-{run_id}.ndjson"));
-        }
-        Some(Reporter::start(config, registration)?)
-    };
-    tracing::info!(run_id = %run_id, scenario = %args.scenario, preset = preset.name, params = trainer.model.store.len(), "training");
+    })
+}
 
-    if settings.loss_scaler && settings.param_dtype == DType::BF16 {
-        // Registered first (the server flags it), then fail as PyTorch does.
-        if let Some(reporter) = reporter {
-            reporter.finish(Duration::from_secs(5));
-        }
-        anyhow::bail!(
-            "GradScaler cannot unscale bf16 gradients: \"_amp_foreach_non_finite_check_and_unscale_cuda\" \
-             not implemented for 'BFloat16' (PyTorch stops the same way). bf16 has fp32's exponent range \
-             and needs no loss scaling: drop --loss-scaler, or keep f32 master weights \
-             (--param-dtype f32 --compute-dtype bf16)"
-        );
+/// The reporter of the run, unless it reports nothing.
+fn start_reporter(
+    args: &Args,
+    run_id: &str,
+    registration: RunRegistration,
+) -> anyhow::Result<Option<Reporter>> {
+    if args.no_report || args.no_instrument {
+        return Ok(None);
     }
+    let mut config = ReporterConfig::new(&args.server[0], run_id);
+    config.servers = args
+        .server
+        .iter()
+        .map(|url| url.trim_end_matches('/').to_owned())
+        .collect();
+    config.token = args.ingest_token.clone();
+    config.spool_max_bytes = args.spool_max_bytes;
+    config.cbor = args.body == crate::cli::BodyArg::Cbor;
+    if let Some(dir) = &args.spool_dir {
+        config.spool_path = dir.join(format!("gradflow-spool-{run_id}.ndjson"));
+    }
+    Ok(Some(Reporter::start(config, registration)?))
+}
 
-    let telemetry = Telemetry::new();
-    if args.measure_overhead {
-        let measuring = Instant::now();
-        // A second trainer of the same options and seed, uninstrumented, stepped
-        // alternately with the first in this process.
-        let mut off = Trainer::with_tokenizer(
-            build_model()?,
-            TrainOptions {
-                instrument: false,
-                ..trainer.options.clone()
-            },
-            tokenizer()?,
-            &device,
-        )?;
-        if args.phases {
-            trainer.phases = Some(Phases::new(&device));
-            off.phases = Some(Phases::new(&device));
-        }
-        let mut overhead = overhead::measure_pair(
-            &mut trainer,
-            &mut off,
-            args.steps,
-            &device,
-            |_, mut record| {
-                if let Some(reporter) = &reporter {
-                    record.gpu = telemetry.sample();
-                    reporter.report(record);
-                }
-            },
-        )?;
-        // As the user named it ("cuda"), not candle's description of the device.
-        overhead.device = args.device.clone();
-        let training_seconds = measuring.elapsed().as_secs_f64();
-        let summary = reporter.map(|r| r.finish(Duration::from_secs(10)));
-        return Ok(RunOutcome {
-            run_id,
-            steps: args.steps,
-            first_loss: None,
-            last_loss: None,
-            last_accuracy: None,
-            summary,
-            seconds: started.elapsed().as_secs_f64(),
-            training_seconds,
-            overhead: Some(overhead),
-        });
+/// An instrumented trainer and an uninstrumented one of the same options and seed.
+struct Pair<'a> {
+    on: Trainer,
+    off: Trainer,
+    device: &'a Device,
+}
+
+/// `--measure-overhead`: the two trainers stepped alternately, the instrumented
+/// one's records reported.
+fn measure_overhead(
+    args: &Args,
+    mut pair: Pair<'_>,
+    reporter: Option<Reporter>,
+    telemetry: &Telemetry,
+    run_id: String,
+    started: Instant,
+) -> anyhow::Result<RunOutcome> {
+    let measuring = Instant::now();
+    if args.phases {
+        pair.on.phases = Some(Phases::new(pair.device));
+        pair.off.phases = Some(Phases::new(pair.device));
     }
+    let mut overhead = overhead::measure_pair(
+        &mut pair.on,
+        &mut pair.off,
+        args.steps,
+        pair.device,
+        |_, mut record| {
+            if let Some(reporter) = &reporter {
+                record.gpu = telemetry.sample();
+                reporter.report(record);
+            }
+        },
+    )?;
+    // As the user named it ("cuda"), not candle's description of the device.
+    overhead.device = args.device.clone();
+    let training_seconds = measuring.elapsed().as_secs_f64();
+    let summary = reporter.map(|r| r.finish(Duration::from_secs(10)));
+    Ok(RunOutcome {
+        run_id,
+        steps: args.steps,
+        first_loss: None,
+        last_loss: None,
+        last_accuracy: None,
+        summary,
+        seconds: started.elapsed().as_secs_f64(),
+        training_seconds,
+        overhead: Some(overhead),
+    })
+}
+
+/// What the training loop saw.
+struct Trained {
+    first_loss: Option<f64>,
+    last: Option<StepOutput>,
+    /// The loop alone, from the first step to the end of the last.
+    seconds: f64,
+}
+
+/// The training loop: every step, its record reported every `--report-every`-th,
+/// progress shown.
+fn train(
+    args: &Args,
+    trainer: &mut Trainer,
+    reporter: Option<&Reporter>,
+    telemetry: &Telemetry,
+) -> anyhow::Result<Trained> {
     let progress = progress_bar(args);
     let mut first_loss = None;
     let mut last = None;
@@ -289,7 +363,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
             .step(step)
             .with_context(|| format!("training step {step}"))?;
         first_loss.get_or_insert(output.loss);
-        if let Some(reporter) = &reporter
+        if let Some(reporter) = reporter
             && step % report_every == 0
             && let Some(mut record) = output.record.take()
         {
@@ -313,21 +387,14 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
             std::thread::sleep(Duration::from_millis(args.step_delay_ms));
         }
     }
-    let training_seconds = training.elapsed().as_secs_f64();
+    let seconds = training.elapsed().as_secs_f64();
     if let Some(bar) = progress {
         bar.finish();
     }
-    let summary = reporter.map(|r| r.finish(Duration::from_secs(10)));
-    Ok(RunOutcome {
-        run_id,
-        steps: args.steps,
+    Ok(Trained {
         first_loss,
-        last_loss: last.as_ref().map(|o| o.loss),
-        last_accuracy: last.and_then(|o| o.accuracy),
-        summary,
-        seconds: started.elapsed().as_secs_f64(),
-        training_seconds,
-        overhead: None,
+        last,
+        seconds,
     })
 }
 

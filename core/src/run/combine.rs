@@ -202,6 +202,10 @@ impl RankSet {
     pub fn len(&self) -> u32 {
         self.0.iter().map(|w| w.count_ones()).sum()
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
 }
 
 /// What one column of one waiting step has gathered from its ranks.
@@ -690,5 +694,6 @@ mod tests {
         assert!(!ranks.insert(130));
         assert!(ranks.contains(130) && ranks.contains(3) && !ranks.contains(64));
         assert_eq!(ranks.len(), 2);
+        assert!(!ranks.is_empty() && RankSet::default().is_empty());
     }
 }
