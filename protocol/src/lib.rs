@@ -44,11 +44,11 @@ pub use run::{
     ParamGroup, ParamSpec, Precision, Role, RunId, RunRegistration, Webhook, WebhookFormat,
     check_webhook_url, default_group, default_module, redact_webhook_url, shard_rank_outside,
 };
+pub use signals::{AdamState, BatchInfo, MoeLayer, OutputLogits, SignalIntervals};
 pub use step::{
     CallSite, GpuStat, GraphCut, GraphCutKind, GraphCutVia, ModuleStep, ParamStep, ScalerState,
     StepRecord, validate_batch,
 };
-pub use signals::{AdamState, BatchInfo, MoeLayer, OutputLogits, SignalIntervals};
 pub use timestamp::Timestamp;
 pub use wiring::{WiringFinding, WiringKind};
 

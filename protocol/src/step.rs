@@ -9,11 +9,11 @@ use serde::{Deserialize, Deserializer, Serialize};
 use crate::amend::Amendment;
 use crate::error::{InvalidBody, Path};
 use crate::float::Float;
-use crate::signals::{AdamState, BatchInfo, MoeLayer, OutputLogits};
 use crate::limits::{
     MAX_GPUS_PER_STEP, MAX_GRAPH_CUTS_PER_STEP, MAX_METRICS_PER_STEP, MAX_MODULES_PER_STEP,
     MAX_PARAMS_PER_STEP, MAX_STACK_FRAMES, MAX_STEP, MAX_STEPS_PER_BATCH, MAX_TEXT_BYTES,
 };
+use crate::signals::{AdamState, BatchInfo, MoeLayer, OutputLogits};
 use crate::timestamp::Timestamp;
 use crate::validate::{check_name, check_norm, check_text};
 

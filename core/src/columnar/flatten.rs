@@ -33,7 +33,9 @@ pub fn flatten(
     writer.param_fields(record);
     writer.gpu_and_metrics(record);
     // v1.8: attention, activations, Adam, MoE loads, micro-batch losses.
-    signal_cells(record, &mut |kind, subject, cell| writer.put(kind, subject, cell));
+    signal_cells(record, &mut |kind, subject, cell| {
+        writer.put(kind, subject, cell)
+    });
     writer.row.into_bits()
 }
 
@@ -594,10 +596,22 @@ mod tests {
             r#"{"step": 1, "moe": [{"module": "g", "tokens_per_expert": [6, 2, 0, 0]}]}"#,
             &HashMap::default(),
         );
-        assert_eq!(cell(&row, &dict, SeriesKind::MoeTopShare, "g"), Cell::Value(0.75));
-        assert_eq!(cell(&row, &dict, SeriesKind::MoeMaxVio, "g"), Cell::Value(2.0));
-        assert_eq!(cell(&row, &dict, SeriesKind::MoeIdleExperts, "g"), Cell::Value(2.0));
-        assert_eq!(cell(&row, &dict, SeriesKind::MoeExpertTokens, "g/1"), Cell::Value(2.0));
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::MoeTopShare, "g"),
+            Cell::Value(0.75)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::MoeMaxVio, "g"),
+            Cell::Value(2.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::MoeIdleExperts, "g"),
+            Cell::Value(2.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::MoeExpertTokens, "g/1"),
+            Cell::Value(2.0)
+        );
     }
 
     /// A record flattened into a fresh dictionary and read back.

@@ -5,7 +5,7 @@
 //! [`flatten`](super::flatten) writes what [`signal_cells`] yields and
 //! [`unflatten`](super::flatten::unflatten) hands back what [`SignalRecord`] rebuilds.
 
-use gradflow_protocol::{AdamState, BatchInfo, Float, MoeLayer, ModuleStep, StepRecord};
+use gradflow_protocol::{AdamState, BatchInfo, Float, ModuleStep, MoeLayer, StepRecord};
 
 use crate::model::cell::Cell;
 use crate::model::series_kind::SeriesKind;
@@ -22,7 +22,9 @@ const MODULE_FIELDS: [ModuleField; 8] = [
     (SeriesKind::AdamUpdated, |m| {
         m.adam.as_ref()?.updated.map(|n| n as f64)
     }),
-    (SeriesKind::AdamBelowEps, |m| wire(m.adam.as_ref()?.below_eps)),
+    (SeriesKind::AdamBelowEps, |m| {
+        wire(m.adam.as_ref()?.below_eps)
+    }),
     (SeriesKind::AdamUpdateRms, |m| {
         wire(m.adam.as_ref()?.update_rms)
     }),
@@ -96,7 +98,11 @@ pub fn signal_cells(record: &StepRecord, put: &mut impl FnMut(SeriesKind, &str, 
     }
     for layer in &record.moe {
         if let Some(z) = wire(layer.router_z) {
-            put(SeriesKind::MoeRouterZ, &layer.module, Cell::from_wire(Some(z)));
+            put(
+                SeriesKind::MoeRouterZ,
+                &layer.module,
+                Cell::from_wire(Some(z)),
+            );
         }
         if let Some(load) = load_summary(&layer.tokens_per_expert) {
             for (kind, value) in [
@@ -162,7 +168,8 @@ impl SignalRecord {
     pub fn take(&mut self, kind: SeriesKind, subject: &str, value: Option<f64>) -> bool {
         match kind {
             SeriesKind::MoeExpertTokens => {
-                if let (Some((layer, expert)), Some(tokens)) = (parse_expert_subject(subject), value)
+                if let (Some((layer, expert)), Some(tokens)) =
+                    (parse_expert_subject(subject), value)
                 {
                     let layer = self.layer(layer);
                     if layer.tokens_per_expert.len() <= expert {
@@ -203,7 +210,10 @@ impl SignalRecord {
     pub fn finish(self, record: &mut StepRecord) {
         record.moe = self.moe;
         if !self.micro_losses.is_empty() {
-            record.batch.get_or_insert_with(BatchInfo::default).micro_losses = self.micro_losses;
+            record
+                .batch
+                .get_or_insert_with(BatchInfo::default)
+                .micro_losses = self.micro_losses;
         }
     }
 }

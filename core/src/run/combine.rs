@@ -108,8 +108,9 @@ fn rule(kind: SeriesKind, sharded: bool) -> Rule {
         }
         AttnMaxLogit | AttnMinEntropy | ActRms | ActAbsmax | AdamUpdated | AdamBelowEps
         | AdamUpdateRms | AdamUpdateAbsmax | OutputLogzMean | OutputLogitAbsmax
-        | MoeExpertTokens | MoeRouterZ | MoeTopShare | MoeMaxVio | MoeIdleExperts
-        | MicroLoss => signal_rule(kind, sharded),
+        | MoeExpertTokens | MoeRouterZ | MoeTopShare | MoeMaxVio | MoeIdleExperts | MicroLoss => {
+            signal_rule(kind, sharded)
+        }
     }
 }
 
