@@ -39,6 +39,9 @@
 //!   whose every intended update rounds away.
 //! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
+//! - *(v1.8)* [`loss_spike`]: `loss_spike`, the loss (or the gradient norm with it)
+//!   far above its last 128 readings, with its cause and the step's batch ids.
+//!   [`rolling`] is their window of recent readings.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
 //!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
 //!   `shard_reported_as_global`.
@@ -73,9 +76,11 @@ pub mod layers;
 mod loop_wiring;
 pub mod loss_divergence;
 pub mod loss_nonfinite;
+pub mod loss_spike;
 pub mod precision;
 pub mod ranks;
 pub mod registration;
+pub mod rolling;
 pub mod scaler_overflow;
 pub mod stuck_zero;
 pub(crate) mod testing;
@@ -118,6 +123,7 @@ pub struct DetectorSet {
     pub first_step: first_step::FirstStepHint,
     pub update_rounded_away: update_rounded_away::UpdateRoundedAway,
     pub ranks: ranks::RankDetectors,
+    pub loss_spike: loss_spike::LossSpike,
     /// Which alerts are open: every detector opens and ends alerts through it.
     pub episodes: Episodes,
 }
@@ -158,6 +164,7 @@ impl DetectorSet {
         self.explosion.on_step(&step, &mut alerts);
         self.vanishing.on_step(&step, &mut alerts);
         self.unused.on_step(&step, &mut alerts);
+        self.loss_spike.on_step(&step, &mut alerts);
         // After the streak verdicts of the same step, which confirm what it named.
         self.first_step.on_step(&step, &mut alerts);
         if let Some(view) = ranks {

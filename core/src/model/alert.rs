@@ -40,6 +40,7 @@ vocabulary! {
         UpdateRoundedAway = "update_rounded_away" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         FirstStepHint = "first_step_hint" => KindSpec::new(&[Severity::Info]).ends_at_once(),
         LossDivergence = "loss_divergence" => KindSpec::new(&[Severity::Warning]),
+        LossSpike = "loss_spike" => KindSpec::new(&[Severity::Warning]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
         RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),
