@@ -41,6 +41,7 @@
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
 //! - *(v1.8)* [`loss_spike`]: `loss_spike`, the loss (or the gradient norm with it)
 //!   far above its last 128 readings, with its cause and the step's batch ids.
+//!   [`loss_scale_collapse`]: `loss_scale_collapse`, an fp16 loss scale that keeps halving.
 //!   [`rolling`] is their window of recent readings.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
 //!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
@@ -76,6 +77,7 @@ pub mod layers;
 mod loop_wiring;
 pub mod loss_divergence;
 pub mod loss_nonfinite;
+pub mod loss_scale_collapse;
 pub mod loss_spike;
 pub mod precision;
 pub mod ranks;
@@ -124,6 +126,7 @@ pub struct DetectorSet {
     pub update_rounded_away: update_rounded_away::UpdateRoundedAway,
     pub ranks: ranks::RankDetectors,
     pub loss_spike: loss_spike::LossSpike,
+    pub loss_scale_collapse: loss_scale_collapse::LossScaleCollapse,
     /// Which alerts are open: every detector opens and ends alerts through it.
     pub episodes: Episodes,
 }
@@ -165,6 +168,7 @@ impl DetectorSet {
         self.vanishing.on_step(&step, &mut alerts);
         self.unused.on_step(&step, &mut alerts);
         self.loss_spike.on_step(&step, &mut alerts);
+        self.loss_scale_collapse.on_step(&step, &mut alerts);
         // After the streak verdicts of the same step, which confirm what it named.
         self.first_step.on_step(&step, &mut alerts);
         if let Some(view) = ranks {
