@@ -42,6 +42,7 @@
 //! - *(v1.8)* [`loss_spike`]: `loss_spike`, the loss (or the gradient norm with it)
 //!   far above its last 128 readings, with its cause and the step's batch ids.
 //!   [`loss_scale_collapse`]: `loss_scale_collapse`, an fp16 loss scale that keeps halving.
+//!   [`attention_logit_growth`]: `attention_logit_growth`, attention logits past QK-Clip's τ.
 //!   [`rolling`] is their window of recent readings.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
 //!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
@@ -65,6 +66,7 @@
 //! unit tests through `testing`), and name it in [`DetectorSet`].
 
 pub mod accumulation_reset;
+pub mod attention_logit_growth;
 pub mod context;
 pub mod episode;
 pub mod eval_mode;
@@ -127,6 +129,7 @@ pub struct DetectorSet {
     pub ranks: ranks::RankDetectors,
     pub loss_spike: loss_spike::LossSpike,
     pub loss_scale_collapse: loss_scale_collapse::LossScaleCollapse,
+    pub attention_logit_growth: attention_logit_growth::AttentionLogitGrowth,
     /// Which alerts are open: every detector opens and ends alerts through it.
     pub episodes: Episodes,
 }
@@ -169,6 +172,7 @@ impl DetectorSet {
         self.unused.on_step(&step, &mut alerts);
         self.loss_spike.on_step(&step, &mut alerts);
         self.loss_scale_collapse.on_step(&step, &mut alerts);
+        self.attention_logit_growth.on_step(&step, &mut alerts);
         // After the streak verdicts of the same step, which confirm what it named.
         self.first_step.on_step(&step, &mut alerts);
         if let Some(view) = ranks {

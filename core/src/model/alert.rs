@@ -42,6 +42,7 @@ vocabulary! {
         LossDivergence = "loss_divergence" => KindSpec::new(&[Severity::Warning]),
         LossSpike = "loss_spike" => KindSpec::new(&[Severity::Warning]),
         LossScaleCollapse = "loss_scale_collapse" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
+        AttentionLogitGrowth = "attention_logit_growth" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
         RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),
