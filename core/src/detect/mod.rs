@@ -40,10 +40,11 @@
 //! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
 //! - *(v1.8)* [`loss_spike`]: `loss_spike`, the loss (or the gradient norm with it)
-//!   far above its last 128 readings, with its cause and the step's batch ids.
-//!   [`loss_scale_collapse`]: `loss_scale_collapse`, an fp16 loss scale that keeps halving.
-//!   [`attention_logit_growth`]: `attention_logit_growth`, attention logits past QK-Clip's τ.
-//!   [`rolling`] is their window of recent readings.
+//!   far above its last 128 readings, with its cause and the step's batch ids;
+//!   [`loss_scale_collapse`]: `loss_scale_collapse`, an fp16 loss scale that keeps
+//!   halving; [`attention_logit_growth`]: `attention_logit_growth`, attention logits
+//!   past QK-Clip's τ; [`adam_eps_dominated`]: `adam_eps_dominated`, Adam's ε above
+//!   most of a group's √v̂. [`rolling`] is their window of recent readings.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
 //!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
 //!   `shard_reported_as_global`.
@@ -66,6 +67,7 @@
 //! unit tests through `testing`), and name it in [`DetectorSet`].
 
 pub mod accumulation_reset;
+pub mod adam_eps_dominated;
 pub mod attention_logit_growth;
 pub mod context;
 pub mod episode;
@@ -130,6 +132,7 @@ pub struct DetectorSet {
     pub loss_spike: loss_spike::LossSpike,
     pub loss_scale_collapse: loss_scale_collapse::LossScaleCollapse,
     pub attention_logit_growth: attention_logit_growth::AttentionLogitGrowth,
+    pub adam_eps_dominated: adam_eps_dominated::AdamEpsDominated,
     /// Which alerts are open: every detector opens and ends alerts through it.
     pub episodes: Episodes,
 }
@@ -173,6 +176,7 @@ impl DetectorSet {
         self.loss_spike.on_step(&step, &mut alerts);
         self.loss_scale_collapse.on_step(&step, &mut alerts);
         self.attention_logit_growth.on_step(&step, &mut alerts);
+        self.adam_eps_dominated.on_step(&step, &mut alerts);
         // After the streak verdicts of the same step, which confirm what it named.
         self.first_step.on_step(&step, &mut alerts);
         if let Some(view) = ranks {

@@ -43,6 +43,7 @@ vocabulary! {
         LossSpike = "loss_spike" => KindSpec::new(&[Severity::Warning]),
         LossScaleCollapse = "loss_scale_collapse" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AttentionLogitGrowth = "attention_logit_growth" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
+        AdamEpsDominated = "adam_eps_dominated" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
         RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),
