@@ -33,21 +33,36 @@ async fn every_v1_8_value_reads_back_as_a_series() {
     let attn = "model.layers.0.self_attn";
     let gate = "model.layers.0.mlp.gate";
     let cases = [
-        (format!("metric=attn_max_logit&subject={attn}"), json!(112.5)),
+        (
+            format!("metric=attn_max_logit&subject={attn}"),
+            json!(112.5),
+        ),
         (
             "metric=attn_max_logit&subject=model.layers.1.self_attn".into(),
             json!("Infinity"),
         ),
-        (format!("metric=attn_min_entropy&subject={attn}"), json!(0.25)),
+        (
+            format!("metric=attn_min_entropy&subject={attn}"),
+            json!(0.25),
+        ),
         (format!("metric=act_rms&subject={attn}"), json!(1.5)),
         (format!("metric=act_absmax&subject={attn}"), json!(48)),
         (format!("metric=adam_updated&subject={attn}"), json!(4096)),
         (format!("metric=adam_below_eps&subject={attn}"), json!(0.75)),
-        (format!("metric=adam_update_rms&subject={attn}"), json!(0.125)),
-        (format!("metric=adam_update_absmax&subject={attn}"), json!(2.75)),
+        (
+            format!("metric=adam_update_rms&subject={attn}"),
+            json!(0.125),
+        ),
+        (
+            format!("metric=adam_update_absmax&subject={attn}"),
+            json!(2.75),
+        ),
         ("metric=output_logz_mean".into(), json!(-3.5)),
         ("metric=output_logit_absmax".into(), json!(21)),
-        (format!("metric=moe_expert_tokens&subject={gate}/1"), json!(2)),
+        (
+            format!("metric=moe_expert_tokens&subject={gate}/1"),
+            json!(2),
+        ),
         (format!("metric=moe_router_z&subject={gate}"), json!(4.5)),
         (format!("metric=moe_top_share&subject={gate}"), json!(0.75)),
         (format!("metric=moe_max_vio&subject={gate}"), json!(2)),
@@ -62,7 +77,10 @@ async fn every_v1_8_value_reads_back_as_a_series() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_v1_8_values_are_refused_with_their_path() {
     let app = TestApp::spawn().await;
-    assert_eq!(app.register("r", &json!({"params": []})).await.status(), 201);
+    assert_eq!(
+        app.register("r", &json!({"params": []})).await.status(),
+        201
+    );
     let with = |pointer: &str, value: Value| {
         let mut record = record();
         // The parent must exist; the field itself may be new (an unknown key).
@@ -131,7 +149,10 @@ async fn bad_v1_8_values_are_refused_with_their_path() {
             "steps[1].moe[0].router_z",
         ),
         (with("/moe/0/module", json!("")), "steps[1].moe[0].module"),
-        (with("/batch/ids", json!(too_many_ids)), "steps[1].batch.ids"),
+        (
+            with("/batch/ids", json!(too_many_ids)),
+            "steps[1].batch.ids",
+        ),
         (
             with("/batch/ids/1", json!("x".repeat(257))),
             "steps[1].batch.ids[1]",
@@ -147,9 +168,7 @@ async fn bad_v1_8_values_are_refused_with_their_path() {
         assert_eq!(status, 400, "{path}: {error}");
         assert_eq!(error["code"], "invalid_body", "{path}");
         assert!(
-            error["path"]
-                .as_str()
-                .is_some_and(|p| p.starts_with(path)),
+            error["path"].as_str().is_some_and(|p| p.starts_with(path)),
             "{path}: {error}"
         );
         assert!(!error["message"].as_str().unwrap().is_empty());
@@ -159,7 +178,10 @@ async fn bad_v1_8_values_are_refused_with_their_path() {
     twice["moe"] = json!([{"module": "g", "tokens_per_expert": [1]},
                           {"module": "g", "tokens_per_expert": [2]}]);
     let (status, error) = error_of(app.post_steps("r", &json!([twice])).await).await;
-    assert_eq!((status, &error["path"]), (400, &json!("steps[0].moe[1].module")));
+    assert_eq!(
+        (status, &error["path"]),
+        (400, &json!("steps[0].moe[1].module"))
+    );
     let (status, error) = error_of(
         app.register("s", &json!({"params": [], "signals": {"adam": 0}}))
             .await,
@@ -207,7 +229,10 @@ async fn ranks_combine_their_signals() {
     let cases = [
         // The extremes of what the ranks' batches did.
         (format!("metric=attn_max_logit&subject={attn}"), json!(50)),
-        (format!("metric=attn_min_entropy&subject={attn}"), json!(0.5)),
+        (
+            format!("metric=attn_min_entropy&subject={attn}"),
+            json!(0.5),
+        ),
         ("metric=micro_loss&subject=0".into(), json!(9)),
         // The mean log Z.
         ("metric=output_logz_mean".into(), json!(4)),
@@ -216,7 +241,10 @@ async fn ranks_combine_their_signals() {
         ("metric=moe_top_share&subject=gate".into(), json!(0.5)),
         // A replicated module's optimizer state is any rank's.
         (format!("metric=adam_updated&subject={attn}"), json!(10)),
-        (format!("metric=adam_update_rms&subject={attn}"), json!(0.25)),
+        (
+            format!("metric=adam_update_rms&subject={attn}"),
+            json!(0.25),
+        ),
     ];
     for (query, value) in cases {
         assert_eq!(app.points("m", &query).await, vec![(0, value)], "{query}");
