@@ -38,14 +38,13 @@
 //! first judgement; the relative floors keep a loss that has converged to a flat
 //! line, whose σ is tiny, from spiking on noise.
 
-use std::collections::BTreeMap;
-
 use gradflow_protocol::Role;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::episode::Alerts;
 use super::rolling::{Level, Rolling};
+use super::update_levels::UpdateLevels;
 use super::view::StepView;
 use super::wording::{name_list, sci};
 use crate::model::alert::{AlertKind, Opened, Severity};
@@ -62,8 +61,6 @@ pub const MIN_GRAD_RATIO: f64 = 4.0;
 pub const MICRO_FACTOR: f64 = 2.0;
 /// An update spike this many steps before a loss spike preceded it.
 pub const PRECURSOR_STEPS: u64 = 20;
-/// A module's update RMS this many times its level is an update spike.
-pub const UPDATE_SPIKE_FACTOR: f64 = 2.0;
 /// The embedding's gradient norm this many times its level, the rest not, on the
 /// report before the spike: it rose first.
 pub const EMBEDDING_FIRST_FACTOR: f64 = 3.0;
@@ -82,8 +79,8 @@ pub struct LossSpike {
     rest: Rolling,
     /// On the last report: the embedding's and the rest's ratio to their means.
     last_ratios: Option<(f64, f64)>,
-    /// Each module's Adam update RMS level (an average of its logarithm) and readings.
-    update_levels: BTreeMap<String, (f64, u32)>,
+    /// Each module's Adam update RMS level.
+    updates: UpdateLevels,
     /// The last update spike: step, module, ratio to its level.
     last_update_spike: Option<(u64, String, f64)>,
     /// A spike waiting for the next report to be judged.
@@ -118,7 +115,16 @@ impl LossSpike {
             let next_step = record.step == spike.step + 1;
             alerts.open(spike.alert(back && next_step));
         }
-        self.follow_updates(view);
+        // The update spike with the largest ratio of this step, for the next spikes.
+        if let Some(spike) = self
+            .updates
+            .observe(view)
+            .into_iter()
+            .max_by(|a, b| a.ratio().total_cmp(&b.ratio()))
+        {
+            let step = record.step;
+            self.last_update_spike = Some((step, spike.module.to_owned(), spike.ratio()));
+        }
         let Some(loss) = loss else {
             return;
         };
@@ -194,34 +200,6 @@ impl LossSpike {
                 .last_update_spike
                 .clone()
                 .filter(|(s, _, _)| *s < step && step - s <= PRECURSOR_STEPS),
-        }
-    }
-
-    /// Folds this step's Adam update RMS per module into their levels, and notes an
-    /// update spike.
-    fn follow_updates(&mut self, view: &StepView<'_>) {
-        for module in &view.record.modules {
-            let Some(rms) = module
-                .adam
-                .as_ref()
-                .and_then(|a| a.update_rms)
-                .map(|r| r.get())
-                .filter(|r| r.is_finite() && *r > 0.0)
-            else {
-                continue;
-            };
-            let (log_level, count) = self
-                .update_levels
-                .entry(module.module.clone())
-                .or_insert((rms.ln(), 0));
-            let ratio = (rms.ln() - *log_level).exp();
-            if *count >= 5 && ratio >= UPDATE_SPIKE_FACTOR {
-                self.last_update_spike = Some((view.record.step, module.module.clone(), ratio));
-            }
-            // A slow average of the logarithm, with the spike clipped out of it.
-            let clipped = rms.ln().min(*log_level + UPDATE_SPIKE_FACTOR.ln());
-            *log_level += (clipped - *log_level) / f64::from((*count + 1).min(20));
-            *count = count.saturating_add(1);
         }
     }
 }
