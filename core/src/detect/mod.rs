@@ -44,7 +44,9 @@
 //!   [`loss_scale_collapse`]: `loss_scale_collapse`, an fp16 loss scale that keeps
 //!   halving; [`attention_logit_growth`]: `attention_logit_growth`, attention logits
 //!   past QK-Clip's τ; [`adam_eps_dominated`]: `adam_eps_dominated`, Adam's ε above
-//!   most of a group's √v̂. [`rolling`] is their window of recent readings.
+//!   most of a group's √v̂; [`adam_update_spike`]: `adam_update_spike`, a module's
+//!   Adam update twice its level. [`rolling`] is their window of recent readings,
+//!   [`update_levels`] each module's level of Adam's update.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
 //!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
 //!   `shard_reported_as_global`.
@@ -68,6 +70,7 @@
 
 pub mod accumulation_reset;
 pub mod adam_eps_dominated;
+pub mod adam_update_spike;
 pub mod attention_logit_growth;
 pub mod context;
 pub mod episode;
@@ -92,6 +95,7 @@ pub mod stuck_zero;
 pub(crate) mod testing;
 pub mod thresholds;
 pub mod unused;
+pub mod update_levels;
 pub mod update_rounded_away;
 pub mod vanishing;
 pub mod view;
@@ -133,6 +137,7 @@ pub struct DetectorSet {
     pub loss_scale_collapse: loss_scale_collapse::LossScaleCollapse,
     pub attention_logit_growth: attention_logit_growth::AttentionLogitGrowth,
     pub adam_eps_dominated: adam_eps_dominated::AdamEpsDominated,
+    pub adam_update_spike: adam_update_spike::AdamUpdateSpike,
     /// Which alerts are open: every detector opens and ends alerts through it.
     pub episodes: Episodes,
 }
@@ -177,6 +182,7 @@ impl DetectorSet {
         self.loss_scale_collapse.on_step(&step, &mut alerts);
         self.attention_logit_growth.on_step(&step, &mut alerts);
         self.adam_eps_dominated.on_step(&step, &mut alerts);
+        self.adam_update_spike.on_step(&step, &mut alerts);
         // After the streak verdicts of the same step, which confirm what it named.
         self.first_step.on_step(&step, &mut alerts);
         if let Some(view) = ranks {

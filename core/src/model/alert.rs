@@ -44,6 +44,7 @@ vocabulary! {
         LossScaleCollapse = "loss_scale_collapse" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AttentionLogitGrowth = "attention_logit_growth" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AdamEpsDominated = "adam_eps_dominated" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
+        AdamUpdateSpike = "adam_update_spike" => KindSpec::new(&[Severity::Warning]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
         RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),
