@@ -105,6 +105,7 @@ def train(
     *,
     lr: float = 3e-3,
     eps: float = 1e-8,
+    beta2: float = 0.95,
     qk_norm: bool = False,
     bad_step: Optional[int] = None,
     signals: Optional[Dict[str, int]] = None,
@@ -113,7 +114,7 @@ def train(
     torch.set_num_threads(1)
     model = TinyGPT(qk_norm)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=lr, eps=eps, betas=(0.9, 0.95), weight_decay=0.0
+        model.parameters(), lr=lr, eps=eps, betas=(0.9, beta2), weight_decay=0.0
     )
     gf = gradflow.watch(
         model,
@@ -148,7 +149,9 @@ def test_a_bad_batch_is_named_at_its_step_with_its_ids(gradflow_server):
     assert alert["evidence"]["cause"] == "data_batch"
     assert alert["evidence"]["batch_ids"] == ["shard-0:batch-150"]
     assert "shard-0:batch-150" in alert["detail"]
-    assert [k for k in kinds(gradflow_server, run_id) if k[0] != "loss_spike"] == []
+    # The batch may also move Adam's update (adam_update_spike); nothing else speaks.
+    others = {k[0] for k in kinds(gradflow_server, run_id)} - {"loss_spike", "adam_update_spike"}
+    assert others == set()
 
 
 def test_the_same_run_without_the_bad_batch_stays_silent(gradflow_server):
@@ -185,6 +188,19 @@ def test_a_sane_eps_stays_silent(gradflow_server):
     run_id, _ = train(gradflow_server, 60, signals={"adam": 5})
     below = gradflow_server.series(run_id, "adam_below_eps", "layers.0.attn.qkv")
     assert len(below) == 12 and all(v < 0.05 for _, v in below)
+    assert kinds(gradflow_server, run_id) == []
+
+
+def test_an_update_spike_from_a_bad_batch_with_a_slow_second_moment_is_named(gradflow_server):
+    # β₂ = 0.999: Adam's second moment lags the batch's gradient, the update jumps.
+    run_id, _ = train(gradflow_server, 160, beta2=0.999, bad_step=150, signals={"adam": 1})
+    alert = gradflow_server.wait_for_alert(run_id, "adam_update_spike")
+    assert alert["first_step"] == 150
+    assert alert["evidence"]["ratio"] >= 2
+
+
+def test_the_same_slow_second_moment_without_the_bad_batch_stays_silent(gradflow_server):
+    run_id, _ = train(gradflow_server, 160, beta2=0.999, signals={"adam": 1})
     assert kinds(gradflow_server, run_id) == []
 
 
