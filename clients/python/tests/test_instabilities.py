@@ -204,10 +204,10 @@ def test_the_same_slow_second_moment_without_the_bad_batch_stays_silent(gradflow
     assert kinds(gradflow_server, run_id) == []
 
 
-def fp16_steps(server: Any, steps: int, blow_up: float) -> str:
-    """A small classifier under fp16 autocast and a GradScaler on CPU; the loss is
-    multiplied by `blow_up` (1: a healthy run; huge: every scaled gradient
-    overflows and the scale halves each step)."""
+def fp16_steps(server: Any, steps: int, overflow_every: int = 0) -> str:
+    """A small classifier under fp16 autocast and a GradScaler on CPU. Every
+    `overflow_every`-th step (0: never) its loss is multiplied by 1e30, so the scaled
+    gradients overflow and the scale halves; the steps between are clean."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -216,9 +216,10 @@ def fp16_steps(server: Any, steps: int, blow_up: float) -> str:
         model, optimizer, scaler=scaler, server=server.url, run_id=new_run_id("fp16"), on_alert=None
     )
     g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
+    for step in range(steps):
         x = torch.randn(32, 16, generator=g)
         y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        blow_up = 1e30 if overflow_every and step % overflow_every == 0 else 1.0
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(model(x).float(), y) * blow_up
         optimizer.zero_grad()
@@ -230,13 +231,15 @@ def fp16_steps(server: Any, steps: int, blow_up: float) -> str:
     return gf.run_id
 
 
-def test_a_loss_scale_that_keeps_halving_is_caught(gradflow_server):
-    run_id = fp16_steps(gradflow_server, 12, blow_up=1e30)
+def test_a_loss_scale_that_keeps_halving_between_clean_steps_is_caught(gradflow_server):
+    run_id = fp16_steps(gradflow_server, 20, overflow_every=2)
     alert = gradflow_server.wait_for_alert(run_id, "loss_scale_collapse", "scaler")
     assert alert["evidence"]["cause"] == "halvings"
     assert alert["evidence"]["halvings"] >= 8
+    # Never ten overflows running: the streak's verdict is not this run's.
+    assert "scaler_overflow_streak" not in {k[0] for k in kinds(gradflow_server, run_id)}
 
 
 def test_a_healthy_fp16_scaler_stays_silent(gradflow_server):
-    run_id = fp16_steps(gradflow_server, 60, blow_up=1.0)
+    run_id = fp16_steps(gradflow_server, 60)
     assert kinds(gradflow_server, run_id) == []

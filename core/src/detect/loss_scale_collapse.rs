@@ -16,8 +16,11 @@
 //!   run has that many steps past its first [`CALIBRATION_STEPS`] (where the scaler
 //!   halves from 65536 to its working level by design).
 //!
-//! Resolves when none holds. `scaler_overflow_streak` catches ten overflows running;
-//! this catches the slower collapse between them (NVIDIA/DeepLearningExamples#543:
+//! Halvings count only when a step since the peak did not overflow, and nothing opens
+//! while a `scaler_overflow_streak` is open: overflows on every step are that alert's
+//! (and its consequence, the scale falling, is said there). Resolves when none holds.
+//! `scaler_overflow_streak` catches ten overflows running; this catches the slower
+//! collapse between them (NVIDIA/DeepLearningExamples#543:
 //! 524288 → 8192 within minutes, each halving a few steps apart).
 
 use std::collections::VecDeque;
@@ -56,6 +59,8 @@ pub struct LossScaleCollapse {
     /// Reports and skipped steps per bucket of [`BUCKET`] steps, past calibration.
     buckets: VecDeque<(u64, u32, u32)>,
     first_step: Option<u64>,
+    /// The last reported step whose gradients did not overflow.
+    last_clean: Option<u64>,
 }
 
 /// Which of the rule's conditions holds on a step.
@@ -77,8 +82,15 @@ impl LossScaleCollapse {
         let step = view.record.step;
         let first = *self.first_step.get_or_insert(step);
         self.follow(step, scale, view.found_inf(), first);
+        if !view.found_inf() {
+            self.last_clean = Some(step);
+        }
         let kind = AlertKind::LossScaleCollapse;
-        let Some(collapse) = self.judge(step, scale, first) else {
+        // Overflows on every step are `scaler_overflow_streak`'s: the collapse is its
+        // consequence, already said.
+        let streak = alerts.is_open(AlertKind::ScalerOverflowStreak, "scaler");
+        let collapse = self.judge(step, scale, first).filter(|_| !streak);
+        let Some(collapse) = collapse else {
             alerts.clear(kind, SUBJECT, step);
             return;
         };
@@ -121,8 +133,11 @@ impl LossScaleCollapse {
         if scale <= MIN_SCALE {
             return Some(Collapse::AtMinimum);
         }
+        // Halvings count only with a clean step since the peak: the scaler tried to
+        // recover and overflowed again, not one unbroken run of overflows.
+        let recovered_since = |peak_step: u64| self.last_clean.is_some_and(|c| c > peak_step);
         if let Some(&(peak_step, peak)) = self.peaks.front() {
-            if peak >= scale * f64::from(1u32 << HALVINGS) {
+            if peak >= scale * f64::from(1u32 << HALVINGS) && recovered_since(peak_step) {
                 return Some(Collapse::Halved { peak, peak_step });
             }
         }
@@ -249,6 +264,10 @@ mod tests {
         assert_eq!(o.len(), 1, "{t:?}");
         let t = run(|s| (if s < 50 { 8.0 } else { 1.0 }, false), 60);
         assert_eq!(opened(&t)[0].1, Severity::Critical);
+        // Overflowing on every step, the scale halving each time: no clean step since
+        // the peak, so the streak's alert (another detector) speaks, not this one.
+        let t = run(|s| (32768.0 / 2f64.powi(s as i32), true), 14);
+        assert!(t.is_empty(), "{t:?}");
     }
 
     #[test]
