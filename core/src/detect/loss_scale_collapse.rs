@@ -18,7 +18,8 @@
 //!
 //! Halvings count only when a step since the peak did not overflow, and nothing opens
 //! while a `scaler_overflow_streak` is open: overflows on every step are that alert's
-//! (and its consequence, the scale falling, is said there). Resolves when none holds.
+//! (and its consequence, the scale falling, is said there): the collapse is measured
+//! again from the scale the streak left. Resolves when none holds.
 //! `scaler_overflow_streak` catches ten overflows running; this catches the slower
 //! collapse between them (NVIDIA/DeepLearningExamples#543:
 //! 524288 → 8192 within minutes, each halving a few steps apart).
@@ -88,9 +89,15 @@ impl LossScaleCollapse {
         let kind = AlertKind::LossScaleCollapse;
         // Overflows on every step are `scaler_overflow_streak`'s: the collapse is its
         // consequence, already said.
-        let streak = alerts.is_open(AlertKind::ScalerOverflowStreak, "scaler");
-        let collapse = self.judge(step, scale, first).filter(|_| !streak);
-        let Some(collapse) = collapse else {
+        // Its halvings and skipped steps are the streak's, so the collapse is measured
+        // again from where the streak left the scale.
+        if alerts.is_open(AlertKind::ScalerOverflowStreak, "scaler") {
+            self.peaks.retain(|&(s, _)| s == step);
+            self.buckets.clear();
+            alerts.clear(kind, SUBJECT, step);
+            return;
+        }
+        let Some(collapse) = self.judge(step, scale, first) else {
             alerts.clear(kind, SUBJECT, step);
             return;
         };
@@ -268,6 +275,36 @@ mod tests {
         // the peak, so the streak's alert (another detector) speaks, not this one.
         let t = run(|s| (32768.0 / 2f64.powi(s as i32), true), 14);
         assert!(t.is_empty(), "{t:?}");
+    }
+
+    #[test]
+    fn a_streak_of_overflows_is_the_streak_s_alert_not_a_collapse() {
+        // Ten overflows running (65536 → 64), then clean steps: the server's trace.
+        let mut streak = crate::detect::scaler_overflow::ScalerOverflowStreak::default();
+        let mut collapse = LossScaleCollapse::default();
+        let mut scale = 65536.0;
+        let records: Vec<_> = (0..40u64)
+            .map(|s| {
+                let inf = (2..12).contains(&s);
+                if inf {
+                    scale /= 2.0;
+                }
+                record(json!({"step": s, "loss": 2.0,
+                    "scaler": {"scale": scale, "found_inf": inf}}))
+            })
+            .collect();
+        let t = viewed(records, |view, alerts| {
+            streak.on_step(view, alerts);
+            collapse.on_step(view, alerts);
+        });
+        let kinds: Vec<AlertKind> = t
+            .iter()
+            .filter_map(|(_, t)| match t {
+                Transition::Open(o) => Some(o.kind),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kinds, [AlertKind::ScalerOverflowStreak], "{t:?}");
     }
 
     #[test]
