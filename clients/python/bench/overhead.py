@@ -211,6 +211,23 @@ ACTIONS = 8
 PHASES = ("forward+backward", "optimizer.step", "after the step")
 
 
+def mode_signals(name: str) -> Any:
+    """The instability signals of a gradflow mode: ``gradflow`` the client's defaults,
+    ``gradflow:none`` none, ``gradflow:FAMILY`` that family alone on every step,
+    ``gradflow:all`` every family on every step."""
+    _, _, which = name.partition(":")
+    if not which:
+        return None
+    families = ("attention", "activations", "adam", "output_logits", "moe")
+    if which == "none":
+        return False
+    if which == "all":
+        return {f: 1 for f in families}
+    if which not in families:
+        sys.exit(f"unknown signal family {which!r} in mode {name!r}")
+    return {f: 1 if f == which else 0 for f in families}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -270,7 +287,7 @@ def main() -> None:
     for name in names:
         param_dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
         mode = Mode(name, preset, args.device, dtype, param_dtype)
-        if name == "gradflow":
+        if name == "gradflow" or name.startswith("gradflow:"):
             import gradflow
 
             if server is None:
@@ -279,9 +296,10 @@ def main() -> None:
                 mode.model,
                 mode.optimizer,
                 server=url,
-                run_id="bench-overhead",
+                run_id=f"bench-overhead-{len(modes)}",
                 on_alert=None,
                 every=args.every,
+                signals=mode_signals(name),
             )
             mode.after_step = lambda loss, gf=gf: gf.step(loss=loss)
             mode.close = gf.close
