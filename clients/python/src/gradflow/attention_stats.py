@@ -57,6 +57,14 @@ class AttentionCapture(TorchFunctionMode):
         super().__init__()
         self.sink = sink
 
+    # Typed here: torch's TorchFunctionMode leaves them unannotated.
+    def __enter__(self) -> AttentionCapture:
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+
     def __torch_function__(
         self, func: Any, types: Any, args: Any = (), kwargs: Optional[Any] = None
     ) -> Any:
@@ -117,7 +125,8 @@ def _min_head_entropy(p: torch.Tensor) -> torch.Tensor:
         per_head = entropy.mean(dim=-1).flatten(0, -2).mean(0)
     else:
         per_head = entropy.mean(dim=-1)
-    return per_head.amin()
+    smallest: torch.Tensor = per_head.amin()
+    return smallest
 
 
 class _Probe:
