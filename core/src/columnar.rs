@@ -8,3 +8,4 @@ pub mod codec;
 pub mod columns;
 pub mod flatten;
 pub mod rollup;
+pub mod signal_cells;

@@ -49,13 +49,61 @@ fn plan_into(from: u64, to: u64, widths: &[u64], out: &mut Vec<Source>) {
     }
 }
 
+/// A step range cut into equal buckets, the last one possibly shorter: the
+/// downsampler's buckets, and the columns of a chart that must put every point in
+/// the bucket the downsampler kept it for (a heatmap: a column that got no point
+/// reads "not measured").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buckets {
+    /// The first step of the first bucket.
+    pub from: u64,
+    /// The last step covered (the last bucket ends here).
+    pub to: u64,
+    /// Steps per bucket.
+    pub width: u64,
+    /// How many buckets: `ceil((to - from + 1) / width)`.
+    pub count: usize,
+}
+
+impl Buckets {
+    /// At most `max_count` (≥ 1) buckets over `from..=to`, as narrow as that allows
+    /// and never narrower than a step.
+    pub fn new(from: u64, to: u64, max_count: usize) -> Buckets {
+        assert!(from <= to);
+        let span = to - from + 1;
+        let wanted = (max_count as u64).clamp(1, span);
+        let width = span.div_ceil(wanted);
+        Buckets {
+            from,
+            to,
+            width,
+            count: span.div_ceil(width) as usize,
+        }
+    }
+
+    /// The bucket holding `step`, if the range covers it.
+    pub fn index(&self, step: u64) -> Option<usize> {
+        if step > self.to {
+            return None;
+        }
+        let index = step.checked_sub(self.from)? / self.width;
+        Some(index as usize)
+    }
+
+    /// The steps the buckets would cover if the last one were whole: a chart's step
+    /// axis, whose columns are all `width` steps wide.
+    pub fn whole_span(&self) -> u64 {
+        self.width * self.count as u64
+    }
+}
+
 /// Reduces points in `from..=to` to at most `max_points` (≥ 2): the range is cut into
-/// `max_points / 2` equal buckets, each giving its minimum and maximum (or its maximum
-/// and first NaN, or its first null when it holds nothing else).
+/// `max_points / 2` equal buckets ([`Buckets`]), each giving its minimum and maximum (or
+/// its maximum and first NaN, or its first null when it holds nothing else). Every
+/// bucket that was given a point gives at least one back, at one of its own steps.
 pub struct MinMax {
-    from: u64,
-    width: u64,
-    buckets: Vec<Bucket>,
+    buckets: Buckets,
+    kept: Vec<Bucket>,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -68,31 +116,24 @@ struct Bucket {
 
 impl MinMax {
     pub fn new(from: u64, to: u64, max_points: usize) -> MinMax {
-        assert!(max_points >= 2 && from <= to);
-        let span = to - from + 1;
-        let count = ((max_points / 2) as u64).min(span).max(1);
-        let width = span.div_ceil(count);
-        let count = span.div_ceil(width);
+        assert!(max_points >= 2);
+        MinMax::over(Buckets::new(from, to, max_points / 2))
+    }
+
+    /// Reduces into `buckets`, two points at most from each.
+    pub fn over(buckets: Buckets) -> MinMax {
         MinMax {
-            from,
-            width,
-            buckets: vec![Bucket::default(); count as usize],
+            buckets,
+            kept: vec![Bucket::default(); buckets.count],
         }
     }
 
-    /// Bucket width in steps: rollup levels no wider than this keep full resolution.
-    pub fn bucket_width(&self) -> u64 {
-        self.width
-    }
-
     pub fn add(&mut self, step: u64, cell: Cell) {
-        let Some(index) = step
-            .checked_sub(self.from)
-            .map(|d| (d / self.width) as usize)
+        let Some(bucket) = self
+            .buckets
+            .index(step)
+            .and_then(|index| self.kept.get_mut(index))
         else {
-            return;
-        };
-        let Some(bucket) = self.buckets.get_mut(index) else {
             return;
         };
         match cell {
@@ -121,8 +162,8 @@ impl MinMax {
     }
 
     pub fn finish(self) -> Vec<(u64, Cell)> {
-        let mut points = Vec::with_capacity(self.buckets.len() * 2);
-        for bucket in self.buckets {
+        let mut points = Vec::with_capacity(self.kept.len() * 2);
+        for bucket in self.kept {
             // `min` and `max` are set together: a bucket with one number has both.
             let mut pair: [Option<(u64, Cell)>; 2] = match (bucket.min, bucket.max, bucket.nan) {
                 (_, Some((s, v)), Some(nan)) => [
@@ -234,6 +275,42 @@ mod tests {
         minmax.add(1, Cell::Null);
         minmax.add(7, Cell::Null);
         assert_eq!(minmax.finish(), vec![(1, Cell::Null), (7, Cell::Null)]);
+    }
+
+    #[test]
+    fn buckets_are_equal_and_cover_the_range() {
+        let buckets = Buckets::new(0, 599, 266);
+        assert_eq!((buckets.width, buckets.count), (3, 200));
+        assert_eq!(buckets.index(0), Some(0));
+        assert_eq!(buckets.index(599), Some(199));
+        assert_eq!(buckets.index(600), None);
+        assert_eq!(buckets.whole_span(), 600);
+        // Fewer steps than buckets asked for: one step each.
+        let short = Buckets::new(40, 60, 266);
+        assert_eq!((short.width, short.count), (1, 21));
+        assert_eq!(short.index(39), None);
+        // The last bucket may be short.
+        let ragged = Buckets::new(0, 600, 266);
+        assert_eq!((ragged.width, ragged.count), (3, 201));
+        assert_eq!(ragged.index(600), Some(200));
+        assert_eq!(Buckets::new(7, 7, 0).count, 1);
+    }
+
+    /// Whatever the values, a bucket that was given a point gives one back, inside
+    /// it: a chart with a column per bucket never shows a measured column as empty.
+    #[test]
+    fn every_bucket_given_a_point_keeps_one_of_its_own() {
+        let buckets = Buckets::new(0, 599, 266);
+        let mut minmax = MinMax::over(buckets);
+        for step in 0..600u64 {
+            // Values in no order, so the extremes fall anywhere in a bucket.
+            minmax.add(step, Cell::Value(((step * 7919) % 113) as f32));
+        }
+        let mut seen = vec![0; buckets.count];
+        for (step, _) in minmax.finish() {
+            seen[buckets.index(step).unwrap()] += 1;
+        }
+        assert!(seen.iter().all(|n| (1..=2).contains(n)), "{seen:?}");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The gradflow wire protocol, v1.7 (docs/PROTOCOL.md): the types every instrumented trainer sends and the
+//! The gradflow wire protocol, v1.8 (docs/PROTOCOL.md): the types every instrumented trainer sends and the
 //! server accepts, their parsing and validation, and the encoding of non-finite floats.
 //!
 //! This crate is the one boundary every client sees. It does no I/O and depends only
@@ -9,6 +9,8 @@
 //! - [`run`]: the registration body of `PUT /api/v1/runs/{run_id}` and [`RunId`].
 //! - [`step`]: the step records of `POST /api/v1/runs/{run_id}/steps`.
 //! - [`amend`]: v1.1 registration amendments, carried by a step record.
+//! - [`signals`]: v1.8 instability signals (attention, activations, Adam's state,
+//!   output logits, MoE loads, batch ids) and the registration's `signals`.
 //! - [`parse`]: JSON, NDJSON and CBOR batch parsing with field paths in errors.
 //! - [`float`]: [`Float`], a number that may be `"NaN"`, `"Infinity"`, `"-Infinity"`.
 //! - [`timestamp`]: RFC 3339 or Unix-seconds timestamps.
@@ -24,6 +26,7 @@ pub mod limits;
 mod located;
 pub mod parse;
 pub mod run;
+pub mod signals;
 pub mod step;
 pub mod timestamp;
 mod validate;
@@ -41,6 +44,7 @@ pub use run::{
     ParamGroup, ParamSpec, Precision, Role, RunId, RunRegistration, Webhook, WebhookFormat,
     check_webhook_url, default_group, default_module, redact_webhook_url, shard_rank_outside,
 };
+pub use signals::{AdamState, BatchInfo, MoeLayer, OutputLogits, SignalIntervals};
 pub use step::{
     CallSite, GpuStat, GraphCut, GraphCutKind, GraphCutVia, ModuleStep, ParamStep, ScalerState,
     StepRecord, validate_batch,

@@ -29,3 +29,13 @@ pub const MAX_TEXT_BYTES: usize = 1_024;
 pub const MAX_SHAPE_DIMS: usize = 16;
 /// Ranks in one run (v1.4).
 pub const MAX_WORLD_SIZE: u32 = 65_536;
+/// Batch ids in one step record's `batch` (v1.8).
+pub const MAX_BATCH_IDS: usize = 1_024;
+/// Bytes in one batch id (v1.8).
+pub const MAX_BATCH_ID_BYTES: usize = 256;
+/// Micro-batch losses in one step record's `batch` (v1.8).
+pub const MAX_MICRO_LOSSES: usize = 1_024;
+/// Entries of `moe[]` in one step record (v1.8).
+pub const MAX_MOE_LAYERS_PER_STEP: usize = 1_024;
+/// Experts of one MoE layer (v1.8).
+pub const MAX_EXPERTS: usize = 1_024;

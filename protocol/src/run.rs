@@ -352,6 +352,10 @@ pub struct RunRegistration {
     /// Absent: nothing found, or a client that does not look.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub wiring: Vec<crate::wiring::WiringFinding>,
+    /// v1.8: which instability signals the client measures, each family with its
+    /// interval in reported steps. Absent: none of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signals: Option<crate::signals::SignalIntervals>,
 }
 
 /// Most webhooks one registration may name.
@@ -516,6 +520,9 @@ impl RunRegistration {
                         .error(format!("{field} must be at least 1")));
                 }
             }
+        }
+        if let Some(signals) = &self.signals {
+            signals.validate(&root.field("signals"))?;
         }
         validate_params(&root.field("params"), &self.params)?;
         crate::wiring::validate_wiring(&root.field("wiring"), &self.wiring)?;

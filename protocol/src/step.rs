@@ -13,6 +13,7 @@ use crate::limits::{
     MAX_GPUS_PER_STEP, MAX_GRAPH_CUTS_PER_STEP, MAX_METRICS_PER_STEP, MAX_MODULES_PER_STEP,
     MAX_PARAMS_PER_STEP, MAX_STACK_FRAMES, MAX_STEP, MAX_STEPS_PER_BATCH, MAX_TEXT_BYTES,
 };
+use crate::signals::{AdamState, BatchInfo, MoeLayer, OutputLogits};
 use crate::timestamp::Timestamp;
 use crate::validate::{check_name, check_norm, check_text};
 
@@ -110,6 +111,19 @@ pub struct StepRecord {
     /// only when `true`; absent: finite, or not measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub local_grads_nonfinite: Option<bool>,
+    /// v1.8: the model's output logits this step (`logz_mean`, `absmax`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_logits: Option<OutputLogits>,
+    /// v1.8: each MoE layer's tokens per expert (and router z) this step.
+    #[serde(
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub moe: Vec<MoeLayer>,
+    /// v1.8: what the step trained on: the user's batch ids, each micro-batch's loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchInfo>,
 }
 
 /// A place where a module's output lost its path to the loss, as a client saw it
@@ -125,7 +139,9 @@ pub struct GraphCut {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<String>,
     /// `detached_input`: the group that ran with gradients just before, whose output
-    /// the module most likely received without its history.
+    /// the module most likely received without its history. `no_grad`: the group that
+    /// ran with gradients just before the block, when the module after the block got
+    /// its input without history (the block cut that group off too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream: Option<String>,
     /// The user's code that made the call, innermost frame first: the first frame
@@ -228,6 +244,24 @@ pub struct ModuleStep {
     /// replicated module must agree (`replica_divergence`, subject `weights`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub param_sum: Option<Float>,
+    /// v1.8, attention modules: the largest pre-softmax logit q·k/√d_h over the batch,
+    /// heads, queries and keys this step (masked positions excluded). Any number; a
+    /// non-finite one is a finding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_max_logit: Option<Float>,
+    /// v1.8, attention modules: the smallest over heads of the mean over queries of
+    /// the attention's entropy −Σ_j A_ij ln A_ij, in nats.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_min_entropy: Option<Float>,
+    /// v1.8: the RMS of the module's output this step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub act_rms: Option<Float>,
+    /// v1.8: the largest absolute value of the module's output this step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub act_absmax: Option<Float>,
+    /// v1.8: Adam(W)'s state over the module's own parameters, on sampled steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adam: Option<AdamState>,
 }
 
 /// A parameter's state after this step's optimizer step.
@@ -324,6 +358,7 @@ impl StepRecord {
             check_name(&path.field("module"), &module.module)?;
             check_norm(&path.field("grad_norm"), module.grad_norm)?;
             check_norm(&path.field("grad_sumsq"), module.grad_sumsq)?;
+            crate::signals::check_module(&path, module)?;
             if let (Some(nonfinite), Some(numel)) = (module.nonfinite, module.numel)
                 && nonfinite > numel
             {
@@ -375,6 +410,12 @@ impl StepRecord {
             }
         }
         validate_graph_cuts(&path.field("graph_cuts"), &self.graph_cuts)?;
+        crate::signals::check_step(
+            path,
+            self.output_logits.as_ref(),
+            &self.moe,
+            self.batch.as_ref(),
+        )?;
         check_norm(&path.field("input_absmax"), self.input_absmax)?;
         if let Some(time) = self.step_time
             && !(time.is_finite() && time.get() >= 0.0)

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use gradflow_core::detect::{Detection, Thresholds};
 use gradflow_core::model::series_kind::SeriesKind;
+use gradflow_core::series::Buckets;
 use gradflow_protocol::{Float, ModuleStep, RunId, RunRegistration, StepRecord};
 use gradflow_server::charts::{self, ChartKind, Format};
 use gradflow_server::ingest::Ingest;
@@ -124,9 +125,7 @@ async fn main() {
             .series_of_every_subject(
                 &run,
                 SeriesKind::ModuleGradNorm,
-                window.from,
-                window.to,
-                max_points,
+                Buckets::new(window.from, window.to, max_points / 2),
             )
             .await
             .unwrap();

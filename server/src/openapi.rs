@@ -128,14 +128,20 @@ mod tests {
             );
         }
         let alert = &document["components"]["schemas"]["Alert"]["properties"];
-        assert_eq!(alert["kind"]["enum"], serde_json::json!(AlertKind::NAMES));
+        assert_eq!(
+            alert["kind"]["enum"],
+            serde_json::json!(AlertKind::NAMES.as_slice())
+        );
         assert_eq!(
             alert["status"]["enum"],
             serde_json::json!(["open", "resolved"])
         );
         let severity = &document["components"]["schemas"]["AlertSeverity"]["enum"];
-        assert_eq!(severity, &serde_json::json!(Severity::NAMES));
+        assert_eq!(severity, &serde_json::json!(Severity::NAMES.as_slice()));
         let code = &document["components"]["schemas"]["ErrorCode"]["enum"];
-        assert_eq!(code, &serde_json::json!(crate::error::ErrorCode::NAMES));
+        assert_eq!(
+            code,
+            &serde_json::json!(crate::error::ErrorCode::NAMES.as_slice())
+        );
     }
 }

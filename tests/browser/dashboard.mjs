@@ -13,8 +13,8 @@
 import { mkdirSync } from "node:fs";
 import { join } from "node:path";
 import assert from "node:assert/strict";
-import { chromium } from "playwright-core";
 import { makeHfRun } from "./hf_run.mjs";
+import { checkLayoutOfCharts, closeAndReport, openDashboardBrowser } from "./dashboard_browser.mjs";
 
 const base = process.env.GRADFLOW_BASE;
 const runs = (process.env.GRADFLOW_RUNS ?? "").split(",").filter(Boolean);
@@ -22,39 +22,7 @@ const artifacts = process.env.GRADFLOW_ARTIFACTS ?? "test-artifacts/dashboard";
 assert.ok(base && runs.length > 0, "set GRADFLOW_BASE and GRADFLOW_RUNS");
 mkdirSync(artifacts, { recursive: true });
 
-// The flags this machine's closed network needs (no background connections).
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
-  args: [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-  ],
-});
-const context = await browser.newContext({ viewport: { width: 1280, height: 800 } });
-const page = await context.newPage();
-// Charts opened on their own, as SVG documents, to read their layout.
-const chartPage = await context.newPage();
-const problems = [];
-page.on("console", (message) => {
-  if (message.type() === "error" || message.type() === "warning") {
-    problems.push(`console ${message.type()}: ${message.text()}`);
-  }
-});
-page.on("pageerror", (error) => problems.push(`page error: ${error.message}`));
-page.on("requestfailed", (request) => {
-  // An event stream cut by a navigation is not a failure.
-  if (!request.url().includes("/api/v1/events")) {
-    problems.push(`request failed: ${request.url()} ${request.failure()?.errorText}`);
-  }
-});
-page.on("response", (response) => {
-  if (response.status() >= 400) problems.push(`HTTP ${response.status()}: ${response.url()}`);
-});
+const { browser, page, chartPage, problems } = await openDashboardBrowser();
 
 const api = async (path, init) => {
   const response = await fetch(base + path, init);
@@ -82,69 +50,7 @@ async function chartsLoaded(least = 3) {
   return charts;
 }
 
-// Every chart of the page, fetched at the size the page asks for and opened as an
-// SVG document, so the browser lays its text out: screenshot it, and fail when a
-// text box (a legend entry, an alert episode's label, a tick, a title) covers
-// another or leaves the chart. The episode labels once sat under the legend box.
-const EPISODE_LABEL = "#D62728"; // charts::BAND, the alert episodes' colour
-async function checkChartLayout(prefix) {
-  const charts = await page.$$eval("#charts img", (imgs) => imgs.map((img) => ({ id: img.id, src: img.getAttribute("src") })));
-  assert.ok(charts.length > 0, `${prefix}: no charts`);
-  const checked = [];
-  for (const { id, src } of charts) {
-    const response = await chartPage.goto(base + src);
-    assert.ok(response.ok(), `${src}: HTTP ${response.status()}`);
-    const layout = await chartPage.evaluate(() => {
-      const svg = document.documentElement;
-      // The box as drawn: after the rotation of a y-axis label, unlike getBBox().
-      const box = (el) => {
-        const b = el.getBoundingClientRect();
-        return { x: b.x + window.scrollX, y: b.y + window.scrollY, width: b.width, height: b.height };
-      };
-      const texts = [...svg.querySelectorAll("text")]
-        .filter((t) => t.textContent.trim() !== "")
-        .map((t) => ({ text: t.textContent.trim(), fill: (t.getAttribute("fill") ?? "").toUpperCase(), box: box(t) }));
-      // plotters draws the legend's background at 0.85 opacity; nothing else is.
-      const legends = [...svg.querySelectorAll("rect")].filter((r) => r.getAttribute("opacity") === "0.85").map(box);
-      return { width: Number(svg.getAttribute("width")), height: Number(svg.getAttribute("height")), texts, legends };
-    });
-    const asked = new URL(base + src).searchParams.get("width");
-    assert.equal(String(layout.width), asked, `${src}: drawn ${layout.width} wide`);
-    await chartPage.setViewportSize({ width: layout.width, height: layout.height });
-    const path = join(artifacts, `${prefix}-${id}.png`);
-    await chartPage.screenshot({ path });
-    console.log(`screenshot ${path}`);
-
-    // Boxes that share more than a pixel each way.
-    const overlap = (a, b) =>
-      Math.min(a.x + a.width, b.x + b.width) - Math.max(a.x, b.x) > 1 &&
-      Math.min(a.y + a.height, b.y + b.height) - Math.max(a.y, b.y) > 1;
-    const where = (t) => `"${t.text}" at ${Math.round(t.box.x)},${Math.round(t.box.y)} ${Math.round(t.box.width)}×${Math.round(t.box.height)}`;
-    const { texts, legends } = layout;
-    assert.ok(texts.length > 3, `${src}: no text in the chart`);
-    for (const t of texts) {
-      const b = t.box;
-      assert.ok(
-        b.x >= -1 && b.y >= -1 && b.x + b.width <= layout.width + 1 && b.y + b.height <= layout.height + 1,
-        `${src}: ${where(t)} leaves the ${layout.width}×${layout.height} chart`,
-      );
-    }
-    for (let i = 0; i < texts.length; i++) {
-      for (let j = i + 1; j < texts.length; j++) {
-        assert.ok(!overlap(texts[i].box, texts[j].box), `${src}: ${where(texts[i])} overlaps ${where(texts[j])}`);
-      }
-    }
-    const episodes = texts.filter((t) => t.fill === EPISODE_LABEL);
-    for (const label of episodes) {
-      for (const legend of legends) {
-        assert.ok(!overlap(label.box, legend), `${src}: episode label ${where(label)} is under the legend box`);
-      }
-    }
-    checked.push({ id, width: layout.width, height: layout.height, texts: texts.length, episodes: episodes.length, legends: legends.length });
-  }
-  console.log(`  layout of ${prefix}: ${JSON.stringify(checked)}`);
-  return checked;
-}
+const checkChartLayout = (prefix) => checkLayoutOfCharts({ page, chartPage, base, artifacts }, prefix);
 
 // ---- The runs page ----
 step("the runs page lists every run, with its status and what is wrong");
@@ -548,9 +454,4 @@ await shot("ranks-narrow.png");
 await page.setViewportSize({ width: 1280, height: 800 });
 
 step("no console errors, failed requests or error responses");
-await browser.close();
-if (problems.length > 0) {
-  console.error(problems.join("\n"));
-  process.exit(1);
-}
-console.log("dashboard ok");
+await closeAndReport(browser, problems, "dashboard ok");

@@ -129,6 +129,7 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
         train: None,
         webhooks: Vec::new(),
         wiring: Vec::new(),
+        signals: None,
     }
 }
 

@@ -13,11 +13,20 @@ ratios of medians, and gradflow's fixed cost per step (its median less bare's). 
 reports to a real ``gradflow-server`` on a temporary database (``--server-bin``, default
 target/release then target/debug).
 
+Next to the wall time, each mode's training thread's own CPU time per step
+(``time.thread_time()``, read before the benchmark waits for the device: the host's
+work, which does not depend on the GPU and is not stretched when other processes share
+the cores), split into the step's phases (forward and backward, where the model's hooks
+run; ``optimizer.step()``, where the gradients and norm weights are read; ``gf.step``),
+and the reporter thread's CPU per step (Linux, from ``/proc``).
+
 The ``tiny`` presets are the client tests' model (``tests/tiny_models.py``: a 2-layer
 Qwen2 of hidden 48 feeding an agent head, 33 parameter tensors), at batches meant for
 a bare step of about 10 ms and about 50 ms on two CPU cores: at that size the
-difference is gradflow's fixed work per step. ``--profile FILE`` also writes a cProfile of the
-gradflow mode's steps (the training thread only) and prints gradflow's share of it.
+difference is gradflow's fixed work per step; ``qwen2.5-0.5b-narrow`` has Qwen2.5-0.5B's
+290 parameter tensors at a narrow width, the per-tensor host work of the real model on
+a CPU. ``--profile FILE`` also writes a cProfile of the gradflow mode's steps (the
+training thread only) and prints gradflow's share of it.
 """
 
 from __future__ import annotations
@@ -154,8 +163,14 @@ class Mode:
         # The training thread's own CPU time per step: unlike wall time, not
         # stretched when other processes share the cores.
         self.cpu: List[float] = []
+        # The same split by phase: forward and backward, optimizer.step(), after it.
+        self.phases: List[List[float]] = [[], [], []]
         self.background: Callable[[], Optional[float]] = lambda: None
         self.profile: Any = None
+        self.parts: Optional[Breakdown] = None
+        # Steps before this many are warm-up: not counted by the breakdown.
+        self.warmup = 0
+        self.counting = False
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.agent:
@@ -164,6 +179,7 @@ class Mode:
         return self.model(input_ids=tokens, labels=tokens).loss
 
     def step(self, tokens: torch.Tensor) -> None:
+        self.counting = len(self.times) >= self.warmup
         if self.profile is not None:
             self.profile.enable()
         start = time.perf_counter()
@@ -172,18 +188,44 @@ class Mode:
         with torch.autocast(self.device, dtype=self.dtype, enabled=self.dtype != torch.float32):
             loss = self.loss(tokens)
         loss.backward()
+        backward = time.thread_time()
         self.optimizer.step()
+        stepped = time.thread_time()
         self.after_step(loss)
+        # The host's own work on the step, read before the benchmark waits for the
+        # device: a synchronisation spins on the CPU, which is no work of the step's.
+        end = time.thread_time()
+        self.cpu.append(end - cpu)
+        for phase, seconds in zip(self.phases, (backward - cpu, stepped - backward, end - stepped)):
+            phase.append(seconds)
         if self.device == "cuda":
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - start)
-        self.cpu.append(time.thread_time() - cpu)
         if self.profile is not None:
             self.profile.disable()
 
 
 # The agent's action count (tests/tiny_models.py).
 ACTIONS = 8
+# The phases of a step whose training-thread CPU is given apart.
+PHASES = ("forward+backward", "optimizer.step", "after the step")
+
+
+def mode_signals(name: str) -> Any:
+    """The instability signals of a gradflow mode: ``gradflow`` the client's defaults,
+    ``gradflow:none`` none, ``gradflow:FAMILY`` that family alone on every step,
+    ``gradflow:all`` every family on every step."""
+    _, _, which = name.partition(":")
+    if not which:
+        return None
+    families = ("attention", "activations", "adam", "output_logits", "moe")
+    if which == "none":
+        return False
+    if which == "all":
+        return {f: 1 for f in families}
+    if which not in families:
+        sys.exit(f"unknown signal family {which!r} in mode {name!r}")
+    return {f: 1 if f == which else 0 for f in families}
 
 
 def main() -> None:
@@ -197,6 +239,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="the preset's batch size, overridden")
     parser.add_argument("--seq", type=int, help="the preset's sequence length, overridden")
     parser.add_argument("--profile", help="write a cProfile of the gradflow mode's steps here")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time gradflow's own entry points on the training thread (its optimizer "
+        "hooks, gf.step, and the parts they call), in training-thread CPU per step",
+    )
     parser.add_argument("--autocast", choices=["none", "bf16"], default=None)
     parser.add_argument(
         "--param-dtype",
@@ -239,7 +287,7 @@ def main() -> None:
     for name in names:
         param_dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
         mode = Mode(name, preset, args.device, dtype, param_dtype)
-        if name == "gradflow":
+        if name == "gradflow" or name.startswith("gradflow:"):
             import gradflow
 
             if server is None:
@@ -248,13 +296,16 @@ def main() -> None:
                 mode.model,
                 mode.optimizer,
                 server=url,
-                run_id="bench-overhead",
+                run_id=f"bench-overhead-{len(modes)}",
                 on_alert=None,
                 every=args.every,
+                signals=mode_signals(name),
             )
             mode.after_step = lambda loss, gf=gf: gf.step(loss=loss)
             mode.close = gf.close
             mode.background = thread_cpu(getattr(gf, "reporter", None))
+            if args.breakdown:
+                mode.parts = Breakdown(gf, mode)
             if args.profile:
                 import cProfile
 
@@ -269,6 +320,7 @@ def main() -> None:
             mode.close = run.finish
         elif name != "bare":
             sys.exit(f"unknown mode {name!r}")
+        mode.warmup = args.warmup
         modes.append(mode)
 
     g = torch.Generator().manual_seed(1)
@@ -288,7 +340,10 @@ def main() -> None:
     background = {m.name: m.background() for m in modes}
     for mode in modes:
         mode.close()
+    stored = None
     if server is not None:
+        probe = "agent.head" if preset.get("model") == "prompt-agent" else "model.norm"
+        stored = stored_steps(url, "bench-overhead", probe)
         server.terminate()
         server.wait()
 
@@ -297,7 +352,9 @@ def main() -> None:
     # update check runs every `updates_every`-th step), which the median skips.
     means = {m.name: statistics.fmean(m.times[args.warmup :]) for m in modes}
     cpu = {m.name: statistics.median(m.cpu[args.warmup :]) for m in modes}
+    cpu_means = {m.name: statistics.fmean(m.cpu[args.warmup :]) for m in modes}
     bare = medians.get("bare")
+    by_name = {m.name: m for m in modes}
     device_name = (
         torch.cuda.get_device_name() if args.device == "cuda" else f"cpu x{torch.get_num_threads()}"
     )
@@ -324,6 +381,7 @@ def main() -> None:
             "median_ms": median * 1e3,
             "mean_ms": means[mode.name] * 1e3,
             "thread_cpu_ms": cpu[mode.name] * 1e3,
+            "thread_cpu_mean_ms": cpu_means[mode.name] * 1e3,
         }
         if bare and mode.name != "bare":
             overhead = median / bare - 1
@@ -337,7 +395,22 @@ def main() -> None:
             entry["mean_overhead"] = means[mode.name] / means["bare"] - 1
             line += f"; mean {entry['mean_overhead'] * 100:+.2f} %"
             entry["thread_cpu_fixed_ms"] = (cpu[mode.name] - cpu["bare"]) * 1e3
-            line += f"; thread CPU {(cpu[mode.name] - cpu['bare']) * 1e3:+.2f} ms/step"
+            entry["thread_cpu_fixed_mean_ms"] = (cpu_means[mode.name] - cpu_means["bare"]) * 1e3
+            phases = [
+                (
+                    statistics.median(mine[args.warmup :])
+                    - statistics.median(bare_phase[args.warmup :])
+                )
+                * 1e3
+                for mine, bare_phase in zip(mode.phases, by_name["bare"].phases)
+            ]
+            entry["thread_cpu_fixed_by_phase_ms"] = dict(zip(PHASES, phases))
+            line += (
+                f"; training thread CPU {entry['thread_cpu_fixed_ms']:+.2f} ms/step"
+                f" (mean {entry['thread_cpu_fixed_mean_ms']:+.2f};"
+                + ",".join(f" {name} {ms:+.2f}" for name, ms in zip(PHASES, phases))
+                + ")"
+            )
         seconds = background.get(mode.name)
         if seconds is not None:
             per_step = seconds / len(mode.times) * 1e3
@@ -345,15 +418,43 @@ def main() -> None:
             line += f"; its reporter thread {per_step:.3f} ms CPU/step"
         result["modes"][mode.name] = entry
         print(line)
+    if stored is not None:
+        # What reached the server: a measuring path that failed would still be timed.
+        result["stored"] = stored
+        print(
+            f"  the server stored {stored['steps']} of gradflow's {total} steps, "
+            f"{stored['module_grad_norms']} of them with a gradient norm for {probe}"
+        )
     gf_over = result["modes"].get("gradflow", {}).get("overhead")
     wb_over = result["modes"].get("wandb", {}).get("overhead")
     if gf_over is not None and wb_over is not None and gf_over > 0:
         print(f"  wandb.watch's overhead is {wb_over / gf_over:.1f}x gradflow's")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
     for mode in modes:
         if mode.profile is not None:
             report_profile(mode.profile, args.profile, len(mode.times))
+        if mode.parts is not None:
+            result["breakdown_us"] = mode.parts.report(args.steps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def stored_steps(url: str, run_id: str, module: str) -> Optional[Dict[str, int]]:
+    """How many steps of the run the server stored, and in how many of them `module`
+    has a finite gradient norm (None when the server cannot say)."""
+    import math
+    import urllib.request
+
+    def get(path: str) -> Any:
+        with urllib.request.urlopen(url + path, timeout=10) as response:
+            return json.loads(response.read())
+
+    try:
+        run = get(f"/api/v1/runs/{run_id}")
+        points = get(f"/api/v1/runs/{run_id}/series?metric=grad_norm&subject={module}")["points"]
+    except Exception:
+        return None
+    finite = [v for _, v in points if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+    return {"steps": int(run["step_count"]), "module_grad_norms": len(finite)}
 
 
 def thread_cpu(reporter: Any) -> Callable[[], Optional[float]]:
@@ -391,6 +492,64 @@ def report_profile(profile: Any, path: str, steps: int) -> None:
     for cum, own, calls, name in rows[:30]:
         per_step = f"{cum / steps * 1e3:8.3f}ms {own / steps * 1e3:6.3f}ms {calls / steps:7.1f}"
         print(f"  {per_step} {name}")
+
+
+class Breakdown:
+    """gradflow's own work on the training thread, by entry point: the optimizer's
+    step hooks it registered and ``gf.step``, each timed whole (``time.thread_time``),
+    and the parts of them named in PARTS. What runs inside the forward and backward
+    passes (the model's hooks) is not in it: the forward+backward phase's difference
+    says that. Counted after the warm-up steps only."""
+
+    PARTS = (
+        ("registry", "amendment", "registration check"),
+        ("measurer", "measure_grads", "gradient read"),
+        ("measurer", "snapshot_norms", "norm weights before the step"),
+        ("measurer", "after_step", "norm weights after the step"),
+        ("updates", "before_step", "low-precision check, before"),
+        ("updates", "after_step", "low-precision check, after"),
+        ("hooks", "arm_carry_probe", "carry-over probe"),
+        ("tracer", "take", "graph-cut tracer, step end"),
+        ("measurer", "collect", "the step's record and vector"),
+    )
+
+    def __init__(self, gf: Any, mode: Mode) -> None:
+        self.mode = mode
+        self.seconds: Dict[str, float] = {}
+        instruments = gf.instruments
+        optimizer = mode.optimizer
+        for hooks, label in (
+            (optimizer._optimizer_step_pre_hooks, "optimizer pre-step hook"),
+            (optimizer._optimizer_step_post_hooks, "optimizer post-step hook"),
+        ):
+            for key, hook in list(hooks.items()):
+                hooks[key] = self._timed(hook, label)
+        for owner, name, label in self.PARTS:
+            target = getattr(instruments, owner, None)
+            if target is not None and hasattr(target, name):
+                setattr(target, name, self._timed(getattr(target, name), "  " + label))
+        mode.after_step = self._timed(mode.after_step, "gf.step")
+
+    def _timed(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        seconds = self.seconds
+        mode = self.mode
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if mode.counting:
+                    seconds[label] = seconds.get(label, 0.0) + time.thread_time() - start
+
+        return timed
+
+    def report(self, steps: int) -> Dict[str, float]:
+        per_step = {label: s / steps * 1e6 for label, s in self.seconds.items()}
+        print("gradflow's training-thread CPU by entry point, us a step (parts indented):")
+        for label, us in per_step.items():
+            print(f"  {us:9.1f}  {label}")
+        return per_step
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def check(tmp_path, *options: str, steps: int = 20, cut: int = 0, run_id: str = 
 
 
 def test_an_alert_resolved_before_the_end_still_fails_the_check(tmp_path):
-    done = check(tmp_path, "--server-bin", str(server_binary()), cut=12)
+    # Trained from step 12, the alert resolves once its hold (20 steps, PROTOCOL.md)
+    # has passed, which a run of 40 steps reaches.
+    done = check(tmp_path, "--server-bin", str(server_binary()), steps=40, cut=12)
     assert done.returncode == 1, done.stdout + done.stderr
     out = done.stdout
     assert "[critical] grad_stuck_zero on encoder" in out, out
@@ -58,7 +60,7 @@ def test_an_alert_resolved_before_the_end_still_fails_the_check(tmp_path):
     assert "FAILED: 1 alert(s) raised in 1 run(s) (0 still open at the end)" in out, out
 
     report = json.loads(
-        check(tmp_path, "--json", "--server-bin", str(server_binary()), cut=12).stdout
+        check(tmp_path, "--json", "--server-bin", str(server_binary()), steps=40, cut=12).stdout
     )
     assert (report["verdict"], report["exit_code"]) == ("alerts", 1)
     (alert,) = report["runs"][0]["alerts"]

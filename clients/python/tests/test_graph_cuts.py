@@ -168,6 +168,62 @@ def test_an_evaluation_under_no_grad_is_not_named_for_a_later_cut(gradflow_serve
     assert alert["evidence"]["graph_cut"]["kind"] == "detached_input"
 
 
+class InnerCut(nn.Module):
+    """A tiny model whose forward runs its middle part under ``torch.no_grad()``: the
+    embedding before the block and the block itself get no gradient, the head after
+    it trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16)
+        self.encoder = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        with torch.no_grad():
+            h = self.encoder(h)  # inner no_grad call
+        return self.head(h)
+
+
+def test_a_no_grad_block_inside_the_model_is_named_by_every_alert_it_causes(gradflow_server):
+    """The embedding before the block is cut off by the block, not by the head that
+    consumed the block's output: its alert, said first, names the block's line too."""
+    model = InnerCut()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with alerts_said() as messages:
+        gf = gradflow.watch(
+            model,
+            optimizer,
+            server=gradflow_server.url,
+            run_id=new_run_id("inner-cut"),
+            on_alert="warn",
+            detectors={"stuck_zero_steps": 10},
+        )
+        for step in range(14):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(
+                2
+            ).mean().backward()
+            optimizer.step()
+            gf.step(loss=1.0)
+        gf.close()
+    site = f"{shown(HERE)}:{line_of('inner no_grad call')} in forward"
+    for subject in ("embed", "encoder"):
+        alert = gradflow_server.wait_for_alert(gf.run_id, "grad_stuck_zero", subject=subject)
+        cut = alert["evidence"]["graph_cut"]
+        assert (cut["kind"], cut["module"]) == ("no_grad", "encoder"), (subject, cut)
+        assert f"(encoder called from {site})" in alert["detail"], alert["detail"]
+    embed = gradflow_server.wait_for_alert(gf.run_id, "grad_stuck_zero", subject="embed")
+    assert embed["evidence"]["graph_cut"]["upstream"] == "embed"
+    assert "backward stops at the block, so none reaches embed" in embed["detail"]
+    said = [m for m in messages if "grad_stuck_zero on " in m]
+    assert len(said) == 2, messages
+    for message in said:
+        assert f"  where: encoder (no_grad) at {site}" in message, message
+
+
 def cast_adapters_at_step_10(model):
     def cast(step):
         if step == 10:  # a trainer library casting the adapters behind the user's back

@@ -4,8 +4,11 @@ client; the loops the README shows say nothing."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
+import pytest
 import torch
 from conftest import PromptAgent, batches, new_run_id
 from torch import nn
@@ -84,3 +87,46 @@ def test_the_model_s_training_flag_is_sent_every_step(gradflow_server):
     gf.close()
     flags = gradflow_server.series(gf.run_id, "metric", "model_training")
     assert [value for _, value in flags] == [1, 1, 1, 0, 0, 0], flags
+
+
+# gf.step after each of two micro-batches: the loop-shape notice, from a process of
+# its own so that what reaches stderr is counted.
+PER_MICRO = """
+import sys
+import pytest
+import torch
+from torch import nn
+import gradflow
+
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+gf = gradflow.watch(model, optimizer, server=sys.argv[1], run_id=sys.argv[2])
+for _ in range(6):
+    optimizer.zero_grad()
+    for _ in range(2):
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        gf.step(loss=1.0)
+    optimizer.step()
+gf.close()
+"""
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [[], ["-W", "ignore"], ["-W", "error::UserWarning"]],
+    ids=["default", "ignore", "error"],
+)
+def test_a_notice_reaches_stderr_once_whatever_the_warning_filters(
+    tmp_path, gradflow_server, filters
+):
+    script = tmp_path / "per_micro.py"
+    script.write_text(PER_MICRO)
+    done = subprocess.run(
+        [sys.executable, *filters, str(script), gradflow_server.url, new_run_id("notice")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("gf.step was called") == 1, done.stderr
+    assert "internal error" not in done.stderr, done.stderr

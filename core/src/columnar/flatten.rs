@@ -10,6 +10,7 @@ use gradflow_protocol::{
 
 use super::codec::{ABSENT_BITS, Cell, widen_for_display};
 use super::columns::{ColumnAssigner, ColumnDictionary, SeriesKind};
+use super::signal_cells::{SignalRecord, set_module_signal, signal_cells};
 
 /// Flattens `record`; `module_groups` maps module names to their group, as the
 /// registration's parameters say (modules not in it fall in their name's first part).
@@ -31,6 +32,10 @@ pub fn flatten(
     writer.module_fields(record, module_groups);
     writer.param_fields(record);
     writer.gpu_and_metrics(record);
+    // v1.8: attention, activations, Adam, MoE loads, micro-batch losses.
+    signal_cells(record, &mut |kind, subject, cell| {
+        writer.put(kind, subject, cell)
+    });
     writer.row.into_bits()
 }
 
@@ -200,6 +205,7 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
     let mut params: Vec<ParamStep> = Vec::new();
     let mut param_at: HashMap<&str, usize> = HashMap::default();
     let mut gpus: Vec<GpuStat> = Vec::new();
+    let mut signals = SignalRecord::default();
     for (position, &bits) in cells.iter().enumerate() {
         let cell = Cell::from_bits(bits);
         if cell == Cell::Absent {
@@ -232,6 +238,9 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
                 params.len() - 1
             })
         };
+        if signals.take(kind, subject, value) {
+            continue;
+        }
         match kind {
             SeriesKind::Lr if !subject.is_empty() => {
                 if let Some(lr) = float {
@@ -248,6 +257,17 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
             | SeriesKind::ModuleParamSum => {
                 let i = module(&mut modules);
                 set_module_field(&mut modules[i], kind, float, count);
+            }
+            SeriesKind::AttnMaxLogit
+            | SeriesKind::AttnMinEntropy
+            | SeriesKind::ActRms
+            | SeriesKind::ActAbsmax
+            | SeriesKind::AdamUpdated
+            | SeriesKind::AdamBelowEps
+            | SeriesKind::AdamUpdateRms
+            | SeriesKind::AdamUpdateAbsmax => {
+                let i = module(&mut modules);
+                set_module_signal(&mut modules[i], kind, value);
             }
             SeriesKind::GroupGradNorm => {}
             SeriesKind::ParamGradNorm
@@ -278,6 +298,7 @@ pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRe
     record.modules = modules;
     record.params = params;
     record.gpu = gpus;
+    signals.finish(&mut record);
     record
 }
 
@@ -350,6 +371,16 @@ const SCALARS: &[Scalar] = &[
         get: |r| float_cell(r.input_absmax),
         set: |r, v| r.input_absmax = v.map(Float),
     },
+    Scalar {
+        kind: SeriesKind::OutputLogzMean,
+        get: |r| float_cell(r.output_logits.as_ref()?.logz_mean),
+        set: |r, v| output_logits(r).logz_mean = v.map(Float),
+    },
+    Scalar {
+        kind: SeriesKind::OutputLogitAbsmax,
+        get: |r| float_cell(r.output_logits.as_ref()?.absmax),
+        set: |r, v| output_logits(r).absmax = v.map(Float),
+    },
 ];
 
 impl Scalar {
@@ -370,6 +401,11 @@ fn count_cell(value: Option<u64>) -> Option<Cell> {
 /// The record's scaler state, started empty if the record had none.
 fn scaler(record: &mut StepRecord) -> &mut ScalerState {
     record.scaler.get_or_insert_with(ScalerState::default)
+}
+
+/// The record's output-logit statistics, started empty if the record had none.
+fn output_logits(record: &mut StepRecord) -> &mut gradflow_protocol::OutputLogits {
+    record.output_logits.get_or_insert_with(Default::default)
 }
 
 /// One module column's value, into the module's record.
@@ -538,15 +574,56 @@ mod tests {
                 "metrics": {"reward": 0.5, "missing": null},
                 "dropped_steps": 4}"#,
         );
+        assert_eq!(read_back(&sent), sent);
+    }
+
+    #[test]
+    fn the_v1_8_signals_read_back_as_they_were_sent() {
+        let sent = record(
+            r#"{"step": 3, "loss": 2.0,
+                "modules": [{"module": "l.0.attn", "grad_norm": 0.5, "attn_max_logit": 12.5,
+                             "attn_min_entropy": 0.25, "act_rms": 1.5, "act_absmax": 40.0,
+                             "adam": {"updated": 4096, "below_eps": 0.125, "update_rms": 0.25,
+                                      "update_absmax": 1.75}},
+                            {"module": "l.0.mlp", "attn_max_logit": "Infinity"}],
+                "output_logits": {"logz_mean": -3.5, "absmax": 20.0},
+                "moe": [{"module": "l.0.mlp.gate", "tokens_per_expert": [5, 0, 3, 0], "router_z": 2.5},
+                        {"module": "l.1.mlp.gate", "tokens_per_expert": [0, 0]}],
+                "batch": {"micro_losses": [2.0, 9.5]}}"#,
+        );
+        assert_eq!(read_back(&sent), sent);
+        let (row, dict) = run(
+            r#"{"step": 1, "moe": [{"module": "g", "tokens_per_expert": [6, 2, 0, 0]}]}"#,
+            &HashMap::default(),
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::MoeTopShare, "g"),
+            Cell::Value(0.75)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::MoeMaxVio, "g"),
+            Cell::Value(2.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::MoeIdleExperts, "g"),
+            Cell::Value(2.0)
+        );
+        assert_eq!(
+            cell(&row, &dict, SeriesKind::MoeExpertTokens, "g/1"),
+            Cell::Value(2.0)
+        );
+    }
+
+    /// A record flattened into a fresh dictionary and read back.
+    fn read_back(sent: &StepRecord) -> StepRecord {
         let base = ColumnDictionary::default();
         let mut assigner = ColumnAssigner::new(&base);
-        let row = flatten(&sent, &HashMap::default(), &mut assigner);
+        let row = flatten(sent, &HashMap::default(), &mut assigner);
         let mut dictionary = ColumnDictionary::default();
         for (kind, subject, _) in assigner.added() {
             dictionary.push(kind, &subject);
         }
-        let back = unflatten(7, &row, &dictionary);
-        assert_eq!(back, sent);
+        unflatten(sent.step, &row, &dictionary)
     }
 
     /// The kinds that take a subject (a module, parameter, group, device, metric
@@ -574,6 +651,20 @@ mod tests {
         SeriesKind::GpuTemperatureC,
         SeriesKind::GpuPowerW,
         SeriesKind::Metric,
+        SeriesKind::AttnMaxLogit,
+        SeriesKind::AttnMinEntropy,
+        SeriesKind::ActRms,
+        SeriesKind::ActAbsmax,
+        SeriesKind::AdamUpdated,
+        SeriesKind::AdamBelowEps,
+        SeriesKind::AdamUpdateRms,
+        SeriesKind::AdamUpdateAbsmax,
+        SeriesKind::MoeExpertTokens,
+        SeriesKind::MoeRouterZ,
+        SeriesKind::MoeTopShare,
+        SeriesKind::MoeMaxVio,
+        SeriesKind::MoeIdleExperts,
+        SeriesKind::MicroLoss,
     ];
 
     #[test]

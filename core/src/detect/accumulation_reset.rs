@@ -28,11 +28,12 @@ use super::episode::{Alerts, Streak};
 use super::view::StepView;
 use super::wording::step_range;
 use crate::model::alert::{AlertKind, Opened, Severity};
+use crate::model::metric::DetectorMetric;
 use gradflow_protocol::StepRecord;
 
 /// The metric the Python client sends: backward passes after the first of one
 /// optimizer step that found the gradient reset.
-pub const METRIC: &str = "grads_reset_between_backwards";
+pub const METRIC: &str = DetectorMetric::GradsResetBetweenBackwards.as_str();
 /// Reported steps running with a reset that open the alert.
 pub const PERSIST: u32 = 3;
 const SUBJECT: &str = "gradients";

@@ -24,10 +24,11 @@ use super::episode::{Alerts, Streak};
 use super::view::StepView;
 use super::wording::step_range;
 use crate::model::alert::{AlertKind, Opened, Severity};
+use crate::model::metric::DetectorMetric;
 use gradflow_protocol::StepRecord;
 
 /// The metric the Python client sends: `model.training` at `gf.step`, 1 or 0.
-pub const METRIC: &str = "model_training";
+pub const METRIC: &str = DetectorMetric::ModelTraining.as_str();
 /// Step numbers in eval mode that open the alert.
 pub const STEPS: u64 = 20;
 const SUBJECT: &str = "model";

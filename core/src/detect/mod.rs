@@ -39,6 +39,14 @@
 //!   whose every intended update rounds away.
 //! - [`explosion`]: `grad_explosion`, a group's norm orders of magnitude above its level.
 //! - [`vanishing`]: `grad_vanishing`, gradients that shrink across depth.
+//! - *(v1.8)* [`loss_spike`]: `loss_spike`, the loss (or the gradient norm with it)
+//!   far above its last 128 readings, with its cause and the step's batch ids;
+//!   [`loss_scale_collapse`]: `loss_scale_collapse`, an fp16 loss scale that keeps
+//!   halving; [`attention_logit_growth`]: `attention_logit_growth`, attention logits
+//!   past QK-Clip's τ; [`adam_eps_dominated`]: `adam_eps_dominated`, Adam's ε above
+//!   most of a group's √v̂; [`adam_update_spike`]: `adam_update_spike`, a module's
+//!   Adam update twice its level. [`rolling`] is their window of recent readings,
+//!   [`update_levels`] each module's level of Adam's update.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
 //!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
 //!   `shard_reported_as_global`.
@@ -61,6 +69,9 @@
 //! unit tests through `testing`), and name it in [`DetectorSet`].
 
 pub mod accumulation_reset;
+pub mod adam_eps_dominated;
+pub mod adam_update_spike;
+pub mod attention_logit_growth;
 pub mod context;
 pub mod episode;
 pub mod eval_mode;
@@ -73,14 +84,18 @@ pub mod layers;
 mod loop_wiring;
 pub mod loss_divergence;
 pub mod loss_nonfinite;
+pub mod loss_scale_collapse;
+pub mod loss_spike;
 pub mod precision;
 pub mod ranks;
 pub mod registration;
+pub mod rolling;
 pub mod scaler_overflow;
 pub mod stuck_zero;
 pub(crate) mod testing;
 pub mod thresholds;
 pub mod unused;
+pub mod update_levels;
 pub mod update_rounded_away;
 pub mod vanishing;
 pub mod view;
@@ -118,6 +133,11 @@ pub struct DetectorSet {
     pub first_step: first_step::FirstStepHint,
     pub update_rounded_away: update_rounded_away::UpdateRoundedAway,
     pub ranks: ranks::RankDetectors,
+    pub loss_spike: loss_spike::LossSpike,
+    pub loss_scale_collapse: loss_scale_collapse::LossScaleCollapse,
+    pub attention_logit_growth: attention_logit_growth::AttentionLogitGrowth,
+    pub adam_eps_dominated: adam_eps_dominated::AdamEpsDominated,
+    pub adam_update_spike: adam_update_spike::AdamUpdateSpike,
     /// Which alerts are open: every detector opens and ends alerts through it.
     pub episodes: Episodes,
 }
@@ -158,6 +178,11 @@ impl DetectorSet {
         self.explosion.on_step(&step, &mut alerts);
         self.vanishing.on_step(&step, &mut alerts);
         self.unused.on_step(&step, &mut alerts);
+        self.loss_spike.on_step(&step, &mut alerts);
+        self.loss_scale_collapse.on_step(&step, &mut alerts);
+        self.attention_logit_growth.on_step(&step, &mut alerts);
+        self.adam_eps_dominated.on_step(&step, &mut alerts);
+        self.adam_update_spike.on_step(&step, &mut alerts);
         // After the streak verdicts of the same step, which confirm what it named.
         self.first_step.on_step(&step, &mut alerts);
         if let Some(view) = ranks {

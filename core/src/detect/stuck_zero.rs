@@ -65,20 +65,26 @@ struct SeenCut {
 
 impl SeenCut {
     /// Whether this cut explains `subject` (a group, a module, or a common prefix)
-    /// not being reached: its own forward ran without gradients, or it fed the module
-    /// that got its output without history.
+    /// not being reached: its own forward ran without gradients, or it fed the cut:
+    /// the module that got its output without history, or the `no_grad` block whose
+    /// output the next module got without history (`upstream` of either kind).
     fn explains(&self, subject: &str, group: Option<&str>) -> bool {
         let within = |name: &str| is_within(name, subject) || is_within(subject, name);
+        let upstream = self
+            .cut
+            .upstream
+            .as_deref()
+            .is_some_and(|u| within(u) || group == Some(u));
         match self.cut.kind {
-            GraphCutKind::NoGrad => {
-                within(&self.cut.module) || self.cut.group.as_deref().is_some_and(within)
-            }
-            GraphCutKind::DetachedInput => self
-                .cut
-                .upstream
-                .as_deref()
-                .is_some_and(|u| within(u) || group == Some(u)),
+            GraphCutKind::NoGrad => self.on(subject) || upstream,
+            GraphCutKind::DetachedInput => upstream,
         }
+    }
+
+    /// Whether the cut was seen on `subject` itself (its module or group).
+    fn on(&self, subject: &str) -> bool {
+        let within = |name: &str| is_within(name, subject) || is_within(subject, name);
+        within(&self.cut.module) || self.cut.group.as_deref().is_some_and(within)
     }
 }
 
@@ -426,8 +432,8 @@ const CHECKPOINT_FIX: &str = "Make the checkpoint's inputs require grad, so that
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": \
     False}), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False).";
 
-/// The sentence that names the cut, and its evidence.
-fn describe_cut(seen: &SeenCut) -> (String, serde_json::Value) {
+/// The sentence that names the cut behind `subject`'s alert, and its evidence.
+fn describe_cut(seen: &SeenCut, subject: &str) -> (String, serde_json::Value) {
     let cut = &seen.cut;
     let site = cut.stack.first();
     let called = |who: &str| match site {
@@ -453,10 +459,11 @@ fn describe_cut(seen: &SeenCut) -> (String, serde_json::Value) {
         ),
         GraphCutKind::NoGrad => format!(
             " The client saw where: {}'s forward ran with gradients disabled (torch.no_grad(), \
-             inference_mode or set_grad_enabled(False)) at step {}{}{callers}.",
+             inference_mode or set_grad_enabled(False)) at step {}{}{callers}.{}",
             cut.module,
             seen.step,
             called(&cut.module),
+            fed_from(seen, subject),
         ),
         GraphCutKind::DetachedInput => format!(
             " The client saw where: {} received a tensor without grad history at step {} although \
@@ -473,6 +480,19 @@ fn describe_cut(seen: &SeenCut) -> (String, serde_json::Value) {
     let mut evidence = serde_json::to_value(cut).expect("a graph cut serialises");
     evidence["step"] = json!(seen.step);
     (sentence, evidence)
+}
+
+/// For an alert on the group that ran just before a `no_grad` block (its
+/// `upstream`), how the block cuts it off too; empty for the block's own alert.
+fn fed_from(seen: &SeenCut, subject: &str) -> String {
+    match &seen.cut.upstream {
+        Some(upstream) if !seen.on(subject) => format!(
+            " {upstream} ran with gradients just before it, and the module after the block got \
+             its output without grad history: backward stops at the block, so none reaches \
+             {subject} through it."
+        ),
+        _ => String::new(),
+    }
 }
 
 /// A module of a common alert has a gradient again; the alert resolves when none
@@ -624,7 +644,7 @@ fn open(
     }
     let through_checkpoint =
         cut.is_some_and(|seen| seen.cut.via == Some(GraphCutVia::ReentrantCheckpoint));
-    let cut = cut.map(describe_cut);
+    let cut = cut.map(|seen| describe_cut(seen, subject));
     if let Some((sentence, _)) = &cut {
         detail.push_str(sentence);
     }
@@ -905,6 +925,46 @@ mod tests {
                 .contains("(agent.x called from train.py:112 in forward).")
         );
         assert_eq!(o.evidence["graph_cut"]["upstream"], "qwen");
+    }
+
+    /// qwen ran with gradients, then a no_grad block (`mid`), then agent.x got its
+    /// input without history: qwen's alert names the block's line, not agent.x.
+    #[test]
+    fn a_no_grad_block_after_a_group_is_named_for_it_before_the_consumer() {
+        let mut records: Vec<StepRecord> = (0..6).map(detached).collect();
+        records[0] = with_cuts(
+            detached(0),
+            json!([
+                {"module": "mid", "kind": "no_grad", "group": "mid", "upstream": "qwen",
+                 "stack": [{"file": "model.py", "line": 17, "function": "forward"}]},
+                {"module": "agent.x", "kind": "detached_input", "group": "agent",
+                 "upstream": "qwen",
+                 "stack": [{"file": "model.py", "line": 18, "function": "forward"}]}
+            ]),
+        );
+        let o = opened(&run(&records)[0].1).clone();
+        assert_eq!(o.subject, "qwen");
+        assert_eq!(o.evidence["graph_cut"]["module"], "mid");
+        assert!(
+            o.detail.contains(
+                "mid's forward ran with gradients disabled (torch.no_grad(), inference_mode or \
+                 set_grad_enabled(False)) at step 0 (mid called from model.py:17 in forward). \
+                 qwen ran with gradients just before it, and the module after the block got its \
+                 output without grad history: backward stops at the block, so none reaches qwen \
+                 through it."
+            ),
+            "{}",
+            o.detail
+        );
+        // A block's own alert says nothing of the group before it.
+        let mut records: Vec<StepRecord> = (0..6).map(detached).collect();
+        records[0] = with_cuts(
+            detached(0),
+            json!([{"module": "qwen", "kind": "no_grad", "group": "qwen", "upstream": "embed",
+                    "stack": [{"file": "model.py", "line": 17}]}]),
+        );
+        let o = opened(&run(&records)[0].1).clone();
+        assert!(!o.detail.contains("just before it"), "{}", o.detail);
     }
 
     #[test]

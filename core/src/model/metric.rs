@@ -58,7 +58,42 @@ vocabulary! {
         GradNonfinite = "grad_nonfinite" => Reads::new(&[SeriesKind::ModuleNonfinite], Subject::Required("a module")),
         GradNumel = "grad_numel" => Reads::new(&[SeriesKind::ModuleNumel], Subject::Required("a module")),
         ParamSum = "param_sum" => Reads::new(&[SeriesKind::ModuleParamSum], Subject::Required("a module")),
+        AttnMaxLogit = "attn_max_logit" => Reads::new(&[SeriesKind::AttnMaxLogit], Subject::Required("an attention module")),
+        AttnMinEntropy = "attn_min_entropy" => Reads::new(&[SeriesKind::AttnMinEntropy], Subject::Required("an attention module")),
+        ActRms = "act_rms" => Reads::new(&[SeriesKind::ActRms], Subject::Required("a module")),
+        ActAbsmax = "act_absmax" => Reads::new(&[SeriesKind::ActAbsmax], Subject::Required("a module")),
+        AdamUpdated = "adam_updated" => Reads::new(&[SeriesKind::AdamUpdated], Subject::Required("a module")),
+        AdamBelowEps = "adam_below_eps" => Reads::new(&[SeriesKind::AdamBelowEps], Subject::Required("a module")),
+        AdamUpdateRms = "adam_update_rms" => Reads::new(&[SeriesKind::AdamUpdateRms], Subject::Required("a module")),
+        AdamUpdateAbsmax = "adam_update_absmax" => Reads::new(&[SeriesKind::AdamUpdateAbsmax], Subject::Required("a module")),
+        OutputLogzMean = "output_logz_mean" => Reads::new(&[SeriesKind::OutputLogzMean], Subject::None),
+        OutputLogitAbsmax = "output_logit_absmax" => Reads::new(&[SeriesKind::OutputLogitAbsmax], Subject::None),
+        MoeExpertTokens = "moe_expert_tokens" => Reads::new(&[SeriesKind::MoeExpertTokens], Subject::Required("an MoE layer and expert, `layer/3`")),
+        MoeRouterZ = "moe_router_z" => Reads::new(&[SeriesKind::MoeRouterZ], Subject::Required("an MoE layer")),
+        MoeTopShare = "moe_top_share" => Reads::new(&[SeriesKind::MoeTopShare], Subject::Required("an MoE layer")),
+        MoeMaxVio = "moe_max_vio" => Reads::new(&[SeriesKind::MoeMaxVio], Subject::Required("an MoE layer")),
+        MoeIdleExperts = "moe_idle_experts" => Reads::new(&[SeriesKind::MoeIdleExperts], Subject::Required("an MoE layer")),
+        MicroLoss = "micro_loss" => Reads::new(&[SeriesKind::MicroLoss], Subject::Required("a micro-batch index")),
     }
+}
+
+vocabulary! {
+    /// The names of a step record's `metrics` that docs/PROTOCOL.md gives a meaning:
+    /// a client sends them for the detectors to read. They are not the user's own
+    /// numbers, which the dashboard charts and compares by name.
+    pub enum DetectorMetric {
+        /// The model's training flag at the client's step, 1 or 0 (`model_in_eval_mode`).
+        ModelTraining = "model_training",
+        /// On a step of several backward passes, how many after the first found the
+        /// gradient reset (`accumulation_reset`).
+        GradsResetBetweenBackwards = "grads_reset_between_backwards",
+    }
+}
+
+/// Whether `name`, a name of a step record's `metrics`, is the user's own: a name the
+/// protocol does not reserve for the detectors.
+pub fn is_users_metric(name: &str) -> bool {
+    DetectorMetric::parse(name).is_none()
 }
 
 /// What a metric name reads: the series kinds behind it, in the order they are
@@ -132,6 +167,13 @@ impl Metric {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_detectors_names_are_not_the_users() {
+        assert!(!is_users_metric("model_training"));
+        assert!(!is_users_metric("grads_reset_between_backwards"));
+        assert!(is_users_metric("reward"));
+    }
 
     #[test]
     fn each_name_is_listed_once_and_reads_some_kind() {

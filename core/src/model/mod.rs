@@ -10,7 +10,8 @@
 //! - [`cell`]: [`cell::Cell`], one stored value, and how wire numbers become `f32`s.
 //! - [`series_kind`]: [`series_kind::SeriesKind`], what a column holds.
 //! - [`metric`]: [`metric::METRICS`], the metric names read by name (the series
-//!   API, the comparison, the per-rank charts) and the series kinds behind each.
+//!   API, the comparison, the per-rank charts) and the series kinds behind each;
+//!   [`metric::DetectorMetric`], the names of a record's `metrics` the detectors read.
 
 pub mod alert;
 pub mod cell;

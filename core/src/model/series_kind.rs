@@ -48,6 +48,38 @@ vocabulary! {
         /// v1.7: whether a rank's own gradients were non-finite before the all-reduce
         /// (1 or 0).
         LocalGradsNonfinite = "local_grads_nonfinite",
+        /// v1.8: an attention module's largest pre-softmax logit.
+        AttnMaxLogit = "attn_max_logit",
+        /// v1.8: an attention module's smallest head entropy (nats).
+        AttnMinEntropy = "attn_min_entropy",
+        /// v1.8: the RMS of a module's output.
+        ActRms = "act_rms",
+        /// v1.8: the largest absolute value of a module's output.
+        ActAbsmax = "act_absmax",
+        /// v1.8: Adam's elements with v > 0, of a module.
+        AdamUpdated = "adam_updated",
+        /// v1.8: the fraction of those with √v̂ < ε.
+        AdamBelowEps = "adam_below_eps",
+        /// v1.8: the RMS of Adam's update over the lr.
+        AdamUpdateRms = "adam_update_rms",
+        /// v1.8: the largest |m̂/(√v̂+ε)|.
+        AdamUpdateAbsmax = "adam_update_absmax",
+        /// v1.8: the mean log Z of the output logits.
+        OutputLogzMean = "output_logz_mean",
+        /// v1.8: the largest absolute output logit.
+        OutputLogitAbsmax = "output_logit_absmax",
+        /// v1.8: tokens routed to one expert; the subject is `layer/expert`.
+        MoeExpertTokens = "moe_expert_tokens",
+        /// v1.8: an MoE layer's router z.
+        MoeRouterZ = "moe_router_z",
+        /// v1.8, derived: the share of an MoE layer's tokens its busiest expert took.
+        MoeTopShare = "moe_top_share",
+        /// v1.8, derived: an MoE layer's MaxVio, (max load − mean load) / mean load.
+        MoeMaxVio = "moe_max_vio",
+        /// v1.8, derived: an MoE layer's experts that got no token.
+        MoeIdleExperts = "moe_idle_experts",
+        /// v1.8: one micro-batch's loss; the subject is its index in the step.
+        MicroLoss = "micro_loss",
     }
 }
 

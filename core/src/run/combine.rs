@@ -60,6 +60,9 @@ enum Rule {
     Max,
     Min,
     WeightedMean,
+    /// The root of the mean of squares, each rank weighted by its elements (an RMS
+    /// over shards).
+    WeightedRms,
     /// Not combined: derived from the combined record (group norms).
     Derived,
 }
@@ -103,6 +106,46 @@ fn rule(kind: SeriesKind, sharded: bool) -> Rule {
                 Rule::Lowest
             }
         }
+        AttnMaxLogit | AttnMinEntropy | ActRms | ActAbsmax | AdamUpdated | AdamBelowEps
+        | AdamUpdateRms | AdamUpdateAbsmax | OutputLogzMean | OutputLogitAbsmax
+        | MoeExpertTokens | MoeRouterZ | MoeTopShare | MoeMaxVio | MoeIdleExperts | MicroLoss => {
+            signal_rule(kind, sharded)
+        }
+    }
+}
+
+/// How the v1.8 signals combine. Ranks see different batches, so the statistics of
+/// what a batch does (attention, activations, output logits, micro-batch losses) keep
+/// their extreme, the one a verdict is about: the largest logit, activation and
+/// micro-batch loss, the smallest entropy; the mean log Z is the ranks' mean. Adam's
+/// state is the optimizer's: a replicated module's is every rank's (the lowest
+/// rank's is kept), a sharded one's adds up over the shards. Expert loads add up
+/// (each rank routes its own tokens); the loads' summaries are derived again from
+/// the sums.
+fn signal_rule(kind: SeriesKind, sharded: bool) -> Rule {
+    use SeriesKind::*;
+    let per_shard = |rule: Rule| if sharded { rule } else { Rule::Lowest };
+    match kind {
+        AttnMaxLogit | ActRms | ActAbsmax | OutputLogitAbsmax | MicroLoss => Rule::Max,
+        AttnMinEntropy => Rule::Min,
+        OutputLogzMean | MoeRouterZ => Rule::Mean,
+        MoeExpertTokens => Rule::Sum,
+        MoeTopShare | MoeMaxVio | MoeIdleExperts => Rule::Derived,
+        AdamUpdated => per_shard(Rule::Sum),
+        AdamBelowEps => per_shard(Rule::WeightedMean),
+        AdamUpdateRms => per_shard(Rule::WeightedRms),
+        AdamUpdateAbsmax => per_shard(Rule::Max),
+        // Not a v1.8 signal: `rule` never asks.
+        _ => Rule::Lowest,
+    }
+}
+
+/// The column whose value weighs a rank's value of `kind` in a weighted rule: the
+/// elements it covers.
+fn weight_kind(kind: SeriesKind) -> SeriesKind {
+    match kind {
+        SeriesKind::AdamBelowEps | SeriesKind::AdamUpdateRms => SeriesKind::AdamUpdated,
+        _ => SeriesKind::ParamNumel,
     }
 }
 
@@ -110,7 +153,8 @@ fn rule(kind: SeriesKind, sharded: bool) -> Rule {
 fn sharded(kind: SeriesKind, subject: &str, registry: &Registry) -> bool {
     use SeriesKind::*;
     match kind {
-        ModuleGradNorm | HookHits | ModuleNumel | ModuleNonfinite | ModuleParamSum => {
+        ModuleGradNorm | HookHits | ModuleNumel | ModuleNonfinite | ModuleParamSum
+        | AdamUpdated | AdamBelowEps | AdamUpdateRms | AdamUpdateAbsmax => {
             registry.sharded_modules.contains(subject)
         }
         ParamGradNorm | UpdateNorm | Drift | ParamMean | IntendedUpdateNorm
@@ -344,15 +388,16 @@ impl PendingStep {
                         acc.sum = v;
                     }
                 }
-                Rule::WeightedMean => {
+                Rule::WeightedMean | Rule::WeightedRms => {
                     let weight = columns
-                        .get(SeriesKind::ParamNumel, subject)
+                        .get(weight_kind(kind), subject)
                         .and_then(|p| cells.get(p as usize))
                         .and_then(|b| match Cell::from_bits(*b) {
                             Cell::Value(w) if w > 0.0 => Some(f64::from(w)),
                             _ => None,
                         })
                         .unwrap_or(1.0);
+                    let v = if rule == Rule::WeightedRms { v * v } else { v };
                     acc.sum += v * weight;
                     acc.weight += weight;
                 }
@@ -412,6 +457,7 @@ impl PendingStep {
                     Rule::Sum | Rule::Max | Rule::Min => Cell::Value(to_stored_f32(acc.sum)),
                     Rule::RootSumSquares => Cell::Value(to_stored_f32(acc.sum.sqrt())),
                     Rule::WeightedMean => Cell::Value(to_stored_f32(acc.sum / acc.weight)),
+                    Rule::WeightedRms => Cell::Value(to_stored_f32((acc.sum / acc.weight).sqrt())),
                     Rule::Lowest => acc
                         .lowest
                         .map_or(Cell::Absent, |(_, bits)| Cell::from_bits(bits)),

@@ -1,7 +1,8 @@
 //! The comparison of runs: one metric of two or more runs, one line per run on a
 //! shared step axis, so a change to the training code shows beside the run before
 //! it. The metric and subject are named as the series API names them: `loss`, a
-//! group's or module's `grad_norm`, a norm weight's `drift`. A run that never
+//! group's or module's `grad_norm`, a norm weight's `drift`, one of the user's own
+//! `metrics` (a reward, a discriminator's accuracy) by its name. A run that never
 //! reported the subject keeps its legend entry, marked as such.
 
 use std::collections::HashSet;
@@ -9,7 +10,7 @@ use std::collections::HashSet;
 use gradflow_protocol::{Role, RunId};
 
 use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
-use gradflow_core::model::metric::{Metric, MetricName};
+use gradflow_core::model::metric::{Metric, MetricName, is_users_metric};
 use gradflow_core::model::series_kind::SeriesKind;
 
 use super::data::{Axis, LegendPlace, LineChart, Window, line_of};
@@ -26,6 +27,7 @@ gradflow_protocol::vocabulary! {
         Loss = MetricName::Loss.as_str(),
         GradNorm = MetricName::GradNorm.as_str(),
         Drift = MetricName::Drift.as_str(),
+        Metric = MetricName::Metric.as_str(),
     }
 }
 
@@ -36,6 +38,7 @@ impl CompareMetric {
             CompareMetric::Loss => None,
             CompareMetric::GradNorm => Some("group or module"),
             CompareMetric::Drift => Some("norm weight"),
+            CompareMetric::Metric => Some("metric of your own"),
         }
     }
 
@@ -61,6 +64,8 @@ pub struct Subjects {
     pub groups: Vec<String>,
     pub modules: Vec<String>,
     pub norm_weights: Vec<String>,
+    /// The user's own `metrics` names (not those the client sends for the detectors).
+    pub metrics: Vec<String>,
 }
 
 impl Subjects {
@@ -68,6 +73,7 @@ impl Subjects {
         let mut groups = Union::default();
         let mut modules = Union::default();
         let mut norm_weights = Union::default();
+        let mut metrics = Union::default();
         for run in runs {
             for param in &run.stored.registration.params {
                 groups.add(param.group_name());
@@ -80,9 +86,12 @@ impl Subjects {
                 (SeriesKind::GroupGradNorm, &mut groups),
                 (SeriesKind::ModuleGradNorm, &mut modules),
                 (SeriesKind::Drift, &mut norm_weights),
+                (SeriesKind::Metric, &mut metrics),
             ] {
                 for subject in store.subjects(&run.id, kind).await? {
-                    union.add(&subject);
+                    if kind != SeriesKind::Metric || is_users_metric(&subject) {
+                        union.add(&subject);
+                    }
                 }
             }
         }
@@ -90,6 +99,7 @@ impl Subjects {
             groups: groups.list,
             modules: modules.list,
             norm_weights: norm_weights.list,
+            metrics: metrics.list,
         })
     }
 
@@ -98,12 +108,14 @@ impl Subjects {
         self.of_metric(metric).any(|s| s == subject)
     }
 
-    /// `metric`'s subjects: groups then modules, or the norm weights.
+    /// `metric`'s subjects: groups then modules, the norm weights, or the user's
+    /// metrics.
     pub fn of_metric(&self, metric: CompareMetric) -> impl Iterator<Item = &str> {
         let lists: [&[String]; 2] = match metric {
             CompareMetric::Loss => [&[], &[]],
             CompareMetric::GradNorm => [&self.groups, &self.modules],
             CompareMetric::Drift => [&self.norm_weights, &[]],
+            CompareMetric::Metric => [&self.metrics, &[]],
         };
         lists.into_iter().flatten().map(String::as_str)
     }
@@ -212,6 +224,9 @@ pub async fn gather(
             "largest change since registration (log; 0 at the floor)".to_owned(),
             true,
         ),
+        // The user's own number, on a linear axis: a reward or an accuracy may be
+        // negative or 0, and its scale is the user's.
+        CompareMetric::Metric => (subject.to_owned(), subject.to_owned(), false),
     };
     Ok(LineChart {
         title: format!("{title} — {} runs", runs.len()),

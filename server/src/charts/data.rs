@@ -9,8 +9,9 @@ use gradflow_core::detect::precision::{describe_magnitude, smallest_change};
 use gradflow_core::detect::{AlertKind, sci};
 use gradflow_core::model::cell::{Cell, widen_for_display};
 use gradflow_core::model::series_kind::SeriesKind;
+use gradflow_core::series::Buckets;
 
-use super::ChartKind;
+use super::{ChartKind, user_metrics};
 
 /// A line of a line chart. Non-finite values are kept apart: they cannot be plotted
 /// but must be seen.
@@ -66,6 +67,8 @@ pub enum LegendPlace {
     /// Under the plot, in as many columns as fit: long entries, or lines that
     /// fill the plot (the norm weights' drift and references, a norm per group).
     Below,
+    /// None: a panel of one line, which its title names.
+    None,
 }
 
 /// One cell of the gradient-flow heatmap.
@@ -88,16 +91,30 @@ pub struct GradFlow {
     pub title: String,
     pub from: u64,
     pub to: u64,
+    /// Steps per column: every column is this wide on the step axis (the last one
+    /// may hold fewer steps of the run).
+    pub steps_per_column: u64,
     /// (module, group) in model order.
     pub modules: Vec<(String, String)>,
     /// `cells[module][column]`.
     pub cells: Vec<Vec<FlowCell>>,
 }
 
+/// Small multiples: a panel per series, each a line chart with its own value axis
+/// and its name for a title, all on one step axis.
+#[derive(Debug, Clone)]
+pub struct Panels {
+    pub title: String,
+    pub from: u64,
+    pub to: u64,
+    pub panels: Vec<LineChart>,
+}
+
 #[derive(Debug, Clone)]
 pub enum ChartData {
     Lines(LineChart),
     GradFlow(GradFlow),
+    Panels(Panels),
 }
 
 /// Which steps and how many points.
@@ -241,6 +258,7 @@ pub async fn gather(
             })
         }
         ChartKind::NormDrift => norm_drift(store, run, stored, window).await?,
+        ChartKind::Metrics => ChartData::Panels(user_metrics::gather(store, run, window).await?),
         ChartKind::Scaler => {
             let scale = read(store, run, SeriesKind::ScalerScale, "", window).await?;
             let found_inf = read(store, run, SeriesKind::FoundInf, "", window).await?;
@@ -362,27 +380,18 @@ async fn grad_flow(
             .map(|p| p.group_name().to_owned())
             .unwrap_or_else(|| gradflow_protocol::default_group(module).to_owned())
     };
-    let columns = window
-        .points
-        .clamp(1, (window.to - window.from + 1) as usize);
-    let span = window.to - window.from + 1;
-    let column_of =
-        |step: u64| (((step - window.from) as u128 * columns as u128) / span as u128) as usize;
+    let columns = flow_columns(store, run, window).await?;
     let series = store
-        .series_of_every_subject(
-            run,
-            SeriesKind::ModuleGradNorm,
-            window.from,
-            window.to,
-            (2 * columns).max(2),
-        )
+        .series_of_every_subject(run, SeriesKind::ModuleGradNorm, columns)
         .await?;
     let mut rows = Vec::with_capacity(series.len());
     let mut cells = Vec::with_capacity(series.len());
     for (module, points) in series {
-        let mut row = vec![FlowCell::Absent; columns];
+        let mut row = vec![FlowCell::Absent; columns.count];
         for (step, cell) in points {
-            let slot = &mut row[column_of(step).min(columns - 1)];
+            let Some(slot) = columns.index(step).and_then(|c| row.get_mut(c)) else {
+                continue;
+            };
             let new = match cell {
                 Cell::Absent => continue,
                 Cell::Null => FlowCell::NotReached,
@@ -411,12 +420,31 @@ async fn grad_flow(
         title: format!("Gradient flow — {}", run.as_str()),
         from: window.from,
         to: window.to,
+        steps_per_column: columns.width,
         modules: order
             .iter()
             .map(|&i| (rows[i].1.clone(), rows[i].0.clone()))
             .collect(),
         cells: order.iter().map(|&i| cells[i].clone()).collect(),
     })
+}
+
+/// The heatmap's columns over `window`: the downsampler's own buckets, so that each
+/// column gets the points of its steps and no other's (columns cut apart from the
+/// buckets once left a measured column with no point: a white seam, read as "not
+/// measured"). At most `window.points` of them, and no more than the run's steps
+/// stored there: a run reporting every k-th step gets columns k steps wide, each
+/// holding a report, not empty columns between reports.
+async fn flow_columns(store: &Store, run: &RunId, window: Window) -> StoreResult<Buckets> {
+    let wanted = window.points.max(1) as u64;
+    let stored = store
+        .steps_stored_in(run, window.from, window.to, wanted)
+        .await?;
+    Ok(Buckets::new(
+        window.from,
+        window.to,
+        stored.clamp(1, wanted) as usize,
+    ))
 }
 
 /// Whether updates of weights of `dtype` round away at sizes a chart shows: its

@@ -10,7 +10,8 @@ use plotters::style::colors::colormaps::{ColorMap, ViridisRGB};
 use super::data::{FlowCell, GradFlow};
 use super::lines::draw_empty;
 use super::{
-    FONT, LABEL_SIZE, NON_FINITE, NOT_REACHED, TITLE_SIZE, ZERO, plot_error, power_of_ten_label,
+    FONT, LABEL_SIZE, NON_FINITE, NOT_REACHED, TITLE_SIZE, ZERO, fit_from_the_end, plot_error,
+    power_of_ten_label,
 };
 
 const TOP: i32 = 44;
@@ -89,6 +90,11 @@ impl Frame {
     fn row_top(&self, r: usize) -> i32 {
         self.y0 + (r as f64 * self.row_height) as i32
     }
+
+    /// The left edge of column `c` (and the right edge of column `c - 1`).
+    fn column_left(&self, c: usize) -> i32 {
+        self.x0 + (c as f64 * self.column_width) as i32
+    }
 }
 
 /// The groups of the heatmap's rows in order: (group, first row, end row).
@@ -117,28 +123,6 @@ fn group_label(group: &str) -> String {
 
 fn group_font(size: u32) -> TextStyle<'static> {
     TextStyle::from((FONT, size).into_font().style(FontStyle::Bold))
-}
-
-/// `text` cut from the front (`…` standing for what is cut) until it is at most
-/// `max_px` wide in `font`.
-fn fit_from_the_end<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    text: &str,
-    font: &TextStyle<'_>,
-    max_px: i32,
-) -> String {
-    let width = |t: &str| {
-        root.estimate_text_size(t, font)
-            .map_or(0, |(w, _)| w as i32)
-    };
-    if width(text) <= max_px {
-        return text.to_owned();
-    }
-    let chars: Vec<char> = text.chars().collect();
-    (1..chars.len())
-        .map(|cut| format!("…{}", chars[cut..].iter().collect::<String>()))
-        .find(|t| width(t) <= max_px)
-        .unwrap_or_default()
 }
 
 /// The colour scale: log10 of the smallest and largest positive norms.
@@ -214,7 +198,10 @@ where
     draw_legend(root, &scale)
 }
 
-/// A rectangle per measured cell, then the frame around them.
+/// A rectangle per measured cell, then the frame around them. A cell reaches a pixel
+/// into a measured neighbour on its right and below: cells that only touch leave a
+/// hairline of background between them once a browser scales the SVG, as white as
+/// "not measured".
 fn draw_cells<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     chart: &GradFlow,
@@ -224,14 +211,22 @@ fn draw_cells<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
+    let measured = |r: usize, c: usize| {
+        chart
+            .cells
+            .get(r)
+            .and_then(|row| row.get(c))
+            .is_some_and(|cell| *cell != FlowCell::Absent)
+    };
     for (r, row) in chart.cells.iter().enumerate() {
         let top = frame.row_top(r);
-        let bottom = (frame.y0 + ((r + 1) as f64 * frame.row_height).ceil() as i32).max(top + 1);
+        let bottom = frame.row_top(r + 1).max(top + 1);
         for (c, cell) in row.iter().enumerate() {
             if let Some(fill) = scale.colour(*cell) {
-                let left = frame.x0 + (c as f64 * frame.column_width) as i32;
-                let right =
-                    (frame.x0 + ((c + 1) as f64 * frame.column_width).ceil() as i32).max(left + 1);
+                let left = frame.column_left(c);
+                let right = frame.column_left(c + 1).max(left + 1);
+                let right = right + i32::from(measured(r, c + 1));
+                let bottom = bottom + i32::from(measured(r + 1, c));
                 root.draw(&Rectangle::new(
                     [(left, top), (right, bottom)],
                     fill.filled(),
@@ -303,7 +298,10 @@ where
     DB::ErrorType: 'static,
 {
     let (x0, x1, y1) = (frame.x0, frame.x1, frame.y1);
-    let steps = chart.to.saturating_sub(chart.from) + 1;
+    // The columns' steps: the last column is as wide as the others, even when the
+    // run ends inside it.
+    let columns = chart.cells.first().map_or(1, Vec::len) as u64;
+    let steps = (chart.steps_per_column * columns).max(1);
     let font = text_style(LABEL_SIZE);
     for step in round_steps(chart.from, chart.to) {
         let x = x0 + ((x1 - x0) as f64 * (step - chart.from) as f64 / steps as f64) as i32;

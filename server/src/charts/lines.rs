@@ -19,7 +19,8 @@ use plotters::prelude::*;
 
 use super::data::{Axis, LegendPlace, LineChart};
 use super::{
-    BAND, FONT, LABEL_SIZE, NON_FINITE, PALETTE, TITLE_SIZE, plot_error, power_of_ten_label,
+    BAND, FONT, LABEL_SIZE, NON_FINITE, PALETTE, TITLE_SIZE, fit_from_the_end, plot_error,
+    power_of_ten_label,
 };
 
 /// How an axis maps values to plot coordinates.
@@ -48,8 +49,7 @@ impl Scale {
             .chain(extra.iter().copied());
         if axis.log {
             let positives: Vec<f64> = values.filter(|v| *v > 0.0).map(f64::log10).collect();
-            let any = axis.lines.iter().any(|l| !l.points.is_empty());
-            if !any {
+            if !axis.lines.iter().any(|l| !l.points.is_empty()) && !only_nonfinite(axis) {
                 return None;
             }
             let (lo, hi) = min_max(&positives).unwrap_or((-1.0, 0.0));
@@ -66,7 +66,8 @@ impl Scale {
             })
         } else {
             let values: Vec<f64> = values.collect();
-            let (lo, hi) = min_max(&values)?;
+            // Readings that were all NaN or infinite still get an axis, to be marked on.
+            let (lo, hi) = min_max(&values).or(only_nonfinite(axis).then_some((0.0, 1.0)))?;
             // A line that barely moves (a constant lr) gets a tenth of its value
             // each way, not ticks that differ in the fourth digit.
             let flat = hi - lo < hi.abs().max(lo.abs()) * 0.01;
@@ -141,6 +142,12 @@ fn linear_label(y: f64, resolution: f64, magnitude: f64) -> String {
             text
         }
     }
+}
+
+/// Whether `axis` has readings, all of them NaN or infinite.
+fn only_nonfinite(axis: &Axis) -> bool {
+    axis.lines.iter().all(|l| l.points.is_empty())
+        && axis.lines.iter().any(|l| !l.nonfinite.is_empty())
 }
 
 /// For each line of `axis`, its lane at the floor when it has a value ≤ 0.
@@ -298,7 +305,7 @@ impl Frame {
                     + 2 * LEGEND_MARGIN_PX
                     + LEGEND_GAP_PX
             }
-            LegendPlace::Inside | LegendPlace::Below => 0,
+            LegendPlace::Inside | LegendPlace::Below | LegendPlace::None => 0,
         };
         Some(Frame {
             from: chart.from,
@@ -361,7 +368,12 @@ where
             frame.from..frame.to,
             secondary.map_or(0.0..1.0, |s| s.lo..s.hi),
         );
+    // As many ticks as the plot has room for: a small panel gets fewer than a wide
+    // chart, whose labels would otherwise run into each other.
+    let (width_px, height_px) = area.dim_in_pixel();
     cc.configure_mesh()
+        .x_labels((width_px / 80).clamp(3, 10) as usize)
+        .y_labels((height_px / 40).clamp(3, 10) as usize)
         .x_desc("step")
         .y_desc(chart.primary.label.as_str())
         .y_label_formatter(&|y| primary.label(*y))
@@ -495,6 +507,10 @@ where
             .iter()
             .map(|(s, v)| (*s, primary.map_in_lane(*v, lane)))
             .collect();
+        if sparse(cc, points.len()) {
+            cc.draw_series(points.iter().map(|p| Circle::new(*p, 3, color.filled())))
+                .map_err(plot_error)?;
+        }
         if i < PALETTE.len() {
             cc.draw_series(LineSeries::new(points, color.stroke_width(2)))
                 .map_err(plot_error)?
@@ -533,6 +549,14 @@ where
         }
     }
     Ok(())
+}
+
+/// Whether a line of `points` points is sparse enough on the plot to be drawn with a
+/// dot at each: a value reported every few hundred steps, or once, is then seen
+/// where it was measured (a line of one point draws nothing).
+fn sparse<DB: DrawingBackend>(cc: &Plot<'_, DB>, points: usize) -> bool {
+    let plot_px = cc.plotting_area().dim_in_pixel().0 as usize;
+    points > 0 && points * 8 <= plot_px
 }
 
 /// NaN/Inf readings along the top, per line, and the step markers along the bottom.
@@ -638,7 +662,7 @@ where
                 below.column_px,
             )
         }
-        (LegendPlace::Below, None) => Ok(()),
+        (LegendPlace::Below, None) | (LegendPlace::None, _) => Ok(()),
     }
 }
 
@@ -914,17 +938,34 @@ where
     DB::ErrorType: 'static,
 {
     let (width, height) = root.dim_in_pixel();
-    root.draw(&Text::new(title.to_owned(), (12, 12), (FONT, TITLE_SIZE)))
+    let title_font = TextStyle::from((FONT, TITLE_SIZE).into_font());
+    let title = fit_from_the_end(root, title, &title_font, width as i32 - 24);
+    root.draw(&Text::new(title, (12, 12), title_font))
         .map_err(plot_error)?;
-    let message = format!("Nothing reported for this chart in steps {from}–{to}.");
-    root.draw(&Text::new(
-        message,
-        (width as i32 / 2 - 180, height as i32 / 2),
-        (FONT, LABEL_SIZE + 2)
-            .into_font()
-            .color(&RGBColor(90, 90, 90)),
-    ))
-    .map_err(plot_error)?;
+    let font = (FONT, LABEL_SIZE + 2)
+        .into_font()
+        .color(&RGBColor(90, 90, 90));
+    // Centred, and shorter where the long form does not fit (a small panel).
+    let message = [
+        format!("Nothing reported for this chart in steps {from}–{to}."),
+        format!("Nothing reported in steps {from}–{to}."),
+    ]
+    .into_iter()
+    .map(|text| {
+        let px = root
+            .estimate_text_size(&text, &font)
+            .map_or(0, |(w, _)| w as i32);
+        (text, px)
+    })
+    .find(|(_, px)| *px <= width as i32 - 8);
+    if let Some((message, px)) = message {
+        root.draw(&Text::new(
+            message,
+            ((width as i32 - px) / 2, height as i32 / 2),
+            font,
+        ))
+        .map_err(plot_error)?;
+    }
     Ok(())
 }
 

@@ -6,6 +6,8 @@
 //!   run's alerts.
 //! - [`lines`]: line charts (group norms, norm drift, loss scale, loss, GPU).
 //! - [`grad_flow`]: the module × step heatmap that shows a cut graph at a glance.
+//! - [`user_metrics`]: the run's own `metrics` (reward, accuracy, …), a panel each,
+//!   drawn by [`panels`] as small multiples of [`lines`] charts.
 //! - [`compare`]: one metric of several runs, a line per run, drawn by [`lines`].
 //! - [`ranks`]: a multi-rank run's ranks (where each stands) and one metric per
 //!   rank, a line per rank, drawn by [`lines`].
@@ -17,7 +19,9 @@ pub mod compare;
 pub mod data;
 pub mod grad_flow;
 pub mod lines;
+pub mod panels;
 pub mod ranks;
+pub mod user_metrics;
 
 use std::sync::Once;
 
@@ -36,6 +40,7 @@ gradflow_protocol::vocabulary! {
         Scaler = "scaler",
         Loss = "loss",
         Gpu = "gpu",
+        Metrics = "metrics",
     }
 }
 
@@ -132,12 +137,35 @@ where
     match chart {
         ChartData::Lines(chart) => lines::draw(root, chart),
         ChartData::GradFlow(chart) => grad_flow::draw(root, chart),
+        ChartData::Panels(chart) => panels::draw(root, chart),
     }
 }
 
 /// plotters' errors carry the backend's error type; make them plain.
 pub(crate) fn plot_error<E: std::fmt::Debug>(error: E) -> anyhow::Error {
     anyhow::anyhow!("drawing a chart: {error:?}")
+}
+
+/// `text` cut from the front (`…` standing for what is cut) until it is at most
+/// `max_px` wide in `font`.
+pub(crate) fn fit_from_the_end<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    text: &str,
+    font: &TextStyle<'_>,
+    max_px: i32,
+) -> String {
+    let width = |t: &str| {
+        root.estimate_text_size(t, font)
+            .map_or(0, |(w, _)| w as i32)
+    };
+    if width(text) <= max_px {
+        return text.to_owned();
+    }
+    let chars: Vec<char> = text.chars().collect();
+    (1..chars.len())
+        .map(|cut| format!("…{}", chars[cut..].iter().collect::<String>()))
+        .find(|t| width(t) <= max_px)
+        .unwrap_or_default()
 }
 
 /// Tick labels for log10 axes: the value 10^exponent with two significant digits

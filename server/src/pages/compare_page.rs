@@ -151,6 +151,7 @@ impl CompareView<'_> {
                 "Gradient norm of a group or module",
             ),
             (CompareMetric::Drift, "Drift of a norm weight"),
+            (CompareMetric::Metric, "One of your own metrics"),
         ];
         let groups = [
             (
@@ -167,6 +168,11 @@ impl CompareView<'_> {
                 "Norm weights (drift)",
                 CompareMetric::Drift,
                 &self.subjects.norm_weights,
+            ),
+            (
+                "Your metrics",
+                CompareMetric::Metric,
+                &self.subjects.metrics,
             ),
         ];
         let any_subject = groups.iter().any(|(_, _, list)| !list.is_empty());
@@ -236,6 +242,7 @@ impl CompareView<'_> {
             (CompareMetric::Loss, _) => "the loss".to_owned(),
             (CompareMetric::GradNorm, Some(s)) => format!("the gradient norm of {s}"),
             (CompareMetric::Drift, Some(s)) => format!("the drift of {s}"),
+            (CompareMetric::Metric, Some(s)) => s.to_owned(),
             (_, None) => String::new(),
         };
         let drawable = self.subject.is_some() || self.metric == CompareMetric::Loss;
@@ -259,7 +266,7 @@ impl CompareView<'_> {
                             alt={"Comparison of " (what) " across " (self.runs.len()) " runs, one line per run over steps"};
                         figcaption {
                             "One line per run, on a shared step axis: " (what) "."
-                            @if self.metric != CompareMetric::Loss {
+                            @if !matches!(self.metric, CompareMetric::Loss | CompareMetric::Metric) {
                                 " Log axis; 0 (or, for a gradient, none at all) sits on the floor."
                             }
                         }

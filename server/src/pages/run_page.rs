@@ -94,6 +94,7 @@ pub async fn show_run(
             .is_some_and(|s| s != LossScaler::None);
     let has_gpu = reported.contains(&SeriesKind::GpuMemoryUsedBytes)
         || reported.contains(&SeriesKind::GpuUtilizationPct);
+    let own_metrics = charts::user_metrics::names(&state.store, &run_id).await?;
     let modules = module_rows(&run.registration, latest.as_ref());
     let view = RunView {
         run: &run,
@@ -109,7 +110,7 @@ pub async fn show_run(
         (view.meta(&open))
         (alerts_section(&open, &resolved))
         (view.range_form())
-        (view.charts(has_scaler, has_gpu))
+        (view.charts(has_scaler, has_gpu, &own_metrics))
         (modules_section(&modules, latest.as_ref().map(|l| l.step)))
         (registration_section(&run))
     };
@@ -155,6 +156,18 @@ fn norm_drift_caption(reference: Option<(Dtype, bool)>) -> String {
         None => format!(
             "{lines} Their dtype can represent changes far smaller than these, so no rounding line is drawn."
         ),
+    }
+}
+
+/// The caption of the chart of the user's own metrics: what it shows, and how many
+/// when it cannot show them all.
+fn own_metrics_caption(count: usize, shown: usize) -> String {
+    let what = "Your own metrics, as passed to gf.step(metrics=…): a panel each, on its own scale. \
+                Compare runs to see one of them side by side.";
+    if shown < count {
+        format!("{what} The first {shown} of {count} are drawn.")
+    } else {
+        what.to_owned()
     }
 }
 
@@ -236,7 +249,7 @@ impl RunView<'_> {
     /// The charts over the range. Without an upper bound they end at the last step
     /// stored, so their address changes as the run grows and the live update loads
     /// them again.
-    fn charts(&self, has_scaler: bool, has_gpu: bool) -> Markup {
+    fn charts(&self, has_scaler: bool, has_gpu: bool, own_metrics: &[String]) -> Markup {
         let to = self.to.or(self.run.last_step);
         let src = |kind: ChartKind, width: u32| {
             let mut url = format!(
@@ -268,6 +281,7 @@ impl RunView<'_> {
             }
         };
         let reference = charts::data::norm_reference(&self.run.registration);
+        let shown = own_metrics.len().min(charts::user_metrics::MAX_PANELS);
         html! {
             section #charts aria-labelledby="charts-heading" {
                 h2 #charts-heading { "Charts" }
@@ -299,6 +313,11 @@ impl RunView<'_> {
                                 "GPU memory and utilisation over steps",
                                 "GPU memory and utilisation."))
                         }
+                    }
+                    @if !own_metrics.is_empty() {
+                        (figure(ChartKind::Metrics, 1200, "chart wide",
+                            &format!("Your own metrics over steps, a panel each: {}", own_metrics[..shown].join(", ")),
+                            &own_metrics_caption(own_metrics.len(), shown)))
                     }
                 }
             }

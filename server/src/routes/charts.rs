@@ -33,7 +33,7 @@ pub struct ChartParams {
 
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/charts/{file}", tag = "charts",
     params(crate::api_types::RunIdPath,
-        ("file" = String, Path, description = "grad-flow, group-grad-norms, norm-drift, scaler, loss, gpu or ranks (one metric per rank), with .svg or .png"),
+        ("file" = String, Path, description = "grad-flow, group-grad-norms, norm-drift, scaler, loss, gpu, metrics (the run's own metrics, a panel each) or ranks (one metric per rank), with .svg or .png"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
         ("width" = Option<u32>, Query, description = "Pixels, 300 to 4000"),
@@ -92,6 +92,7 @@ pub async fn render_chart(
     let data = charts::data::gather(&state.store, &run_id, &stored, kind, window).await?;
     let height = params.height.unwrap_or(match &data {
         ChartData::GradFlow(flow) => charts::grad_flow::natural_height(flow.modules.len()),
+        ChartData::Panels(panels) => charts::panels::natural_height(panels.panels.len(), width),
         _ => charts::DEFAULT_HEIGHT,
     });
     respond(data, format, width, height).await
@@ -324,8 +325,8 @@ pub async fn compared_runs(store: &Store, ids: &[RunId]) -> Result<Vec<ComparedR
     params(
         ("file" = String, Path, description = "compare.svg or compare.png"),
         ("run" = Vec<String>, Query, explode, description = "A run to compare, repeated once per run: 2 to 8 runs"),
-        ("metric" = Option<String>, Query, description = "loss (the default), grad_norm or drift, as the series endpoint names them"),
-        ("subject" = Option<String>, Query, description = "A group or module (grad_norm), a norm weight (drift); none for loss"),
+        ("metric" = Option<String>, Query, description = "loss (the default), grad_norm, drift or metric (one of the run's own metrics), as the series endpoint names them"),
+        ("subject" = Option<String>, Query, description = "A group or module (grad_norm), a norm weight (drift), a metrics name (metric); none for loss"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
         ("width" = Option<u32>, Query, description = "Pixels, 300 to 4000"),

@@ -17,7 +17,7 @@ use gradflow_core::columnar::block::{self, DecodedBlock, block_index};
 use gradflow_core::columnar::codec::{ABSENT_BITS, Cell, decompressor};
 use gradflow_core::columnar::columns::SeriesKind;
 use gradflow_core::columnar::rollup::{CHUNK_COLUMNS, decode_columns, rollup_widths_of};
-use gradflow_core::series::{MinMax, Source, plan};
+use gradflow_core::series::{Buckets, MinMax, Source, plan};
 
 /// The stream that holds a run's steps (combined across ranks).
 pub const RUN_STREAM: u32 = 0;
@@ -106,8 +106,9 @@ impl Store {
             });
         };
 
-        let mut minmax = MinMax::new(from, to, max_points);
-        let widths = self.read_widths(key, minmax.bucket_width()).await?;
+        let buckets = Buckets::new(from, to, max_points / 2);
+        let mut minmax = MinMax::over(buckets);
+        let widths = self.read_widths(key, buckets).await?;
         for source in plan(from, to, &widths) {
             let sink = |_: usize, step: u64, cell: Cell| minmax.add(step, cell);
             match source {
@@ -128,18 +129,20 @@ impl Store {
         })
     }
 
-    /// Every subject of `kind` over `from..=to` of the run's steps, each reduced to at
-    /// most `max_points` like [`Store::series`], in order of first appearance: one
-    /// pass over the blocks and rollups for all of them (a chart of 200 modules
-    /// decompresses each block and rollup chunk once, not once per module).
+    /// Every subject of `kind` over the run's steps in `buckets`, each reduced to at
+    /// most two points a bucket like [`Store::series`] (whole when the range holds no
+    /// more steps than that), in order of first appearance: one pass over the blocks
+    /// and rollups for all of them (a chart of 200 modules decompresses each block and
+    /// rollup chunk once, not once per module). A bucket with a measured step keeps at
+    /// least one point of its own, so a chart drawing a column per bucket shows every
+    /// measured column.
     pub async fn series_of_every_subject(
         &self,
         run_id: &RunId,
         kind: SeriesKind,
-        from: u64,
-        to: u64,
-        max_points: usize,
+        buckets: Buckets,
     ) -> StoreResult<Vec<(String, Vec<(u64, Cell)>)>> {
+        let (from, to) = (buckets.from, buckets.to);
         let key = self.run_key(run_id).await?;
         let stream = RUN_STREAM;
         let subjects: Vec<(i64, String)> = with_reader!(self, |pool| {
@@ -168,21 +171,19 @@ impl Store {
         if from > to || columns.is_empty() {
             return Ok(result(points));
         }
-        let Some(max_points) = self
-            .reduction(key, stream, from, to, Some(max_points))
+        if self
+            .reduction(key, stream, from, to, Some(2 * buckets.count))
             .await?
-        else {
+            .is_none()
+        {
             self.read_raw_columns(key, stream, &columns, from, to, |i, step, cell| {
                 points[i].push((step, cell))
             })
             .await?;
             return Ok(result(points));
-        };
-        let mut reducers: Vec<MinMax> = columns
-            .iter()
-            .map(|_| MinMax::new(from, to, max_points))
-            .collect();
-        let widths = self.read_widths(key, reducers[0].bucket_width()).await?;
+        }
+        let mut reducers: Vec<MinMax> = columns.iter().map(|_| MinMax::over(buckets)).collect();
+        let widths = self.read_widths(key, buckets).await?;
         for source in plan(from, to, &widths) {
             let sink = |i: usize, step: u64, cell: Cell| reducers[i].add(step, cell);
             match source {
@@ -199,10 +200,14 @@ impl Store {
         Ok(result(reducers.into_iter().map(MinMax::finish).collect()))
     }
 
-    /// The rollup widths a reduced read of the run uses, coarsest first: the run's
-    /// complete levels no wider than the output buckets (`bucket_width` steps), so
-    /// that a rollup bucket never spans more than two output buckets.
-    async fn read_widths(&self, key: i64, bucket_width: u64) -> StoreResult<Vec<u64>> {
+    /// The rollup widths a reduced read of the run into `buckets` uses, coarsest
+    /// first: the run's complete levels at most half as wide as a bucket, so that
+    /// every bucket holds a whole rollup bucket of each level. A rollup bucket
+    /// straddling two buckets puts both its extremes in one of them; were it the
+    /// other's only measure, that bucket would read as not measured (a white seam in
+    /// the heatmap).
+    async fn read_widths(&self, key: i64, buckets: Buckets) -> StoreResult<Vec<u64>> {
+        let widest = buckets.width.div_ceil(2);
         let stored: String = with_reader!(self, |pool| {
             sqlx::query_scalar("SELECT rollup_widths FROM runs WHERE id = $1")
                 .bind(key)
@@ -212,7 +217,7 @@ impl Store {
         Ok(rollup_widths_of(&stored)
             .into_iter()
             .rev()
-            .filter(|w| *w <= bucket_width)
+            .filter(|w| *w <= widest)
             .collect())
     }
 
@@ -287,8 +292,38 @@ impl Store {
         let Some(max_points) = max_points.filter(|m| to - from + 1 > *m as u64) else {
             return Ok(None);
         };
+        let rows = self
+            .count_stored(key, stream, from, to, max_points as u64)
+            .await?;
+        Ok((rows > max_points as u64).then_some(max_points))
+    }
+
+    /// How many of the run's steps in `from..=to` are stored, counted up to just past
+    /// `cap`: a chart that gives each reported step its own column at most (a run
+    /// reporting every 5th step gets columns 5 steps wide, not empty ones between).
+    pub async fn steps_stored_in(
+        &self,
+        run_id: &RunId,
+        from: u64,
+        to: u64,
+        cap: u64,
+    ) -> StoreResult<u64> {
+        let key = self.run_key(run_id).await?;
+        self.count_stored(key, RUN_STREAM, from, to, cap).await
+    }
+
+    /// The stored steps of `stream` in `from..=to`, counted until the count passes
+    /// `cap`.
+    async fn count_stored(
+        &self,
+        key: i64,
+        stream: u32,
+        from: u64,
+        to: u64,
+        cap: u64,
+    ) -> StoreResult<u64> {
         // The blocks' masks say which steps are stored, without decompressing them;
-        // the count stops as soon as it passes `max_points` (a long run's range would
+        // the count stops as soon as it passes `cap` (a long run's range would
         // otherwise read every block's mask: 15,625 of them for 10⁶ steps).
         let mut rows = 0u64;
         with_reader!(self, |pool| {
@@ -303,12 +338,12 @@ impl Store {
             .fetch(pool);
             while let Some((index, mask)) = masks.try_next().await? {
                 rows += u64::from(block::present_in(index as u64, mask as u64, from..=to));
-                if rows > max_points as u64 {
+                if rows > cap {
                     break;
                 }
             }
         });
-        Ok((rows > max_points as u64).then_some(max_points))
+        Ok(rows)
     }
 
     /// Whether each (stream, step) of the run stored under `key` is stored: the

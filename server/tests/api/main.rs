@@ -25,5 +25,6 @@ mod ranks_close;
 mod ranks_view;
 mod retention;
 mod rollup_levels;
+mod signals;
 mod store_reads;
 mod webhooks;

@@ -11,6 +11,9 @@
 //! picked, a live update, a narrow screen), and fails on any console error.
 //! Screenshots land in `test-artifacts/dashboard/`.
 //!
+//! A second test, `tests/browser/own_numbers.mjs`, checks the user's own metrics on
+//! the run page and in the comparison, and the heatmap of short runs pixel by pixel.
+//!
 //! Needs `chromium` and `npm ci --prefix tests/browser` (`.ci/run` does both).
 
 use std::path::{Path, PathBuf};
@@ -37,15 +40,41 @@ fn chromium() -> PathBuf {
     path
 }
 
-#[test]
-fn dashboard_shows_the_diagnosis_and_updates_live() {
-    let root = workspace_root();
-    let browser_tests = root.join("tests/browser");
+/// Runs `script` of `tests/browser` against the server at `base` with `env`, and
+/// fails unless it passes and ends with `done`; its screenshots land in `artifacts`.
+fn run_browser_script(
+    script: &str,
+    base: &str,
+    env: &[(&str, &str)],
+    artifacts: &Path,
+    done: &str,
+) {
+    let browser_tests = workspace_root().join("tests/browser");
     assert!(
         browser_tests.join("node_modules/playwright-core").exists(),
         "playwright-core is not installed: run `npm ci --prefix tests/browser`"
     );
-    let chromium = chromium();
+    let output = Command::new("node")
+        .arg(script)
+        .current_dir(&browser_tests)
+        .env("GRADFLOW_BASE", base)
+        .env("GRADFLOW_ARTIFACTS", artifacts)
+        .env("CHROMIUM", chromium())
+        .envs(env.iter().copied())
+        .output()
+        .expect("node runs (Node.js 18 or newer)");
+    let log = format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "the browser test failed\n{log}");
+    assert!(log.contains(done), "{log}");
+}
+
+#[test]
+fn dashboard_shows_the_diagnosis_and_updates_live() {
+    let root = workspace_root();
     let dir = tempfile::tempdir().unwrap();
     let server = ServerProcess::start(&dir.path().join("gradflow.db"), &["--sync", "normal"]);
     let runs = ["detached-prompt", "bf16-frozen-norms"];
@@ -62,22 +91,13 @@ fn dashboard_shows_the_diagnosis_and_updates_live() {
         );
     }
     let artifacts = root.join("test-artifacts/dashboard");
-    let output = Command::new("node")
-        .arg("dashboard.mjs")
-        .current_dir(&browser_tests)
-        .env("GRADFLOW_BASE", &server.base)
-        .env("GRADFLOW_RUNS", runs.join(","))
-        .env("GRADFLOW_ARTIFACTS", &artifacts)
-        .env("CHROMIUM", &chromium)
-        .output()
-        .expect("node runs (Node.js 18 or newer)");
-    let log = format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
+    run_browser_script(
+        "dashboard.mjs",
+        &server.base,
+        &[("GRADFLOW_RUNS", &runs.join(","))],
+        &artifacts,
+        "dashboard ok",
     );
-    assert!(output.status.success(), "the browser test failed\n{log}");
-    assert!(log.contains("dashboard ok"), "{log}");
     for shot in [
         "runs.png",
         "run-detached-prompt.png",
@@ -96,6 +116,35 @@ fn dashboard_shows_the_diagnosis_and_updates_live() {
         "ranks-module-chart-ranks-grad-norm.png",
         "ranks-live.png",
         "ranks-narrow.png",
+    ] {
+        let bytes = std::fs::read(artifacts.join(shot)).unwrap();
+        assert!(
+            bytes.starts_with(b"\x89PNG"),
+            "{shot} is not a PNG screenshot"
+        );
+    }
+}
+
+/// The user's own metrics, a panel each on the run page and one at a time in the
+/// comparison; the heatmap of runs of a few hundred steps with no seam in a row
+/// where every step was measured.
+#[test]
+fn dashboard_shows_the_users_own_numbers_and_unbroken_heatmaps() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("gradflow.db"), &["--sync", "normal"]);
+    let artifacts = workspace_root().join("test-artifacts/dashboard");
+    run_browser_script(
+        "own_numbers.mjs",
+        &server.base,
+        &[],
+        &artifacts,
+        "own numbers ok",
+    );
+    for shot in [
+        "run-gan-a.png",
+        "run-gan-a-chart-metrics.png",
+        "compare-own-metric.png",
+        "run-short-dense-1000-chart-grad-flow.png",
     ] {
         let bytes = std::fs::read(artifacts.join(shot)).unwrap();
         assert!(

@@ -83,13 +83,31 @@ def user_stacklevel() -> int:
 
 def notice(message: str) -> None:
     """Something the client itself saw go wrong in the training loop, said once by the
-    caller: a :class:`~gradflow.errors.GradflowWarning` at the user's line and the
-    alerts' log line (which warning filters do not silence)."""
+    caller, and shown once: a :class:`~gradflow.errors.GradflowWarning` at the user's
+    line when the warning filters show it, else (filtered out, or turned into an
+    error that must not stop training) the alerts' log line, which they do not
+    silence. Both at once printed every notice twice."""
     try:
-        show_alert(logging.WARNING, message)
-        warnings.warn(message, GradflowWarning, stacklevel=user_stacklevel())
-    except Exception as exc:  # warnings turned into errors must not stop training
+        if not _warned(message, user_stacklevel() + 1):
+            show_alert(logging.WARNING, message)
+    except Exception as exc:
         swallow("showing a notice", exc)
+
+
+def _warned(message: str, stacklevel: int) -> bool:
+    """Issues `message` as a GradflowWarning at `stacklevel` (counted from the caller)
+    and shows it as the warning filters and ``warnings.showwarning`` say; whether it
+    was shown (or recorded, under ``catch_warnings(record=True)``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            warnings.warn(message, GradflowWarning, stacklevel=stacklevel + 1)
+        except GradflowWarning:  # the filters turned it into an error
+            return False
+    for shown in caught:
+        warnings.showwarning(
+            shown.message, shown.category, shown.filename, shown.lineno, shown.file, shown.line
+        )
+    return bool(caught)
 
 
 def swallow(where: str, exc: BaseException) -> None:

@@ -23,6 +23,14 @@ def queue_callback(callback: Callable[[], None]) -> None:
     engine.queue_callback(callback)
 
 
+def in_backward() -> bool:
+    """Whether this thread is running a backward pass now (a checkpointed forward
+    recomputed during backward is then not a new forward): the engine's current
+    graph task id, -1 outside one; False where this torch has no such call."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 # -- norms ---------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, List, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from . import wire
 
@@ -33,6 +33,8 @@ class Watch(Protocol):
         *,
         step: Optional[int] = None,
         metrics: Optional[Mapping[str, Any]] = None,
+        batch_ids: Any = None,
+        micro_losses: Optional[Sequence[Any]] = None,
     ) -> None:
         """Records one optimizer step; call it after ``optimizer.step()``."""
         ...

@@ -90,7 +90,7 @@ def bundled_server() -> Optional[str]:
     --user``) or ``bin/`` beside the package (``pip install --target``)."""
     folders = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
     try:
-        user = sysconfig.get_preferred_scheme("user")  # type: ignore[attr-defined]
+        user = sysconfig.get_preferred_scheme("user")
     except AttributeError:  # Python < 3.10
         user = "nt_user" if os.name == "nt" else "posix_user"
     with contextlib.suppress(KeyError):

@@ -12,6 +12,12 @@ trainable parameters look at the first module of each group to run in a step:
   with gradients (a ``.detach()``, a tensor rebuilt with ``torch.tensor(x.tolist())``,
   a cached value).
 
+A ``detached_input`` right after a ``no_grad`` block (a module's forward running
+``with torch.no_grad(): h = self.encoder(h)`` between two groups that train) is the
+block's doing: the group that ran with gradients before the block is cut off too. The
+block's cut then names that group as its ``upstream``, so that the alerts on both
+groups name the block's line, not the module that consumed its output.
+
 A ``no_grad`` cut inside a reentrant activation checkpoint whose inputs do not require
 grad (adapters on a frozen base, without ``enable_input_require_grads()``) is also said
 at once on the client, naming the checkpoint and the fix: backward will never enter
@@ -123,6 +129,9 @@ class CutTracer:
         self._input_checked: Set[str] = set()
         self._ran_with_grad: List[str] = []
         self._seen: Set[Tuple[str, str]] = set()
+        # This step's no_grad blocks: (the group that ran with gradients before the
+        # block, or None; the block's cut when it is sent this step, else None).
+        self._no_grad_blocks: List[Tuple[Optional[str], Optional[Dict[str, Any]]]] = []
 
     def rebuild(self) -> None:
         """Hooks the modules that own trainable parameters, and each group's root
@@ -157,7 +166,9 @@ class CutTracer:
             if group not in tracer._no_grad_checked:
                 tracer._no_grad_checked.add(group)
                 if not torch.is_grad_enabled():
-                    tracer._saw(module_name, group, "no_grad", None)
+                    before = tracer._ran_with_grad[-1] if tracer._ran_with_grad else None
+                    cut = tracer._saw(module_name, group, "no_grad", None)
+                    tracer._no_grad_blocks.append((before, cut))
                     return
                 tracer._ran_with_grad.append(group)
             if not leaf or group in tracer._input_checked or not torch.is_grad_enabled():
@@ -171,14 +182,27 @@ class CutTracer:
                 upstream = [g for g in tracer._ran_with_grad if g != group]
                 if upstream:
                     tracer._saw(module_name, group, "detached_input", upstream[-1])
+                    tracer._tie_to_no_grad_block(upstream[-1])
 
         return hook
 
-    def _saw(self, module: str, group: str, kind: str, upstream: Optional[str]) -> None:
+    def _tie_to_no_grad_block(self, upstream: str) -> None:
+        """A module got its input without history after `upstream` ran with gradients:
+        when a no_grad block ran in between (after `upstream`, before any other group
+        with gradients), the block cut `upstream` off; its cut, sent this step, says so."""
+        for before, cut in reversed(self._no_grad_blocks):
+            if before == upstream and cut is not None and cut["kind"] == "no_grad":
+                cut.setdefault("upstream", upstream)
+                return
+
+    def _saw(
+        self, module: str, group: str, kind: str, upstream: Optional[str]
+    ) -> Optional[Dict[str, Any]]:
+        """Records a cut; the cut when it is sent (the first of its episode)."""
         key = (module, kind)
         self._seen.add(key)
         if key in self._active:
-            return  # this episode was reported already
+            return None  # this episode was reported already
         self._active[key] = group
         cut: Dict[str, Any] = {"module": module, "kind": kind, "group": group}
         if kind == "no_grad":
@@ -195,6 +219,7 @@ class CutTracer:
         if stack:
             cut["stack"] = stack
         self._pending.append(cut)
+        return cut
 
     def take(self) -> List[wire.GraphCut]:
         """The cuts first seen since the last call; ends the episodes of modules whose

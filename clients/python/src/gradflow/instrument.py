@@ -21,11 +21,13 @@ from .clip_zero import METRIC as CLIPPED_TO_ZERO
 from .clip_zero import ClipsToZero
 from .cuts import CutTracer
 from .hooks import ModelHooks
+from .instability import InstabilitySignals
 from .loopshape import LoopShape
 from .measure import Measurer
 from .record import PendingStep
 from .registration import Registry
 from .scaler import ScalerTap
+from .signals import SignalSettings
 from .updates import UpdateTracker
 
 
@@ -39,6 +41,7 @@ class Instruments:
         every: int,
         updates_every: int,
         rank: Optional[int],
+        signals: Optional[SignalSettings] = None,
     ) -> None:
         self.registry = registry
         self.every = every
@@ -56,6 +59,10 @@ class Instruments:
             self.hooks.local_sums = {}
         self.tracer = CutTracer(registry)
         self.updates = UpdateTracker(registry, updates_every)
+        self.signals = InstabilitySignals(
+            registry, registry.model, signals or SignalSettings(), every
+        )
+        self.signals.arm(self.step)
         self._pending_cuts: List[wire.GraphCut] = []
         self._pending_amend: Optional[wire.Amendment] = None
         self._handles: List[Any] = []
@@ -93,6 +100,7 @@ class Instruments:
             handle.remove()
         self._handles.clear()
         self.hooks.remove()
+        self.signals.remove()
         self.tracer.remove()
         self.registry.built_in_forward.remove()
         if self.clips is not None:
@@ -115,6 +123,7 @@ class Instruments:
         self.measurer.rebuild()
         self.tracer.rebuild()
         self.updates.rebuild()
+        self.signals.rebuild()
         if self._pending_amend is None:
             self._pending_amend = amend
         else:  # two changes before one report: later specs win, by name
@@ -156,6 +165,7 @@ class Instruments:
         if self.reporting():
             self.measurer.after_step()
             self.updates.after_step()
+            self.signals.after_optimizer_step(self.step)
         self.hooks.arm_carry_probe()
 
     @guarded("reading gradients at the end of backward")
@@ -172,7 +182,12 @@ class Instruments:
     # -- the step ----------------------------------------------------------------
 
     def end_step(
-        self, loss: Any, step: Optional[int], metrics: Optional[Mapping[str, Any]]
+        self,
+        loss: Any,
+        step: Optional[int],
+        metrics: Optional[Mapping[str, Any]],
+        batch_ids: Any = None,
+        micro_losses: Optional[List[Any]] = None,
     ) -> Optional[PendingStep]:
         """``gf.step``: this step's pending record when it is reported, else None;
         the step number moves on either way."""
@@ -191,15 +206,18 @@ class Instruments:
                 self.scaler.take() if self.scaler is not None else None,
                 _detached(metrics) if metrics else None,
                 self.updates.take(),
+                self.signals.take(batch_ids, micro_losses),
             )
             if self.rank is not None and step_span is not None:
                 pending.step_time = functools.partial(_ranks.elapsed, *step_span)
         else:
             self.measurer.reset()
             self.updates.discard()
+            self.signals.discard()
             if self.scaler is not None:
                 self.scaler.captured = None
         self.step += 1
+        self.signals.arm(self.step)
         return pending
 
     @guarded("checking where gf.step is called")
@@ -249,11 +267,13 @@ class Instruments:
         pending.rank = self.rank
         return pending
 
-    def _collect(self, loss: Any, scaler_state: Any, metrics: Any, updates: Any) -> PendingStep:
+    def _collect(
+        self, loss: Any, scaler_state: Any, metrics: Any, updates: Any, signals: Any = None
+    ) -> PendingStep:
         """This step's record, with the amendment and graph cuts waiting for it."""
         amend, self._pending_amend = self._pending_amend, None
         pending = self.measurer.collect(
-            self.step, loss, scaler_state, self.registry.lrs(), amend, metrics, updates
+            self.step, loss, scaler_state, self.registry.lrs(), amend, metrics, updates, signals
         )
         pending.graph_cuts, self._pending_cuts = self._pending_cuts, []
         clipped = self.clips.take() if self.clips is not None else None

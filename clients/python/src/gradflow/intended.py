@@ -222,7 +222,9 @@ def apply(given: Inputs, before: torch.Tensor) -> torch.Tensor:
     """The flat f32 intended update from `given`, for parameters whose values before
     the step are `before` (flat f32). Arithmetic only: it can run on any thread."""
     if isinstance(given, AdamInputs):
-        upd = (given.m / given.bc1) / (given.v.sqrt() / given.bc2_sqrt + given.eps) * (-given.lr)
+        upd: torch.Tensor = (
+            (given.m / given.bc1) / (given.v.sqrt() / given.bc2_sqrt + given.eps) * (-given.lr)
+        )
         if given.decoupled and given.wd:
             upd = upd - (given.lr * given.wd) * before
         return upd

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ def is_norm(module: nn.Module) -> bool:
     cls = type(module).__name__
     if cls.endswith("Norm"):
         return True
-    kinds: tuple = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+    kinds: Tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
     rms = getattr(nn, "RMSNorm", None)
     if rms is not None:
         kinds = kinds + (rms,)

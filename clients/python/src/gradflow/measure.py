@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from . import _torch_compat, intended, vector, wire
+from . import _torch_compat, intended, step_signals, vector, wire
 from .hooks import ModelHooks, count_hits
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
@@ -45,6 +45,7 @@ from .record import (
     width,
 )
 from .registration import Registry
+from .step_signals import StepSignals
 from .updates import Updates
 from .vector import Deferred, Piece
 
@@ -428,6 +429,7 @@ class Measurer:
         amend: Optional[wire.Amendment],
         metrics: Optional[Dict[str, Any]],
         updates: Optional[Updates] = None,
+        signals: Optional[StepSignals] = None,
     ) -> PendingStep:
         """This step's pending record: every device number in one vector, on its way
         to the host, and where each lies."""
@@ -478,6 +480,8 @@ class Measurer:
             zeroed = self.hooks.resets_zeroed
             if zeroed is not None:
                 pending.resets_at = add(zeroed.reshape(1))
+        if signals is not None and not signals.empty():
+            pending.signals = step_signals.place(signals, add)
         sums_at: Optional[int] = None
         if self.partial and self.fingerprint_every and step % self.fingerprint_every == 0:
             sums = param_sums(

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 from . import _env, wire
 from .alerts import MODES
+from .signals import SignalSettings
 
 DEFAULT_CLOSE_TIMEOUT = 15.0
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
@@ -35,6 +36,7 @@ class WatchOptions:
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
     updates_every: int = 10
     webhooks: Optional[List[wire.Webhook]] = None
+    signals: SignalSettings = SignalSettings()
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -61,6 +63,8 @@ class WatchOptions:
         spool_max_bytes: Optional[int] = None,
         updates_every: int = 10,
         webhooks: Any = None,
+        signals: Any = None,
+        signal_modules: Any = None,
     ) -> WatchOptions:
         """The options of ``watch``'s arguments, the environment filling what is left
         out; raises ValueError or TypeError for a wrong one."""
@@ -83,6 +87,7 @@ class WatchOptions:
             or int(_env.float_env("GRADFLOW_SPOOL_MAX_BYTES", DEFAULT_SPOOL_MAX_BYTES)),
             updates_every=int(updates_every),
             webhooks=webhook_specs(webhooks),
+            signals=SignalSettings.resolve(signals, signal_modules),
         )
 
 

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, TypeVar
 
-from . import encode, wire
+from . import encode, signal_record, wire
+from .signal_record import SignalsAt
 
 # Metrics the client adds itself: the step record's fields are closed (the server
 # refuses unknown ones), its metrics are not.
@@ -156,6 +157,8 @@ class PendingStep:
     partial: bool = False
     rank: Optional[int] = None
     step_time: Optional[Callable[[], Optional[float]]] = None
+    # The instability signals (v1.8) measured on this step, when any.
+    signals: Optional[SignalsAt] = None
     # Makes `modules` and `norms` on the reporter thread, when set.
     describe: Optional[Callable[[], Tuple[List[ModuleAt], List[NormAt]]]] = None
 
@@ -216,6 +219,8 @@ class PendingStep:
             rec["grads_carried_over"] = bool(carried)
         if self.input_at is not None:
             rec["input_absmax"] = encode.norm(v[self.input_at])
+        if self.signals is not None:
+            signal_record.apply(self.signals, rec, v)
         if self.local_finite_at is not None and not v[self.local_finite_at] > 0.5:
             # Sent only when true: a server older than v1.7 refuses the field, and
             # the client then resends the step without it (see the reporter).

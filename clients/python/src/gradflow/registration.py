@@ -284,6 +284,7 @@ class Registry:
         world_size: Optional[int],
         webhooks: Optional[List[wire.Webhook]] = None,
         client_config: Optional[Dict[str, Any]] = None,
+        signals: Optional[Dict[str, int]] = None,
     ) -> wire.RunRegistration:
         membership = self._membership()
         specs = [self.param_spec(p, membership) for p in self.params]
@@ -310,6 +311,8 @@ class Registry:
         found = wiring.findings(self.model) + empty_groups(self.model, self.optimizer)
         if found:
             body["wiring"] = found
+        if signals:
+            body["signals"] = dict(signals)
         # Only what stays the same when the same job restarts: registering again with
         # the same body is then accepted as the same run.
         cfg: Dict[str, Any] = {"client": "gradflow-python", "torch": torch.__version__}

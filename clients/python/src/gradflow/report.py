@@ -28,7 +28,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote
 
 from .check import CheckError, EmbeddedServer, _server_binary, probe
@@ -37,7 +37,7 @@ from .transport import Client, Refused, Unreachable
 BATCH = 500
 
 
-def _read_spool(spool: str) -> tuple:
+def _read_spool(spool: str) -> Tuple[str, Dict[str, Any], List[str]]:
     sidecar = spool + ".registration.json"
     if not os.path.exists(sidecar):
         raise CheckError(f"{sidecar} is missing: the run id and registration come from it")
@@ -105,7 +105,7 @@ def _offline(html: str, spool: str) -> str:
 
 def write_report(
     spool: str, out: str, server_bin: Optional[str] = None, server: Optional[str] = None
-) -> dict:
+) -> Dict[str, Any]:
     run_id, registration, lines = _read_spool(spool)
     token = os.environ.get("GRADFLOW_INGEST_TOKEN") if server else None
     if server:

@@ -116,6 +116,9 @@ class Reporter:
         self._said: Set[Tuple[str, str]] = set()  # switches said since a server answered
         self.rejected = 0
         self.late = 0
+        # The server refused the registration's v1.8 `signals`: records are sent
+        # without their v1.8 fields.
+        self.older_server = False
         self._retry_at = 0.0
         self._backoff = 0.5
         self._next_poll = 0.0
@@ -230,6 +233,8 @@ class Reporter:
     def _encode(self, pending: Pending) -> Optional[str]:
         try:
             record = pending.record()
+            if self.older_server:
+                strip_v18(record)
             if self.dropped:
                 record["dropped_steps"] = self.dropped
             return json.dumps(record, separators=(",", ":"), allow_nan=False)
@@ -338,18 +343,7 @@ class Reporter:
 
     def _register_here(self, timeout: Optional[float] = None) -> None:
         try:
-            try:
-                self.client.register(self.run_id, self.registration, timeout)
-            except Refused as err:
-                # A server older than protocol v1.5 refuses the wiring findings (an
-                # unknown field): register without them rather than not at all.
-                if err.status != 400 or "wiring" not in self.registration:
-                    raise
-                self.registration = cast(
-                    wire.RunRegistration,
-                    {k: v for k, v in self.registration.items() if k != "wiring"},
-                )
-                self.client.register(self.run_id, self.registration, timeout)
+            self._register_older_too(timeout)
         except Refused as err:
             # In a multi-rank run every rank registers: the server compares their bodies
             # without `rank` and `host`, so a conflict is a real one, said on each rank.
@@ -368,6 +362,25 @@ class Reporter:
         if self.announce and not self._announced:
             self._announced = True
             say(f"run {self.run_id}: {self.dashboard()}")
+
+    def _register_older_too(self, timeout: Optional[float]) -> None:
+        """Registers; a server older than this client refuses a newer field (an
+        unknown field is a 400): its instability signals (v1.8, when the error names
+        them), then its wiring findings (v1.5) are left out in turn rather than not
+        registering at all. Without `signals`, steps go without their v1.8 fields."""
+        while True:
+            try:
+                self.client.register(self.run_id, self.registration, timeout)
+                return
+            except Refused as err:
+                newer = _refused_newer_field(self.registration, err)
+                if newer is None:
+                    raise
+                self.older_server = self.older_server or newer == "signals"
+                self.registration = cast(
+                    wire.RunRegistration,
+                    {k: v for k, v in self.registration.items() if k != newer},
+                )
 
     def _send(self, lines: List[str]) -> None:
         """Delivers lines (to the current server, or the next ones in turn when it does
@@ -471,13 +484,52 @@ class Reporter:
             self.poll_alerts()
 
 
+def _refused_newer_field(registration: Any, err: Refused) -> Optional[str]:
+    """The newer field of `registration` an older server refused with `err`, if any."""
+    if err.status != 400:
+        return None
+    said = f"{err.message or ''} {err.path or ''}"
+    if "signals" in registration and "signals" in said:
+        return "signals"
+    return "wiring" if "wiring" in registration else None
+
+
+V18_STEP_FIELDS = ("output_logits", "moe", "batch")
+V18_MODULE_FIELDS = ("attn_max_logit", "attn_min_entropy", "act_rms", "act_absmax", "adam")
+
+
+def strip_v18(record: Any) -> bool:
+    """Removes a record's v1.8 fields (the instability signals) in place: module
+    entries that carried nothing else go; True when anything was removed."""
+    changed = False
+    for key in V18_STEP_FIELDS:
+        changed = record.pop(key, None) is not None or changed
+    modules = record.get("modules")
+    if not isinstance(modules, list):
+        return changed
+    kept = []
+    for entry in modules:
+        if isinstance(entry, dict):
+            removed = [entry.pop(key) for key in V18_MODULE_FIELDS if key in entry]
+            changed = changed or bool(removed)
+            if removed and set(entry) == {"module"}:
+                continue
+        kept.append(entry)
+    if len(kept) != len(modules):
+        record["modules"] = kept
+    if not kept:
+        record.pop("modules", None)
+    return changed
+
+
 def _without_newer_fields(line: str) -> Optional[str]:
     """The encoded step record `line` without what a server of an older protocol
-    refuses (its amendment's wiring findings, its graph cuts' `via`, its
-    `local_grads_nonfinite`), or None when it carries none of them."""
+    refuses (its instability signals, its amendment's wiring findings, its graph
+    cuts' `via`, its `local_grads_nonfinite`), or None when it carries none of them."""
     try:
         record = json.loads(line)
-        changed = record.pop("local_grads_nonfinite", None) is not None
+        changed = strip_v18(record)
+        changed = record.pop("local_grads_nonfinite", None) is not None or changed
         amend = record.get("amend")
         if isinstance(amend, dict) and "wiring" in amend:
             del amend["wiring"]

@@ -52,6 +52,8 @@ class NoopWatcher:
         *,
         step: Optional[int] = None,
         metrics: Optional[Mapping[str, Any]] = None,
+        batch_ids: Any = None,
+        micro_losses: Optional[Sequence[Any]] = None,
         **_: Any,
     ) -> None:
         return None
@@ -112,12 +114,20 @@ class Watcher:
         self.registry = Registry(self.model, self.optimizer, scaler, options.groups)
         if zero is not None:  # DeepSpeed ZeRO: gradients read from its partitions
             _zero.adapt(self.registry, zero)
-        registration = _registration(self.registry, options, ranks, report_alone, multi_rank)
         self.instruments = Instruments(
             self.registry,
             every=options.every,
             updates_every=options.updates_every,
             rank=self.rank,
+            signals=options.signals,
+        )
+        registration = _registration(
+            self.registry,
+            options,
+            ranks,
+            report_alone,
+            multi_rank,
+            self.instruments.signals.registration(),
         )
         if zero is not None:
             _zero.measure(self.instruments, zero)
@@ -179,23 +189,34 @@ class Watcher:
         *,
         step: Optional[int] = None,
         metrics: Optional[Mapping[str, Any]] = None,
+        batch_ids: Any = None,
+        micro_losses: Optional[Sequence[Any]] = None,
     ) -> None:
         """Records one optimizer step. Call it once per step, after ``optimizer.step()``
         (and ``scaler.update()``). ``loss`` may be a tensor (read without a sync) or a
-        float. Never raises, except :class:`gradflow.TrainingAlert` with
-        ``on_alert="raise"``."""
-        self._step_guarded(loss, step, metrics)
+        float. ``batch_ids``: your ids of the step's samples or batches (strings or
+        numbers, or a tensor of them; at most 1024 are sent), named by a loss-spike
+        verdict. ``micro_losses``: each micro-batch's loss when the step accumulated
+        several (tensors or floats). Never raises, except
+        :class:`gradflow.TrainingAlert` with ``on_alert="raise"``."""
+        self._step_guarded(loss, step, metrics, batch_ids, micro_losses)
         self._alerts.deliver()
         for listener in self._step_listeners:
             listener(self)
 
     @guarded("gf.step")
     def _step_guarded(
-        self, loss: Any, step: Optional[int], metrics: Optional[Mapping[str, Any]]
+        self,
+        loss: Any,
+        step: Optional[int],
+        metrics: Optional[Mapping[str, Any]],
+        batch_ids: Any = None,
+        micro_losses: Optional[Sequence[Any]] = None,
     ) -> None:
         if self._closed:
             return
-        pending = self.instruments.end_step(loss, step, metrics)
+        micro = list(micro_losses) if micro_losses is not None else None
+        pending = self.instruments.end_step(loss, step, metrics, batch_ids, micro)
         if pending is not None:
             self.delivery.submit(pending)
 
@@ -247,6 +268,7 @@ def _registration(
     ranks: Optional[Ranks],
     report_alone: bool,
     multi_rank: bool,
+    signals: Optional[Mapping[str, int]] = None,
 ) -> wire.RunRegistration:
     """The run's registration body, with how this process reports in the job."""
     client_config = {}
@@ -265,6 +287,7 @@ def _registration(
         world_size=ranks.world_size if ranks is not None and per_rank else None,
         webhooks=options.webhooks,
         client_config=client_config,
+        signals=dict(signals) if signals else None,
     )
 
 
@@ -351,6 +374,8 @@ def watch(
     spool_max_bytes: Optional[int] = None,
     updates_every: int = 10,
     webhooks: Any = None,
+    signals: Any = None,
+    signal_modules: Any = None,
 ) -> Watch:
     """Watches a training run and reports it to a gradflow server.
 
@@ -387,6 +412,8 @@ def watch(
             spool_max_bytes=spool_max_bytes,
             updates_every=updates_every,
             webhooks=webhooks,
+            signals=signals,
+            signal_modules=signal_modules,
         )
         here = _ranks.current()
         if here is not None and rank is not None and here.rank != rank:

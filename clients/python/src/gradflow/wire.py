@@ -42,6 +42,16 @@ class _ModuleStepName(TypedDict):
     module: str
 
 
+class AdamState(TypedDict, total=False):
+    """``AdamState`` (``protocol/src/signals.rs``, v1.8): Adam's state over a module's
+    own parameters, on sampled steps."""
+
+    updated: int
+    below_eps: float
+    update_rms: Optional[Float]
+    update_absmax: Optional[Float]
+
+
 class ModuleStep(_ModuleStepName, total=False):
     """``ModuleStep``: one module's gradient on one step."""
 
@@ -51,6 +61,36 @@ class ModuleStep(_ModuleStepName, total=False):
     numel: int
     nonfinite: int
     param_sum: Float  # multi-rank runs, now and then: the sum of this rank's weights
+    attn_max_logit: Float  # v1.8, attention modules
+    attn_min_entropy: Optional[Float]  # v1.8
+    act_rms: Optional[Float]  # v1.8, blocks
+    act_absmax: Optional[Float]  # v1.8
+    adam: AdamState  # v1.8, sampled steps
+
+
+class OutputLogits(TypedDict, total=False):
+    """``OutputLogits`` (v1.8)."""
+
+    logz_mean: Float
+    absmax: Optional[Float]
+
+
+class _MoeLayerName(TypedDict):
+    module: str
+    tokens_per_expert: List[int]
+
+
+class MoeLayer(_MoeLayerName, total=False):
+    """``MoeLayer`` (v1.8): one MoE layer's routing on one step."""
+
+    router_z: Optional[Float]
+
+
+class BatchInfo(TypedDict, total=False):
+    """``BatchInfo`` (v1.8): what the step trained on."""
+
+    ids: List[str]
+    micro_losses: List[Float]
 
 
 class _ParamStepName(TypedDict):
@@ -146,6 +186,9 @@ class StepRecord(_StepNumber, total=False):
     rank: int
     step_time: float
     local_grads_nonfinite: bool  # v1.7
+    output_logits: OutputLogits  # v1.8
+    moe: List[MoeLayer]  # v1.8
+    batch: BatchInfo  # v1.8
 
 
 # -- registration (protocol/src/run.rs) ----------------------------------------------
@@ -202,6 +245,7 @@ class RunRegistration(TypedDict, total=False):
     train: List[str]
     webhooks: List[Webhook]
     wiring: List[WiringFinding]
+    signals: Dict[str, int]  # v1.8: family -> interval in reported steps
 
 
 # -- what the server answers ---------------------------------------------------------

@@ -92,7 +92,7 @@ def _stage3_grad(p: Any) -> Optional[torch.Tensor]:
     padding the last partitions carry."""
     from deepspeed.utils import safe_get_local_grad
 
-    g = safe_get_local_grad(p)
+    g: Optional[torch.Tensor] = safe_get_local_grad(p)
     if g is None:
         return None
     g = g.reshape(-1)
@@ -107,9 +107,11 @@ def _fragment_grad(p: Any) -> Optional[torch.Tensor]:
     the rank's partition holds none of it)."""
     mapping = getattr(p, "_hp_mapping", None)
     if mapping is None:
-        return p.new_zeros(0, dtype=torch.float32)
+        empty: torch.Tensor = p.new_zeros(0, dtype=torch.float32)
+        return empty
     try:
-        return mapping.get_lp_grad_fragment(p._index_in_param_group).reshape(-1)
+        fragment: torch.Tensor = mapping.get_lp_grad_fragment(p._index_in_param_group)
+        return fragment.reshape(-1)
     except ValueError:  # no averaged gradients: the step was not reduced
         return None
 

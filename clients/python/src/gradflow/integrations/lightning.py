@@ -37,7 +37,7 @@ from ..watcher import watch
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the standalone package
-    from pytorch_lightning import Callback  # type: ignore[no-redef]
+    from pytorch_lightning import Callback
 
 _CONFIG_KEYS = (
     "max_epochs",

@@ -1,0 +1,186 @@
+"""Adam(W)'s state read after the optimizer step, on the steps the ``adam`` interval
+samples: per parameter, from its moments ``exp_avg`` (m) and ``exp_avg_sq`` (v, or
+``max_exp_avg_sq`` under amsgrad) and the step count t its state holds,
+
+    u = m̂ / (√v̂ + ε),   m̂ = m / (1 − β₁ᵗ),   v̂ = v / (1 − β₂ᵗ)
+
+(the update divided by the lr, weight decay left out). Elements never updated
+(``v = 0``: an embedding row whose token has not been seen) are left out of every
+figure. Per parameter: [Σ u², max |u|, elements updated, elements with √v̂ < ε]; the
+record sums them per module (``adam`` of ``modules[]``, protocol v1.8).
+
+The moments are copied flat on the training thread (one flattening call each, a chunk
+of parameters at a time, so the temporaries stay bounded) and the arithmetic runs on
+the device, or on a CPU on the reporter thread from the copies
+(:class:`gradflow.vector.Deferred`). Per-parameter reductions are multi-tensor kernels
+(:func:`gradflow.intended.segment_sums`). Of a sharded parameter (FSDP2) each rank
+reads the state of the elements it holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+from . import intended, vector
+from .ranks import is_dtensor, local_numel
+from .registration import Registry
+from .vector import Deferred, Piece
+
+# Numbers per parameter: Σ u², max |u|, updated, below ε.
+WIDTH = 4
+# Elements per chunk of the copies and temporaries (m, v, u and masks: ~5 × 4 B each).
+CHUNK_ELEMENTS = 16 * 1024 * 1024
+
+_EXP_AVG = operator.itemgetter("exp_avg")
+_STEP = operator.itemgetter("step")
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """The parameters of one optimizer group: their modules, tensors, each one's
+    elements on this rank, and their state dicts (kept between steps)."""
+
+    group: int
+    modules: List[str]
+    tensors: List[torch.Tensor]
+    lengths: List[int]
+    states: intended.States
+
+
+@dataclass
+class AdamTaken:
+    """A sampled step's Adam numbers: one piece, WIDTH numbers per parameter, and the
+    module of each parameter in that order."""
+
+    piece: Piece
+    modules: List[str]
+
+
+class AdamState:
+    """Reads the state of an Adam-family optimizer (see the module)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.optimizer = registry.optimizer
+        self._plans: List[_GroupPlan] = []
+        self._sharded = False
+        self.rebuild()
+
+    @property
+    def readable(self) -> bool:
+        """Whether the optimizer keeps Adam's moments (Adam, AdamW and their kin)."""
+        return self.optimizer is not None and intended.family(self.optimizer) == "adam"
+
+    def rebuild(self) -> None:
+        """After registration or an amendment: the parameters of each group."""
+        self._plans = []
+        if not self.readable:
+            return
+        membership = self.registry._membership()
+        params = self.registry.params
+        self._sharded = any(is_dtensor(p.tensor) for p in params)
+        for g in range(len(self.optimizer.param_groups)):
+            mine = [p for p in params if membership.get(id(p.tensor)) == g]
+            if not mine:
+                continue
+            tensors = [p.tensor for p in mine]
+            self._plans.append(
+                _GroupPlan(
+                    g,
+                    [p.module for p in mine],
+                    tensors,
+                    [local_numel(t) for t in tensors],
+                    intended.States(self.optimizer, tensors),
+                )
+            )
+
+    def read(self) -> Optional[AdamTaken]:
+        """After the optimizer step: this step's numbers (None: no state yet)."""
+        pieces: List[Piece] = []
+        modules: List[str] = []
+        for plan in self._plans:
+            if plan.group >= len(self.optimizer.param_groups):
+                continue
+            group = self.optimizer.param_groups[plan.group]
+            dicts = plan.states.get()
+            if not dicts or not all(map(operator.contains, dicts, ["exp_avg"] * len(dicts))):
+                continue  # before the group's first step
+            pieces.extend(self._chunks(plan, group, dicts))
+            modules.extend(plan.modules)
+        if not pieces:
+            return None
+        return AdamTaken(_joined(pieces), modules)
+
+    def _chunks(self, plan: _GroupPlan, group: Any, dicts: List[Any]) -> List[Piece]:
+        b1, b2 = (float(b) for b in group["betas"])
+        eps = float(group["eps"])
+        second = operator.itemgetter("max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq")
+        m_all = list(map(_EXP_AVG, dicts))
+        v_all = list(map(second, dicts))
+        steps = _steps(list(map(_STEP, dicts)))
+        pieces: List[Piece] = []
+        budget: List[Optional[int]] = [plan.group] * len(plan.tensors)
+        for start, end in intended.runs(plan.tensors, budget, CHUNK_ELEMENTS):
+            m = intended._flat(m_all[start:end], self._sharded)
+            v = intended._flat(v_all[start:end], self._sharded)
+            compute = functools.partial(
+                _stats, m, v, steps[start:end], plan.lengths[start:end], b1, b2, eps
+            )
+            count = WIDTH * (end - start)
+            pieces.append(
+                Deferred(count, m.device, compute) if m.device.type == "cpu" else compute()
+            )
+        return pieces
+
+
+def _steps(counts: List[Any]) -> torch.Tensor:
+    """Each parameter's step count, as one f32 tensor (on the device that holds them:
+    a capturable or fused optimizer keeps them there; nothing is read to the host)."""
+    if all(isinstance(c, torch.Tensor) for c in counts):
+        return torch.stack([c.reshape(()) for c in counts]).float()
+    return torch.tensor([float(c) for c in counts])
+
+
+def _stats(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    steps: torch.Tensor,
+    lengths: List[int],
+    b1: float,
+    b2: float,
+    eps: float,
+) -> torch.Tensor:
+    """Per parameter [Σ u², max |u|, updated, below ε] (see the module), from flat
+    copies of the moments, `lengths` elements each: arithmetic on any thread."""
+    steps = steps.to(m.device)
+    sizes = torch.tensor(lengths, device=m.device)
+    bc1 = torch.repeat_interleave(1 - b1**steps, sizes, output_size=m.numel())
+    bc2 = torch.repeat_interleave(1 - b2**steps, sizes, output_size=m.numel())
+    v_hat = v / bc2
+    updated = v > 0
+    u = torch.where(updated, (m / bc1) / (v_hat.sqrt() + eps), 0.0)
+    squares = intended.segment_sums(u * u, lengths)
+    largest = intended.segment_maxima(u.abs(), lengths) + squares * 0.0  # NaN stays NaN
+    count = intended.segment_counts(updated, lengths)
+    below = intended.segment_counts(updated & (v_hat < eps * eps), lengths)
+    wide = count.dtype
+    return torch.stack([squares.to(wide), largest.to(wide), count, below], dim=1).reshape(-1)
+
+
+def _joined(pieces: List[Piece]) -> Piece:
+    """The chunks' numbers as one piece: concatenated on a device; on a CPU computed
+    together on the reporter thread."""
+    tensors = [p for p in pieces if isinstance(p, torch.Tensor)]
+    if len(tensors) == len(pieces):
+        return torch.cat([t.reshape(-1) for t in tensors])
+    numel = sum(vector.numel(p) for p in pieces)
+    return Deferred(numel, torch.device("cpu"), functools.partial(_computed, pieces))
+
+
+def _computed(pieces: List[Piece]) -> torch.Tensor:
+    return torch.cat([vector.flat(p).double() for p in pieces])

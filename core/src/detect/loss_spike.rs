@@ -1,0 +1,540 @@
+//! `loss_spike` (v1.8): the loss, or the gradient norm with it, jumps far above its
+//! recent level for a step or a few — and, where the numbers say, why: a bad batch
+//! (`data_batch`), the embedding's gradient rising first (`embedding_first`), an Adam
+//! update spike before it (`optimizer_state`), else `unknown`.
+//!
+//! # The rule
+//!
+//! The level of the loss and of the global gradient norm (the L2 norm of every
+//! reported module's) is the mean and standard deviation of their last 128 readings
+//! ([`Rolling`]), judged once [`MIN_HISTORY`] readings are in. A step spikes when its
+//! loss is above mean + [`SIGMAS`]·σ and at least [`MIN_LOSS_EXCESS`] of the mean
+//! above it, or when its gradient norm is above mean + [`SIGMAS`]·σ and
+//! [`MIN_GRAD_RATIO`]× its mean while the loss is above mean + 3σ. A reading goes
+//! into the window clipped to the bar, so one spike does not hide the next.
+//!
+//! The alert opens on the report after the spike, dated at the spike's step, when
+//! the cause can be read:
+//!
+//! - `data_batch`: one micro-batch's loss at least [`MICRO_FACTOR`]× the median of the
+//!   step's micro-batch losses, or the loss back under its bar on the very next step
+//!   (the model was fine on the next batch: the spike was that batch's). The step's
+//!   batch ids are named.
+//! - `optimizer_state`: a module's Adam update RMS (`adam.update_rms`) reached 2× its
+//!   own level within [`PRECURSOR_STEPS`] steps before the spike (the Marin 32B
+//!   pattern: update spikes precede loss spikes).
+//! - `embedding_first`: on the report before the spike the embedding's gradient norm
+//!   was already 3× its level while the rest was not (GLM-130B).
+//! - `unknown`: none of these.
+//!
+//! # Why these numbers
+//!
+//! 6σ over 128 readings is OLMo-core's and Levanter's skip-step rule. On a 0.13 M
+//! parameter GPT (docs/instabilities.md) one batch of a single repeated token at step
+//! 150 took the loss from 1.2 to 8.05 and the gradient norm from 0.55 to 20.9 for one
+//! step; gradflow's `grad_explosion` (1,000×) and `loss_divergence` (3× the start)
+//! both stay silent there. The 64 readings of history keep the warm-up (a loss
+//! falling fast, a gradient norm that moves 20× in 15 steps) out of the window's
+//! first judgement; the relative floors keep a loss that has converged to a flat
+//! line, whose σ is tiny, from spiking on noise.
+
+use gradflow_protocol::Role;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::episode::Alerts;
+use super::rolling::{Level, Rolling};
+use super::update_levels::UpdateLevels;
+use super::view::StepView;
+use super::wording::{name_list, sci};
+use crate::model::alert::{AlertKind, Opened, Severity};
+
+/// Standard deviations above the mean that make a spike.
+pub const SIGMAS: f64 = 6.0;
+/// Readings in the window before anything is judged.
+pub const MIN_HISTORY: usize = 64;
+/// A loss spike is also at least this fraction of its mean above the mean.
+pub const MIN_LOSS_EXCESS: f64 = 0.25;
+/// A gradient-norm spike is also at least this many times its mean.
+pub const MIN_GRAD_RATIO: f64 = 4.0;
+/// A micro-batch this many times the step's median micro-batch loss is the culprit.
+pub const MICRO_FACTOR: f64 = 2.0;
+/// An update spike this many steps before a loss spike preceded it.
+pub const PRECURSOR_STEPS: u64 = 20;
+/// The embedding's gradient norm this many times its level, the rest not, on the
+/// report before the spike: it rose first.
+pub const EMBEDDING_FIRST_FACTOR: f64 = 3.0;
+/// Batch ids named in the alert's text (the evidence holds every one sent).
+const IDS_SHOWN: usize = 8;
+
+const SUBJECT: &str = "loss";
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LossSpike {
+    loss: Rolling,
+    grad: Rolling,
+    embedding: Rolling,
+    /// The rest of the gradient (all but the embedding), for `embedding_first`.
+    rest: Rolling,
+    /// On the last report: the embedding's and the rest's ratio to their means.
+    last_ratios: Option<(f64, f64)>,
+    /// Each module's Adam update RMS level.
+    updates: UpdateLevels,
+    /// The last update spike: step, module, ratio to its level.
+    last_update_spike: Option<(u64, String, f64)>,
+    /// A spike waiting for the next report to be judged.
+    pending: Option<Spike>,
+}
+
+/// A step that spiked, with what its cause is read from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Spike {
+    step: u64,
+    loss: f64,
+    loss_mean: f64,
+    loss_std: f64,
+    /// Readings the level was taken over.
+    readings: usize,
+    grad: Option<f64>,
+    grad_mean: Option<f64>,
+    /// The bar the loss must be back under for the spike to have lasted one step.
+    bar: f64,
+    ids: Vec<String>,
+    micro_losses: Vec<f64>,
+    embedding_first: Option<(f64, f64)>,
+    update_spike: Option<(u64, String, f64)>,
+}
+
+impl LossSpike {
+    pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
+        let record = view.record;
+        let loss = record.loss.map(|l| l.get()).filter(|l| l.is_finite());
+        if let Some(spike) = self.pending.take() {
+            let back = loss.is_some_and(|l| l <= spike.bar);
+            let next_step = record.step == spike.step + 1;
+            alerts.open(spike.alert(back && next_step));
+        }
+        // The update spike with the largest ratio of this step, for the next spikes.
+        if let Some(spike) = self
+            .updates
+            .observe(view)
+            .into_iter()
+            .max_by(|a, b| a.ratio().total_cmp(&b.ratio()))
+        {
+            let step = record.step;
+            self.last_update_spike = Some((step, spike.module.to_owned(), spike.ratio()));
+        }
+        let Some(loss) = loss else {
+            return;
+        };
+        if view.found_inf() {
+            return;
+        }
+        let grad = global_norm(view);
+        let (embedding, rest) = embedding_split(view);
+        let spiked = self.judge(loss, grad);
+        match spiked {
+            Some(spike) if !alerts.holds(AlertKind::LossSpike, SUBJECT) => {
+                let spike = self.describe(view, loss, grad, spike);
+                if spike.micro_culprit().is_some() {
+                    alerts.open(spike.alert(false));
+                } else {
+                    self.pending = Some(spike);
+                }
+            }
+            Some(_) => {}
+            None => alerts.clear(AlertKind::LossSpike, SUBJECT, record.step),
+        }
+        self.last_ratios = ratio(&self.embedding, embedding).zip(ratio(&self.rest, rest));
+        push_clipped(&mut self.loss, loss);
+        if let Some(grad) = grad {
+            push_clipped(&mut self.grad, grad);
+        }
+        if let Some(embedding) = embedding {
+            push_clipped(&mut self.embedding, embedding);
+        }
+        if let Some(rest) = rest {
+            push_clipped(&mut self.rest, rest);
+        }
+    }
+
+    /// The loss's and the gradient norm's levels, when this step spikes.
+    fn judge(&self, loss: f64, grad: Option<f64>) -> Option<(Level, Option<Level>)> {
+        let level = self.loss.level().filter(|l| l.count >= MIN_HISTORY)?;
+        let loss_spikes =
+            loss > level.bar(SIGMAS) && loss - level.mean >= MIN_LOSS_EXCESS * level.mean.abs();
+        let grad_level = self.grad.level().filter(|l| l.count >= MIN_HISTORY);
+        let grad_spikes = grad.zip(grad_level).is_some_and(|(g, l)| {
+            g > l.bar(SIGMAS) && g >= MIN_GRAD_RATIO * l.mean && loss > level.bar(3.0)
+        });
+        (loss_spikes || grad_spikes).then_some((level, grad_level))
+    }
+
+    fn describe(
+        &self,
+        view: &StepView<'_>,
+        loss: f64,
+        grad: Option<f64>,
+        (level, grad_level): (Level, Option<Level>),
+    ) -> Spike {
+        let batch = view.record.batch.as_ref();
+        let step = view.record.step;
+        Spike {
+            step,
+            loss,
+            loss_mean: level.mean,
+            loss_std: level.std,
+            readings: level.count,
+            grad,
+            grad_mean: grad_level.map(|l| l.mean),
+            bar: level.bar(3.0).max(level.mean * (1.0 + MIN_LOSS_EXCESS)),
+            ids: batch.map(|b| b.ids.clone()).unwrap_or_default(),
+            micro_losses: batch
+                .map(|b| b.micro_losses.iter().map(|l| l.get()).collect())
+                .unwrap_or_default(),
+            embedding_first: self
+                .last_ratios
+                .filter(|&(e, r)| e >= EMBEDDING_FIRST_FACTOR && r < 1.5),
+            update_spike: self
+                .last_update_spike
+                .clone()
+                .filter(|(s, _, _)| *s < step && step - s <= PRECURSOR_STEPS),
+        }
+    }
+}
+
+impl Spike {
+    /// The micro-batch far above the step's others, with its loss and their median.
+    fn micro_culprit(&self) -> Option<(usize, f64, f64)> {
+        let finite: Vec<f64> = self
+            .micro_losses
+            .iter()
+            .copied()
+            .filter(|l| l.is_finite())
+            .collect();
+        if finite.len() < 2 {
+            return None;
+        }
+        let mut sorted = finite.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[(sorted.len() - 1) / 2];
+        let (index, &worst) = self
+            .micro_losses
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .max_by(|a, b| a.1.total_cmp(b.1))?;
+        (median > 0.0 && worst >= MICRO_FACTOR * median).then_some((index, worst, median))
+    }
+
+    /// The cause, in the order of how directly the numbers prove it.
+    fn cause(&self, one_step: bool) -> &'static str {
+        if self.micro_culprit().is_some() {
+            "data_batch"
+        } else if self.update_spike.is_some() {
+            "optimizer_state"
+        } else if self.embedding_first.is_some() {
+            "embedding_first"
+        } else if one_step {
+            "data_batch"
+        } else {
+            "unknown"
+        }
+    }
+
+    fn alert(&self, one_step: bool) -> Opened {
+        let cause = self.cause(one_step);
+        let ratio = self.loss / self.loss_mean;
+        let z = (self.loss - self.loss_mean) / self.loss_std.max(f64::MIN_POSITIVE);
+        let step = self.step;
+        let grad = match (self.grad, self.grad_mean) {
+            (Some(g), Some(m)) if m > 0.0 => format!(
+                " The gradient norm was {} against a mean of {} ({:.1}×).",
+                sci(g),
+                sci(m),
+                g / m
+            ),
+            _ => String::new(),
+        };
+        Opened {
+            kind: AlertKind::LossSpike,
+            subject: SUBJECT.into(),
+            severity: Severity::Warning,
+            first_step: Some(step),
+            step: Some(step),
+            title: format!("Loss spike at step {step}: {ratio:.1}× its recent mean ({cause})"),
+            detail: format!(
+                "At step {step} the loss was {} against a mean of {} over its last {} \
+                 readings ({z:.0}σ above; the bar is {SIGMAS}σ).{grad} {}",
+                sci(self.loss),
+                sci(self.loss_mean),
+                self.readings,
+                self.why(cause, one_step),
+            ),
+            fix: fix(cause).into(),
+            evidence: json!({
+                "cause": cause,
+                "loss": self.loss,
+                "loss_mean": self.loss_mean,
+                "loss_std": self.loss_std,
+                "ratio": ratio,
+                "grad_norm": self.grad,
+                "grad_norm_mean": self.grad_mean,
+                "batch_ids": self.ids,
+                "micro_losses": self.micro_losses,
+                "one_step": one_step,
+                "update_spike": self.update_spike.as_ref().map(|(s, m, r)| json!({
+                    "step": s, "module": m, "ratio": r})),
+                "embedding_ratio": self.embedding_first.map(|(e, _)| e),
+            }),
+        }
+    }
+
+    /// The sentence that says why the cause is this one.
+    fn why(&self, cause: &str, one_step: bool) -> String {
+        let ids = if self.ids.is_empty() {
+            "The client sent no batch ids (gf.step(batch_ids=...) names them).".to_owned()
+        } else {
+            let shown: Vec<&str> = self.ids.iter().map(String::as_str).collect();
+            format!("The step's batch ids: {}.", name_list(&shown, IDS_SHOWN))
+        };
+        match cause {
+            "data_batch" => match self.micro_culprit() {
+                Some((i, worst, median)) => format!(
+                    "Micro-batch {i}'s loss was {} while the step's median was {}: that batch \
+                     is far off the others. {ids}",
+                    sci(worst),
+                    sci(median)
+                ),
+                None if one_step => format!(
+                    "On the next step the loss was back under its bar: the model was fine on \
+                     the next batch, so this step's batch caused it. {ids}"
+                ),
+                None => ids,
+            },
+            "optimizer_state" => {
+                let (s, module, r) = self.update_spike.as_ref().expect("the cause says so");
+                format!(
+                    "At step {s}, before the spike, Adam's update in {module} was {r:.1}× its \
+                     own level: the optimizer's state moved first. {ids}"
+                )
+            }
+            "embedding_first" => format!(
+                "On the report before the spike the embedding's gradient norm was already \
+                 {:.1}× its level while the rest of the model's was not: it rose first. {ids}",
+                self.embedding_first.map_or(0.0, |(e, _)| e)
+            ),
+            _ => format!(
+                "The loss stayed high on the next report and nothing before it moved: the \
+                 numbers sent do not say why. {ids}"
+            ),
+        }
+    }
+}
+
+fn fix(cause: &str) -> &'static str {
+    match cause {
+        "data_batch" => {
+            "Look at those batches (repeated tokens, corrupt or mislabelled samples): filter them \
+             or skip them. For a spike that does not recover, rewind to a checkpoint about 100 \
+             steps earlier and skip the batches around it (PaLM skipped 200–500). A skip-step \
+             rule (loss above mean + 6σ of the last 128 steps: OLMo-core, Levanter) keeps one \
+             bad batch from moving the weights."
+        }
+        "optimizer_state" => {
+            "Clip the update, not only the gradient (Levanter's ClipUpdateNorm: mean + 2–3σ of \
+             the last 128 update norms), or skip the step; lowering β₂ to 0.95 lets Adam's second \
+             moment follow sudden gradients faster."
+        }
+        "embedding_first" => {
+            "Scale the embedding's output (×√d, or an embedding LayerNorm: Spike No More), shrink \
+             its gradient (GLM-130B: ×0.1), and keep weight decay off the embedding (OLMo 2)."
+        }
+        _ => {
+            "Send batch ids (gf.step(batch_ids=...)) and the micro-batch losses so the next spike \
+             can be traced to its data; meanwhile a skip-step rule (mean + 6σ of the last 128 \
+             losses) or update clipping keeps one spike from moving the weights."
+        }
+    }
+}
+
+/// The L2 norm of every reported module's gradient norm; `None` without one.
+fn global_norm(view: &StepView<'_>) -> Option<f64> {
+    let mut any = false;
+    let sum: f64 = view
+        .group_norms
+        .iter()
+        .map(|(_, n)| {
+            any = true;
+            n * n
+        })
+        .sum();
+    (any && sum.is_finite()).then(|| sum.sqrt())
+}
+
+/// The embedding's gradient norm and the rest's, when the registration names an
+/// embedding and the step reported it.
+fn embedding_split(view: &StepView<'_>) -> (Option<f64>, Option<f64>) {
+    let params = &view.context.registration.params;
+    let is_embedding = |module: &str| {
+        params
+            .iter()
+            .any(|p| p.role() == Role::Embedding && p.module_name() == module)
+    };
+    let (mut embedding, mut rest, mut seen) = (0.0, 0.0, false);
+    for module in &view.record.modules {
+        let Some(norm) = module.grad_norm.map(|n| n.get()).filter(|n| n.is_finite()) else {
+            continue;
+        };
+        if is_embedding(&module.module) {
+            embedding += norm * norm;
+            seen = true;
+        } else {
+            rest += norm * norm;
+        }
+    }
+    if seen {
+        (Some(embedding.sqrt()), Some(rest.sqrt()))
+    } else {
+        (None, None)
+    }
+}
+
+/// `value` over the window's mean, once the window has its history.
+fn ratio(window: &Rolling, value: Option<f64>) -> Option<f64> {
+    let level = window.level().filter(|l| l.count >= MIN_HISTORY)?;
+    (level.mean > 0.0).then(|| value.map(|v| v / level.mean))?
+}
+
+/// A reading into its window, clipped to the spike bar so one spike does not hide
+/// the next.
+fn push_clipped(window: &mut Rolling, value: f64) {
+    let clipped = match window.level() {
+        Some(level) if level.count >= MIN_HISTORY => value.min(level.bar(SIGMAS)),
+        _ => value,
+    };
+    window.push(clipped);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::testing::{record, viewed};
+    use crate::model::alert::Transition;
+    use serde_json::Value;
+
+    /// A healthy loss falling with noise and a gradient norm around 0.6, from the
+    /// probe's numbers; `bad` replaces one step with the bad batch's.
+    fn run(steps: u64, edit: impl Fn(u64, &mut Value)) -> Vec<(u64, Transition)> {
+        let mut detector = LossSpike::default();
+        let records: Vec<_> = (0..steps)
+            .map(|step| {
+                let noise = ((step * 7919) % 13) as f64 / 13.0 - 0.5;
+                let loss = 1.2 + 4.0 * (-(step as f64) / 20.0).exp() + 0.1 * noise;
+                let grad = 0.6 + 0.1 * noise;
+                let mut value = json!({"step": step, "loss": loss,
+                    "modules": [{"module": "tok", "grad_norm": grad * 0.1},
+                                {"module": "layers.0", "grad_norm": grad}],
+                    "batch": {"ids": [format!("b{step}")]}});
+                edit(step, &mut value);
+                record(value)
+            })
+            .collect();
+        viewed(records, |view, alerts| detector.on_step(view, alerts))
+    }
+
+    fn opened(t: &[(u64, Transition)]) -> Vec<(u64, Opened)> {
+        t.iter()
+            .filter_map(|(s, t)| match t {
+                Transition::Open(o) => Some((*s, o.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_one_step_bad_batch_is_named_at_its_step_with_its_ids() {
+        let t = run(300, |step, v| {
+            if step == 150 {
+                v["loss"] = json!(8.05);
+                v["modules"][1]["grad_norm"] = json!(20.9);
+            }
+        });
+        let opened = opened(&t);
+        assert_eq!(opened.len(), 1, "{t:?}");
+        let (at, alert) = &opened[0];
+        assert_eq!(
+            (*at, alert.step, alert.first_step),
+            (151, Some(150), Some(150))
+        );
+        assert_eq!(alert.evidence["cause"], "data_batch");
+        assert_eq!(alert.evidence["batch_ids"], json!(["b150"]));
+        assert!(alert.detail.contains("b150"), "{}", alert.detail);
+    }
+
+    #[test]
+    fn a_micro_batch_far_above_the_others_is_named_at_once() {
+        let t = run(200, |step, v| {
+            if step == 120 {
+                v["loss"] = json!(9.0);
+                v["batch"]["micro_losses"] = json!([1.2, 1.3, 9.5, 1.25]);
+            }
+            if step > 120 {
+                v["loss"] = json!(9.0);
+            }
+        });
+        let opened = opened(&t);
+        assert_eq!(opened.len(), 1, "{t:?}");
+        assert_eq!(opened[0].0, 120);
+        assert_eq!(opened[0].1.evidence["cause"], "data_batch");
+        assert!(opened[0].1.detail.contains("Micro-batch 2"));
+    }
+
+    #[test]
+    fn an_update_spike_before_the_loss_spike_blames_the_optimizer_state() {
+        let t = run(200, |step, v| {
+            if step % 10 == 0 {
+                let rms = if step == 140 { 0.9 } else { 0.22 };
+                v["modules"][1]["adam"] = json!({"update_rms": rms});
+            }
+            if step >= 150 {
+                v["loss"] = json!(6.0);
+            }
+        });
+        let opened = opened(&t);
+        assert_eq!(opened.len(), 1, "{t:?}");
+        assert_eq!(opened[0].1.evidence["cause"], "optimizer_state");
+        assert_eq!(opened[0].1.evidence["update_spike"]["step"], 140);
+    }
+
+    #[test]
+    fn healthy_losses_stay_silent() {
+        // The falling loss with noise, warm-up included.
+        assert!(run(400, |_, _| {}).is_empty());
+        // A loss converged to a flat line with tiny noise, then a blip of 10 %.
+        let t = run(300, |step, v| {
+            let loss = if step == 250 {
+                1.1e-3
+            } else {
+                1e-3 + 1e-7 * (step % 3) as f64
+            };
+            v["loss"] = json!(loss);
+        });
+        assert!(t.is_empty(), "{t:?}");
+        // A gradient norm that moves 20× in 15 steps while the loss does not spike.
+        let t = run(300, |step, v| {
+            if (200..215).contains(&step) {
+                v["modules"][1]["grad_norm"] = json!(0.6 * (1 + step - 200) as f64 * 1.4);
+            }
+        });
+        assert!(t.is_empty(), "{t:?}");
+        // A spike within the warm-up history is not judged.
+        let t = run(200, |step, v| {
+            if step == 30 {
+                v["loss"] = json!(20.0);
+            }
+        });
+        assert!(t.is_empty(), "{t:?}");
+    }
+}
