@@ -13,7 +13,7 @@ use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
 use gradflow_core::model::metric::{Metric, MetricName, is_users_metric};
 use gradflow_core::model::series_kind::SeriesKind;
 
-use super::data::{Axis, LegendPlace, LineChart, Window, line_of};
+use super::shapes::{Axis, LegendPlace, LineChart, Window, line_of};
 
 /// The fewest runs a comparison takes.
 pub const MIN_RUNS: usize = 2;

@@ -7,8 +7,8 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::colors::colormaps::{ColorMap, ViridisRGB};
 
-use super::data::{FlowCell, GradFlow};
 use super::lines::draw_empty;
+use super::shapes::{FlowCell, GradFlow};
 use super::{
     FONT, LABEL_SIZE, NON_FINITE, NOT_REACHED, TITLE_SIZE, ZERO, fit_from_the_end, plot_error,
     power_of_ten_label,

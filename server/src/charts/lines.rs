@@ -17,7 +17,7 @@ use plotters::coord::Shift;
 use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 
-use super::data::{Axis, LegendPlace, LineChart};
+use super::shapes::{Axis, LegendPlace, LineChart};
 use super::{
     BAND, FONT, LABEL_SIZE, NON_FINITE, PALETTE, TITLE_SIZE, fit_from_the_end, plot_error,
     power_of_ten_label,
@@ -972,7 +972,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::charts::data::{Axis, Band, ChartData, Line};
+    use crate::charts::shapes::{Axis, Band, ChartData, Line};
     use crate::charts::{Format, render};
 
     /// The number after `name="` in an SVG element's text.

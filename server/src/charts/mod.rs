@@ -2,6 +2,8 @@
 //!
 //! # Layout
 //!
+//! - [`shapes`]: what a chart is made of (lines, bands, axes, panels, the heatmap's
+//!   cells), imported by every other chart module and importing none.
 //! - [`data`]: what each chart shows, gathered from the store's rollups and the
 //!   run's alerts.
 //! - [`lines`]: line charts (group norms, norm drift, loss scale, loss, GPU).
@@ -21,6 +23,7 @@ pub mod grad_flow;
 pub mod lines;
 pub mod panels;
 pub mod ranks;
+pub mod shapes;
 pub mod user_metrics;
 
 use std::sync::Once;
@@ -29,7 +32,7 @@ use anyhow::Context;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-pub use data::ChartData;
+pub use shapes::ChartData;
 
 gradflow_protocol::vocabulary! {
     /// The charts `GET /api/v1/runs/{run_id}/charts/{chart}.{svg,png}` serves.

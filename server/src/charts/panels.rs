@@ -5,8 +5,8 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::data::Panels;
 use super::lines::{self, draw_empty};
+use super::shapes::Panels;
 use super::{FONT, MAX_SIDE, MIN_SIDE, TITLE_SIZE, fit_from_the_end, plot_error};
 
 /// A panel's height, and the narrowest a panel gets before the grid has fewer

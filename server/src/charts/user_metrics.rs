@@ -11,8 +11,8 @@ use gradflow_core::model::metric::is_users_metric;
 use gradflow_core::model::series_kind::SeriesKind;
 use gradflow_core::series::Buckets;
 
-use super::data::{Axis, LegendPlace, LineChart, Panels, Window, line_of};
 use super::panels::grid;
+use super::shapes::{Axis, LegendPlace, LineChart, Panels, Window, line_of};
 
 /// The most panels one chart draws: fifteen rows of three at the run page's width,
 /// within the tallest chart. The page's table lists every name.
