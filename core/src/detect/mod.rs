@@ -66,38 +66,20 @@
 //! Add its kind's row to [`crate::model::alert::AlertKind`]'s table, write its file
 //! here (a struct with its own state and `on_step(&mut self, &StepView, &mut
 //! Alerts)`, the rule and the traces it was checked against in its doc comment, its
-//! unit tests through `testing`), and name it in [`DetectorSet`].
+//! unit tests through `testing`), and add its line to `streaming_detectors!` below: that
+//! one line declares its module, stores its state and runs it.
 
-pub mod accumulation_reset;
-pub mod adam_eps_dominated;
-pub mod adam_update_spike;
-pub mod attention_logit_growth;
 pub mod context;
 pub mod episode;
-pub mod eval_mode;
-pub mod explosion;
-pub mod first_step;
-pub mod frozen_norm;
-pub mod grad_nonfinite;
-pub mod grads_not_zeroed;
 pub mod layers;
 mod loop_wiring;
-pub mod loss_divergence;
-pub mod loss_nonfinite;
-pub mod loss_scale_collapse;
-pub mod loss_spike;
 pub mod precision;
 pub mod ranks;
 pub mod registration;
 pub mod rolling;
-pub mod scaler_overflow;
-pub mod stuck_zero;
 pub(crate) mod testing;
 pub mod thresholds;
-pub mod unused;
 pub mod update_levels;
-pub mod update_rounded_away;
-pub mod vanishing;
 pub mod view;
 pub mod wiring;
 pub mod wording;
@@ -112,34 +94,77 @@ pub use thresholds::{Detection, Thresholds};
 pub use view::StepView;
 pub use wording::{sci, step_range};
 
-/// Every streaming detector's state for one run, and the run's open episodes.
-/// Serialized with the run (as JSON) in the transaction of each batch, so a
-/// restarted server continues every streak and every episode.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DetectorSet {
-    pub stuck_zero: stuck_zero::StuckZeroGrad,
-    pub frozen_norm: frozen_norm::FrozenNormWeight,
-    pub scaler_overflow: scaler_overflow::ScalerOverflowStreak,
-    pub grad_nonfinite: grad_nonfinite::GradNonfinite,
-    pub loss_nonfinite: loss_nonfinite::LossNonfinite,
-    pub explosion: explosion::GradExplosion,
-    pub vanishing: vanishing::GradVanishing,
-    pub unused: unused::UnusedParameters,
-    pub loss_divergence: loss_divergence::LossDivergence,
-    pub grads_not_zeroed: grads_not_zeroed::GradsNotZeroed,
-    pub accumulation_reset: accumulation_reset::AccumulationReset,
-    pub eval_mode: eval_mode::EvalMode,
-    pub first_step: first_step::FirstStepHint,
-    pub update_rounded_away: update_rounded_away::UpdateRoundedAway,
-    pub ranks: ranks::RankDetectors,
-    pub loss_spike: loss_spike::LossSpike,
-    pub loss_scale_collapse: loss_scale_collapse::LossScaleCollapse,
-    pub attention_logit_growth: attention_logit_growth::AttentionLogitGrowth,
-    pub adam_eps_dominated: adam_eps_dominated::AdamEpsDominated,
-    pub adam_update_spike: adam_update_spike::AdamUpdateSpike,
-    /// Which alerts are open: every detector opens and ends alerts through it.
-    pub episodes: Episodes,
+/// The streaming detectors, one line each, in the order they run on a step: each
+/// line declares the detector's module (`detect/<module>.rs`) and its state type,
+/// which becomes [`DetectorSet`]'s field of the module's name (the name its state is
+/// stored under: renaming one loses that state on a restart) and one call of its
+/// `on_step(&mut self, &StepView, &mut Alerts)` in [`DetectorSet::on_step`] (which
+/// the list writes, so that the detectors borrow the open episodes side by side).
+macro_rules! streaming_detectors {
+    ($($module:ident :: $state:ident,)*) => {
+        $(pub mod $module;)*
+
+        /// Every streaming detector's state for one run, and the run's open episodes.
+        /// Serialized with the run (as JSON) in the transaction of each batch, so a
+        /// restarted server continues every streak and every episode.
+        #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+        #[serde(default)]
+        pub struct DetectorSet {
+            $(pub $module: $module::$state,)*
+            /// What only multi-rank runs break, judged on each combined step.
+            pub ranks: ranks::RankDetectors,
+            /// Which alerts are open: every detector opens and ends alerts through it.
+            pub episodes: Episodes,
+        }
+
+        impl DetectorSet {
+            /// Runs every streaming detector on one step record, in the list's order
+            /// (and, for a multi-rank run's combined step, the rank detectors on its
+            /// view of the ranks), after what an amendment taking effect on it opens
+            /// (`amended`: the registration in force before it).
+            pub fn on_step(
+                &mut self,
+                context: &RunContext,
+                record: &StepRecord,
+                amended: Option<&RunContext>,
+                ranks: Option<&ranks::RankView>,
+            ) -> Vec<Transition> {
+                let step = StepView::new(context, record);
+                let mut alerts = self.episodes.at(record.step);
+                if let Some(before) = amended {
+                    on_amendment(before, context, record.step, &mut alerts);
+                }
+                $(self.$module.on_step(&step, &mut alerts);)*
+                if let Some(view) = ranks {
+                    self.ranks.on_step(view, &mut alerts);
+                }
+                alerts.finish()
+            }
+        }
+    };
+}
+
+streaming_detectors! {
+    loss_nonfinite::LossNonfinite,
+    loss_divergence::LossDivergence,
+    grad_nonfinite::GradNonfinite,
+    grads_not_zeroed::GradsNotZeroed,
+    accumulation_reset::AccumulationReset,
+    eval_mode::EvalMode,
+    stuck_zero::StuckZeroGrad,
+    frozen_norm::FrozenNormWeight,
+    update_rounded_away::UpdateRoundedAway,
+    scaler_overflow::ScalerOverflowStreak,
+    explosion::GradExplosion,
+    vanishing::GradVanishing,
+    unused::UnusedParameters,
+    loss_spike::LossSpike,
+    loss_scale_collapse::LossScaleCollapse,
+    attention_logit_growth::AttentionLogitGrowth,
+    adam_eps_dominated::AdamEpsDominated,
+    adam_update_spike::AdamUpdateSpike,
+    // Last: after the streak verdicts of the same step, which confirm what it named.
+    first_step::FirstStepHint,
 }
 
 impl DetectorSet {
@@ -147,48 +172,6 @@ impl DetectorSet {
     /// returns them as they opened.
     pub fn on_registration(&mut self, context: &RunContext) -> Vec<Opened> {
         self.episodes.open_all(registration::check(context))
-    }
-
-    /// Runs every streaming detector on one step record, in order (and, for a
-    /// multi-rank run's combined step, the rank detectors on its view of the ranks),
-    /// after what an amendment taking effect on it opens (`amended`: the registration
-    /// in force before it).
-    pub fn on_step(
-        &mut self,
-        context: &RunContext,
-        record: &StepRecord,
-        amended: Option<&RunContext>,
-        ranks: Option<&ranks::RankView>,
-    ) -> Vec<Transition> {
-        let step = StepView::new(context, record);
-        let mut alerts = self.episodes.at(record.step);
-        if let Some(before) = amended {
-            on_amendment(before, context, record.step, &mut alerts);
-        }
-        self.loss_nonfinite.on_step(&step, &mut alerts);
-        self.loss_divergence.on_step(&step, &mut alerts);
-        self.grad_nonfinite.on_step(&step, &mut alerts);
-        self.grads_not_zeroed.on_step(&step, &mut alerts);
-        self.accumulation_reset.on_step(&step, &mut alerts);
-        self.eval_mode.on_step(&step, &mut alerts);
-        self.stuck_zero.on_step(&step, &mut alerts);
-        self.frozen_norm.on_step(&step, &mut alerts);
-        self.update_rounded_away.on_step(&step, &mut alerts);
-        self.scaler_overflow.on_step(&step, &mut alerts);
-        self.explosion.on_step(&step, &mut alerts);
-        self.vanishing.on_step(&step, &mut alerts);
-        self.unused.on_step(&step, &mut alerts);
-        self.loss_spike.on_step(&step, &mut alerts);
-        self.loss_scale_collapse.on_step(&step, &mut alerts);
-        self.attention_logit_growth.on_step(&step, &mut alerts);
-        self.adam_eps_dominated.on_step(&step, &mut alerts);
-        self.adam_update_spike.on_step(&step, &mut alerts);
-        // After the streak verdicts of the same step, which confirm what it named.
-        self.first_step.on_step(&step, &mut alerts);
-        if let Some(view) = ranks {
-            self.ranks.on_step(view, &mut alerts);
-        }
-        alerts.finish()
     }
 }
 

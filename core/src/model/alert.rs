@@ -11,7 +11,8 @@ vocabulary! {
     /// of it. A kind a client's wiring finding raises borrows the finding's name.
     ///
     /// Adding a kind is adding a row here, a detector that opens it (one file under
-    /// `detect/`, with its tests) and its row in docs/PROTOCOL.md.
+    /// `detect/`, with its tests, named on one line of `detect/mod.rs`'s list) and its
+    /// row in docs/PROTOCOL.md.
     pub enum AlertKind: KindSpec {
         GradStuckZero = "grad_stuck_zero" => KindSpec::new(&[Severity::Critical]),
         NormWeightFrozen = "norm_weight_frozen" => KindSpec::new(&[Severity::Critical]),
