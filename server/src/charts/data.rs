@@ -3,87 +3,16 @@
 
 use gradflow_protocol::{Dtype, RunId, RunRegistration};
 
-use crate::store::alerts::AlertFilter;
-use crate::store::{SeriesRequest, Store, StoreResult, StoredRun};
+use crate::store::{Store, StoreResult, StoredRun};
 use gradflow_core::detect::precision::{describe_magnitude, smallest_change};
 use gradflow_core::detect::{AlertKind, sci};
 use gradflow_core::model::cell::{Cell, widen_for_display};
 use gradflow_core::model::series_kind::SeriesKind;
 use gradflow_core::series::Buckets;
 
-use super::shapes::{
-    Axis, Band, ChartData, FlowCell, GradFlow, LegendPlace, Line, LineChart, Window, line_of,
-};
-use super::{ChartKind, user_metrics};
-
-async fn read(
-    store: &Store,
-    run: &RunId,
-    kind: SeriesKind,
-    subject: &str,
-    window: Window,
-) -> StoreResult<Line> {
-    read_with(store, run, kind, subject, window, false).await
-}
-
-/// Reads a line; with `null_as_zero`, "reported without a gradient" is drawn as 0
-/// (on a log axis: the floor), so a cut-off group shows as a line along the bottom
-/// instead of vanishing.
-async fn read_with(
-    store: &Store,
-    run: &RunId,
-    kind: SeriesKind,
-    subject: &str,
-    window: Window,
-    null_as_zero: bool,
-) -> StoreResult<Line> {
-    let data = store
-        .series(
-            run,
-            &SeriesRequest {
-                candidates: vec![(kind, subject.to_owned())],
-                from: window.from,
-                to: window.to,
-                max_points: Some(window.points.max(2)),
-                stream: crate::store::RUN_STREAM,
-            },
-        )
-        .await?;
-    Ok(line_of(subject, data.points, null_as_zero))
-}
-
-/// The episodes of `run`'s alerts of `kind` within `window`, each labelled with
-/// its kind and subject.
-pub(super) async fn bands(
-    store: &Store,
-    run: &RunId,
-    kind: AlertKind,
-    window: Window,
-) -> StoreResult<Vec<Band>> {
-    let alerts = store
-        .alerts(&AlertFilter {
-            run_id: Some(run.as_str().to_owned()),
-            kind: Some(kind),
-            ..AlertFilter::default()
-        })
-        .await?;
-    Ok(alerts
-        .into_iter()
-        .filter_map(|a| {
-            let from = a.first_step.unwrap_or(0).max(0) as u64;
-            let to = a
-                .resolved_step
-                .map(|s| (s - 1).max(0) as u64)
-                .or(a.last_step.map(|s| s as u64))
-                .unwrap_or(window.to);
-            (to >= window.from && from <= window.to).then(|| Band {
-                from: from.max(window.from),
-                to: to.min(window.to),
-                label: format!("{}: {}", a.kind, a.subject),
-            })
-        })
-        .collect())
-}
+use super::reads::{bands, read, read_with};
+use super::shapes::{Axis, ChartData, FlowCell, GradFlow, LegendPlace, Line, LineChart, Window};
+use super::{ChartKind, signals, user_metrics};
 
 /// The run's step range, clipped to what was asked.
 pub fn window(stored: &StoredRun, from: Option<u64>, to: Option<u64>, points: usize) -> Window {
@@ -131,6 +60,10 @@ pub async fn gather(
         }
         ChartKind::NormDrift => norm_drift(store, run, stored, window).await?,
         ChartKind::Metrics => ChartData::Panels(user_metrics::gather(store, run, window).await?),
+        ChartKind::AttentionLogits | ChartKind::AdamUpdates | ChartKind::MoeLoads => {
+            let chart = signals::gather(store, run, kind, window).await?;
+            ChartData::Lines(chart.expect("a per-layer signal chart"))
+        }
         ChartKind::Scaler => {
             let scale = read(store, run, SeriesKind::ScalerScale, "", window).await?;
             let found_inf = read(store, run, SeriesKind::FoundInf, "", window).await?;

@@ -501,6 +501,7 @@ where
     let lanes = zero_lanes(&chart.primary);
     for (i, line) in chart.primary.lines.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
+        let width = line.width();
         let lane = lanes[i].unwrap_or(0);
         let points: Vec<(u64, f64)> = line
             .points
@@ -512,24 +513,29 @@ where
                 .map_err(plot_error)?;
         }
         if i < PALETTE.len() {
-            cc.draw_series(LineSeries::new(points, color.stroke_width(2)))
+            cc.draw_series(LineSeries::new(points, color.stroke_width(width)))
                 .map_err(plot_error)?
                 .label(line.label.as_str())
                 .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(width))
                 });
         } else {
-            cc.draw_series(DashedLineSeries::new(points, 7, 4, color.stroke_width(2)))
-                .map_err(plot_error)?
-                .label(line.label.as_str())
-                .legend(move |(x, y)| {
-                    plotters::element::DashedPathElement::new(
-                        vec![(x, y), (x + 16, y)],
-                        5,
-                        3,
-                        color.stroke_width(2),
-                    )
-                });
+            cc.draw_series(DashedLineSeries::new(
+                points,
+                7,
+                4,
+                color.stroke_width(width),
+            ))
+            .map_err(plot_error)?
+            .label(line.label.as_str())
+            .legend(move |(x, y)| {
+                plotters::element::DashedPathElement::new(
+                    vec![(x, y), (x + 16, y)],
+                    5,
+                    3,
+                    color.stroke_width(width),
+                )
+            });
         }
     }
     if let (Some(axis), Some(scale)) = (&chart.secondary, frame.secondary) {
@@ -705,7 +711,7 @@ fn legend_of(chart: &LineChart) -> Vec<(String, Sample)> {
             line.label.clone(),
             Sample::Line {
                 color: PALETTE[i % PALETTE.len()],
-                width: 2,
+                width: line.width(),
                 dashed: i >= PALETTE.len(),
             },
         ));
@@ -995,6 +1001,7 @@ mod tests {
                     label: "loss".into(),
                     points: (0..139).map(|s| (s, 2.0 - s as f64 / 100.0)).collect(),
                     nonfinite: vec![139],
+                    emphasis: false,
                 }],
             },
             secondary: None,
@@ -1029,6 +1036,7 @@ mod tests {
             label: label.into(),
             points: (0..100).map(|s| (s, 1.0 + s as f64 / 100.0)).collect(),
             nonfinite: vec![],
+            emphasis: false,
         };
         let chart = LineChart {
             title: "t".into(),
@@ -1078,6 +1086,7 @@ mod tests {
                 label: format!("rank {r}"),
                 points: (0..50).map(|s| (s, 0.1 + r as f64 * 0.01)).collect(),
                 nonfinite: vec![],
+                emphasis: false,
             })
             .collect();
         let chart = LineChart {

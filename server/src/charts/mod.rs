@@ -4,12 +4,16 @@
 //!
 //! - [`shapes`]: what a chart is made of (lines, bands, axes, panels, the heatmap's
 //!   cells), imported by every other chart module and importing none.
+//! - [`reads`]: the store reads every chart shares (a series as a line, an alert's
+//!   episodes as bands).
 //! - [`data`]: what each chart shows, gathered from the store's rollups and the
 //!   run's alerts.
 //! - [`lines`]: line charts (group norms, norm drift, loss scale, loss, GPU).
 //! - [`grad_flow`]: the module × step heatmap that shows a cut graph at a glance.
 //! - [`user_metrics`]: the run's own `metrics` (reward, accuracy, …), a panel each,
 //!   drawn by [`panels`] as small multiples of [`lines`] charts.
+//! - [`signals`]: the per-layer views of the instability signals (attention logits,
+//!   Adam updates, MoE loads), a line per module, drawn by [`lines`].
 //! - [`compare`]: one metric of several runs, a line per run, drawn by [`lines`].
 //! - [`ranks`]: a multi-rank run's ranks (where each stands) and one metric per
 //!   rank, a line per rank, drawn by [`lines`].
@@ -23,7 +27,9 @@ pub mod grad_flow;
 pub mod lines;
 pub mod panels;
 pub mod ranks;
+pub mod reads;
 pub mod shapes;
+pub mod signals;
 pub mod user_metrics;
 
 use std::sync::Once;
@@ -44,6 +50,9 @@ gradflow_protocol::vocabulary! {
         Loss = "loss",
         Gpu = "gpu",
         Metrics = "metrics",
+        AttentionLogits = "attention-logits",
+        AdamUpdates = "adam-updates",
+        MoeLoads = "moe-loads",
     }
 }
 

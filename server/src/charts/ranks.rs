@@ -19,8 +19,8 @@ use gradflow_core::model::metric::MetricName;
 use gradflow_core::model::series_kind::SeriesKind;
 
 use super::DEFAULT_HEIGHT;
-use super::data::bands;
 use super::lines::LEGEND_ROW_PX;
+use super::reads::bands;
 use super::shapes::{Axis, Band, LegendPlace, LineChart, Window, line_of};
 
 /// The most ranks one chart draws a line for: beyond that the lines are a tangle,

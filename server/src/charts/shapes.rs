@@ -12,6 +12,16 @@ pub struct Line {
     pub points: Vec<(u64, f64)>,
     /// Steps whose value was NaN or infinite.
     pub nonfinite: Vec<u64>,
+    /// Drawn thicker: the line of the module an alert names, among its layer's
+    /// neighbours.
+    pub emphasis: bool,
+}
+
+impl Line {
+    /// The stroke's width in pixels.
+    pub fn width(&self) -> u32 {
+        if self.emphasis { 4 } else { 2 }
+    }
 }
 
 /// A shaded stretch of steps (an alert's episode).

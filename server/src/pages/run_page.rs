@@ -95,6 +95,10 @@ pub async fn show_run(
     let has_gpu = reported.contains(&SeriesKind::GpuMemoryUsedBytes)
         || reported.contains(&SeriesKind::GpuUtilizationPct);
     let own_metrics = charts::user_metrics::names(&state.store, &run_id).await?;
+    let signal_charts: Vec<ChartKind> = ChartKind::ALL
+        .into_iter()
+        .filter(|&kind| charts::signals::series_of(kind).is_some_and(|s| reported.contains(&s)))
+        .collect();
     let modules = module_rows(&run.registration, latest.as_ref());
     let view = RunView {
         run: &run,
@@ -110,7 +114,7 @@ pub async fn show_run(
         (view.meta(&open))
         (alerts_section(&open, &resolved))
         (view.range_form())
-        (view.charts(has_scaler, has_gpu, &own_metrics))
+        (view.charts(has_scaler, has_gpu, &own_metrics, &signal_charts))
         (modules_section(&modules, latest.as_ref().map(|l| l.step)))
         (registration_section(&run))
     };
@@ -118,6 +122,34 @@ pub async fn show_run(
         StatusCode::OK,
         layout::page(title, Some(("run", Some(&run.run_id))), body),
     ))
+}
+
+/// The alt text of a per-layer signal chart.
+fn signal_alt(kind: ChartKind) -> &'static str {
+    match kind {
+        ChartKind::AttentionLogits => {
+            "The largest attention logit of each attention module over steps, on a log axis, with the warning and critical bars"
+        }
+        ChartKind::AdamUpdates => {
+            "The RMS of each module's Adam update over the lr, over steps, on a log axis"
+        }
+        _ => "The share of the tokens each MoE layer's busiest expert took, over steps",
+    }
+}
+
+/// The caption of a per-layer signal chart: what to look for.
+fn signal_caption(kind: ChartKind) -> &'static str {
+    match kind {
+        ChartKind::AttentionLogits => {
+            "Attention logits per module (log axis). A line climbing through the dashed bars is a layer heading for attention collapse;              the module an attention_logit_growth alert names is drawn thicker."
+        }
+        ChartKind::AdamUpdates => {
+            "Adam update RMS / lr per module (log axis). A module's jump above its own level often precedes a loss spike;              the module an adam_update_spike alert names is drawn thicker, its episodes shaded."
+        }
+        _ => {
+            "Busiest expert's share of tokens per MoE layer. A layer that stays above the dashed half has collapsed onto one expert."
+        }
+    }
 }
 
 /// The height on the run page of the charts whose legend goes under the plot (the
@@ -249,7 +281,13 @@ impl RunView<'_> {
     /// The charts over the range. Without an upper bound they end at the last step
     /// stored, so their address changes as the run grows and the live update loads
     /// them again.
-    fn charts(&self, has_scaler: bool, has_gpu: bool, own_metrics: &[String]) -> Markup {
+    fn charts(
+        &self,
+        has_scaler: bool,
+        has_gpu: bool,
+        own_metrics: &[String],
+        signal_charts: &[ChartKind],
+    ) -> Markup {
         let to = self.to.or(self.run.last_step);
         let src = |kind: ChartKind, width: u32| {
             let mut url = format!(
@@ -312,6 +350,13 @@ impl RunView<'_> {
                             (figure(ChartKind::Gpu, 600, "chart",
                                 "GPU memory and utilisation over steps",
                                 "GPU memory and utilisation."))
+                        }
+                    }
+                    @if !signal_charts.is_empty() {
+                        div.chart-grid {
+                            @for &kind in signal_charts {
+                                (figure(kind, 600, "chart", signal_alt(kind), signal_caption(kind)))
+                            }
                         }
                     }
                     @if !own_metrics.is_empty() {

@@ -33,7 +33,7 @@ pub struct ChartParams {
 
 #[utoipa::path(get, path = "/api/v1/runs/{run_id}/charts/{file}", tag = "charts",
     params(crate::api_types::RunIdPath,
-        ("file" = String, Path, description = "grad-flow, group-grad-norms, norm-drift, scaler, loss, gpu, metrics (the run's own metrics, a panel each) or ranks (one metric per rank), with .svg or .png"),
+        ("file" = String, Path, description = "grad-flow, group-grad-norms, norm-drift, scaler, loss, gpu, metrics (the run's own metrics, a panel each), attention-logits, adam-updates, moe-loads (a v1.8 signal, a line per module) or ranks (one metric per rank), with .svg or .png"),
         ("from_step" = Option<u64>, Query, description = "First step"),
         ("to_step" = Option<u64>, Query, description = "Last step"),
         ("width" = Option<u32>, Query, description = "Pixels, 300 to 4000"),

@@ -377,3 +377,116 @@ async fn a_frozen_bf16_norm_chart_shows_the_lr_under_the_smallest_change_and_eve
         );
     }
 }
+
+/// A run whose second attention layer's logits climb past QK-Clip's τ while the
+/// first stays low (attention_logit_growth opens on the second), with an Adam
+/// update per module and an MoE layer's loads.
+async fn logit_growth_run(app: &TestApp) {
+    let registration = json!({"params": [
+        {"name": "layers.0.attn.weight"}, {"name": "layers.1.attn.weight"}],
+        "signals": {"attention": 1, "adam": 1, "moe": 1}});
+    assert_eq!(app.register("logits", &registration).await.status(), 201);
+    let steps: Vec<Value> = (0..30)
+        .map(|s| {
+            let grown = 2.0 * 1.3f64.powi(s);
+            json!({"step": s, "loss": 2.0,
+            "modules": [
+                {"module": "layers.0.attn", "grad_norm": 0.5, "attn_max_logit": 4.0,
+                 "adam": {"updated": 64, "below_eps": 0.0, "update_rms": 0.5, "update_absmax": 1.0}},
+                {"module": "layers.1.attn", "grad_norm": 0.5, "attn_max_logit": grown,
+                 "adam": {"updated": 64, "below_eps": 0.0, "update_rms": 0.25, "update_absmax": 1.0}}],
+            "moe": [{"module": "layers.0.mlp.gate", "tokens_per_expert": [12, 2, 1, 1]}]})
+        })
+        .collect();
+    assert_eq!(
+        app.post_steps("logits", &Value::Array(steps))
+            .await
+            .status(),
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_signal_charts_draw_a_line_per_module_and_stress_the_alerts_layer() {
+    let app = TestApp::spawn().await;
+    logit_growth_run(&app).await;
+    let (_, alerts) = app.get_json("/api/v1/alerts?run_id=logits").await;
+    let kinds: Vec<(&str, &str)> = alerts["alerts"]
+        .as_array()
+        .expect("alerts")
+        .iter()
+        .map(|a| (a["kind"].as_str().unwrap(), a["subject"].as_str().unwrap()))
+        .collect();
+    assert!(
+        kinds.contains(&("attention_logit_growth", "layers.1.attn")),
+        "{kinds:?}"
+    );
+    for (chart, must_contain, must_not) in [
+        (
+            "attention-logits",
+            vec![
+                "Largest attention logit by module",
+                "100: QK-Clip τ, warning",
+                "1000: critical",
+                "shaded: attention_logit_growth: layers.1.attn",
+                "layers.0.attn",
+                "layers.1.attn (attention_logit_growth)",
+            ],
+            "layers.0.attn (",
+        ),
+        (
+            "adam-updates",
+            vec![
+                "Adam update RMS over the lr by module",
+                "layers.0.attn",
+                "layers.1.attn",
+            ],
+            "(adam_update_spike)",
+        ),
+        (
+            "moe-loads",
+            vec![
+                "Busiest expert",
+                "layers.0.mlp.gate",
+                "half the tokens on one expert",
+            ],
+            "shaded:",
+        ),
+    ] {
+        let svg = text(
+            &app,
+            &format!("/api/v1/runs/logits/charts/{chart}.svg?width=700"),
+        )
+        .await;
+        for text in must_contain {
+            assert!(svg.contains(text), "{chart} lacks {text:?}");
+        }
+        assert!(!svg.contains(must_not), "{chart} has {must_not:?}");
+    }
+    let logits = text(&app, "/api/v1/runs/logits/charts/attention-logits.svg").await;
+    assert!(
+        logits.contains("stroke-width=\"4\""),
+        "the alert's layer is drawn thicker"
+    );
+
+    // The run page shows the charts of the signals a run reported, and only those.
+    let shown = text(&app, "/runs/logits").await;
+    for id in [
+        "chart-attention-logits",
+        "chart-adam-updates",
+        "chart-moe-loads",
+    ] {
+        assert!(shown.contains(id), "the run page lacks {id}");
+    }
+    cut_run(&app).await;
+    let plain = text(&app, "/runs/cut").await;
+    assert!(plain.contains("chart-grad-flow"));
+    assert!(!plain.contains("chart-attention-logits"));
+}
+
+/// The body of a GET that must answer 200.
+async fn text(app: &TestApp, path: &str) -> String {
+    let response = app.client.get(app.url(path)).send().await.unwrap();
+    assert_eq!(response.status(), 200, "{path}");
+    response.text().await.unwrap()
+}
