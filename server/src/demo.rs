@@ -19,7 +19,7 @@ use crate::startup::{Application, shutdown_signal};
 /// The scenarios the demo runs, in order: healthy first, then each failure, then
 /// prompt caching. The two healthy ones raise no warning at all; each failure raises
 /// exactly the alerts its scenario names (README's table; `tests/tests/demo.rs`).
-pub const SCENARIOS: [&str; 9] = [
+pub const SCENARIOS: [&str; 10] = [
     "healthy",
     "detached-prompt",
     "bf16-frozen-norms",
@@ -27,6 +27,7 @@ pub const SCENARIOS: [&str; 9] = [
     "fp16-overflow",
     "nan-gradient",
     "lr-too-high",
+    "attention-logit-growth",
     "scaler-on-bf16",
     "prompt-caching",
 ];

@@ -14,7 +14,8 @@ use crate::train::Faults;
 /// gradflow-trainer: trains a Qwen2 + agent hybrid model on ARC-like tasks and
 /// streams gradient-flow telemetry to a gradflow server. `--scenario` reproduces a
 /// failure: healthy, prompt-caching, detached-prompt, bf16-frozen-norms,
-/// scaler-on-bf16, qwen-not-in-optimizer, fp16-overflow, nan-gradient, lr-too-high.
+/// scaler-on-bf16, qwen-not-in-optimizer, fp16-overflow, nan-gradient, lr-too-high,
+/// attention-logit-growth.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "gradflow-trainer", version, about, long_about = None)]
 pub struct Args {

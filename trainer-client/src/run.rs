@@ -6,7 +6,7 @@ use anyhow::Context;
 use candle_core::{DType, Device};
 use gradflow_protocol::{
     Dtype, Float, LossScaler, Optimizer, ParamGroup, ParamSpec, Precision, RunRegistration,
-    Timestamp,
+    SignalIntervals, Timestamp,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -129,7 +129,12 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
         train: None,
         webhooks: Vec::new(),
         wiring: Vec::new(),
-        signals: None,
+        // The instrumented step measures every attention call of Qwen, which runs
+        // every `qwen_every` steps.
+        signals: options.instrument.then(|| SignalIntervals {
+            attention: Some(u32::try_from(options.qwen_every.max(1)).unwrap_or(u32::MAX)),
+            ..SignalIntervals::default()
+        }),
     }
 }
 

@@ -51,7 +51,7 @@ impl Scenario {
     }
 }
 
-pub const SCENARIOS: [Scenario; 9] = [
+pub const SCENARIOS: [Scenario; 10] = [
     Scenario {
         name: "healthy",
         symptom: "loss falls, every module gets a gradient, norm weights move",
@@ -112,8 +112,19 @@ pub const SCENARIOS: [Scenario; 9] = [
     Scenario {
         name: "lr-too-high",
         symptom: "AdamW at lr 1.0: the loss jumps to ten times its starting value on step 1, and the blow-up leaves a module of the agent with a gradient of exactly 0 from then on",
-        alerts: &["loss_divergence", "grad_stuck_zero"],
+        alerts: &[
+            "loss_divergence",
+            "grad_stuck_zero",
+            "attention_logit_growth",
+        ],
         min_steps: 5,
+        stops_at_once: false,
+    },
+    Scenario {
+        name: "attention-logit-growth",
+        symptom: "AdamW at lr 0.1 with no warm-up and no QK-norm: Qwen's attention logits climb from 0.05 past 100 within 15 steps and attention turns one-hot while the loss still falls; the same lr silences a gate of the agent for a while",
+        alerts: &["attention_logit_growth", "grad_stuck_zero"],
+        min_steps: 60,
         stops_at_once: false,
     },
 ];
@@ -153,6 +164,7 @@ pub fn settings(name: &str) -> anyhow::Result<ScenarioSettings> {
         }
         "nan-gradient" => s.faults.nan_grad_at = Some(30),
         "lr-too-high" => s.lr = 1.0,
+        "attention-logit-growth" => s.lr = 0.1,
         _ => {}
     }
     Ok(s)

@@ -360,8 +360,13 @@ impl Trainer {
         let mut stage_a = vec![loss.reshape(1)?, correct.reshape(1)?];
         let has_grad: Vec<bool> = self.vars.iter().map(|v| grads.get(v).is_some()).collect();
         let present: Vec<&Tensor> = self.vars.iter().filter_map(|v| grads.get(v)).collect();
+        let gradient_sums = 2..2 + present.len();
         stage_a.extend(grad_sums::sums_of_squares(&present, self.grad_sums)?);
         self.mark("gradient sums")?;
+        // After the sums: each attention call's [max logit, min entropy].
+        let (attention, statistics): (Vec<String>, Vec<Tensor>) =
+            outputs.attention.into_iter().unzip();
+        stage_a.extend(statistics);
 
         let before = self.watched.before(&self.vars)?;
         self.mark("norm weights before")?;
@@ -373,7 +378,7 @@ impl Trainer {
         };
         let (found_inf, skipped) = match (&mut self.scaler, &stage_a_host) {
             (Some(scaler), Some(host)) => {
-                let found_inf = host[2..].iter().any(|v| !v.is_finite());
+                let found_inf = host[gradient_sums.clone()].iter().any(|v| !v.is_finite());
                 (Some(found_inf), scaler.update(found_inf))
             }
             _ => (None, false),
@@ -424,6 +429,7 @@ impl Trainer {
             has_grad: &has_grad,
             hook_hits: &hook_hits,
             has_intended: &has_intended,
+            attention: (&attention, &host_a[gradient_sums.end..]),
         };
         let output = self.record(step, &measured, found_inf, skipped);
         self.mark("record")?;
@@ -444,6 +450,7 @@ impl Trainer {
             has_grad,
             hook_hits,
             has_intended,
+            attention,
         } = *measured;
         let loss = host_a[0] as f64;
         let cells = (self.model.preset.batch * self.model.preset.agent.grid_side.pow(2)) as f64;
@@ -462,7 +469,7 @@ impl Trainer {
             .collect();
         let params: Vec<_> = self.model.store.iter().collect();
         let mut qwen_sum = None::<f64>;
-        let modules: Vec<ModuleStep> = self
+        let mut modules: Vec<ModuleStep> = self
             .modules
             .iter()
             .zip(hook_hits)
@@ -485,6 +492,7 @@ impl Trainer {
                 }
             })
             .collect();
+        modules.extend(attention_modules(attention.0, attention.1));
         let stats = self.watched.decode(host_b, has_intended);
         let param_steps: Vec<ParamStep> = self
             .watched
@@ -551,6 +559,33 @@ struct Measured<'a> {
     hook_hits: &'a [u32],
     /// Per watched parameter: whether `host_b` holds its intended-update summary.
     has_intended: &'a [bool],
+    /// Per attention call: its module, and on the host its two statistics in a row.
+    attention: (&'a [String], &'a [f32]),
+}
+
+/// The attention modules' entries of a record: each module's largest logit and
+/// smallest head entropy over its calls this step (`values`: two per call, in the
+/// order of `calls`). They own no parameter, so they carry no gradient norm.
+fn attention_modules(calls: &[String], values: &[f32]) -> Vec<ModuleStep> {
+    let mut modules: Vec<ModuleStep> = Vec::new();
+    for (module, pair) in calls.iter().zip(values.chunks_exact(2)) {
+        let (logit, entropy) = (pair[0] as f64, pair[1] as f64);
+        match modules.iter_mut().find(|m| &m.module == module) {
+            Some(entry) => {
+                let top = entry.attn_max_logit.map_or(logit, |t| t.0.max(logit));
+                let low = entry.attn_min_entropy.map_or(entropy, |l| l.0.min(entropy));
+                entry.attn_max_logit = Some(Float(top));
+                entry.attn_min_entropy = Some(norm(low));
+            }
+            None => modules.push(ModuleStep {
+                module: module.clone(),
+                attn_max_logit: Some(Float(logit)),
+                attn_min_entropy: Some(norm(entropy)),
+                ..Default::default()
+            }),
+        }
+    }
+    modules
 }
 
 /// A norm-like reading as the protocol takes it: never negative. A reduction that

@@ -2,7 +2,7 @@
 //! a causal mask, q/k/v biases, SwiGLU MLP, final norm, tied embeddings. Parameter
 //! names follow the Hugging Face layout under `qwen.` (`model.` in HF checkpoints).
 
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{D, DType, Result, Tensor, Var};
 use gradflow_protocol::Role;
 
 use super::config::Qwen2Config;
@@ -11,6 +11,9 @@ use super::ops::{causal_mask, linear, repeat_kv, rope, rope_tables, softmax_f32}
 use super::{ParamSource, cast, trace};
 
 struct DecoderLayer {
+    /// The attention module's name (`qwen.layers.N.self_attn`), under which its
+    /// statistics are recorded.
+    attention: String,
     input_layernorm: RmsNorm,
     q_proj: Linear,
     k_proj: Linear,
@@ -53,6 +56,7 @@ impl Qwen2 {
         for i in 0..config.num_hidden_layers {
             let m = |name: &str| format!("{prefix}.layers.{i}.{name}");
             layers.push(DecoderLayer {
+                attention: m("self_attn"),
                 input_layernorm: RmsNorm::new(
                     source,
                     m("input_layernorm"),
@@ -166,7 +170,11 @@ impl Qwen2 {
         let k = repeat_kv(&k, heads / kv_heads)?.contiguous()?;
         let v = repeat_kv(&v, heads / kv_heads)?.contiguous()?;
         let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (head_dim as f64).sqrt()))?;
-        let probs = softmax_f32(&scores.broadcast_add(mask)?)?;
+        let masked = scores.broadcast_add(mask)?;
+        let probs = softmax_f32(&masked)?;
+        if trace::capturing() {
+            trace::record_attention(&layer.attention, attention_statistics(&masked, &probs)?);
+        }
         let attended = probs
             .matmul(&v)?
             .transpose(1, 2)?
@@ -179,4 +187,25 @@ impl Qwen2 {
         let mlp = layer.down_proj.forward(&(gate.silu()? * up)?, dtype)?;
         x + mlp
     }
+}
+
+/// `[max logit, min head entropy]` of one attention call, in f32, out of the graph:
+/// the largest pre-softmax logit q·k/√d over the positions the mask allows (masked
+/// ones are −∞), and the smallest over heads of each head's entropy −Σ p ln p
+/// (nats), averaged over the batch and the queries — as the Python client measures
+/// them, so that `attention_logit_growth` reads the same numbers from both.
+fn attention_statistics(masked: &Tensor, probs: &Tensor) -> Result<Tensor> {
+    let max_logit = masked
+        .detach()
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .max(0)?
+        .reshape(1)?;
+    let p = probs.detach().to_dtype(DType::F32)?;
+    // p ln p with 0 ln 0 = 0: the clamp keeps ln finite where p is 0.
+    let p_ln_p = (&p * p.clamp(f32::MIN_POSITIVE, 1.0)?.log()?)?;
+    let entropy = p_ln_p.sum(D::Minus1)?.neg()?; // (batch, heads, queries)
+    let per_head = entropy.mean(2)?.mean(0)?;
+    let min_entropy = per_head.min(0)?.reshape(1)?;
+    Tensor::cat(&[max_logit, min_entropy], 0)
 }

@@ -1,4 +1,5 @@
-//! Which modules backward reached, as PyTorch's full backward hooks would tell.
+//! Which modules backward reached, as PyTorch's full backward hooks would tell, and
+//! what the attention layers saw, as the Python client's attention signals tell.
 //!
 //! Layers record their output tensor as the forward pass makes it (`record`), while
 //! a trainer captures them (`capture`). After the loss is known, `Outputs::hits`
@@ -10,47 +11,86 @@
 //! outside the graph counts, and a module cut off by a `detach` does not, whatever
 //! its parameters received. It costs one walk of the graph on the host, no work on
 //! the device.
+//!
+//! Attention layers record their statistics (`record_attention`) as tensors on the
+//! device, which the trainer brings to the host in the step's one transfer; outside
+//! a capture they are not computed at all (`capturing`).
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 
 use candle_core::{Tensor, TensorId};
 
+/// What one forward pass recorded.
+#[derive(Debug, Default)]
+struct Recorded {
+    outputs: Vec<(String, TensorId)>,
+    attention: Vec<(String, Tensor)>,
+}
+
 thread_local! {
-    /// The outputs recorded so far, while a capture is under way on this thread.
-    static CAPTURING: RefCell<Option<Vec<(String, TensorId)>>> = const { RefCell::new(None) };
+    /// What was recorded so far, while a capture is under way on this thread.
+    static CAPTURING: RefCell<Option<Recorded>> = const { RefCell::new(None) };
 }
 
 /// Notes that `module` produced `output` (nothing happens outside a capture).
 pub fn record(module: &str, output: &Tensor) {
     CAPTURING.with_borrow_mut(|capturing| {
-        if let Some(outputs) = capturing {
-            outputs.push((module.to_owned(), output.id()));
+        if let Some(recorded) = capturing {
+            recorded.outputs.push((module.to_owned(), output.id()));
         }
     });
 }
 
-/// The module outputs one forward pass produced, in the order they were made.
+/// Whether a capture is under way on this thread: statistics that cost device work
+/// are computed only then.
+pub fn capturing() -> bool {
+    CAPTURING.with_borrow(Option::is_some)
+}
+
+/// Notes attention module `module`'s statistics: an f32 tensor of two elements, its
+/// largest pre-softmax logit and its smallest head entropy (nothing happens outside
+/// a capture).
+pub fn record_attention(module: &str, statistics: Tensor) {
+    CAPTURING.with_borrow_mut(|capturing| {
+        if let Some(recorded) = capturing {
+            recorded.attention.push((module.to_owned(), statistics));
+        }
+    });
+}
+
+/// The module outputs one forward pass produced, in the order they were made, and
+/// its attention layers' statistics.
 #[derive(Debug, Default)]
-pub struct Outputs(Vec<(String, TensorId)>);
+pub struct Outputs {
+    outputs: Vec<(String, TensorId)>,
+    /// Per attention module call: its name and its `[max logit, min entropy]`.
+    pub attention: Vec<(String, Tensor)>,
+}
 
 /// Runs `forward`, recording the module outputs it makes on this thread.
 pub fn capture<T>(forward: impl FnOnce() -> T) -> (T, Outputs) {
     /// Ends the capture however `forward` returns, a panic included, and restores
     /// any capture it was nested in.
-    struct Restore(Option<Vec<(String, TensorId)>>);
+    struct Restore(Option<Recorded>);
     impl Drop for Restore {
         fn drop(&mut self) {
             let outer = self.0.take();
             CAPTURING.with_borrow_mut(|capturing| *capturing = outer);
         }
     }
-    let outer = CAPTURING.with_borrow_mut(|capturing| capturing.replace(Vec::new()));
+    let outer = CAPTURING.with_borrow_mut(|capturing| capturing.replace(Recorded::default()));
     let restore = Restore(outer);
     let value = forward();
-    let outputs = CAPTURING.with_borrow_mut(|capturing| capturing.take().unwrap_or_default());
+    let recorded = CAPTURING.with_borrow_mut(|capturing| capturing.take().unwrap_or_default());
     drop(restore);
-    (value, Outputs(outputs))
+    (
+        value,
+        Outputs {
+            outputs: recorded.outputs,
+            attention: recorded.attention,
+        },
+    )
 }
 
 impl Outputs {
@@ -61,7 +101,7 @@ impl Outputs {
         let index: HashMap<&str, usize> =
             modules.iter().enumerate().map(|(k, m)| (*m, k)).collect();
         let mut hits = vec![0u32; modules.len()];
-        for (module, id) in &self.0 {
+        for (module, id) in &self.outputs {
             if reached.contains(id)
                 && let Some(&k) = index.get(module.as_str())
             {

@@ -46,8 +46,13 @@ fn a_healthy_step_gives_every_trainable_tensor_a_gradient() {
     // The trainer's record: every module reached by backward, with a gradient norm.
     let mut trainer = Trainer::new(model, options(DType::F32, DType::F32), &Device::Cpu).unwrap();
     let record = trainer.step(0).unwrap().record.unwrap();
-    assert_eq!(record.modules.len(), trainer.model.store.modules().len());
-    for module in &record.modules {
+    let trained: Vec<_> = record
+        .modules
+        .iter()
+        .filter(|m| m.attn_max_logit.is_none())
+        .collect();
+    assert_eq!(trained.len(), trainer.model.store.modules().len());
+    for module in trained {
         assert_eq!(module.hook_hits, Some(1), "{}", module.module);
         assert!(module.grad_norm.unwrap().get() > 0.0, "{}", module.module);
     }
@@ -71,7 +76,8 @@ fn a_detached_prompt_leaves_every_qwen_tensor_without_a_gradient() {
     opts.faults.detach_prompt = true;
     let mut trainer = Trainer::new(model, opts, &Device::Cpu).unwrap();
     let record = trainer.step(0).unwrap().record.unwrap();
-    for module in &record.modules {
+    // The attention modules' entries carry their statistics, not hooks or gradients.
+    for module in record.modules.iter().filter(|m| m.attn_max_logit.is_none()) {
         let qwen = module.module.starts_with("qwen.");
         assert_eq!(
             module.hook_hits,
@@ -92,7 +98,18 @@ fn hook_hits_count_the_modules_backward_reached_on_each_step() {
     let mut trainer = Trainer::new(model, opts, &Device::Cpu).unwrap();
     for step in 0..4u64 {
         let record = trainer.step(step).unwrap().record.unwrap();
-        for module in &record.modules {
+        let (attention, trained): (Vec<_>, Vec<_>) = record
+            .modules
+            .iter()
+            .partition(|m| m.attn_max_logit.is_some());
+        // Qwen's attention is measured on the steps it runs, and only those.
+        let measured = if step % 2 == 0 {
+            preset.qwen.num_hidden_layers
+        } else {
+            0
+        };
+        assert_eq!(attention.len(), measured, "step {step}");
+        for module in trained {
             let reached = !module.module.starts_with("qwen.") || step % 2 == 0;
             assert_eq!(
                 module.hook_hits,
@@ -330,4 +347,40 @@ fn a_checkpoint_folder_s_tokenizer_json_encodes_the_prompts() {
     )
     .unwrap();
     assert!(trainer.step(0).unwrap().loss.is_finite());
+}
+
+#[test]
+fn each_attention_layer_reports_its_largest_logit_and_its_most_focused_heads_entropy() {
+    let preset = tiny();
+    let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
+    let layers = preset.qwen.num_hidden_layers;
+    let mut trainer = Trainer::new(model, options(DType::F32, DType::F32), &Device::Cpu).unwrap();
+    let record = trainer.step(0).unwrap().record.unwrap();
+    let attention: Vec<_> = record
+        .modules
+        .iter()
+        .filter(|m| m.attn_max_logit.is_some())
+        .collect();
+    let names: Vec<String> = (0..layers)
+        .map(|i| format!("qwen.layers.{i}.self_attn"))
+        .collect();
+    assert_eq!(
+        attention
+            .iter()
+            .map(|m| m.module.clone())
+            .collect::<Vec<_>>(),
+        names
+    );
+    for module in attention {
+        let logit = module.attn_max_logit.unwrap().0;
+        let entropy = module.attn_min_entropy.unwrap().0;
+        // Random init (std 0.02): q·k/√d is small, and attention nearly uniform over
+        // the causal prefix: entropy between 0 and ln(prompt length).
+        assert!(logit.is_finite() && logit.abs() < 1.0, "{logit}");
+        assert!(
+            entropy > 0.0 && entropy < (preset.prompt_len as f64).ln(),
+            "{entropy}"
+        );
+        assert_eq!((module.grad_norm, module.hook_hits), (None, None));
+    }
 }
