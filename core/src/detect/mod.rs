@@ -45,7 +45,9 @@
 //!   halving; [`attention_logit_growth`]: `attention_logit_growth`, attention logits
 //!   past QK-Clip's τ; [`adam_eps_dominated`]: `adam_eps_dominated`, Adam's ε above
 //!   most of a group's √v̂; [`adam_update_spike`]: `adam_update_spike`, a module's
-//!   Adam update twice its level. [`rolling`] is their window of recent readings,
+//!   Adam update twice its level; [`adam_second_moment_stale`]:
+//!   `adam_second_moment_stale`, Adam's largest update far past its normalised step
+//!   while β₂ is slow. [`rolling`] is their window of recent readings,
 //!   [`update_levels`] each module's level of Adam's update.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
 //!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
@@ -163,6 +165,7 @@ streaming_detectors! {
     attention_logit_growth::AttentionLogitGrowth,
     adam_eps_dominated::AdamEpsDominated,
     adam_update_spike::AdamUpdateSpike,
+    adam_second_moment_stale::AdamSecondMomentStale,
     // Last: after the streak verdicts of the same step, which confirm what it named.
     first_step::FirstStepHint,
 }

@@ -46,6 +46,7 @@ vocabulary! {
         AttentionLogitGrowth = "attention_logit_growth" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AdamEpsDominated = "adam_eps_dominated" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AdamUpdateSpike = "adam_update_spike" => KindSpec::new(&[Severity::Warning]),
+        AdamSecondMomentStale = "adam_second_moment_stale" => KindSpec::new(&[Severity::Warning]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
         RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),

@@ -141,10 +141,10 @@ fn signal_alt(kind: ChartKind) -> &'static str {
 fn signal_caption(kind: ChartKind) -> &'static str {
     match kind {
         ChartKind::AttentionLogits => {
-            "Attention logits per module (log axis). A line climbing through the dashed bars is a layer heading for attention collapse;              the module an attention_logit_growth alert names is drawn thicker."
+            "Attention logits per module (log axis). A line climbing through the dashed bars is a layer heading for attention collapse; the module an attention_logit_growth alert names is drawn thicker."
         }
         ChartKind::AdamUpdates => {
-            "Adam update RMS / lr per module (log axis). A module's jump above its own level often precedes a loss spike;              the module an adam_update_spike alert names is drawn thicker, its episodes shaded."
+            "Adam update RMS / lr per module (log axis). A module's jump above its own level often precedes a loss spike; the module an adam_update_spike alert names is drawn thicker, its episodes shaded."
         }
         _ => {
             "Busiest expert's share of tokens per MoE layer. A layer that stays above the dashed half has collapsed onto one expert."
