@@ -3,7 +3,7 @@ refused: only the fields that server cannot know, nothing else."""
 
 import json
 
-from gradflow.reporter import _without_newer_fields
+from gradflow.delivery.reporter import _without_newer_fields
 
 
 def test_wiring_and_a_cut_s_via_are_stripped_and_the_rest_kept():

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from . import wire
+from .. import wire
 
 # Findings sent at most (the protocol's limit is 256).
 MAX_FINDINGS = 64

@@ -12,9 +12,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple, cast
 import torch
 from torch import nn
 
-from . import _torch_compat, layout, ranks, wire, wiring
-from .built_in_forward import BuiltInForward
-from .loop_order import LoopOrder, empty_groups
+from .. import _torch_compat, wire
+from ..capture.built_in_forward import BuiltInForward
+from ..capture.loop_order import LoopOrder, empty_groups
+from . import layout, ranks, wiring
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")

@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
-from . import _torch_compat
-from .ranks import StepClock, is_dtensor
-from .registration import Param, Registry
+from .. import _torch_compat
+from ..measurement.ranks import StepClock, is_dtensor
+from ..measurement.registration import Param, Registry
 
 
 class ModelHooks:

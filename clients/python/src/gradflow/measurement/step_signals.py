@@ -1,7 +1,7 @@
 """A step's instability signals on their way into its vector: what the forward hooks
 captured, Adam's state, the micro-batch losses and the batch ids ``gf.step`` was
-given, placed as pieces of the step's one transfer (:mod:`gradflow.measure`) and
-described for the record (:mod:`gradflow.signal_record`)."""
+given, placed as pieces of the step's one transfer (:mod:`gradflow.measurement.measure`) and
+described for the record (:mod:`gradflow.measurement.signal_record`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from ..capture.forward_signals import ForwardTaken
 from .adam_state import AdamTaken
-from .forward_signals import ForwardTaken
 from .signal_record import SignalsAt
 from .vector import Piece
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, NoReturn, Optional, Protocol, Sequence, Set, Tuple, cast
 from urllib.parse import quote
 
-from . import wire
-from ._log import logger, say, swallow
+from .. import wire
+from .._log import logger, say, swallow
 from .alerts import AlertBox
 from .spool import Spool
 from .transport import Client, Refused, Unreachable

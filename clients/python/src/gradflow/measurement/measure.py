@@ -6,11 +6,11 @@ anything can zero them; on a step the scaler skips, from its ``step`` wrapper): 
 summed per module on the host. The norm weights are snapshotted there and compared in
 the step post-hook, and at ``gf.step`` every piece is concatenated into one vector and
 copied to the host (non-blocking into pinned memory on CUDA). The reporter thread
-waits for the copy and turns the numbers into a step record (:mod:`gradflow.record`),
+waits for the copy and turns the numbers into a step record (:mod:`gradflow.measurement.record`),
 with the record's per-module and per-weight entries (:func:`describe`), so the
 training thread never syncs and builds no per-module object. What the hooks on the
 model see during the step (hook hits, the input peak, the carry-over probe) comes from
-:mod:`gradflow.hooks`.
+:mod:`gradflow.capture.hooks`.
 
 In a multi-rank run (``partial``) each rank measures the elements it holds (a
 DTensor's local shard) and also sends each module's sum of squares, the elements it
@@ -30,8 +30,9 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from . import _torch_compat, intended, step_signals, vector, wire
-from .hooks import ModelHooks, count_hits
+from .. import _torch_compat, wire
+from ..capture.hooks import ModelHooks, count_hits
+from . import intended, step_signals, vector
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
     TRAINING_METRIC,
@@ -249,7 +250,7 @@ class Measurer:
         holds, left on the device; the record sums their squares per module in f64.
         Per parameter, only a C-level ``map`` reads the gradients and one
         comprehension keeps those there; on a CPU the norms are not even stacked here
-        (the reporter thread assembles the step's numbers: :mod:`gradflow.vector`)."""
+        (the reporter thread assembles the step's numbers: :mod:`gradflow.measurement.vector`)."""
         every = list(map(_GRAD, self._tensors))
         trainable = self.registry.requires_grad
         if trainable is None or len(trainable) != len(every):

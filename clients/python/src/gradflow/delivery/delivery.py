@@ -14,10 +14,10 @@ import os
 import tempfile
 from typing import List, Optional
 
-from . import wire
-from ._log import say
+from .. import wire
+from .._log import say
+from ..options import WatchOptions
 from .alerts import AlertBox
-from .options import WatchOptions
 from .reporter import DeliverySummary, Pending, Reporter
 from .spool import Spool
 from .transport import Client

@@ -41,8 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _torch_compat, wire
-from ._log import swallow
+from .. import _torch_compat, wire
+from .._log import swallow
 
 # Optimizer steps watched.
 LOOKS = 12

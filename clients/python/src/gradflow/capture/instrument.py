@@ -2,7 +2,7 @@
 records it makes of what they see.
 
 :class:`Instruments` owns the measuring side of one watched run: the hooks on the
-model (:mod:`gradflow.hooks`), the optimizer's step pre- and post-hooks, the loss
+model (:mod:`gradflow.capture.hooks`), the optimizer's step pre- and post-hooks, the loss
 scaler's tap, the graph-cut tracer, and the amendments that keep the registration
 true. At ``gf.step`` it hands back the step's pending record, or nothing on a step
 that is not reported; it never talks to the server.
@@ -14,21 +14,21 @@ import functools
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
-from . import ranks as _ranks
-from . import wire
-from ._log import guarded
+from .. import wire
+from .._log import guarded
+from ..measurement import ranks as _ranks
+from ..measurement.measure import Measurer
+from ..measurement.record import PendingStep
+from ..measurement.registration import Registry
+from ..measurement.signals import SignalSettings
+from ..measurement.updates import UpdateTracker
 from .clip_zero import METRIC as CLIPPED_TO_ZERO
 from .clip_zero import ClipsToZero
 from .cuts import CutTracer
 from .hooks import ModelHooks
 from .instability import InstabilitySignals
 from .loopshape import LoopShape
-from .measure import Measurer
-from .record import PendingStep
-from .registration import Registry
 from .scaler import ScalerTap
-from .signals import SignalSettings
-from .updates import UpdateTracker
 
 
 class Instruments:
