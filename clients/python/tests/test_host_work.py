@@ -15,8 +15,8 @@ from torch import nn
 
 import gradflow
 from gradflow._torch_compat import PausableForwardPreHooks
-from gradflow.capture.hooks import count_hits
 from gradflow.measurement import intended, measure, vector
+from gradflow.measurement.measure import count_hits
 
 
 def accumulate(model, optimizer, gf, steps, micro, before_last_backward=None):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -27,6 +26,7 @@ from .. import _torch_compat
 from ..measurement.signal_modules import Router, SignalModules
 from ..measurement.signal_record import Captured
 from ..measurement.signals import Schedule
+from ..measurement.step_signals import ForwardTaken
 from ..measurement.vector import Deferred, Piece
 from . import attention_stats
 from .attention_stats import AttentionCapture, Held
@@ -35,15 +35,6 @@ from .attention_stats import AttentionCapture, Held
 OUTPUT_TOKENS = 1024
 
 Capture = Callable[[], torch.Tensor]
-
-
-@dataclass
-class ForwardTaken:
-    """A step's forward-pass signals: one piece of the step's vector and what lies
-    where in it."""
-
-    piece: Piece
-    captured: List[Captured]
 
 
 class ForwardSignals:

@@ -22,11 +22,13 @@ from ..measurement.record import PendingStep
 from ..measurement.registration import Registry
 from ..measurement.signals import SignalSettings
 from ..measurement.updates import UpdateTracker
+from .built_in_forward import BuiltInForward
 from .clip_zero import METRIC as CLIPPED_TO_ZERO
 from .clip_zero import ClipsToZero
 from .cuts import CutTracer
 from .hooks import ModelHooks
 from .instability import InstabilitySignals
+from .loop_order import LoopOrder
 from .loopshape import LoopShape
 from .scaler import ScalerTap
 
@@ -48,6 +50,11 @@ class Instruments:
         # The rank its records name (v1.4), in a multi-rank run only.
         self.rank = rank
         self.step = 0
+        # Watched during the first steps only, their findings sent in an amendment:
+        # layers a forward builds and registers nowhere, and the loop's order
+        # (clipping, schedulers) over the first optimizer steps.
+        self.built_in_forward = BuiltInForward(registry.model)
+        self.loop_order = LoopOrder(registry.model, registry.optimizer, registry.scaler)
         self.hooks = ModelHooks(registry)
         self.measurer = Measurer(registry, self.hooks)
         if rank is not None:
@@ -102,10 +109,10 @@ class Instruments:
         self.hooks.remove()
         self.signals.remove()
         self.tracer.remove()
-        self.registry.built_in_forward.remove()
+        self.built_in_forward.remove()
         if self.clips is not None:
             self.clips.remove()
-        self.registry.loop_order.remove()
+        self.loop_order.remove()
         self.registry.remove()
         if self.scaler is not None:
             self.scaler.uninstall()
@@ -117,7 +124,9 @@ class Instruments:
         return self.step % self.every == 0 or self._pending_amend is not None
 
     def _check_amend(self) -> None:
-        amend = self.registry.amendment()
+        amend = self.registry.amendment(
+            self.built_in_forward.findings() + self.loop_order.findings()
+        )
         if amend is None:
             return
         self.measurer.rebuild()

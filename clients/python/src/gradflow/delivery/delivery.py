@@ -12,15 +12,34 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Protocol
 
 from .. import wire
 from .._log import say
-from ..options import WatchOptions
 from .alerts import AlertBox
 from .reporter import DeliverySummary, Pending, Reporter
 from .spool import Spool
 from .transport import Client
+
+
+class DeliveryOptions(Protocol):
+    """The options delivery reads (:class:`gradflow.options.WatchOptions` has them):
+    where to send, with which token, the spool's place and size, the queue's length."""
+
+    @property
+    def servers(self) -> List[str]: ...
+
+    @property
+    def token(self) -> Optional[str]: ...
+
+    @property
+    def spool_dir(self) -> Optional[str]: ...
+
+    @property
+    def spool_max_bytes(self) -> int: ...
+
+    @property
+    def queue_size(self) -> int: ...
 
 
 class Delivery:
@@ -28,7 +47,7 @@ class Delivery:
 
     def __init__(
         self,
-        options: WatchOptions,
+        options: DeliveryOptions,
         run_id: str,
         registration: wire.RunRegistration,
         *,

@@ -25,13 +25,13 @@ from __future__ import annotations
 import functools
 import operator
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Set, Tuple
 
 import torch
 
 from .. import _torch_compat, wire
-from ..capture.hooks import ModelHooks, count_hits
 from . import intended, step_signals, vector
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
@@ -113,10 +113,48 @@ class Shape:
     norm_numels: List[int]
 
 
+class StepHooks(Protocol):
+    """What the measurer reads of the hooks on the model
+    (:class:`gradflow.capture.hooks.ModelHooks`, which the capture layer attaches):
+    backward's reach, the carry-over probe, the input peak and a multi-rank run's
+    clock. Declared here so that measuring depends on this, not on the hooks."""
+
+    @property
+    def clock(self) -> Optional[StepClock]: ...
+
+    @property
+    def carried(self) -> object: ...
+
+    @property
+    def input_absmax(self) -> Optional[torch.Tensor]: ...
+
+    @property
+    def step_backwards(self) -> int: ...
+
+    @property
+    def resets_seen(self) -> int: ...
+
+    @property
+    def resets_zeroed(self) -> Optional[torch.Tensor]: ...
+
+    @property
+    def fresh(self) -> Set[int]: ...
+
+    def rebuild(self) -> None: ...
+
+    def hooked(self) -> Set[int]: ...
+
+    def reset(self) -> None: ...
+
+    def local_grads_finite(self) -> Optional[torch.Tensor]: ...
+
+    def take_reached(self) -> List[torch.Tensor]: ...
+
+
 class Measurer:
     """Everything measured on the device for one step of one watched model."""
 
-    def __init__(self, registry: Registry, hooks: ModelHooks) -> None:
+    def __init__(self, registry: Registry, hooks: StepHooks) -> None:
         self.registry = registry
         self.hooks = hooks
         # Set for a multi-rank run: records carry the partial sums (see the module).
@@ -665,3 +703,9 @@ def _norms(grads: List[torch.Tensor]) -> List[torch.Tensor]:
             raise
     # A sparse gradient (an embedding's with sparse=True): its stored values' norm.
     return [(g.coalesce().values() if g.is_sparse else g).float().norm() for g in grads]
+
+
+def count_hits(reached: List[Any]) -> Dict[int, int]:
+    """Hook hits by parameter key (``id`` of its tensor) from the parameters the hooks
+    appended: how many times backward reached each one."""
+    return dict(Counter(map(id, reached)))
