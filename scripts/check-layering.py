@@ -9,6 +9,11 @@
   `detect/mod.rs`).
 - No two files import each other in a circle (file-level cycles, any length).
 - The pure core crate depends on no I/O crate (its Cargo.toml and its `use` lines).
+- The Python client (`clients/python/src/gradflow`): each top-level name of the
+  package belongs to a layer (PY_LAYER_OF), and a module imports only modules of its
+  own layer or of one PY_MAY_IMPORT lists for it (every import counts: at the top,
+  inside a function, under `TYPE_CHECKING`); no two modules import each other in a
+  circle.
 
 An import is any `crate::a::b` or `super::x` path in a file's code (comments
 stripped), resolved to the file that defines it. Exits non-zero, naming every
@@ -19,6 +24,7 @@ violation, or prints a one-line summary.
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from pathlib import Path
@@ -68,6 +74,36 @@ CORE_FORBIDDEN = {
     "tracing-subscriber",
     "mimalloc",
 }
+
+# The Python client's layers. Top level: the API the user calls and the CLI (`api`),
+# above what runs on the training thread (`capture`), above turning tensors into
+# numbers (`measurement`); off the training thread, `delivery` (reporter thread,
+# transport, spool, alerts), which knows nothing of capture or measurement and they
+# nothing of it; under everything the foundation every layer may import (the wire
+# format, errors, logging, settings, private torch APIs). Nothing imports the
+# integrations but the package's own lazy attribute (PY_ALLOWED).
+PY_PACKAGE = "clients/python/src/gradflow"
+PY_LAYER_OF: dict[str, str] = {
+    "integrations": "integrations",
+    **dict.fromkeys(
+        ["__init__", "__main__", "api", "watcher", "options", "check", "report", "steplimit"],
+        "api",
+    ),
+    "capture": "capture",
+    "measurement": "measurement",
+    "delivery": "delivery",
+    **dict.fromkeys(["wire", "errors", "_log", "_env", "_torch_compat"], "foundation"),
+}
+PY_MAY_IMPORT: dict[str, set[str]] = {
+    "integrations": {"api", "foundation"},
+    "api": {"capture", "measurement", "delivery", "foundation"},
+    "capture": {"measurement", "foundation"},
+    "measurement": {"foundation"},
+    "delivery": {"foundation"},
+    "foundation": set(),
+}
+# `gradflow.integrations` named after a bare `import gradflow` loads the subpackage.
+PY_ALLOWED = {("gradflow", "gradflow.integrations")}
 
 COMMENT = re.compile(r"//[^\n]*")
 PATH = re.compile(r"\b(crate|super)((?:::[A-Za-z_][A-Za-z0-9_]*)+|::\{)")
@@ -222,9 +258,82 @@ def check_core_dependencies(errors: list[str]) -> None:
                 errors.append(f"{path.relative_to(ROOT)}: names the I/O crate `{crate}`")
 
 
+def python_modules(package: Path) -> dict[str, Path]:
+    """Dotted module name (`gradflow.capture.hooks`; a package's `__init__.py` is the
+    package) → file."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def python_imports(path: Path, module: str, modules: dict[str, Path]) -> list[tuple[str, int]]:
+    """The package's modules that a file imports, with the line of each import."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            # `from pkg import name`: the submodule `name` when there is one.
+            names = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                out.append((name, node.lineno))
+    return out
+
+
+def python_layer(module: str) -> str | None:
+    parts = module.split(".")
+    return PY_LAYER_OF.get(parts[1] if len(parts) > 1 else "__init__")
+
+
+def check_python(package: Path, errors: list[str]) -> tuple[int, int]:
+    """The Python package's layers (see PY_LAYER_OF): every import downward, no circle."""
+    modules = python_modules(package)
+    graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {(m,): set() for m in modules}
+    for module, path in modules.items():
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        layer = python_layer(module)
+        if layer is None:
+            errors.append(f"{where}: `{module}` has no layer in {Path(__file__).name}")
+            continue
+        for target, line in python_imports(path, module, modules):
+            if target == module:
+                continue
+            graph[(module,)].add((target,))
+            other = python_layer(target)
+            if other is None or other == layer or (module, target) in PY_ALLOWED:
+                continue
+            if other not in PY_MAY_IMPORT[layer]:
+                errors.append(
+                    f"{where}:{line}: `{module}` ({layer}) imports `{target}` ({other}), "
+                    f"which is not in a layer below it"
+                )
+    for cycle in find_cycles(graph):
+        errors.append(
+            f"{package.name}: modules import each other in a circle: "
+            + " -> ".join(m[0] for m in cycle)
+        )
+    return len(modules), sum(len(v) for v in graph.values())
+
+
 def main() -> int:
     errors: list[str] = []
     totals = [check_crate(src, errors) for src in LAYERS]
+    totals.append(check_python(ROOT / PY_PACKAGE, errors))
     check_core_dependencies(errors)
     if errors:
         for e in dict.fromkeys(errors):

@@ -7,7 +7,7 @@ Builds the preset's model (random weights) on CUDA, runs one backward pass so ev
 parameter has a gradient, then times with CUDA events, interleaved and each the median
 of ``--repeats``:
 
-- ``client``: the client's own norm read (``gradflow.measure._norms``: one
+- ``client``: the client's own norm read (``gradflow.measurement.measure._norms``: one
   multi-tensor ``_foreach_norm`` over the gradients and a ``stack``), as
   ``measure_grads`` runs it at each optimizer step;
 - ``floor``: one ``vector_norm`` over a single contiguous buffer holding as many
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import PRESETS  # noqa: E402
 
-from gradflow.measure import _norms  # noqa: E402
+from gradflow.measurement.measure import _norms  # noqa: E402
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> List[float]:

@@ -3,7 +3,7 @@ ranks, gloo, DeepSpeed's CPU accelerator) training under ``deepspeed.initialize`
 with ``gradflow.watch(engine)`` on every rank, against the real server.
 
 Each rank reports its partition of the averaged gradients (read through DeepSpeed,
-see :mod:`gradflow.zero`); the server adds the partitions up, so the combined module
+see :mod:`gradflow.capture.zero`); the server adds the partitions up, so the combined module
 norms must equal the same model trained in one process on the same data. A healthy
 run raises nothing; in one job per stage, a module run under ``torch.no_grad()``
 inside forward is ``grad_stuck_zero`` and a NaN in one rank's batch is traced to that

@@ -14,9 +14,9 @@ from conftest import PromptAgent, batches, new_run_id
 from torch import nn
 
 import gradflow
-from gradflow import intended, measure, vector
 from gradflow._torch_compat import PausableForwardPreHooks
-from gradflow.hooks import count_hits
+from gradflow.measurement import intended, measure, vector
+from gradflow.measurement.measure import count_hits
 
 
 def accumulate(model, optimizer, gf, steps, micro, before_last_backward=None):

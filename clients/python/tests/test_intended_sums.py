@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from gradflow import intended
+from gradflow.measurement import intended
 
 
 def by_hand(upd, before, after, lengths):

@@ -11,7 +11,7 @@ from torch.nn.utils import clip_grad
 from torch.nn.utils import clip_grad_norm_ as imported_before_watch
 
 import gradflow
-from gradflow import loop_order
+from gradflow.capture import loop_order
 
 
 def model_and_optimizer():
@@ -51,7 +51,7 @@ def test_everything_is_removed_after_the_first_steps(gradflow_server):
         one_step(model, optimizer, clip_after=False)
         gf.step()
     # The loop-order wrapper is gone; what stays for the run is the one observer
-    # of clips with a limit of 0 (gradflow.clip_zero), straight over torch's own.
+    # of clips with a limit of 0 (gradflow.capture.clip_zero), straight over torch's own.
     assert clip_grad._clip_grads_with_norm_.__wrapped__ is original
     assert len(optimizer._optimizer_step_post_hooks) == hooks - 1
     gf.close()

@@ -10,7 +10,7 @@ from conftest import PromptAgent, new_run_id, train
 from torch import nn
 
 import gradflow
-from gradflow.registration import Registry
+from gradflow.measurement.registration import Registry
 
 
 def trained(server, steps, change_at, change):
@@ -108,7 +108,7 @@ def test_the_identity_check_notices_parameters_and_modules_only():
 
 
 def test_a_change_no_registration_hook_sees_is_still_found_within_a_few_checks():
-    from gradflow.registration import WALK_EVERY
+    from gradflow.measurement.registration import WALK_EVERY
 
     model = PromptAgent()
     registry = Registry(model, None, None, None)

@@ -12,7 +12,7 @@ the PATH, on ``--listen`` (default a free port on 127.0.0.1) and ``--db`` (defau
 temporary database, deleted with the server when the check ends; a ``--db`` is kept
 and can be served afterwards with ``gradflow server --db PATH``). Every
 ``gradflow.watch`` in the script reports there and names its run in the file
-``GRADFLOW_CHECK_RUNS_FILE`` (:mod:`gradflow.runs_file`): those are the runs judged.
+``GRADFLOW_CHECK_RUNS_FILE`` (:mod:`gradflow.delivery.runs_file`): those are the runs judged.
 ``--steps N`` stops the script after N optimizer steps (``gf.step`` closes the
 watcher and exits the script with status 0). When the script has finished, the
 alerts its runs raised are printed, and the exit status says what was found:
@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote
 
-from .runs_file import RUNS_FILE_ENV, read_runs
+from .delivery.runs_file import RUNS_FILE_ENV, read_runs
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 

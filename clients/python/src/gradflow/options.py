@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 from . import _env, wire
-from .alerts import MODES
-from .signals import SignalSettings
+from .delivery.alerts import MODES
+from .measurement.signals import SignalSettings
 
 DEFAULT_CLOSE_TIMEOUT = 15.0
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024

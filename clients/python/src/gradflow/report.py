@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote
 
 from .check import CheckError, EmbeddedServer, _server_binary, probe
-from .transport import Client, Refused, Unreachable
+from .delivery.transport import Client, Refused, Unreachable
 
 BATCH = 500
 

@@ -3,11 +3,11 @@
 :func:`watch` is the composition root. It resolves the options
 (:mod:`gradflow.options`), decides whether this process reports at all, and builds a
 :class:`Watcher` from three parts with one job each: the registration
-(:class:`gradflow.registration.Registry`), the hooks and measurements
-(:class:`gradflow.instrument.Instruments`) and the delivery
-(:class:`gradflow.delivery.Delivery`). The watcher only connects them: a step's
+(:class:`gradflow.measurement.registration.Registry`), the hooks and measurements
+(:class:`gradflow.capture.instrument.Instruments`) and the delivery
+(:class:`gradflow.delivery.delivery.Delivery`). The watcher only connects them: a step's
 record goes from the instruments to the delivery, and the server's alerts come back
-through an :class:`gradflow.alerts.AlertBox`.
+through an :class:`gradflow.delivery.alerts.AlertBox`.
 """
 
 from __future__ import annotations
@@ -21,22 +21,23 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
-from . import _env, layout, wire
-from . import ranks as _ranks
-from . import zero as _zero
+from . import _env, wire
 from ._log import guarded, logger, say, swallow
-from .alerts import AlertBox
 from .api import Watch
-from .delivery import Delivery
+from .capture import zero as _zero
+from .capture.instrument import Instruments
+from .delivery.alerts import AlertBox
+from .delivery.delivery import Delivery
+from .delivery.reporter import Reporter
+from .delivery.runs_file import note_run
+from .delivery.transport import Refused, Unreachable
 from .errors import GradflowWarning, TrainingAlert
-from .instrument import Instruments
+from .measurement import layout
+from .measurement import ranks as _ranks
+from .measurement.ranks import Ranks
+from .measurement.registration import Registry
 from .options import WatchOptions
-from .ranks import Ranks
-from .registration import Registry
-from .reporter import Reporter
-from .runs_file import note_run
 from .steplimit import StepLimit
-from .transport import Refused, Unreachable
 
 
 class NoopWatcher:
@@ -382,8 +383,8 @@ def watch(
     Under ``torch.distributed`` with more than one rank, call it on every rank: each
     rank reports its own record (the gradients it holds: the whole of a replicated
     parameter, its shard of an FSDP2 one, its partition under DeepSpeed ZeRO: pass
-    the engine ``deepspeed.initialize`` returns, see :mod:`gradflow.zero`) and the
-    server combines them; see :mod:`gradflow.ranks` for how the ranks agree on the
+    the engine ``deepspeed.initialize`` returns, see :mod:`gradflow.capture.zero`) and the
+    server combines them; see :mod:`gradflow.measurement.ranks` for how the ranks agree on the
     run id. With ``rank=k`` only rank ``k`` reports, as a single view of the job (not
     for sharded models).
 

@@ -4,7 +4,7 @@ Each type names the Rust struct it mirrors (``protocol/src/step.rs``, ``run.rs``
 ``amend.rs``; docs/PROTOCOL.md describes them). Optional fields are left out of a
 record rather than sent as null, except where the protocol gives null a meaning (a
 module's ``grad_norm``: no gradient this step). Non-finite numbers travel as the
-strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (:mod:`gradflow.encode`).
+strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (:mod:`gradflow.measurement.encode`).
 Nothing here imports torch.
 """
 

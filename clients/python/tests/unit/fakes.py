@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
-from gradflow.transport import Refused, Unreachable
+from gradflow.delivery.transport import Refused, Unreachable
 
 
 class FakeServer:

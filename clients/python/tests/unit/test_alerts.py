@@ -7,7 +7,7 @@ import warnings
 import pytest
 from said import alerts_said
 
-from gradflow.alerts import AlertBox
+from gradflow.delivery.alerts import AlertBox
 from gradflow.errors import TrainingAlert, describe
 
 CUT = {

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradflow import _env, encode
+from gradflow import _env
+from gradflow.measurement import encode
 from gradflow.options import WatchOptions, webhook_specs
 
 

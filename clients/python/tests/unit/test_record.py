@@ -3,7 +3,7 @@ the device vector)."""
 
 from __future__ import annotations
 
-from gradflow.record import (
+from gradflow.measurement.record import (
     Intended,
     LowPrecisionUpdate,
     ModuleAt,

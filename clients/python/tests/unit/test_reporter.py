@@ -6,8 +6,8 @@ import time
 
 from fakes import FakeServer, Step
 
-from gradflow.reporter import Reporter
-from gradflow.spool import Spool
+from gradflow.delivery.reporter import Reporter
+from gradflow.delivery.spool import Spool
 
 
 def reporter(tmp_path, server: FakeServer) -> Reporter:

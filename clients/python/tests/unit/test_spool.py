@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gradflow.spool import Spool
+from gradflow.delivery.spool import Spool
 
 
 def test_lines_come_back_in_order_and_delivered_ones_are_forgotten(tmp_path):

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from gradflow.transport import Client, Refused
+from gradflow.delivery.transport import Client, Refused
 
 PAGE = b"<!DOCTYPE html><html><body><h1>Not Found</h1>" + b"x" * 500 + b"</body></html>"
 

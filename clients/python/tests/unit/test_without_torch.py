@@ -22,7 +22,8 @@ def run(code: str) -> subprocess.CompletedProcess:
 def test_import_gradflow_does_not_import_torch():
     done = run(
         """
-        import gradflow, gradflow.reporter, gradflow.delivery, gradflow.record
+        import gradflow, gradflow.delivery.reporter, gradflow.delivery.delivery
+        import gradflow.measurement.record
         print(gradflow.TrainingAlert.__name__, gradflow.Watch.__name__)
         """
     )

@@ -1,7 +1,7 @@
 """A step's instability signals on their way into its vector: what the forward hooks
 captured, Adam's state, the micro-batch losses and the batch ids ``gf.step`` was
-given, placed as pieces of the step's one transfer (:mod:`gradflow.measure`) and
-described for the record (:mod:`gradflow.signal_record`)."""
+given, placed as pieces of the step's one transfer (:mod:`gradflow.measurement.measure`)
+and described for the record (:mod:`gradflow.measurement.signal_record`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,18 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from .adam_state import AdamTaken
-from .forward_signals import ForwardTaken
-from .signal_record import SignalsAt
+from .signal_record import Captured, SignalsAt
 from .vector import Piece
+
+
+@dataclass
+class ForwardTaken:
+    """A step's forward-pass signals (taken by
+    :class:`gradflow.capture.forward_signals.ForwardSignals`): one piece of the step's
+    vector and what lies where in it."""
+
+    piece: Piece
+    captured: List[Captured]
 
 
 @dataclass

@@ -10,7 +10,7 @@ import urllib.request
 from typing import Any, Dict, List, Mapping, Optional, cast
 from urllib.parse import quote
 
-from . import wire
+from .. import wire
 
 GZIP_ABOVE = 8 * 1024
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, List, Optional, Set
 
 import torch
 
-from . import _torch_compat
-from ._log import swallow
+from .. import _torch_compat
+from .._log import swallow
 
 METRIC = "grads_clipped_to_zero"
 

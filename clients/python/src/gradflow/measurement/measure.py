@@ -6,11 +6,11 @@ anything can zero them; on a step the scaler skips, from its ``step`` wrapper): 
 summed per module on the host. The norm weights are snapshotted there and compared in
 the step post-hook, and at ``gf.step`` every piece is concatenated into one vector and
 copied to the host (non-blocking into pinned memory on CUDA). The reporter thread
-waits for the copy and turns the numbers into a step record (:mod:`gradflow.record`),
+waits for the copy and turns the numbers into a step record (:mod:`gradflow.measurement.record`),
 with the record's per-module and per-weight entries (:func:`describe`), so the
 training thread never syncs and builds no per-module object. What the hooks on the
 model see during the step (hook hits, the input peak, the carry-over probe) comes from
-:mod:`gradflow.hooks`.
+:mod:`gradflow.capture.hooks`.
 
 In a multi-rank run (``partial``) each rank measures the elements it holds (a
 DTensor's local shard) and also sends each module's sum of squares, the elements it
@@ -25,13 +25,14 @@ from __future__ import annotations
 import functools
 import operator
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Set, Tuple
 
 import torch
 
-from . import _torch_compat, intended, step_signals, vector, wire
-from .hooks import ModelHooks, count_hits
+from .. import _torch_compat, wire
+from . import intended, step_signals, vector
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
     TRAINING_METRIC,
@@ -112,10 +113,48 @@ class Shape:
     norm_numels: List[int]
 
 
+class StepHooks(Protocol):
+    """What the measurer reads of the hooks on the model
+    (:class:`gradflow.capture.hooks.ModelHooks`, which the capture layer attaches):
+    backward's reach, the carry-over probe, the input peak and a multi-rank run's
+    clock. Declared here so that measuring depends on this, not on the hooks."""
+
+    @property
+    def clock(self) -> Optional[StepClock]: ...
+
+    @property
+    def carried(self) -> object: ...
+
+    @property
+    def input_absmax(self) -> Optional[torch.Tensor]: ...
+
+    @property
+    def step_backwards(self) -> int: ...
+
+    @property
+    def resets_seen(self) -> int: ...
+
+    @property
+    def resets_zeroed(self) -> Optional[torch.Tensor]: ...
+
+    @property
+    def fresh(self) -> Set[int]: ...
+
+    def rebuild(self) -> None: ...
+
+    def hooked(self) -> Set[int]: ...
+
+    def reset(self) -> None: ...
+
+    def local_grads_finite(self) -> Optional[torch.Tensor]: ...
+
+    def take_reached(self) -> List[torch.Tensor]: ...
+
+
 class Measurer:
     """Everything measured on the device for one step of one watched model."""
 
-    def __init__(self, registry: Registry, hooks: ModelHooks) -> None:
+    def __init__(self, registry: Registry, hooks: StepHooks) -> None:
         self.registry = registry
         self.hooks = hooks
         # Set for a multi-rank run: records carry the partial sums (see the module).
@@ -249,7 +288,7 @@ class Measurer:
         holds, left on the device; the record sums their squares per module in f64.
         Per parameter, only a C-level ``map`` reads the gradients and one
         comprehension keeps those there; on a CPU the norms are not even stacked here
-        (the reporter thread assembles the step's numbers: :mod:`gradflow.vector`)."""
+        (the reporter thread assembles the step's numbers: :mod:`gradflow.measurement.vector`)."""
         every = list(map(_GRAD, self._tensors))
         trainable = self.registry.requires_grad
         if trainable is None or len(trainable) != len(every):
@@ -664,3 +703,9 @@ def _norms(grads: List[torch.Tensor]) -> List[torch.Tensor]:
             raise
     # A sparse gradient (an embedding's with sparse=True): its stored values' norm.
     return [(g.coalesce().values() if g.is_sparse else g).float().norm() for g in grads]
+
+
+def count_hits(reached: List[Any]) -> Dict[int, int]:
+    """Hook hits by parameter key (``id`` of its tensor) from the parameters the hooks
+    appended: how many times backward reached each one."""
+    return dict(Counter(map(id, reached)))

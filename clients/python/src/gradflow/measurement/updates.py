@@ -132,7 +132,7 @@ class UpdateTracker:
     def after_step(self) -> None:
         """Each run's parameters after the step and the optimizer state their intended
         update needs, copied here; the arithmetic runs here on a device, and on the
-        reporter thread on a CPU (:class:`gradflow.vector.Deferred`)."""
+        reporter thread on a CPU (:class:`gradflow.measurement.vector.Deferred`)."""
         before, self._before = self._before, None
         if before is None or len(before) != len(self._runs):
             return

@@ -31,10 +31,10 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
-from ._log import guarded
+from .._log import guarded
+from ..measurement.measure import Measurer, group_norms
+from ..measurement.registration import Param, Registry
 from .hooks import ModelHooks
-from .measure import Measurer, group_norms
-from .registration import Param, Registry
 
 
 @dataclass
@@ -117,7 +117,7 @@ def _fragment_grad(p: Any) -> Optional[torch.Tensor]:
 
 
 class ZeroMeasurer(Measurer):
-    """A :class:`gradflow.measure.Measurer` whose gradients come from DeepSpeed's
+    """A :class:`gradflow.measurement.measure.Measurer` whose gradients come from DeepSpeed's
     partitions (see the module)."""
 
     def __init__(self, registry: Registry, hooks: ModelHooks, stage: int) -> None:

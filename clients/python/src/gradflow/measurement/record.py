@@ -1,6 +1,6 @@
 """One step's numbers, brought to the host as one vector, turned into a step record.
 
-The measuring side (:mod:`gradflow.measure`) concatenates every device number of a
+The measuring side (:mod:`gradflow.measurement.measure`) concatenates every device number of a
 step into one vector and says where each lies: a :class:`Slots` hands out the
 position of every piece as it is added, and the named tuples below give the fields
 of the multi-number pieces their names, so that the encoder reads ``stats.drift``
@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, TypeVar
 
-from . import encode, signal_record, wire
+from .. import wire
+from . import encode, signal_record
 from .signal_record import SignalsAt
 
 # Metrics the client adds itself: the step record's fields are closed (the server

@@ -28,8 +28,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from . import wire
-from ._log import swallow
+from .. import wire
+from .._log import swallow
 
 # Looks (``Registry.amendment`` runs 1-3 times a step) before the hook is removed:
 # the first few steps. A finding removes it at once.

@@ -7,14 +7,13 @@ import math
 import operator
 import socket
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
 
-from . import _torch_compat, layout, ranks, wire, wiring
-from .built_in_forward import BuiltInForward
-from .loop_order import LoopOrder, empty_groups
+from .. import _torch_compat, wire
+from . import layout, ranks, wiring
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")
@@ -112,10 +111,6 @@ class Registry:
         self._sent_groups: Dict[str, Dict[str, Any]] = {}
         self._sent_param_dtype: Optional[str] = None
         self._signature = self._live_signature()
-        # Layers a forward builds and registers nowhere, seen in the first steps.
-        self.built_in_forward = BuiltInForward(model)
-        # The loop's order (clipping, schedulers) over the first optimizer steps.
-        self.loop_order = LoopOrder(model, optimizer, scaler)
 
     # -- reading the live objects ------------------------------------------------
 
@@ -308,7 +303,7 @@ class Registry:
             body["train"] = list(train)
         if webhooks:
             body["webhooks"] = webhooks
-        found = wiring.findings(self.model) + empty_groups(self.model, self.optimizer)
+        found = wiring.findings(self.model) + wiring.empty_groups(self.model, self.optimizer)
         if found:
             body["wiring"] = found
         if signals:
@@ -348,14 +343,16 @@ class Registry:
         spec["param_groups"] = [param_group_spec(i, g) for i, g in enumerate(groups)]
         return spec
 
-    def amendment(self) -> Optional[wire.Amendment]:
+    def amendment(self, seen: Sequence[wire.WiringFinding] = ()) -> Optional[wire.Amendment]:
         """The changes since the registration (or the last amendment), or None.
 
         Checked every step through a signature of the parameters' requires_grad and
         dtype and the optimizer's group count, read once a step (see
-        :meth:`release_signature`); only a change rebuilds the specs.
+        :meth:`release_signature`); only a change rebuilds the specs. `seen`: wiring
+        findings the capture layer made since the last call (layers built in a
+        forward, the loop's order), sent with the amendment.
         """
-        built = self.built_in_forward.findings() + self.loop_order.findings()
+        built = list(seen)
         replaced = self.replaced()
         if replaced:
             # A parameter was replaced by a new tensor (or added, or removed): the hooks

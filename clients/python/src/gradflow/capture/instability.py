@@ -1,7 +1,8 @@
 """The instability signals of one watched run (protocol v1.8): which families it
 measures, at which intervals, and their parts — the forward-pass hooks
-(:mod:`gradflow.forward_signals`) and Adam's state (:mod:`gradflow.adam_state`) —
-driven by the steps of :class:`gradflow.instrument.Instruments`."""
+(:mod:`gradflow.capture.forward_signals`) and Adam's state
+(:mod:`gradflow.measurement.adam_state`) — driven by the steps of
+:class:`gradflow.capture.instrument.Instruments`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from typing import Any, Dict, List, Optional
 
 from torch import nn
 
-from . import signal_modules
-from .adam_state import AdamState
+from ..measurement import signal_modules
+from ..measurement.adam_state import AdamState
+from ..measurement.registration import Registry
+from ..measurement.signal_modules import SignalModules
+from ..measurement.signals import Schedule, SignalSettings, registration_signals
+from ..measurement.step_signals import StepSignals
 from .forward_signals import ForwardSignals
-from .registration import Registry
-from .signal_modules import SignalModules
-from .signals import Schedule, SignalSettings, registration_signals
-from .step_signals import StepSignals
 
 
 def measured_intervals(

@@ -2,7 +2,7 @@
 records it makes of what they see.
 
 :class:`Instruments` owns the measuring side of one watched run: the hooks on the
-model (:mod:`gradflow.hooks`), the optimizer's step pre- and post-hooks, the loss
+model (:mod:`gradflow.capture.hooks`), the optimizer's step pre- and post-hooks, the loss
 scaler's tap, the graph-cut tracer, and the amendments that keep the registration
 true. At ``gf.step`` it hands back the step's pending record, or nothing on a step
 that is not reported; it never talks to the server.
@@ -14,21 +14,23 @@ import functools
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
-from . import ranks as _ranks
-from . import wire
-from ._log import guarded
+from .. import wire
+from .._log import guarded
+from ..measurement import ranks as _ranks
+from ..measurement.measure import Measurer
+from ..measurement.record import PendingStep
+from ..measurement.registration import Registry
+from ..measurement.signals import SignalSettings
+from ..measurement.updates import UpdateTracker
+from .built_in_forward import BuiltInForward
 from .clip_zero import METRIC as CLIPPED_TO_ZERO
 from .clip_zero import ClipsToZero
 from .cuts import CutTracer
 from .hooks import ModelHooks
 from .instability import InstabilitySignals
+from .loop_order import LoopOrder
 from .loopshape import LoopShape
-from .measure import Measurer
-from .record import PendingStep
-from .registration import Registry
 from .scaler import ScalerTap
-from .signals import SignalSettings
-from .updates import UpdateTracker
 
 
 class Instruments:
@@ -48,6 +50,11 @@ class Instruments:
         # The rank its records name (v1.4), in a multi-rank run only.
         self.rank = rank
         self.step = 0
+        # Watched during the first steps only, their findings sent in an amendment:
+        # layers a forward builds and registers nowhere, and the loop's order
+        # (clipping, schedulers) over the first optimizer steps.
+        self.built_in_forward = BuiltInForward(registry.model)
+        self.loop_order = LoopOrder(registry.model, registry.optimizer, registry.scaler)
         self.hooks = ModelHooks(registry)
         self.measurer = Measurer(registry, self.hooks)
         if rank is not None:
@@ -102,10 +109,10 @@ class Instruments:
         self.hooks.remove()
         self.signals.remove()
         self.tracer.remove()
-        self.registry.built_in_forward.remove()
+        self.built_in_forward.remove()
         if self.clips is not None:
             self.clips.remove()
-        self.registry.loop_order.remove()
+        self.loop_order.remove()
         self.registry.remove()
         if self.scaler is not None:
             self.scaler.uninstall()
@@ -117,7 +124,9 @@ class Instruments:
         return self.step % self.every == 0 or self._pending_amend is not None
 
     def _check_amend(self) -> None:
-        amend = self.registry.amendment()
+        amend = self.registry.amendment(
+            self.built_in_forward.findings() + self.loop_order.findings()
+        )
         if amend is None:
             return
         self.measurer.rebuild()

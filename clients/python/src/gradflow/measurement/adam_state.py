@@ -12,8 +12,8 @@ record sums them per module (``adam`` of ``modules[]``, protocol v1.8).
 The moments are copied flat on the training thread (one flattening call each, a chunk
 of parameters at a time, so the temporaries stay bounded) and the arithmetic runs on
 the device, or on a CPU on the reporter thread from the copies
-(:class:`gradflow.vector.Deferred`). Per-parameter reductions are multi-tensor kernels
-(:func:`gradflow.intended.segment_sums`). Of a sharded parameter (FSDP2) each rank
+(:class:`gradflow.measurement.vector.Deferred`). Per-parameter reductions are multi-tensor kernels
+(:func:`gradflow.measurement.intended.segment_sums`). Of a sharded parameter (FSDP2) each rank
 reads the state of the elements it holds.
 """
 

@@ -1,6 +1,6 @@
-"""The training loop's order, seen during the first optimizer steps, and optimizer
-groups that hold nothing. Sent as wiring findings (protocol v1.6): the loop's in an
-amendment, the empty group's with the registration.
+"""The training loop's order, seen during the first optimizer steps. Sent as wiring
+findings (protocol v1.6) in an amendment; the empty param groups found with the
+registration (``param_group_empty``) are :func:`gradflow.measurement.wiring.empty_groups`.
 
 - ``clip_after_step``: ``clip_grad_norm_`` cut gradients that no ``backward`` wrote
   since the last ``optimizer.step()`` (a clip after the step, or before the next
@@ -10,8 +10,6 @@ amendment, the empty group's with the registration.
   the scaled norm.
 - ``scheduler_per_micro_batch``: an LR scheduler of the optimizer advanced the same
   k >= 2 steps at every optimizer step.
-- ``param_group_empty``: a param group with no parameter whose lr differs from every
-  group that holds some, while every parameter of the model trains.
 
 Why wiring findings in an amendment and not a per-step metric: each is a fact about
 the loop's structure, fixed once the first steps ran; the verdict needs no series,
@@ -41,8 +39,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _torch_compat, wire
-from ._log import swallow
+from .. import _torch_compat, wire
+from .._log import swallow
 
 # Optimizer steps watched.
 LOOKS = 12
@@ -240,40 +238,3 @@ def _world_size() -> int:
     except Exception:
         pass
     return 1
-
-
-def empty_groups(model: nn.Module, optimizer: Any) -> List[wire.WiringFinding]:
-    """Param groups that hold no parameter and whose lr differs from every group that
-    holds some, when every parameter of the model trains in the optimizer (a name
-    filter that matched nothing: the parameters meant for the group train at another
-    lr). Silent when some parameters are frozen or outside the optimizer: the empty
-    group may be kept for them (unfrozen later), and the lr they will get is not
-    known. An empty group at the same lr (a no-weight-decay group on a model without
-    biases) changes no parameter's lr: silent too."""
-    try:
-        groups = list(getattr(optimizer, "param_groups", None) or [])
-        held = {id(p) for g in groups for p in g.get("params", [])}
-        if not held or any(not p.requires_grad or id(p) not in held for p in model.parameters()):
-            return []
-        lrs = [_lr(g) for g in groups if g.get("params")]
-        found: List[wire.WiringFinding] = []
-        for i, g in enumerate(groups):
-            lr = _lr(g)
-            if g.get("params") or lr is None:
-                continue
-            if all(other is None or not math.isclose(lr, other, rel_tol=1e-9) for other in lrs):
-                found.append(
-                    {"kind": "param_group_empty", "module": "", "attribute": str(i), "params": 0}
-                )
-        return found
-    except Exception as exc:
-        swallow("reading the optimizer's param groups", exc)
-        return []
-
-
-def _lr(group: Dict[str, Any]) -> Optional[float]:
-    try:
-        lr = float(group.get("lr"))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    return lr if math.isfinite(lr) else None

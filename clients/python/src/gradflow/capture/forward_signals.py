@@ -7,9 +7,10 @@ modules run with no hook of gradflow's, at no cost. A sampled step's hooks run o
 training forwards (gradients enabled, not a checkpointed forward recomputed in
 backward). Each hook hands over a *capture*: a function of tensors the forward made
 that yields a few numbers; on a GPU it is called at once (kernels queued on the
-step's stream), on a CPU the reporter thread calls it (:class:`gradflow.vector.Deferred`).
+step's stream), on a CPU the reporter thread calls it
+(:class:`gradflow.measurement.vector.Deferred`).
 The numbers of a module's captures of one step (several with gradient accumulation)
-are combined in the record (:mod:`gradflow.record`).
+are combined in the record (:mod:`gradflow.measurement.record`).
 """
 
 from __future__ import annotations
@@ -17,31 +18,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 import torch
 
-from . import _torch_compat, attention_stats
+from .. import _torch_compat
+from ..measurement.signal_modules import Router, SignalModules
+from ..measurement.signal_record import Captured
+from ..measurement.signals import Schedule
+from ..measurement.step_signals import ForwardTaken
+from ..measurement.vector import Deferred, Piece
+from . import attention_stats
 from .attention_stats import AttentionCapture, Held
-from .signal_modules import Router, SignalModules
-from .signal_record import Captured
-from .signals import Schedule
-from .vector import Deferred, Piece
 
 # Tokens of the output logits read at most per forward (every k-th token beyond).
 OUTPUT_TOKENS = 1024
 
 Capture = Callable[[], torch.Tensor]
-
-
-@dataclass
-class ForwardTaken:
-    """A step's forward-pass signals: one piece of the step's vector and what lies
-    where in it."""
-
-    piece: Piece
-    captured: List[Captured]
 
 
 class ForwardSignals:

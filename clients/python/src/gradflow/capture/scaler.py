@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _torch_compat
-from ._log import guarded
-from .layout import unwrap_optimizer
+from .. import _torch_compat
+from .._log import guarded
+from ..measurement.layout import unwrap_optimizer
 
 
 class ScalerTap:

@@ -47,10 +47,10 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, cast
 import torch
 from torch import nn
 
-from . import _torch_compat, wire
-from ._log import guarded, notice
+from .. import _torch_compat, wire
+from .._log import guarded, notice
+from ..measurement.registration import Registry
 from .hooks import float_inputs
-from .registration import Registry
 
 MAX_FRAMES = 6
 

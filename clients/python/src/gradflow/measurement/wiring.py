@@ -8,17 +8,21 @@ for the server to word as alerts.
   so ``model.parameters()`` (and the optimizer built from it) never sees them.
 - ``tied_weights_untied``: a Hugging Face config with ``tie_word_embeddings`` whose
   input and output embeddings are two tensors.
+- ``param_group_empty`` (protocol v1.6): a param group with no parameter whose lr
+  differs from every group that holds some, while every parameter of the model trains.
 
 Host-side attribute reads only, once per run; nothing here touches a tensor's data.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from . import wire
+from .. import wire
+from .._log import swallow
 
 # Findings sent at most (the protocol's limit is 256).
 MAX_FINDINGS = 64
@@ -103,3 +107,40 @@ def _embeddings(model: nn.Module) -> Tuple[Optional[nn.Module], Optional[nn.Modu
         None,
     )
     return embedding, head
+
+
+def empty_groups(model: nn.Module, optimizer: Any) -> List[wire.WiringFinding]:
+    """Param groups that hold no parameter and whose lr differs from every group that
+    holds some, when every parameter of the model trains in the optimizer (a name
+    filter that matched nothing: the parameters meant for the group train at another
+    lr). Silent when some parameters are frozen or outside the optimizer: the empty
+    group may be kept for them (unfrozen later), and the lr they will get is not
+    known. An empty group at the same lr (a no-weight-decay group on a model without
+    biases) changes no parameter's lr: silent too."""
+    try:
+        groups = list(getattr(optimizer, "param_groups", None) or [])
+        held = {id(p) for g in groups for p in g.get("params", [])}
+        if not held or any(not p.requires_grad or id(p) not in held for p in model.parameters()):
+            return []
+        lrs = [_lr(g) for g in groups if g.get("params")]
+        found: List[wire.WiringFinding] = []
+        for i, g in enumerate(groups):
+            lr = _lr(g)
+            if g.get("params") or lr is None:
+                continue
+            if all(other is None or not math.isclose(lr, other, rel_tol=1e-9) for other in lrs):
+                found.append(
+                    {"kind": "param_group_empty", "module": "", "attribute": str(i), "params": 0}
+                )
+        return found
+    except Exception as exc:
+        swallow("reading the optimizer's param groups", exc)
+        return []
+
+
+def _lr(group: Dict[str, Any]) -> Optional[float]:
+    try:
+        lr = float(group.get("lr"))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return lr if math.isfinite(lr) else None

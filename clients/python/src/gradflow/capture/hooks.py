@@ -21,14 +21,14 @@ ones accumulated is gone (reset between the micro-batches of one step:
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
-from . import _torch_compat
-from .ranks import StepClock, is_dtensor
-from .registration import Param, Registry
+from .. import _torch_compat
+from ..measurement.measure import count_hits
+from ..measurement.ranks import StepClock, is_dtensor
+from ..measurement.registration import Param, Registry
 
 
 class ModelHooks:
@@ -340,12 +340,6 @@ class ModelHooks:
     def hooked(self) -> Set[int]:
         """The keys of the parameters that have a hook."""
         return set(self._handles)
-
-
-def count_hits(reached: List[Any]) -> Dict[int, int]:
-    """Hook hits by parameter key (``id`` of its tensor) from the parameters the hooks
-    appended: how many times backward reached each one."""
-    return dict(Counter(map(id, reached)))
 
 
 def _group_roots(registry: Registry) -> List[torch.nn.Module]:

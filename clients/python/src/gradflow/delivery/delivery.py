@@ -12,15 +12,36 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Protocol
 
-from . import wire
-from ._log import say
+from .. import wire
+from .._log import say
 from .alerts import AlertBox
-from .options import WatchOptions
-from .reporter import DeliverySummary, Pending, Reporter
+from .reporter import Reporter
 from .spool import Spool
+from .step_queue import Pending
+from .tally import DeliverySummary
 from .transport import Client
+
+
+class DeliveryOptions(Protocol):
+    """The options delivery reads (:class:`gradflow.options.WatchOptions` has them):
+    where to send, with which token, the spool's place and size, the queue's length."""
+
+    @property
+    def servers(self) -> List[str]: ...
+
+    @property
+    def token(self) -> Optional[str]: ...
+
+    @property
+    def spool_dir(self) -> Optional[str]: ...
+
+    @property
+    def spool_max_bytes(self) -> int: ...
+
+    @property
+    def queue_size(self) -> int: ...
 
 
 class Delivery:
@@ -28,7 +49,7 @@ class Delivery:
 
     def __init__(
         self,
-        options: WatchOptions,
+        options: DeliveryOptions,
         run_id: str,
         registration: wire.RunRegistration,
         *,
@@ -72,7 +93,7 @@ class Delivery:
     def alerts(self) -> List[wire.Alert]:
         """The run's open alerts on the server spoken to now (raises Unreachable or
         Refused)."""
-        return self.reporter.client.alerts(self.run_id)
+        return self.reporter.open_alerts()
 
     def dashboard(self) -> str:
         """The run's page on the server spoken to now."""
@@ -84,10 +105,12 @@ class Delivery:
         reach the wait is said first; Ctrl-C during it stops waiting, and what is left
         stays in the spool (whose registration was written beside it already)."""
         r = self.reporter
-        if r.outage is not None and r.pending and timeout > 1.0:
+        backlog = r.backlog()
+        if backlog is not None and timeout > 1.0:
             say(
-                f"{self.label}: waiting up to {timeout:.0f} s for {r.client.server} to take "
-                f"{r.pending} steps (Ctrl-C to stop waiting; they are kept in {r.spool.path})"
+                f"{self.label}: waiting up to {timeout:.0f} s for {backlog.server} to take "
+                f"{backlog.steps} steps (Ctrl-C to stop waiting; they are kept in "
+                f"{backlog.spool_path})"
             )
         try:
             r.close(timeout)
@@ -99,7 +122,7 @@ class Delivery:
             say(f"{self.label}: interrupted; {describe(summary, self.options.servers)}")
             return summary
         summary = r.summary()
-        r.spool.close()
+        r.close_spool()
         line = describe(summary, self.options.servers)
         if line is not None:
             say(f"{self.label}: {line}")

@@ -33,7 +33,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import _env, _torch_compat
+from .. import _env, _torch_compat
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
-from . import encode, wire
+from .. import wire
+from . import encode
 
 # Batch ids a record carries at most, and bytes of one id (the protocol's limits).
 MAX_BATCH_IDS = 1024
@@ -134,7 +135,7 @@ def _moe(module: str, captures: List[Sequence[float]]) -> Optional[Dict[str, Any
 
 
 def _adam(signals: SignalsAt, v: Sequence[float]) -> Dict[str, Dict[str, Any]]:
-    """Per module: the parameters' Adam numbers summed (see gradflow.adam_state)."""
+    """Per module: the parameters' Adam numbers summed (see gradflow.measurement.adam_state)."""
     assert signals.adam_at is not None
     totals: Dict[str, List[float]] = {}
     for k, module in enumerate(signals.adam_modules):

@@ -19,9 +19,9 @@ import threading
 from collections import deque
 from typing import Callable, Deque, Dict, Iterable, Optional, Tuple
 
-from ._log import show_alert, swallow
-from .errors import TrainingAlert, describe
-from .wire import Alert
+from .._log import show_alert, swallow
+from ..errors import TrainingAlert, describe
+from ..wire import Alert
 
 MODES = ("warn", "raise", None)
 
