@@ -47,7 +47,9 @@
 //!   most of a group's √v̂; [`adam_update_spike`]: `adam_update_spike`, a module's
 //!   Adam update twice its level; [`adam_second_moment_stale`]:
 //!   `adam_second_moment_stale`, Adam's largest update far past its normalised step
-//!   while β₂ is slow. [`rolling`] is their window of recent readings,
+//!   while β₂ is slow; [`moe_routing`]: `moe_router_collapse` and
+//!   `moe_load_imbalance`, an MoE layer's tokens on one expert or unevenly spread.
+//!   [`rolling`] is their window of recent readings,
 //!   [`update_levels`] each module's level of Adam's update.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
 //!   `rank_missing`, `rank_straggler`, `rank_nonfinite`, `replica_divergence`,
@@ -166,6 +168,7 @@ streaming_detectors! {
     adam_eps_dominated::AdamEpsDominated,
     adam_update_spike::AdamUpdateSpike,
     adam_second_moment_stale::AdamSecondMomentStale,
+    moe_routing::MoeRouting,
     // Last: after the streak verdicts of the same step, which confirm what it named.
     first_step::FirstStepHint,
 }

@@ -47,6 +47,8 @@ vocabulary! {
         AdamEpsDominated = "adam_eps_dominated" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AdamUpdateSpike = "adam_update_spike" => KindSpec::new(&[Severity::Warning]),
         AdamSecondMomentStale = "adam_second_moment_stale" => KindSpec::new(&[Severity::Warning]),
+        MoeRouterCollapse = "moe_router_collapse" => KindSpec::new(&[Severity::Critical]),
+        MoeLoadImbalance = "moe_load_imbalance" => KindSpec::new(&[Severity::Warning]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
         RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),
