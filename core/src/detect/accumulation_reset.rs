@@ -17,7 +17,12 @@
 //! Nothing looks wrong: each step still has a gradient, of one micro-batch instead
 //! of N, so the effective batch is N times smaller than configured and the loss is
 //! noisier. Intended accumulation resets only after the optimizer step and reports
-//! 0. A loop that zeroes on purpose between two backward passes of one step (a GAN
+//! 0. On a step whose first backward pass found the previous step's gradients still
+//! there (`grads_carried_over`), the first reset is the loop's own `zero_grad` for
+//! this step, coming after another model's backward pass (the PyTorch DCGAN
+//! example: the generator's loss reaches the discriminator after the
+//! discriminator's step, and `netD.zero_grad()` clears it at the next iteration);
+//! only the resets after it count. A loop that zeroes on purpose between two backward passes of one step (a GAN
 //! whose discriminator loss reaches the generator) looks the same to the numbers,
 //! which is why this is a warning whose text names that case.
 
@@ -47,12 +52,9 @@ pub struct AccumulationReset {
 impl AccumulationReset {
     pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
-        let Some(resets) = record.metrics.get(METRIC).and_then(|v| v.map(|f| f.get())) else {
+        let Some(resets) = own_resets(record) else {
             return;
         };
-        if !resets.is_finite() {
-            return;
-        }
         let (kind, reset) = (AlertKind::AccumulationReset, resets >= 1.0);
         if alerts.observe(kind, SUBJECT, &mut self.streak, reset, |s| {
             s.reports(PERSIST)
@@ -97,6 +99,40 @@ impl AccumulationReset {
             }),
         }
     }
+}
+
+/// The backward passes after the first of this optimizer step that found the
+/// gradient reset, as the client counts them; `None` when not measured.
+fn resets(record: &StepRecord) -> Option<f64> {
+    let resets = record
+        .metrics
+        .get(METRIC)
+        .and_then(|v| v.map(|f| f.get()))?;
+    resets.is_finite().then_some(resets)
+}
+
+/// Whether gradients added after the previous optimizer step were cleared before
+/// this one: the step's first backward pass found the previous step's gradients
+/// still there (`grads_carried_over`), and a later one found them reset. A GAN's
+/// generator step adds to the discriminator's gradients after the discriminator's
+/// optimizer stepped, and the next `netD.zero_grad()` clears them before its own
+/// backward passes (the PyTorch DCGAN example): nothing reaches the discriminator's
+/// next step, so nothing was carried over.
+pub fn cleared_before_step(record: &StepRecord) -> bool {
+    record.grads_carried_over == Some(true) && resets(record).is_some_and(|r| r >= 1.0)
+}
+
+/// The resets that discarded this step's own gradients. When the first backward
+/// pass found the previous step's gradients still there, the passes before the
+/// first reset ran before the loop zeroed for this step (another model's backward,
+/// in a GAN), and that reset is the loop's own zero_grad, not a lost micro-batch.
+fn own_resets(record: &StepRecord) -> Option<f64> {
+    let resets = resets(record)?;
+    Some(if cleared_before_step(record) {
+        resets - 1.0
+    } else {
+        resets
+    })
 }
 
 #[cfg(test)]
@@ -149,5 +185,25 @@ mod tests {
             ])
             .collect();
         assert!(viewed(&records, |v, out| detector.on_step(v, out)).is_empty());
+    }
+
+    #[test]
+    fn a_gan_s_zero_grad_after_the_generator_s_backward_is_the_loop_s_own() {
+        // The DCGAN loop, seen by the discriminator's watcher: errG's backward (after
+        // the discriminator's step, gradients still there), netD.zero_grad(), then
+        // errD_real's and errD_fake's: carried over, one reset.
+        let gan = |s: u64, resets: f64| {
+            record(json!({"step": s, "grads_carried_over": true,
+                          "metrics": {METRIC: resets}}))
+        };
+        let mut detector = AccumulationReset::default();
+        let records: Vec<StepRecord> = (1..30).map(|s| gan(s, 1.0)).collect();
+        assert!(viewed(&records, |v, out| detector.on_step(v, out)).is_empty());
+        assert!(cleared_before_step(&records[0]));
+        // Zeroed inside the micro-batch loop as well: the resets after the first count.
+        let mut detector = AccumulationReset::default();
+        let records: Vec<StepRecord> = (1..6).map(|s| gan(s, 3.0)).collect();
+        let t = viewed(&records, |v, out| detector.on_step(v, out));
+        assert!(matches!(t[..], [(3, Transition::Open(_))]), "{t:?}");
     }
 }

@@ -8,7 +8,11 @@
 //! `grads_carried_over: true` when that gradient still held the previous step's
 //! values. The alert opens on [`PERSIST`] reported steps running with it and
 //! resolves on the first reported step without it. Records without the field are
-//! not measured and change nothing.
+//! not measured and change nothing. A step that also reports a reset between its
+//! backward passes (`grads_reset_between_backwards` ≥ 1) cleared what was carried
+//! over before its optimizer stepped — gradients added after an optimizer's step
+//! and cleared before that optimizer's next step (a GAN's generator loss reaching
+//! the discriminator, the PyTorch DCGAN loop) — and counts as not carried over.
 //!
 //! # Why
 //!
@@ -22,6 +26,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::accumulation_reset::cleared_before_step;
 use super::episode::{Alerts, Streak};
 use super::view::StepView;
 use super::wording::{sci, step_range};
@@ -61,6 +66,9 @@ impl GradsNotZeroed {
         let Some(carried) = record.grads_carried_over else {
             return;
         };
+        // Carried over to the first backward pass, then cleared before this
+        // optimizer's step: nothing reached the step.
+        let carried = carried && !cleared_before_step(record);
         if carried && self.streak.since.is_none() {
             self.first_norm = total_norm(record);
         }
@@ -196,5 +204,24 @@ mod tests {
             record(8, Some(false), 1.0),
         ];
         assert!(run(&records).is_empty());
+    }
+
+    #[test]
+    fn gradients_cleared_before_the_optimizer_s_next_step_were_not_carried_over() {
+        // A GAN's discriminator: the generator's backward adds to its gradients after
+        // its step, netD.zero_grad() clears them before its own backward passes.
+        let cleared = |s: u64| {
+            let mut r = record(s, Some(true), 1.0);
+            r.metrics.insert(
+                crate::detect::accumulation_reset::METRIC.into(),
+                serde_json::from_value(json!(1.0)).unwrap(),
+            );
+            r
+        };
+        let records: Vec<StepRecord> = (0..20).map(cleared).collect();
+        assert!(run(&records).is_empty());
+        // Never zeroed at all: carried over with one backward a step, still opens.
+        let records: Vec<StepRecord> = (0..5).map(|s| record(s, Some(true), 1.0)).collect();
+        assert!(matches!(run(&records)[..], [(2, Transition::Open(_))]));
     }
 }

@@ -1,6 +1,8 @@
 //! A series' recent level: the mean and standard deviation of its last readings, the
 //! window the spike rules of large-run trainers use (OLMo-core's and Levanter's
-//! skip-step: mean + 6σ of the last 128 values).
+//! skip-step: mean + 6σ of the last 128 values), and the same window's spread on a
+//! log scale, measured robustly ([`LogSpread`]), which tells a heavy-tailed series'
+//! own excursions from a reading far outside them.
 
 use std::collections::VecDeque;
 
@@ -39,6 +41,41 @@ impl Level {
     /// `mean + sigmas·std`.
     pub fn bar(&self, sigmas: f64) -> f64 {
         self.mean + sigmas * self.std
+    }
+}
+
+/// A window of positive readings on a log scale: the median of their logarithms and
+/// their median absolute deviation, scaled to read as a standard deviation for a
+/// normal distribution. A loss whose ordinary spread covers orders of magnitude (a
+/// batch of one, a return that varies by episode) has a wide one; a loss averaged
+/// over many tokens a narrow one. Neither number moves for the few largest readings,
+/// so the tail does not hide itself as the standard deviation lets it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogSpread {
+    pub median: f64,
+    pub mad: f64,
+}
+
+/// The MAD of a normal distribution is this fraction of its σ (1/1.4826).
+const MAD_PER_SIGMA: f64 = 0.674_489_750_196_081_7;
+
+impl LogSpread {
+    /// How many robust standard deviations `value`'s logarithm lies above the median
+    /// (infinite above a window whose readings are all equal; minus infinity for a
+    /// value that is not positive).
+    pub fn z(&self, value: f64) -> f64 {
+        if value <= 0.0 {
+            return f64::NEG_INFINITY;
+        }
+        let excess = value.ln() - self.median;
+        let sigma = self.mad / MAD_PER_SIGMA;
+        if sigma > 0.0 {
+            excess / sigma
+        } else if excess > 0.0 {
+            f64::INFINITY
+        } else {
+            0.0
+        }
     }
 }
 
@@ -82,13 +119,32 @@ impl Rolling {
 
     /// The window's median; `None` when empty.
     pub fn median(&self) -> Option<f64> {
-        let mut sorted: Vec<f64> = self.values.iter().copied().collect();
-        if sorted.is_empty() {
+        median(self.values.iter().copied().collect())
+    }
+
+    /// The window's [`LogSpread`]; `None` when empty or when a reading is not
+    /// positive (a series that reaches zero or below has no multiplicative scale).
+    pub fn log_spread(&self) -> Option<LogSpread> {
+        if self.values.iter().any(|v| *v <= 0.0) {
             return None;
         }
-        sorted.sort_by(f64::total_cmp);
-        Some(sorted[sorted.len() / 2])
+        let logs: Vec<f64> = self.values.iter().map(|v| v.ln()).collect();
+        let centre = median(logs.clone())?;
+        let mad = median(logs.iter().map(|l| (l - centre).abs()).collect())?;
+        Some(LogSpread {
+            median: centre,
+            mad,
+        })
     }
+}
+
+/// The upper median of `values`; `None` when empty.
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    Some(values[values.len() / 2])
 }
 
 #[cfg(test)]
@@ -112,5 +168,29 @@ mod tests {
             count: 9,
         };
         assert_eq!((flat.z(2.0), flat.z(3.0)), (0.0, f64::INFINITY));
+    }
+
+    #[test]
+    fn the_log_spread_is_the_median_and_mad_of_the_logs_of_positive_windows() {
+        let mut rolling = Rolling::default();
+        for v in [1.0, 10.0, 100.0, 1000.0, 1e6] {
+            rolling.push(v);
+        }
+        let spread = rolling.log_spread().unwrap();
+        let ln10 = 10f64.ln();
+        assert!((spread.median - 2.0 * ln10).abs() < 1e-12, "{spread:?}");
+        // |log deviations| are 2, 1, 0, 1, 4 decades: their median is one decade,
+        // and the largest reading does not move it.
+        assert!((spread.mad - ln10).abs() < 1e-12, "{spread:?}");
+        let sigma = ln10 / MAD_PER_SIGMA;
+        assert!((spread.z(1e4) - 2.0 * ln10 / sigma).abs() < 1e-12);
+        assert_eq!(spread.z(0.0), f64::NEG_INFINITY);
+        rolling.push(0.0);
+        assert_eq!(rolling.log_spread(), None);
+        let mut flat = Rolling::default();
+        flat.push(2.0);
+        flat.push(2.0);
+        let flat = flat.log_spread().unwrap();
+        assert_eq!((flat.z(2.0), flat.z(2.5)), (0.0, f64::INFINITY));
     }
 }

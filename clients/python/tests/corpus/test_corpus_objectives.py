@@ -90,13 +90,6 @@ class Policy(nn.Module):
         return self.head(torch.tanh(self.body(state)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="false alarm: loss_spike (cause data_batch or unknown) and adam_update_spike on "
-    "every seed: an episode's summed return swings the loss and the update by far more "
-    "than 6 sigma of the last 128 while the policy learns",
-)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_reinforce_loss_that_grows_with_the_return(gradflow_server, gradflow_env, seed):
     """REINFORCE on an episodic task that goes on while the action is right: as the
@@ -180,12 +173,6 @@ def test_adam_overshooting_an_fp16_regression_at_first(gradflow_server, gradflow
     silent_and_stored(gradflow_server, run_id, 150)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="false alarm: loss_spike (cause data_batch) on every seed: a single sample's "
-    "squared error under heavy-tailed noise is above 6 sigma of the last 128 now and then",
-)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_noisy_loss_of_batches_of_one(gradflow_server, gradflow_env, seed):
     """Batch size 1 with SGD and momentum on a regression with heavy-tailed noise
