@@ -9,8 +9,10 @@
 //!
 //! Per parameter group with β₂ ≥ [`MIN_BETA2`] (its own betas as registered, or the
 //! optimizer's): a report where a module's largest |m̂/(√v̂+ε)| (`adam.update_absmax`,
-//! sampled by the client) is above [`STALE_UPDATE`], on [`REPORTS`] sampled reports
-//! running. Modules that hold an embedding are left out: a rare token's row gets a
+//! sampled by the client) is above the group's bar, on [`REPORTS`] sampled reports
+//! running. The bar is [`STALE_UPDATE`] at β₁ = 0.9, scaled by how widely m̂/σ spreads
+//! under pure noise, √((1−β₁)/(1+β₁)) ([`bar`]): a faster first moment (a GAN's
+//! β₁ = 0.5: bar 6.3) swings further with healthy noise alone. Modules that hold an embedding are left out: a rare token's row gets a
 //! gradient once in a while, and its first update after a silence is up to
 //! (1−β₁)/√(1−β₂) = 3.2 every time — sparse updates are healthy, not a finding.
 //! Subject: the group; the worst module and the others above the bar are named.
@@ -26,7 +28,9 @@
 //! client's default interval of 10) passes a single rare hit, which falls back under
 //! the bar within 3 steps, and catches the lag that lasts. With β₂ = 0.95 the second
 //! moment follows within ~20 steps and the first step after a silence is 0.45: the
-//! rule does not apply.
+//! rule does not apply. On the DCGAN example's discriminator (β = (0.5, 0.999)) the
+//! largest update reads 2.7–2.8 while it trains well: within β₁ = 0.5's spread of
+//! noise, under its bar of 6.3; a stale coordinate there reaches 0.5/√(1−β₂) = 15.8.
 
 use std::collections::BTreeMap;
 
@@ -39,8 +43,11 @@ use super::view::StepView;
 use super::wording::name_list;
 use crate::model::alert::{AlertKind, Opened, Severity};
 
-/// The largest |m̂/(√v̂+ε)| above which a module's second moment is stale.
+/// The largest |m̂/(√v̂+ε)| above which a module's second moment is stale, at
+/// β₁ = 0.9 ([`bar`] scales it to other β₁).
 pub const STALE_UPDATE: f64 = 2.5;
+/// The β₁ [`STALE_UPDATE`] was measured at.
+const REFERENCE_BETA1: f64 = 0.9;
 /// Sampled reports running above it before the alert opens.
 pub const REPORTS: u32 = 3;
 /// The smallest β₂ the rule applies to: below it v follows the gradient quickly.
@@ -62,12 +69,13 @@ impl AdamSecondMomentStale {
     pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let step = view.record.step;
         let kind = AlertKind::AdamSecondMomentStale;
-        for (group, (beta2, readings)) in readings_by_group(view) {
+        for (group, ([beta1, beta2], readings)) in readings_by_group(view) {
             if beta2 < MIN_BETA2 {
                 continue;
             }
+            let bar = bar(beta1);
             let mut above: Vec<&Reading<'_>> =
-                readings.iter().filter(|r| r.absmax > STALE_UPDATE).collect();
+                readings.iter().filter(|r| r.absmax > bar).collect();
             above.sort_by(|a, b| b.absmax.total_cmp(&a.absmax));
             let subject = format!("param group {group}");
             let streak = self.groups.entry(group.clone()).or_default();
@@ -76,15 +84,26 @@ impl AdamSecondMomentStale {
             }) {
                 continue;
             }
-            alerts.open(alert(subject, step, streak, beta2, &above));
+            alerts.open(alert(subject, step, streak, [beta1, beta2], bar, &above));
         }
     }
 }
 
-/// Each parameter group's β₂ and its modules' readings on this report (groups whose
-/// β₂ is not registered are left out: the rule cannot be judged there).
-fn readings_by_group<'a>(view: &StepView<'a>) -> BTreeMap<String, (f64, Vec<Reading<'a>>)> {
-    let mut groups: BTreeMap<String, (f64, Vec<Reading<'a>>)> = BTreeMap::new();
+/// The largest |m̂/(√v̂+ε)| a group with this β₁ may show without a stale second
+/// moment: [`STALE_UPDATE`] times the spread of m̂/σ under noise at β₁ over its spread
+/// at 0.9 (an exponential average of white noise with weight 1−β₁ has variance
+/// (1−β₁)/(1+β₁) of the noise's).
+pub fn bar(beta1: f64) -> f64 {
+    let spread = |b: f64| ((1.0 - b) / (1.0 + b)).sqrt();
+    STALE_UPDATE * spread(beta1.clamp(0.0, 0.999)) / spread(REFERENCE_BETA1)
+}
+
+/// Each parameter group's betas and its modules' readings on this report (groups
+/// whose betas are not registered are left out: the rule cannot be judged there).
+type GroupReadings<'a> = BTreeMap<String, ([f64; 2], Vec<Reading<'a>>)>;
+
+fn readings_by_group<'a>(view: &StepView<'a>) -> GroupReadings<'a> {
+    let mut groups: GroupReadings<'a> = BTreeMap::new();
     for module in &view.record.modules {
         let Some(absmax) = module
             .adam
@@ -101,12 +120,12 @@ fn readings_by_group<'a>(view: &StepView<'a>) -> BTreeMap<String, (f64, Vec<Read
         if holds_embedding {
             continue;
         }
-        let Some(beta2) = beta2_of(view, &group) else {
+        let Some(betas) = betas_of(view, &group) else {
             continue;
         };
         groups
             .entry(group)
-            .or_insert_with(|| (beta2, Vec::new()))
+            .or_insert_with(|| (betas, Vec::new()))
             .1
             .push(Reading {
                 module: &module.module,
@@ -134,8 +153,8 @@ fn group_of(view: &StepView<'_>, module: &str) -> Option<(String, bool)> {
     group.map(|g| (g, embedding))
 }
 
-/// The group's β₂ as registered (its own, or the optimizer's).
-fn beta2_of(view: &StepView<'_>, group: &str) -> Option<f64> {
+/// The group's betas as registered (its own, or the optimizer's).
+fn betas_of(view: &StepView<'_>, group: &str) -> Option<[f64; 2]> {
     let optimizer = view.context.registration.optimizer.as_ref()?;
     optimizer
         .param_groups
@@ -143,14 +162,15 @@ fn beta2_of(view: &StepView<'_>, group: &str) -> Option<f64> {
         .find(|g| g.name == group)
         .and_then(|g| g.betas)
         .or(optimizer.betas)
-        .map(|[_, beta2]| beta2.get())
+        .map(|[beta1, beta2]| [beta1.get(), beta2.get()])
 }
 
 fn alert(
     subject: String,
     step: u64,
     streak: &Streak,
-    beta2: f64,
+    [beta1, beta2]: [f64; 2],
+    bar: f64,
     above: &[&Reading<'_>],
 ) -> Opened {
     let worst = above[0];
@@ -168,9 +188,9 @@ fn alert(
         ),
         detail: format!(
             "At step {step} the largest |m̂/(√v̂+ε)| of {} ({subject}) was {:.2}, above \
-             {STALE_UPDATE} on {} sampled reports running since step {since} (a steady \
-             gradient keeps it at 1 or under, noisy healthy training under about 1.7). Modules \
-             above the bar: {}. With β₂ = {beta2} the second moment averages the last \
+             {bar:.1} on {} sampled reports running since step {since} (a steady gradient \
+             keeps it at 1 or under; with β₁ = {beta1} noisy healthy training stays under \
+             the bar). Modules above the bar: {}. With β₂ = {beta2} the second moment averages the last \
              ~{:.0} steps of squared gradients, so gradients that grew after a quiet stretch \
              are divided by a v that has not caught up, and those coordinates move several \
              times farther than Adam's step: the instability that precedes loss spikes \
@@ -189,7 +209,8 @@ fn alert(
         evidence: json!({
             "cause": "stale_second_moment",
             "update_absmax": worst.absmax,
-            "bar": STALE_UPDATE,
+            "bar": bar,
+            "beta1": beta1,
             "beta2": beta2,
             "modules": modules,
             "reports": streak.count,
@@ -254,5 +275,12 @@ mod tests {
         assert!(run(0.95, |_| 5.8, 12).is_empty());
         // Healthy noisy training, the embedding at 3.2 every report.
         assert!(run(0.999, |s| 1.2 + 0.5 * ((s / 10) % 2) as f64, 30).is_empty());
+    }
+
+    #[test]
+    fn the_bar_follows_the_first_moments_spread_under_noise() {
+        assert!((bar(0.9) - STALE_UPDATE).abs() < 1e-12);
+        assert!((bar(0.5) - 6.29).abs() < 0.01, "{}", bar(0.5));
+        assert!(bar(0.0) > bar(0.5) && bar(0.99) < STALE_UPDATE);
     }
 }
