@@ -9,7 +9,7 @@ docs/instabilities.md, where each recipe's numbers were first measured.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -135,6 +135,37 @@ def train(
         losses.append(loss.item())
     gf.close()
     return gf.run_id, losses
+
+
+def run_gpt(
+    server: Any,
+    batches: Iterable[Tuple[torch.Tensor, torch.Tensor]],
+    *,
+    prefix: str,
+    signals: Dict[str, int],
+    **adamw: Any,
+) -> str:
+    """Trains a fresh tiny GPT with AdamW(**adamw) on `batches` (tokens, targets)
+    under the real client; its run id."""
+    torch.set_num_threads(1)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=server.url,
+        run_id=new_run_id(prefix),
+        on_alert=None,
+        signals=signals,
+    )
+    for tokens, targets in batches:
+        loss = F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        gf.step(loss)
+    gf.close()
+    return gf.run_id
 
 
 def kinds(server: Any, run_id: str) -> List[Tuple[str, str, str]]:

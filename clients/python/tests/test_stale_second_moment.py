@@ -17,11 +17,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import new_run_id
-from test_instabilities import CONTEXT, VOCAB, TinyGPT
-
-import gradflow
+from test_instabilities import CONTEXT, VOCAB, run_gpt
 
 SHIFT = 300
 STEPS = 420
@@ -46,25 +42,15 @@ def shifted_batches(
 
 
 def train(server: Any, beta2: float, shift_at: Optional[int]) -> str:
-    torch.set_num_threads(1)
-    model = TinyGPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, beta2), weight_decay=0.0)
-    gf = gradflow.watch(
-        model,
-        optimizer,
-        server=server.url,
-        run_id=new_run_id("stale"),
-        on_alert=None,
+    return run_gpt(
+        server,
+        shifted_batches(shift_at),
+        prefix="stale",
         signals={"adam": 1},
+        lr=3e-3,
+        betas=(0.9, beta2),
+        weight_decay=0.0,
     )
-    for tokens, targets in shifted_batches(shift_at):
-        loss = F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        gf.step(loss)
-    gf.close()
-    return gf.run_id
 
 
 def stale_alerts(server: Any, run_id: str) -> List[Any]:

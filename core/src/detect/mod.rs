@@ -49,6 +49,8 @@
 //!   `adam_second_moment_stale`, Adam's largest update far past its normalised step
 //!   while β₂ is slow; [`moe_routing`]: `moe_router_collapse` and
 //!   `moe_load_imbalance`, an MoE layer's tokens on one expert or unevenly spread.
+//!   [`activation_norm_growth`]: `activation_norm_growth` (info), blocks' outputs
+//!   that keep growing while the loss is flat.
 //!   [`rolling`] is their window of recent readings,
 //!   [`update_levels`] each module's level of Adam's update.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
@@ -169,6 +171,7 @@ streaming_detectors! {
     adam_update_spike::AdamUpdateSpike,
     adam_second_moment_stale::AdamSecondMomentStale,
     moe_routing::MoeRouting,
+    activation_norm_growth::ActivationNormGrowth,
     // Last: after the streak verdicts of the same step, which confirm what it named.
     first_step::FirstStepHint,
 }

@@ -49,6 +49,7 @@ vocabulary! {
         AdamSecondMomentStale = "adam_second_moment_stale" => KindSpec::new(&[Severity::Warning]),
         MoeRouterCollapse = "moe_router_collapse" => KindSpec::new(&[Severity::Critical]),
         MoeLoadImbalance = "moe_load_imbalance" => KindSpec::new(&[Severity::Warning]),
+        ActivationNormGrowth = "activation_norm_growth" => KindSpec::new(&[Severity::Info]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
         RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),
