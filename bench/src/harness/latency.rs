@@ -12,6 +12,7 @@
 use std::process::{Command, Stdio};
 
 use anyhow::Context;
+use gradflow_core::detect::attention_logit_growth;
 use gradflow_e2e::{ServerProcess, binary};
 use gradflow_trainer::scenario::{self, SCENARIOS};
 use serde::Serialize;
@@ -51,7 +52,11 @@ fn threshold_steps(kind: &str) -> u64 {
         .iter()
         .find(|(k, _, _)| *k == kind)
         .map_or(
-            if kind == "loss_divergence" { 2 } else { 1 },
+            match kind {
+                "loss_divergence" => 2,
+                "attention_logit_growth" => u64::from(attention_logit_growth::REPORTS),
+                _ => 1,
+            },
             |(_, _, steps)| *steps,
         )
 }
@@ -193,6 +198,21 @@ async fn fault_in_telemetry(
         "scaler_overflow_streak" => streak_start(
             series(client, server, run, "metric=found_inf").await?,
             |v| v.as_f64() == Some(1.0),
+        ),
+        // Above QK-Clip's τ, or not finite (written as a string).
+        "attention_logit_growth" => streak_start(
+            series(
+                client,
+                server,
+                run,
+                &format!("metric=attn_max_logit&subject={subject}"),
+            )
+            .await?,
+            |v| {
+                non_finite(v)
+                    || v.as_f64()
+                        .is_some_and(|l| l > attention_logit_growth::WARN_LOGIT)
+            },
         ),
         // No gradient reads as null, a zero one as 0.
         "grad_stuck_zero" => {

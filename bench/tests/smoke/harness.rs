@@ -177,7 +177,7 @@ fn every_part_runs_and_reports() {
 
     // Every failure scenario's alerts, each opened no earlier than allowed.
     let detections = r["latency"].as_array().unwrap();
-    assert_eq!(detections.len(), 11, "{detections:?}");
+    assert_eq!(detections.len(), 14, "{detections:?}");
     // The fault's step is read back from the telemetry where it shows there: the NaN
     // gradient injected at step 30 makes step 31's loss the first non-finite one.
     let loss_nan = detections
