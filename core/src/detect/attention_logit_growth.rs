@@ -10,7 +10,10 @@
 //! QK-Clip threshold and Megatron's `qk_clip_threshold` default. It opens critical
 //! when the last of them is above [`CRITICAL_LOGIT`] or not finite, or when the
 //! module's smallest head entropy (`attn_min_entropy`) is below [`MIN_ENTROPY`] nats
-//! (near one-hot attention). Resolves on a report at or under [`WARN_LOGIT`].
+//! (near one-hot attention), or when the logit is [`TENFOLD`]× its reading
+//! [`TENFOLD_STEPS`] or more steps earlier while the loss's running mean improved by
+//! less than [`LOSS_GAIN`] since (the growth bought nothing). Resolves on a report at
+//! or under [`WARN_LOGIT`].
 //!
 //! # Why these numbers
 //!
@@ -39,11 +42,26 @@ pub const CRITICAL_LOGIT: f64 = 1000.0;
 pub const REPORTS: u32 = 3;
 /// A head entropy below this (nats) is near one-hot attention.
 pub const MIN_ENTROPY: f64 = 0.05;
+/// The growth of the max logit that, with a loss that did not improve, is critical.
+pub const TENFOLD: f64 = 10.0;
+/// Steps that growth is measured over, at least.
+pub const TENFOLD_STEPS: u64 = 100;
+/// How much of its running mean the loss may have improved and still count as not
+/// improving.
+pub const LOSS_GAIN: f64 = 0.10;
+/// Steps between two kept readings, and how many are kept (more than
+/// [`TENFOLD_STEPS`] / the spacing).
+const SPACING: u64 = 10;
+const KEPT: usize = 16;
+/// Readings the loss's running mean spans, about.
+const LOSS_READINGS: f64 = 10.0;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct AttentionLogitGrowth {
     modules: BTreeMap<String, ModuleLogits>,
+    /// The loss's running mean over about its last [`LOSS_READINGS`] readings.
+    loss_mean: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -52,11 +70,50 @@ struct ModuleLogits {
     /// The first max logit the module reported, and its step.
     first: Option<(u64, f64)>,
     above: Streak,
+    /// Readings kept [`SPACING`] steps apart: (step, max logit, the loss's running
+    /// mean then, when there was a loss).
+    kept: Vec<(u64, f64, Option<f64>)>,
+}
+
+impl ModuleLogits {
+    /// The reading `logit` grew [`TENFOLD`]× from over [`TENFOLD_STEPS`] or more
+    /// while the loss did not improve by [`LOSS_GAIN`], if any.
+    fn tenfold_without_progress(
+        &self,
+        step: u64,
+        logit: f64,
+        loss: Option<f64>,
+    ) -> Option<(u64, f64)> {
+        let &(then, earlier, loss_then) = self
+            .kept
+            .iter()
+            .rev()
+            .find(|&&(s, _, _)| s + TENFOLD_STEPS <= step)?;
+        let flat = loss.zip(loss_then).is_some_and(|(now, then)| now >= then * (1.0 - LOSS_GAIN));
+        (earlier > 0.0 && logit >= TENFOLD * earlier && flat).then_some((then, earlier))
+    }
+
+    fn keep(&mut self, reading: (u64, f64, Option<f64>)) {
+        if self.kept.last().is_some_and(|&(s, _, _)| reading.0 < s + SPACING) {
+            return;
+        }
+        self.kept.push(reading);
+        if self.kept.len() > KEPT {
+            self.kept.remove(0);
+        }
+    }
 }
 
 impl AttentionLogitGrowth {
     pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let step = view.record.step;
+        if let Some(loss) = view.record.loss.map(|l| l.get()).filter(|l| l.is_finite()) {
+            let mean = self
+                .loss_mean
+                .map_or(loss, |mean| mean + (loss - mean) / LOSS_READINGS);
+            self.loss_mean = Some(mean);
+        }
+        let loss = self.loss_mean;
         for module in &view.record.modules {
             let Some(logit) = module.attn_max_logit.map(|l| l.get()) else {
                 continue;
@@ -66,6 +123,8 @@ impl AttentionLogitGrowth {
             }
             let state = self.modules.entry(module.module.clone()).or_default();
             state.first.get_or_insert((step, logit));
+            let tenfold = state.tenfold_without_progress(step, logit, loss);
+            state.keep((step, logit, loss));
             let above = logit > WARN_LOGIT;
             let kind = AlertKind::AttentionLogitGrowth;
             if !alerts.observe(kind, &module.module, &mut state.above, above, |s| {
@@ -77,7 +136,7 @@ impl AttentionLogitGrowth {
                 .attn_min_entropy
                 .map(|e| e.get())
                 .filter(|e| e.is_finite());
-            alerts.open(alert(&module.module, step, logit, entropy, state));
+            alerts.open(alert(&module.module, step, logit, entropy, tenfold, state));
         }
     }
 }
@@ -87,11 +146,20 @@ fn alert(
     step: u64,
     logit: f64,
     entropy: Option<f64>,
+    tenfold: Option<(u64, f64)>,
     state: &ModuleLogits,
 ) -> Opened {
     let (first_step, first) = state.first.unwrap_or((step, logit));
     let collapsed = entropy.is_some_and(|e| e < MIN_ENTROPY);
-    let severity = if !logit.is_finite() || logit > CRITICAL_LOGIT || collapsed {
+    let tenfold_text = tenfold.map_or(String::new(), |(then, earlier)| {
+        format!(
+            " It is {:.0}× its {} of step {then} while the loss has not improved since:              the growth buys nothing.",
+            logit / earlier,
+            sci(earlier)
+        )
+    });
+    let severity = if !logit.is_finite() || logit > CRITICAL_LOGIT || collapsed || tenfold.is_some()
+    {
         Severity::Critical
     } else {
         Severity::Warning
@@ -120,7 +188,7 @@ fn alert(
         detail: format!(
             "The largest pre-softmax attention logit (q·k/√d) of {module} grew from {} at step \
              {first_step} to {} at step {step}, above {WARN_LOGIT} on {} reports running since \
-             step {since}.{entropy_text} Logits this large make the softmax saturate: attention \
+             step {since}.{entropy_text}{tenfold_text} Logits this large make the softmax saturate: attention \
              collapses onto single keys and its gradient vanishes, and the loss usually spikes \
              or diverges next (ViT-22B, Dehghani et al. 2023; Wortsman et al. 2023).",
             sci(first),
@@ -140,6 +208,7 @@ fn alert(
             "min_entropy": entropy,
             "reports": state.above.count,
             "threshold": WARN_LOGIT,
+            "tenfold_since": tenfold.map(|(then, _)| then),
         }),
     }
 }
@@ -185,6 +254,30 @@ mod tests {
         assert!(matches!(&t[..], [(2, Transition::Open(o))] if o.severity == Severity::Critical));
         let t = run(&[150.0, 150.0, f64::INFINITY], 1.0);
         assert!(matches!(&t[..], [(2, Transition::Open(o))] if o.severity == Severity::Critical));
+    }
+
+    #[test]
+    fn a_tenfold_growth_while_the_loss_is_flat_is_critical_and_one_the_loss_pays_for_is_not() {
+        // 2 × 1.03^step: above 100 from step 133 on, 22× its reading of step 30.
+        let logits: Vec<f64> = (0..140).map(|s| 2.0 * 1.03f64.powi(s)).collect();
+        let t = run(&logits, 1.0);
+        let [(_, Transition::Open(o))] = &t[..] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(o.severity, Severity::Critical, "{}", o.detail);
+        assert!(o.evidence["tenfold_since"].is_u64(), "{}", o.evidence);
+        // The same logits while the loss falls by half: a warning.
+        let mut detector = AttentionLogitGrowth::default();
+        let records: Vec<_> = logits
+            .iter()
+            .enumerate()
+            .map(|(step, &logit)| {
+                record(json!({"step": step, "loss": 3.0 - 0.012 * step as f64, "modules": [
+                    {"module": "layers.0.attn", "attn_max_logit": logit, "attn_min_entropy": 1.0}]}))
+            })
+            .collect();
+        let t = viewed(records, |view, alerts| detector.on_step(view, alerts));
+        assert!(matches!(&t[..], [(_, Transition::Open(o))] if o.severity == Severity::Warning));
     }
 
     #[test]
