@@ -22,7 +22,8 @@
 //! the cause can be read:
 //!
 //! - `data_batch`: one micro-batch's loss at least [`MICRO_FACTOR`]× the median of the
-//!   step's micro-batch losses, or the loss back under its bar on the very next step
+//!   step's micro-batch losses, or on a multi-rank run one rank's own loss that far
+//!   above the ranks' median (the step's loss is their mean), or the loss back under its bar on the very next step
 //!   (the model was fine on the next batch: the spike was that batch's). The step's
 //!   batch ids are named.
 //! - `optimizer_state`: a module's Adam update RMS (`adam.update_rms`) spiked by
@@ -142,6 +143,9 @@ struct Spike {
     bar: f64,
     ids: Vec<String>,
     micro_losses: Vec<f64>,
+    /// A multi-rank step's ranks' own losses (its loss is their mean).
+    #[serde(default)]
+    rank_losses: Vec<(u32, f64)>,
     embedding_first: Option<(f64, f64)>,
     update_spike: Option<(u64, String, f64)>,
 }
@@ -177,7 +181,7 @@ impl LossSpike {
         match spiked {
             Some(spike) if !alerts.holds(AlertKind::LossSpike, SUBJECT) => {
                 let spike = self.describe(view, loss, grad, spike);
-                if spike.micro_culprit().is_some() {
+                if spike.micro_culprit().is_some() || spike.rank_culprit().is_some() {
                     alerts.open(spike.alert(false));
                 } else {
                     self.pending = Some(spike);
@@ -237,6 +241,7 @@ impl LossSpike {
             micro_losses: batch
                 .map(|b| b.micro_losses.iter().map(|l| l.get()).collect())
                 .unwrap_or_default(),
+            rank_losses: view.ranks.map(|r| r.losses.clone()).unwrap_or_default(),
             embedding_first: self
                 .last_ratios
                 .filter(|&(e, r)| e >= EMBEDDING_FIRST_FACTOR && r < 1.5),
@@ -251,30 +256,18 @@ impl LossSpike {
 impl Spike {
     /// The micro-batch far above the step's others, with its loss and their median.
     fn micro_culprit(&self) -> Option<(usize, f64, f64)> {
-        let finite: Vec<f64> = self
-            .micro_losses
-            .iter()
-            .copied()
-            .filter(|l| l.is_finite())
-            .collect();
-        if finite.len() < 2 {
-            return None;
-        }
-        let mut sorted = finite.clone();
-        sorted.sort_by(f64::total_cmp);
-        let median = sorted[(sorted.len() - 1) / 2];
-        let (index, &worst) = self
-            .micro_losses
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l.is_finite())
-            .max_by(|a, b| a.1.total_cmp(b.1))?;
-        (median > 0.0 && worst >= MICRO_FACTOR * median).then_some((index, worst, median))
+        far_above_the_rest(self.micro_losses.iter().copied().enumerate())
+    }
+
+    /// The rank far above the step's other ranks, with its loss and their median: its
+    /// batch, on a multi-rank run, where the step's loss is the ranks' mean.
+    fn rank_culprit(&self) -> Option<(u32, f64, f64)> {
+        far_above_the_rest(self.rank_losses.iter().copied())
     }
 
     /// The cause, in the order of how directly the numbers prove it.
     fn cause(&self, one_step: bool) -> &'static str {
-        if self.micro_culprit().is_some() {
+        if self.micro_culprit().is_some() || self.rank_culprit().is_some() {
             "data_batch"
         } else if self.update_spike.is_some() {
             "optimizer_state"
@@ -327,6 +320,7 @@ impl Spike {
                 "grad_norm_mean": self.grad_mean,
                 "batch_ids": self.ids,
                 "micro_losses": self.micro_losses,
+                "rank": self.rank_culprit().map(|(rank, _, _)| rank),
                 "one_step": one_step,
                 "update_spike": self.update_spike.as_ref().map(|(s, m, r)| json!({
                     "step": s, "module": m, "ratio": r})),
@@ -344,18 +338,24 @@ impl Spike {
             format!("The step's batch ids: {}.", name_list(&shown, IDS_SHOWN))
         };
         match cause {
-            "data_batch" => match self.micro_culprit() {
-                Some((i, worst, median)) => format!(
+            "data_batch" => match (self.micro_culprit(), self.rank_culprit()) {
+                (Some((i, worst, median)), _) => format!(
                     "Micro-batch {i}'s loss was {} while the step's median was {}: that batch \
                      is far off the others. {ids}",
                     sci(worst),
                     sci(median)
                 ),
-                None if one_step => format!(
+                (None, Some((rank, worst, median))) => format!(
+                    "Rank {rank}'s own loss was {} while the ranks' median was {}: that rank's \
+                     batch is far off the others' (the step's loss is their mean). {ids}",
+                    sci(worst),
+                    sci(median)
+                ),
+                (None, None) if one_step => format!(
                     "On the next step the loss was back under its bar: the model was fine on \
                      the next batch, so this step's batch caused it. {ids}"
                 ),
-                None => ids,
+                (None, None) => ids,
             },
             "optimizer_state" => {
                 let (s, module, r) = self.update_spike.as_ref().expect("the cause says so");
@@ -375,6 +375,20 @@ impl Spike {
             ),
         }
     }
+}
+
+/// The labelled value at least [`MICRO_FACTOR`]× the median of the finite values
+/// (two or more of them), with it and the median.
+fn far_above_the_rest<L: Copy>(values: impl Iterator<Item = (L, f64)>) -> Option<(L, f64, f64)> {
+    let finite: Vec<(L, f64)> = values.filter(|(_, v)| v.is_finite()).collect();
+    if finite.len() < 2 {
+        return None;
+    }
+    let mut sorted: Vec<f64> = finite.iter().map(|&(_, v)| v).collect();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[(sorted.len() - 1) / 2];
+    let &(label, worst) = finite.iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
+    (median > 0.0 && worst >= MICRO_FACTOR * median).then_some((label, worst, median))
 }
 
 fn fix(cause: &str) -> &'static str {
@@ -543,6 +557,46 @@ mod tests {
         assert_eq!(opened[0].0, 120);
         assert_eq!(opened[0].1.evidence["cause"], "data_batch");
         assert!(opened[0].1.detail.contains("Micro-batch 2"));
+    }
+
+    #[test]
+    fn one_rank_far_above_the_others_is_named_at_once() {
+        use crate::detect::ranks::view::RankView;
+        use gradflow_protocol::StepRecord;
+        use crate::detect::testing::{empty_context, transitions};
+        let context = empty_context();
+        let mut detector = LossSpike::default();
+        let steps: Vec<(StepRecord, RankView)> = (0..200u64)
+            .map(|step| {
+                let noise = ((step * 7919) % 13) as f64 / 13.0 - 0.5;
+                let own = |rank: u32| 1.2 + 0.1 * noise + 0.01 * f64::from(rank);
+                let mut losses: Vec<(u32, f64)> = (0..4).map(|r| (r, own(r))).collect();
+                if step == 120 {
+                    losses[2].1 = 30.0; // rank 2's batch
+                }
+                let mean = losses.iter().map(|(_, l)| l).sum::<f64>() / 4.0;
+                let rec = record(json!({"step": step, "loss": mean,
+                    "modules": [{"module": "layers.0", "grad_norm": 0.6}]}));
+                let view = RankView {
+                    step,
+                    world_size: 4,
+                    reported: 4,
+                    losses,
+                    ..RankView::default()
+                };
+                (rec, view)
+            })
+            .collect();
+        let records: Vec<&StepRecord> = steps.iter().map(|(r, _)| r).collect();
+        let t = transitions(records, |record, alerts| {
+            let ranks = steps.iter().find(|(r, _)| r.step == record.step).map(|(_, v)| v);
+            detector.on_step(&StepView::new(&context, record).with_ranks(ranks), alerts)
+        });
+        let opened = opened(&t);
+        assert_eq!(opened.len(), 1, "{t:?}");
+        assert_eq!((opened[0].0, opened[0].1.evidence["rank"].clone()), (120, json!(2)));
+        assert_eq!(opened[0].1.evidence["cause"], "data_batch");
+        assert!(opened[0].1.detail.contains("Rank 2's own loss"), "{}", opened[0].1.detail);
     }
 
     #[test]

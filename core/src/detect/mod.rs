@@ -135,7 +135,7 @@ macro_rules! streaming_detectors {
                 amended: Option<&RunContext>,
                 ranks: Option<&ranks::RankView>,
             ) -> Vec<Transition> {
-                let step = StepView::new(context, record);
+                let step = StepView::new(context, record).with_ranks(ranks);
                 let mut alerts = self.episodes.at(record.step);
                 if let Some(before) = amended {
                     on_amendment(before, context, record.step, &mut alerts);

@@ -4,6 +4,7 @@
 use gradflow_protocol::{ModuleStep, StepRecord};
 
 use super::context::{ModuleInfo, RunContext};
+use super::ranks::view::RankView;
 
 /// One step record resolved against its run once, for every detector: each
 /// reported module's registration entry (a lookup by name, done once rather than
@@ -19,6 +20,8 @@ pub struct StepView<'a> {
     /// norm makes the group's non-finite). Groups come from the registration, or
     /// from the module name's first part.
     pub group_norms: GroupMap<'a, f64>,
+    /// For a multi-rank run's combined step: what its ranks showed.
+    pub ranks: Option<&'a RankView>,
 }
 
 /// Values per group for one step. A run has a handful of groups, so a vector
@@ -69,6 +72,7 @@ impl<'a> StepView<'a> {
             record,
             trainable,
             group_norms: GroupMap::default(),
+            ranks: None,
         };
         let mut sums: GroupMap<f64> = GroupMap::default();
         for (module, group) in view.modules_with_groups() {
@@ -81,6 +85,11 @@ impl<'a> StepView<'a> {
         }
         view.group_norms = sums;
         view
+    }
+
+    /// The same view, of a multi-rank run's combined step whose ranks showed `ranks`.
+    pub fn with_ranks(self, ranks: Option<&'a RankView>) -> StepView<'a> {
+        StepView { ranks, ..self }
     }
 
     /// The reported modules that have trainable parameters, with their entries.

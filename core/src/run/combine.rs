@@ -255,6 +255,8 @@ pub struct PendingStep {
     local_grads_nonfinite: Vec<u32>,
     /// Whether a rank's loss scaler found non-finite gradients and skipped the step.
     scaler_skipped: bool,
+    /// Each rank's own finite loss (before the mean).
+    losses: Vec<(u32, f64)>,
     step_times: Vec<(u32, f64)>,
     graph_cuts: Vec<GraphCut>,
 }
@@ -283,6 +285,7 @@ impl PendingStep {
             loss_nonfinite: Vec::new(),
             local_grads_nonfinite: Vec::new(),
             scaler_skipped: false,
+            losses: Vec::new(),
             step_times: Vec::new(),
             graph_cuts: Vec::new(),
         }
@@ -334,6 +337,7 @@ impl PendingStep {
             let set = value.is_some_and(|v| v > 0.0);
             match kind {
                 SeriesKind::Loss if flags_nonfinite => self.loss_nonfinite.push(rank),
+                SeriesKind::Loss => self.losses.extend(value.map(|v| (rank, v))),
                 SeriesKind::LocalGradsNonfinite if set => self.local_grads_nonfinite.push(rank),
                 SeriesKind::FoundInf | SeriesKind::StepSkipped if set => self.scaler_skipped = true,
                 _ => {}
@@ -526,6 +530,7 @@ impl PendingStep {
                 loss_nonfinite: self.loss_nonfinite,
                 local_grads_nonfinite: self.local_grads_nonfinite,
                 scaler_skipped: self.scaler_skipped,
+                losses: self.losses,
                 fingerprinted,
             },
         }

@@ -58,6 +58,9 @@ pub struct RankView {
     /// Reporting ranks whose own loss was not finite (computed before any
     /// all-reduce, so it says which ranks a NaN began on).
     pub loss_nonfinite: Vec<u32>,
+    /// Each reporting rank's own finite loss: the combined step's is their mean, so
+    /// one rank's bad batch shows here undiluted.
+    pub losses: Vec<(u32, f64)>,
     /// Reporting ranks whose own gradients held a NaN or infinity before the
     /// all-reduce (v1.7 `local_grads_nonfinite`).
     pub local_grads_nonfinite: Vec<u32>,
