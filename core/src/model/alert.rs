@@ -46,7 +46,7 @@ vocabulary! {
         AttentionLogitGrowth = "attention_logit_growth" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AdamEpsDominated = "adam_eps_dominated" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AdamUpdateSpike = "adam_update_spike" => KindSpec::new(&[Severity::Warning]),
-        AdamSecondMomentStale = "adam_second_moment_stale" => KindSpec::new(&[Severity::Warning]),
+        AdamSecondMomentStale = "adam_second_moment_stale" => KindSpec::new(&[Severity::Info]),
         MoeRouterCollapse = "moe_router_collapse" => KindSpec::new(&[Severity::Critical]),
         MoeLoadImbalance = "moe_load_imbalance" => KindSpec::new(&[Severity::Warning]),
         ActivationNormGrowth = "activation_norm_growth" => KindSpec::new(&[Severity::Info]),
