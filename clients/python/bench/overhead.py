@@ -505,6 +505,7 @@ class Breakdown:
         ("registry", "amendment", "registration check"),
         ("measurer", "measure_grads", "gradient read"),
         ("measurer", "snapshot_norms", "norm weights before the step"),
+        ("measurer", "settle_grads", "gradient norms, taken alongside the step"),
         ("measurer", "after_step", "norm weights after the step"),
         ("updates", "before_step", "low-precision check, before"),
         ("updates", "after_step", "low-precision check, after"),
