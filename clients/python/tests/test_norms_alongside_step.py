@@ -46,6 +46,20 @@ def watched(server, model, optimizer, stem):
     return gf, seen
 
 
+def norm_jobs(gf):
+    """The gradients handed to the worker, one list a step, from now on."""
+    worker = gf.instruments.measurer.worker
+    started = []
+    start = worker.start
+
+    def noted(norms, grads):
+        started.append(grads)
+        start(norms, grads)
+
+    worker.start = noted
+    return started
+
+
 def assert_reported(server, gf, seen):
     reported = server.series(gf.run_id, "grad_norm", MODULE)
     assert len(reported) == STEPS and len(seen) == STEPS, (reported, seen)
@@ -57,11 +71,12 @@ def test_torch_optimizers_norms_are_taken_alongside_the_step(gradflow_server):
     model = PromptAgent()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     gf, seen = watched(gradflow_server, model, optimizer, "alongside")
+    started = norm_jobs(gf)
     train(model, optimizer, gf)
-    overlap = gf.instruments.measurer.overlap
-    assert overlap is not None and overlap._pool is not None  # the worker took them
+    assert len(started) == STEPS  # every step's norms taken by the worker
+    worker = gf.instruments.worker
     gf.close()
-    assert overlap._pool is None  # and stopped with the watch
+    assert worker._pool is None  # and the worker stopped with the watch
     assert_reported(gradflow_server, gf, seen)
 
 
@@ -77,10 +92,10 @@ def test_a_step_hook_after_gradflows_keeps_the_norms_before_it(gradflow_server):
         torch._foreach_mul_([p.grad for g in opt.param_groups for p in g["params"]], 0.5)
 
     optimizer.register_step_pre_hook(halve)
+    started = norm_jobs(gf)
     train(model, optimizer, gf)
-    pool = gf.instruments.measurer.overlap._pool
     gf.close()
-    assert pool is None  # never started: every step's norms on the training thread
+    assert started == []  # every step's norms taken on the training thread
     assert_reported(gradflow_server, gf, seen)
 
 
@@ -105,6 +120,40 @@ def test_an_optimizer_from_elsewhere_is_measured_before_its_step(gradflow_server
     optimizer = InPlaceDecay(model.parameters(), lr=1e-3)
     gf, seen = watched(gradflow_server, model, optimizer, "elsewhere")
     train(model, optimizer, gf)
-    assert gf.instruments.measurer.overlap is None
+    assert gf.instruments.measurer.worker is None
     gf.close()
     assert_reported(gradflow_server, gf, seen)
+
+
+def adam_series(server, on_worker: bool):
+    """Adam's update RMS of MODULE on every step, its moments read on the worker or
+    copied on the training thread."""
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=server.url,
+        run_id=new_run_id("adam-worker" if on_worker else "adam-copied"),
+        on_alert=None,
+        signals={"adam": 1},
+    )
+    adam = gf.instruments.signals.adam
+    assert adam.worker is not None and adam.worker is gf.instruments.worker
+    if not on_worker:
+        adam.worker = None
+    train(model, optimizer, gf)
+    gf.close()
+    return server.series(gf.run_id, "adam_update_rms", MODULE)
+
+
+def test_adams_state_read_on_the_worker_is_the_step_it_followed(gradflow_server):
+    """The worker reads the moments while the next forward and backward run, and the
+    next optimizer step waits for it: the same numbers as copies taken right after
+    the step (a read after the next step would see other moments)."""
+    worker = adam_series(gradflow_server, on_worker=True)
+    copied = adam_series(gradflow_server, on_worker=False)
+    assert len(worker) == STEPS and len(copied) == STEPS, (worker, copied)
+    assert len({value for _, value in copied}) == STEPS, copied  # a new figure each step
+    for (step, a), (same, b) in zip(worker, copied):
+        assert step == same and a == pytest.approx(b, rel=1e-6), (worker, copied)

@@ -18,7 +18,7 @@ from .. import wire
 from .._log import guarded
 from ..measurement import ranks as _ranks
 from ..measurement.measure import Measurer
-from ..measurement.overlap import OverlappedNorms, alone_between, leaves_grads
+from ..measurement.overlap import StepWorker, alone_between, leaves_grads
 from ..measurement.record import PendingStep
 from ..measurement.registration import Registry
 from ..measurement.signals import SignalSettings
@@ -76,6 +76,9 @@ class Instruments:
         self._handles: List[Any] = []
         # The ids of the optimizer step hooks attach() registered (None: none).
         self._step_hook_ids: Optional[Tuple[int, int]] = None
+        # On a CPU under one of torch's optimizers: arithmetic beside the training
+        # thread (gradflow.measurement.overlap).
+        self.worker: Optional[StepWorker] = None
         self.scaler: Optional[ScalerTap] = None
         self.clips: Optional[ClipsToZero] = None
         self.shape = LoopShape(self.tracer.notify)
@@ -103,7 +106,9 @@ class Instruments:
         self._handles += [pre, post]
         self._step_hook_ids = (pre.id, post.id)
         if leaves_grads(optimizer):
-            self.measurer.overlap = OverlappedNorms()
+            self.worker = StepWorker()
+            self.measurer.worker = self.worker
+            self.signals.adam.worker = self.worker
         self.clips = ClipsToZero({id(p.tensor) for p in self.registry.params})
         if scaler is not None:
             self.scaler = ScalerTap(scaler, optimizer, self._measure, self.reporting)
@@ -114,7 +119,8 @@ class Instruments:
             handle.remove()
         self._handles.clear()
         self._step_hook_ids = None
-        self.measurer.close()
+        if self.worker is not None:
+            self.worker.close()
         self.hooks.remove()
         self.signals.remove()
         self.tracer.remove()
@@ -171,6 +177,8 @@ class Instruments:
 
     @guarded("optimizer step pre-hook")
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.before_step()  # what it reads of the state is about to change
         # With a closure (Lightning's, L-BFGS's) the step runs backward itself: the
         # gradients may change inside it, so their norms are not taken alongside it.
         # (`args` holds the optimizer itself too, which is not callable.)

@@ -12,9 +12,13 @@ record sums them per module (``adam`` of ``modules[]``, protocol v1.8).
 The moments are copied flat on the training thread (one flattening call each, a chunk
 of parameters at a time, so the temporaries stay bounded) and the arithmetic runs on
 the device, or on a CPU on the reporter thread from the copies
-(:class:`gradflow.measurement.vector.Deferred`). Per-parameter reductions are multi-tensor kernels
-(:func:`gradflow.measurement.intended.segment_sums`). Of a sharded parameter (FSDP2) each rank
-reads the state of the elements it holds.
+(:class:`gradflow.measurement.vector.Deferred`); on a CPU under one of torch's
+optimizers, copies and arithmetic both run on a worker thread beside the next
+forward and backward, from the live moments, which only the next optimizer step
+changes and whose pre-step hook waits for it (:mod:`gradflow.measurement.overlap`).
+Per-parameter reductions are multi-tensor kernels
+(:func:`gradflow.measurement.intended.segment_sums`). Of a sharded parameter (FSDP2)
+each rank reads the state of the elements it holds.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from . import intended, vector
+from .overlap import StepWorker
 from .ranks import is_dtensor, local_numel
 from .registration import Registry
 from .vector import Deferred, Piece
@@ -69,6 +74,9 @@ class AdamState:
         self.optimizer = registry.optimizer
         self._plans: List[_GroupPlan] = []
         self._sharded = False
+        # Set on a CPU under one of torch's optimizers: the moments are read there,
+        # not copied here (gradflow.measurement.overlap).
+        self.worker: Optional[StepWorker] = None
         self.rebuild()
 
     @property
@@ -123,9 +131,16 @@ class AdamState:
         m_all = list(map(_EXP_AVG, dicts))
         v_all = list(map(second, dicts))
         steps = _steps(list(map(_STEP, dicts)))
-        pieces: List[Piece] = []
         budget: List[Optional[int]] = [plan.group] * len(plan.tensors)
-        for start, end in intended.runs(plan.tensors, budget, CHUNK_ELEMENTS):
+        chunks = intended.runs(plan.tensors, budget, CHUNK_ELEMENTS)
+        if self.worker is not None and m_all[0].device.type == "cpu" and not self._sharded:
+            # The moments change only in the next optimizer step, whose pre-step hook
+            # waits for the worker: read there, with no copy here.
+            read = functools.partial(_read, chunks, m_all, v_all, steps, plan.lengths, b1, b2, eps)
+            count = WIDTH * len(plan.tensors)
+            return [Deferred(count, m_all[0].device, self.worker.until_next_step(read))]
+        pieces: List[Piece] = []
+        for start, end in chunks:
             m = intended._flat(m_all[start:end], self._sharded)
             v = intended._flat(v_all[start:end], self._sharded)
             compute = functools.partial(
@@ -170,6 +185,27 @@ def _stats(
     below = intended.segment_counts(updated & (v_hat < eps * eps), lengths)
     wide = count.dtype
     return torch.stack([squares.to(wide), largest.to(wide), count, below], dim=1).reshape(-1)
+
+
+def _read(
+    chunks: List[Tuple[int, int]],
+    m_all: List[torch.Tensor],
+    v_all: List[torch.Tensor],
+    steps: torch.Tensor,
+    lengths: List[int],
+    b1: float,
+    b2: float,
+    eps: float,
+) -> torch.Tensor:
+    """One group's numbers from the live moments, a chunk at a time (on the worker,
+    before the next optimizer step)."""
+    out = []
+    for start, end in chunks:
+        m = intended._flat(m_all[start:end], False)
+        v = intended._flat(v_all[start:end], False)
+        stats = _stats(m, v, steps[start:end], lengths[start:end], b1, b2, eps)
+        out.append(stats.double())
+    return torch.cat(out)
 
 
 def _joined(pieces: List[Piece]) -> Piece:

@@ -4,7 +4,8 @@ Gradient norms are read in the optimizer's step pre-hook (after unscaling, befor
 anything can zero them; on a step the scaler skips, from its ``step`` wrapper): one
 ``torch._foreach_norm`` per dtype, each parameter's norm kept as it is, the squares
 summed per module on the host; on a CPU, under one of torch's optimizers, taken on a
-worker thread while the optimizer steps (:mod:`gradflow.measurement.overlap`). The norm weights are snapshotted there and compared in
+worker thread while the optimizer steps (:mod:`gradflow.measurement.overlap`). The
+norm weights are snapshotted there and compared in
 the step post-hook, and at ``gf.step`` every piece is concatenated into one vector and
 copied to the host (non-blocking into pinned memory on CUDA). The reporter thread
 waits for the copy and turns the numbers into a step record (:mod:`gradflow.measurement.record`),
@@ -34,7 +35,7 @@ import torch
 
 from .. import _torch_compat, wire
 from . import intended, step_signals, vector
-from .overlap import OverlappedNorms
+from .overlap import StepWorker
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
     TRAINING_METRIC,
@@ -190,7 +191,7 @@ class Measurer:
         self._intended_runs: List[Tuple[int, int, int]] = []
         # Set where the optimizer leaves the gradients alone during its step: a CPU's
         # norms are then taken on a worker while it steps (measure_grads_during_step).
-        self.overlap: Optional[OverlappedNorms] = None
+        self.worker: Optional[StepWorker] = None
         self._during_step = False
         self.rebuild()
         self.reset()
@@ -248,8 +249,8 @@ class Measurer:
         self._shape = self._read_shape()
         self._layouts.clear()
         self._seg_cache.clear()
-        if self.overlap is not None:
-            self.overlap.discard()
+        if self.worker is not None:
+            self.worker.discard()
         # Anything measured against the old layout is dropped; collect() measures the
         # gradients again if they are still there.
         self._grads = None
@@ -277,8 +278,8 @@ class Measurer:
 
     def reset(self) -> None:
         """A new step: nothing measured yet."""
-        if self.overlap is not None:
-            self.overlap.discard()
+        if self.worker is not None:
+            self.worker.discard()
         self._grads = None
         self._grad_layout = None
         self._before = None
@@ -318,14 +319,14 @@ class Measurer:
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(present, grads)
-        overlap = self.overlap
+        worker = self.worker
         if (
             self._during_step
-            and overlap is not None
+            and worker is not None
             and layout.device is not None
             and layout.device.type == "cpu"
         ):
-            overlap.start(functools.partial(group_norms, layout), grads)
+            worker.start(functools.partial(group_norms, layout), grads)
             self._grads = None
         else:
             self._grads = group_norms(layout, grads)
@@ -345,13 +346,8 @@ class Measurer:
     def settle_grads(self) -> None:
         """The norms the worker took, once it has them (the optimizer's post-step
         hook: before user code can change the gradients)."""
-        if self.overlap is not None and self.overlap.pending:
-            self._grads = self.overlap.finish()
-
-    def close(self) -> None:
-        """The watch is over: the norms' worker stops."""
-        if self.overlap is not None:
-            self.overlap.close()
+        if self.worker is not None and self.worker.pending:
+            self._grads = self.worker.finish()
 
     def _no_grads(self) -> GradLayout:
         """The layout of a step with no gradient measured."""

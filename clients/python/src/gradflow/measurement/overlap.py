@@ -1,21 +1,24 @@
-"""A CPU's gradient norms taken on a worker thread while the optimizer steps.
+"""On a CPU, one worker thread for the arithmetic on a step's live tensors that can
+run beside the training thread: the gradient norms while the optimizer steps, and
+Adam's state until the next step. Only under an optimizer of ``torch.optim``
+(:func:`leaves_grads`: none of them writes to ``.grad``); on a device the arithmetic
+is already the device's, and elsewhere the training thread does it as before.
 
-On a CPU the norms' arithmetic (a loop of per-tensor norms: a CPU has no multi-tensor
-kernel) is most of what measuring costs the training thread: ~1.8 ms a step at
-Qwen2.5-0.5B's 290 tensors. The optimizer's pre-step hook hands the gradients to one
-worker thread, which takes their norms while ``optimizer.step()`` runs (torch's
-kernels leave the GIL, so both use a core), and the post-step hook waits for them
-(asleep: no CPU) before any user code can touch the gradients again. Nothing but the
-optimizer runs in between, so the norms are those of the gradients it steps with, as
-when the training thread took them.
+The gradient norms (a loop of per-tensor norms on a CPU, which has no multi-tensor
+kernel: ~1.8 ms a step at Qwen2.5-0.5B's 290 tensors): the optimizer's pre-step hook
+hands the gradients to the worker, which takes their norms while ``optimizer.step()``
+runs (torch's kernels leave the GIL, so each uses a core), and the post-step hook
+waits for them (asleep: no CPU) before any user code can touch the gradients again.
+Nothing but the optimizer runs in between, so the norms are those of the gradients
+it steps with, as when the training thread took them; :func:`alone_between` checks
+that: no closure (Lightning's runs backward inside the step) and no step hook of the
+optimizer's own between gradflow's pre- and post-step hooks (one that clips the
+gradients in place would race with the worker), gradflow's own readers aside.
 
-Only where that holds (:func:`leaves_grads`, :func:`alone_between`): an optimizer of
-``torch.optim`` (none of them writes to ``.grad``), stepped without a closure (a
-closure, Lightning's or L-BFGS's, runs backward inside the step), with no step hook
-of its own between gradflow's pre- and post-step hooks but gradflow's own readers
-(one that clips the gradients in place would race with the worker). Anywhere else,
-and on a device (where the norms are one kernel launch), the training thread takes
-them as before.
+Adam's state on a sampled step (:mod:`gradflow.measurement.adam_state`) changes only
+in the optimizer's next step: the worker reads it, with no copy on the training
+thread, while the loop goes on to the next forward and backward, and the next
+pre-step hook waits for it.
 """
 
 from __future__ import annotations
@@ -63,18 +66,25 @@ def alone_between(optimizer: Any, pre: int, post: int, readers: Iterable[int] = 
     return False
 
 
-class OverlappedNorms:
-    """The one job in flight: the norms of one step's gradients, on the worker."""
+class StepWorker:
+    """One worker thread for arithmetic on a step's live tensors: the gradient norms,
+    one job at a time, from the pre-step hook to the post-step hook; and reads of
+    the optimizer's state after its step (:meth:`until_next_step`), which every
+    pre-step hook waits for (:meth:`before_step`) before the optimizer changes it."""
 
     def __init__(self) -> None:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._job: Optional[Tuple[Future[List[Piece]], Norms, List[torch.Tensor]]] = None
+        self._state_reads: List[Future[torch.Tensor]] = []
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradflow-norms")
+        return self._pool.submit(fn, *args)
 
     def start(self, norms: Norms, grads: List[torch.Tensor]) -> None:
         """`norms(grads)` on the worker, from now until :meth:`finish`."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradflow-norms")
-        self._job = (self._pool.submit(norms, grads), norms, grads)
+        self._job = (self._submit(norms, grads), norms, grads)
 
     @property
     def pending(self) -> bool:
@@ -93,15 +103,32 @@ class OverlappedNorms:
             return norms(grads)
 
     def discard(self) -> None:
-        """Forgets the job in flight, once the worker is done with it: the worker
+        """Forgets the norms in flight, once the worker is done with them: the worker
         reads the gradients only while the step that handed them over lasts."""
         job, self._job = self._job, None
         if job is not None:
             with contextlib.suppress(Exception):
                 job[0].result()
 
+    def until_next_step(self, read: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """`read()` on the worker, started now; what it reads must change only in the
+        optimizer's step, whose pre-step hook waits for it. Returns what gives its
+        result (raising its error) to the thread that assembles the step."""
+        future: Future[torch.Tensor] = self._submit(read)
+        self._state_reads = [f for f in self._state_reads if not f.done()]
+        self._state_reads.append(future)
+        return future.result
+
+    def before_step(self) -> None:
+        """Waits for the state reads still running (asleep)."""
+        reads, self._state_reads = self._state_reads, []
+        for future in reads:
+            with contextlib.suppress(Exception):
+                future.result()
+
     def close(self) -> None:
         self.discard()
+        self.before_step()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
