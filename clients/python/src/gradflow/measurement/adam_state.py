@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -55,6 +55,8 @@ class _GroupPlan:
     tensors: List[torch.Tensor]
     lengths: List[int]
     states: intended.States
+    # Runs of parameters copied and reduced together (by dtype, within CHUNK_ELEMENTS).
+    chunks: List[Tuple[int, int]]
 
 
 @dataclass
@@ -104,6 +106,7 @@ class AdamState:
                     tensors,
                     [local_numel(t) for t in tensors],
                     intended.States(self.optimizer, tensors),
+                    intended.runs(tensors, [g] * len(tensors), CHUNK_ELEMENTS),
                 )
             )
 
@@ -131,26 +134,48 @@ class AdamState:
         m_all = list(map(_EXP_AVG, dicts))
         v_all = list(map(second, dicts))
         steps = _steps(list(map(_STEP, dicts)))
-        budget: List[Optional[int]] = [plan.group] * len(plan.tensors)
-        chunks = intended.runs(plan.tensors, budget, CHUNK_ELEMENTS)
+        chunks = plan.chunks
+        chunk = functools.partial(
+            _chunk, m_all, v_all, steps, plan.lengths, (b1, b2, eps), self._sharded
+        )
         if self.worker is not None and m_all[0].device.type == "cpu" and not self._sharded:
             # The moments change only in the next optimizer step, whose pre-step hook
             # waits for the worker: read there, with no copy here.
-            read = functools.partial(_read, chunks, m_all, v_all, steps, plan.lengths, b1, b2, eps)
+            read = functools.partial(_read, chunk, chunks)
             count = WIDTH * len(plan.tensors)
             return [Deferred(count, m_all[0].device, self.worker.until_next_step(read))]
         pieces: List[Piece] = []
         for start, end in chunks:
-            m = intended._flat(m_all[start:end], self._sharded)
-            v = intended._flat(v_all[start:end], self._sharded)
-            compute = functools.partial(
-                _stats, m, v, steps[start:end], plan.lengths[start:end], b1, b2, eps
-            )
+            compute = chunk(start, end)
             count = WIDTH * (end - start)
-            pieces.append(
-                Deferred(count, m.device, compute) if m.device.type == "cpu" else compute()
-            )
+            device = m_all[start].device
+            pieces.append(Deferred(count, device, compute) if device.type == "cpu" else compute())
         return pieces
+
+
+def _chunk(
+    m_all: List[torch.Tensor],
+    v_all: List[torch.Tensor],
+    steps: torch.Tensor,
+    lengths: List[int],
+    coefficients: Tuple[float, float, float],
+    sharded: bool,
+    start: int,
+    end: int,
+) -> Callable[[], torch.Tensor]:
+    """Parameters [start, end)'s moments copied flat now, and the arithmetic on the
+    copies, to run on any thread."""
+    m = intended._flat(m_all[start:end], sharded)
+    v = intended._flat(v_all[start:end], sharded)
+    return functools.partial(_stats, m, v, steps[start:end], lengths[start:end], *coefficients)
+
+
+def _read(
+    chunk: Callable[[int, int], Callable[[], torch.Tensor]], chunks: List[Tuple[int, int]]
+) -> torch.Tensor:
+    """A group's numbers from the live moments, a chunk at a time (on the worker,
+    before the next optimizer step)."""
+    return torch.cat([chunk(start, end)().double() for start, end in chunks])
 
 
 def _steps(counts: List[Any]) -> torch.Tensor:
@@ -185,27 +210,6 @@ def _stats(
     below = intended.segment_counts(updated & (v_hat < eps * eps), lengths)
     wide = count.dtype
     return torch.stack([squares.to(wide), largest.to(wide), count, below], dim=1).reshape(-1)
-
-
-def _read(
-    chunks: List[Tuple[int, int]],
-    m_all: List[torch.Tensor],
-    v_all: List[torch.Tensor],
-    steps: torch.Tensor,
-    lengths: List[int],
-    b1: float,
-    b2: float,
-    eps: float,
-) -> torch.Tensor:
-    """One group's numbers from the live moments, a chunk at a time (on the worker,
-    before the next optimizer step)."""
-    out = []
-    for start, end in chunks:
-        m = intended._flat(m_all[start:end], False)
-        v = intended._flat(v_all[start:end], False)
-        stats = _stats(m, v, steps[start:end], lengths[start:end], b1, b2, eps)
-        out.append(stats.double())
-    return torch.cat(out)
 
 
 def _joined(pieces: List[Piece]) -> Piece:
