@@ -13,9 +13,9 @@ The moments are copied flat on the training thread (one flattening call each, a 
 of parameters at a time, so the temporaries stay bounded) and the arithmetic runs on
 the device, or on a CPU on the reporter thread from the copies
 (:class:`gradflow.measurement.vector.Deferred`); on a CPU under one of torch's
-optimizers, copies and arithmetic both run on a worker thread beside the next
-forward and backward, from the live moments, which only the next optimizer step
-changes and whose pre-step hook waits for it (:mod:`gradflow.measurement.overlap`).
+optimizers, the copies are made on a worker thread beside the next forward and
+backward, from the live moments, which only the next optimizer step changes and whose
+pre-step hook waits for them (:mod:`gradflow.measurement.overlap`).
 Per-parameter reductions are multi-tensor kernels
 (:func:`gradflow.measurement.intended.segment_sums`). Of a sharded parameter (FSDP2)
 each rank reads the state of the elements it holds.
@@ -140,10 +140,11 @@ class AdamState:
         )
         if self.worker is not None and m_all[0].device.type == "cpu" and not self._sharded:
             # The moments change only in the next optimizer step, whose pre-step hook
-            # waits for the worker: read there, with no copy here.
-            read = functools.partial(_read, chunk, chunks)
+            # waits for the worker's copies of them; the arithmetic on the copies
+            # runs on the reporter thread, as below.
+            copied = self.worker.until_next_step(functools.partial(_copies, chunk, chunks))
             count = WIDTH * len(plan.tensors)
-            return [Deferred(count, m_all[0].device, self.worker.until_next_step(read))]
+            return [Deferred(count, m_all[0].device, functools.partial(_arithmetic, copied))]
         pieces: List[Piece] = []
         for start, end in chunks:
             compute = chunk(start, end)
@@ -170,12 +171,17 @@ def _chunk(
     return functools.partial(_stats, m, v, steps[start:end], lengths[start:end], *coefficients)
 
 
-def _read(
+def _copies(
     chunk: Callable[[int, int], Callable[[], torch.Tensor]], chunks: List[Tuple[int, int]]
-) -> torch.Tensor:
-    """A group's numbers from the live moments, a chunk at a time (on the worker,
-    before the next optimizer step)."""
-    return torch.cat([chunk(start, end)().double() for start, end in chunks])
+) -> List[Callable[[], torch.Tensor]]:
+    """A group's moments copied, a chunk at a time, each chunk with its arithmetic (on
+    the worker, before the next optimizer step)."""
+    return [chunk(start, end) for start, end in chunks]
+
+
+def _arithmetic(copied: Callable[[], List[Callable[[], torch.Tensor]]]) -> torch.Tensor:
+    """The numbers of the worker's copies (on the reporter thread)."""
+    return torch.cat([compute().double() for compute in copied()])
 
 
 def _steps(counts: List[Any]) -> torch.Tensor:
