@@ -101,6 +101,8 @@ class GradLayout:
     module_grads: List[Optional[Tuple[int, ...]]]
     module_numel: List[Optional[int]]
     norm_grad: List[Optional[int]]  # per norm weight, its norm's position
+    # Every gradient on the CPU: their norms may be taken on the worker thread.
+    cpu_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -320,12 +322,7 @@ class Measurer:
         if layout is None:
             layout = self._layout(present, grads)
         worker = self.worker
-        if (
-            self._during_step
-            and worker is not None
-            and layout.device is not None
-            and layout.device.type == "cpu"
-        ):
+        if self._during_step and worker is not None and layout.cpu_only:
             worker.start(functools.partial(group_norms, layout), grads)
             self._grads = None
         else:
@@ -399,6 +396,7 @@ class Measurer:
             [tuple(sorted(m)) if m else None for m in members],
             numel,
             norm_grad,
+            all(device.type == "cpu" for device, _ in by_kind),
         )
         if len(self._layouts) > 32:
             # The set of parameters with gradients varies (mixture of experts): keep
