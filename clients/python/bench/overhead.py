@@ -292,6 +292,8 @@ def main() -> None:
 
             if server is None:
                 server, url = start_server(server_binary(args.server_bin), workdir)
+                # The run whose stored steps are checked at the end: the first watched.
+                checked_run = f"bench-overhead-{len(modes)}"
             gf = gradflow.watch(
                 mode.model,
                 mode.optimizer,
@@ -343,7 +345,7 @@ def main() -> None:
     stored = None
     if server is not None:
         probe = "agent.head" if preset.get("model") == "prompt-agent" else "model.norm"
-        stored = stored_steps(url, "bench-overhead", probe)
+        stored = stored_steps(url, checked_run, probe)
         server.terminate()
         server.wait()
 
@@ -505,6 +507,7 @@ class Breakdown:
         ("registry", "amendment", "registration check"),
         ("measurer", "measure_grads", "gradient read"),
         ("measurer", "snapshot_norms", "norm weights before the step"),
+        ("measurer", "settle_grads", "gradient norms, taken alongside the step"),
         ("measurer", "after_step", "norm weights after the step"),
         ("updates", "before_step", "low-precision check, before"),
         ("updates", "after_step", "low-precision check, after"),

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import wire
 from .._log import guarded
 from ..measurement import ranks as _ranks
 from ..measurement.measure import Measurer
+from ..measurement.overlap import StepWorker, alone_between, leaves_grads
 from ..measurement.record import PendingStep
 from ..measurement.registration import Registry
 from ..measurement.signals import SignalSettings
@@ -73,6 +74,11 @@ class Instruments:
         self._pending_cuts: List[wire.GraphCut] = []
         self._pending_amend: Optional[wire.Amendment] = None
         self._handles: List[Any] = []
+        # The ids of the optimizer step hooks attach() registered (None: none).
+        self._step_hook_ids: Optional[Tuple[int, int]] = None
+        # On a CPU under one of torch's optimizers: arithmetic beside the training
+        # thread (gradflow.measurement.overlap).
+        self.worker: Optional[StepWorker] = None
         self.scaler: Optional[ScalerTap] = None
         self.clips: Optional[ClipsToZero] = None
         self.shape = LoopShape(self.tracer.notify)
@@ -95,8 +101,14 @@ class Instruments:
         hooks is measured at ``gf.step`` instead."""
         if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
             return
-        self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
-        self._handles.append(optimizer.register_step_post_hook(self._post_step))
+        pre = optimizer.register_step_pre_hook(self._pre_step)
+        post = optimizer.register_step_post_hook(self._post_step)
+        self._handles += [pre, post]
+        self._step_hook_ids = (pre.id, post.id)
+        if leaves_grads(optimizer):
+            self.worker = StepWorker()
+            self.measurer.worker = self.worker
+            self.signals.adam.worker = self.worker
         self.clips = ClipsToZero({id(p.tensor) for p in self.registry.params})
         if scaler is not None:
             self.scaler = ScalerTap(scaler, optimizer, self._measure, self.reporting)
@@ -106,6 +118,9 @@ class Instruments:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._step_hook_ids = None
+        if self.worker is not None:
+            self.worker.close()
         self.hooks.remove()
         self.signals.remove()
         self.tracer.remove()
@@ -152,14 +167,29 @@ class Instruments:
                 )
 
     @guarded("measuring gradients")
-    def _measure(self) -> None:
+    def _measure(self, during_step: bool = False) -> None:
         self._check_amend()
         if self.reporting() and not self.measurer.grads_measured:
-            self.measurer.measure_grads()
+            if during_step:
+                self.measurer.measure_grads_during_step()
+            else:
+                self.measurer.measure_grads()
 
     @guarded("optimizer step pre-hook")
-    def _pre_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        self._measure()
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.before_step()  # what it reads of the state is about to change
+        # With a closure (Lightning's, L-BFGS's) the step runs backward itself: the
+        # gradients may change inside it, so their norms are not taken alongside it.
+        # (`args` holds the optimizer itself too, which is not callable.)
+        closure = any(callable(a) for a in (*args, *kwargs.values()))
+        ids = self._step_hook_ids
+        alone = (
+            ids is not None
+            and not closure
+            and alone_between(optimizer, *ids, readers=self.loop_order.hook_ids())
+        )
+        self._measure(during_step=alone)
         if self.reporting():
             self.measurer.snapshot_norms()
             if self.updates.due(self.step):
@@ -171,6 +201,7 @@ class Instruments:
             self.hooks.clock.on_optimizer_step()
         self._steps_since += 1
         self._forwards_at_step = self.hooks.forwards
+        self.measurer.settle_grads()
         if self.reporting():
             self.measurer.after_step()
             self.updates.after_step()

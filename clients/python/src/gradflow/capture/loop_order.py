@@ -105,6 +105,10 @@ class LoopOrder:
             self._restore = None
         self._noted_params = []
 
+    def hook_ids(self) -> Tuple[int, ...]:
+        """The id of its optimizer step hook while it has one (it only reads)."""
+        return (self._handle.id,) if self._handle is not None else ()
+
     def findings(self) -> List[wire.WiringFinding]:
         """What the steps since the last look proved, once each."""
         found, self._found = self._found, []

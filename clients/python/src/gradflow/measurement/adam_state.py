@@ -12,9 +12,13 @@ record sums them per module (``adam`` of ``modules[]``, protocol v1.8).
 The moments are copied flat on the training thread (one flattening call each, a chunk
 of parameters at a time, so the temporaries stay bounded) and the arithmetic runs on
 the device, or on a CPU on the reporter thread from the copies
-(:class:`gradflow.measurement.vector.Deferred`). Per-parameter reductions are multi-tensor kernels
-(:func:`gradflow.measurement.intended.segment_sums`). Of a sharded parameter (FSDP2) each rank
-reads the state of the elements it holds.
+(:class:`gradflow.measurement.vector.Deferred`); on a CPU under one of torch's
+optimizers, the copies are made on a worker thread beside the next forward and
+backward, from the live moments, which only the next optimizer step changes and whose
+pre-step hook waits for them (:mod:`gradflow.measurement.overlap`).
+Per-parameter reductions are multi-tensor kernels
+(:func:`gradflow.measurement.intended.segment_sums`). Of a sharded parameter (FSDP2)
+each rank reads the state of the elements it holds.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from . import intended, vector
+from .overlap import StepWorker
 from .ranks import is_dtensor, local_numel
 from .registration import Registry
 from .vector import Deferred, Piece
@@ -50,6 +55,8 @@ class _GroupPlan:
     tensors: List[torch.Tensor]
     lengths: List[int]
     states: intended.States
+    # Runs of parameters copied and reduced together (by dtype, within CHUNK_ELEMENTS).
+    chunks: List[Tuple[int, int]]
 
 
 @dataclass
@@ -69,6 +76,9 @@ class AdamState:
         self.optimizer = registry.optimizer
         self._plans: List[_GroupPlan] = []
         self._sharded = False
+        # Set on a CPU under one of torch's optimizers: the moments are read there,
+        # not copied here (gradflow.measurement.overlap).
+        self.worker: Optional[StepWorker] = None
         self.rebuild()
 
     @property
@@ -96,6 +106,7 @@ class AdamState:
                     tensors,
                     [local_numel(t) for t in tensors],
                     intended.States(self.optimizer, tensors),
+                    intended.runs(tensors, [g] * len(tensors), CHUNK_ELEMENTS),
                 )
             )
 
@@ -123,19 +134,54 @@ class AdamState:
         m_all = list(map(_EXP_AVG, dicts))
         v_all = list(map(second, dicts))
         steps = _steps(list(map(_STEP, dicts)))
+        chunks = plan.chunks
+        chunk = functools.partial(
+            _chunk, m_all, v_all, steps, plan.lengths, (b1, b2, eps), self._sharded
+        )
+        if self.worker is not None and m_all[0].device.type == "cpu" and not self._sharded:
+            # The moments change only in the next optimizer step, whose pre-step hook
+            # waits for the worker's copies of them; the arithmetic on the copies
+            # runs on the reporter thread, as below.
+            copied = self.worker.until_next_step(functools.partial(_copies, chunk, chunks))
+            count = WIDTH * len(plan.tensors)
+            return [Deferred(count, m_all[0].device, functools.partial(_arithmetic, copied))]
         pieces: List[Piece] = []
-        budget: List[Optional[int]] = [plan.group] * len(plan.tensors)
-        for start, end in intended.runs(plan.tensors, budget, CHUNK_ELEMENTS):
-            m = intended._flat(m_all[start:end], self._sharded)
-            v = intended._flat(v_all[start:end], self._sharded)
-            compute = functools.partial(
-                _stats, m, v, steps[start:end], plan.lengths[start:end], b1, b2, eps
-            )
+        for start, end in chunks:
+            compute = chunk(start, end)
             count = WIDTH * (end - start)
-            pieces.append(
-                Deferred(count, m.device, compute) if m.device.type == "cpu" else compute()
-            )
+            device = m_all[start].device
+            pieces.append(Deferred(count, device, compute) if device.type == "cpu" else compute())
         return pieces
+
+
+def _chunk(
+    m_all: List[torch.Tensor],
+    v_all: List[torch.Tensor],
+    steps: torch.Tensor,
+    lengths: List[int],
+    coefficients: Tuple[float, float, float],
+    sharded: bool,
+    start: int,
+    end: int,
+) -> Callable[[], torch.Tensor]:
+    """Parameters [start, end)'s moments copied flat now, and the arithmetic on the
+    copies, to run on any thread."""
+    m = intended._flat(m_all[start:end], sharded)
+    v = intended._flat(v_all[start:end], sharded)
+    return functools.partial(_stats, m, v, steps[start:end], lengths[start:end], *coefficients)
+
+
+def _copies(
+    chunk: Callable[[int, int], Callable[[], torch.Tensor]], chunks: List[Tuple[int, int]]
+) -> List[Callable[[], torch.Tensor]]:
+    """A group's moments copied, a chunk at a time, each chunk with its arithmetic (on
+    the worker, before the next optimizer step)."""
+    return [chunk(start, end) for start, end in chunks]
+
+
+def _arithmetic(copied: Callable[[], List[Callable[[], torch.Tensor]]]) -> torch.Tensor:
+    """The numbers of the worker's copies (on the reporter thread)."""
+    return torch.cat([compute().double() for compute in copied()])
 
 
 def _steps(counts: List[Any]) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Gradient norms are read in the optimizer's step pre-hook (after unscaling, before
 anything can zero them; on a step the scaler skips, from its ``step`` wrapper): one
 ``torch._foreach_norm`` per dtype, each parameter's norm kept as it is, the squares
-summed per module on the host. The norm weights are snapshotted there and compared in
+summed per module on the host; on a CPU, under one of torch's optimizers, taken on a
+worker thread while the optimizer steps (:mod:`gradflow.measurement.overlap`). The
+norm weights are snapshotted there and compared in
 the step post-hook, and at ``gf.step`` every piece is concatenated into one vector and
 copied to the host (non-blocking into pinned memory on CUDA). The reporter thread
 waits for the copy and turns the numbers into a step record (:mod:`gradflow.measurement.record`),
@@ -33,6 +35,7 @@ import torch
 
 from .. import _torch_compat, wire
 from . import intended, step_signals, vector
+from .overlap import StepWorker
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
     TRAINING_METRIC,
@@ -98,6 +101,8 @@ class GradLayout:
     module_grads: List[Optional[Tuple[int, ...]]]
     module_numel: List[Optional[int]]
     norm_grad: List[Optional[int]]  # per norm weight, its norm's position
+    # Every gradient on the CPU: their norms may be taken on the worker thread.
+    cpu_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +191,10 @@ class Measurer:
         # Per run of norm weights with an intended update: (first, end, its slot in
         # the stats), each weight's slot then following (see describe).
         self._intended_runs: List[Tuple[int, int, int]] = []
+        # Set where the optimizer leaves the gradients alone during its step: a CPU's
+        # norms are then taken on a worker while it steps (measure_grads_during_step).
+        self.worker: Optional[StepWorker] = None
+        self._during_step = False
         self.rebuild()
         self.reset()
 
@@ -242,6 +251,8 @@ class Measurer:
         self._shape = self._read_shape()
         self._layouts.clear()
         self._seg_cache.clear()
+        if self.worker is not None:
+            self.worker.discard()
         # Anything measured against the old layout is dropped; collect() measures the
         # gradients again if they are still there.
         self._grads = None
@@ -269,6 +280,8 @@ class Measurer:
 
     def reset(self) -> None:
         """A new step: nothing measured yet."""
+        if self.worker is not None:
+            self.worker.discard()
         self._grads = None
         self._grad_layout = None
         self._before = None
@@ -299,13 +312,7 @@ class Measurer:
             present = [i for i, g in enumerate(every) if g is not None and trainable[i]]
         if not present:
             self._grads = None
-            self._grad_layout = GradLayout(
-                [],
-                None,
-                [None] * len(self._modules),
-                [None] * len(self._modules),
-                [None] * len(self._norms),
-            )
+            self._grad_layout = self._no_grads()
             return
         grads = every if len(present) == len(every) else [every[i] for i in present]
         if self._sharded:
@@ -314,8 +321,40 @@ class Measurer:
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(present, grads)
-        self._grads = group_norms(layout, grads)
+        worker = self.worker
+        if self._during_step and worker is not None and layout.cpu_only:
+            worker.start(functools.partial(group_norms, layout), grads)
+            self._grads = None
+        else:
+            self._grads = group_norms(layout, grads)
         self._grad_layout = layout
+
+    def measure_grads_during_step(self) -> None:
+        """:meth:`measure_grads` from the optimizer's pre-step hook, of an optimizer
+        that leaves the gradients alone: on a CPU the norms are taken on a worker
+        while the optimizer steps, and :meth:`settle_grads` (its post-step hook)
+        waits for them (:mod:`gradflow.measurement.overlap`)."""
+        self._during_step = True
+        try:
+            self.measure_grads()
+        finally:
+            self._during_step = False
+
+    def settle_grads(self) -> None:
+        """The norms the worker took, once it has them (the optimizer's post-step
+        hook: before user code can change the gradients)."""
+        if self.worker is not None and self.worker.pending:
+            self._grads = self.worker.finish()
+
+    def _no_grads(self) -> GradLayout:
+        """The layout of a step with no gradient measured."""
+        return GradLayout(
+            [],
+            None,
+            [None] * len(self._modules),
+            [None] * len(self._modules),
+            [None] * len(self._norms),
+        )
 
     def _layout(self, present: List[int], grads: List[torch.Tensor]) -> GradLayout:
         """Where each gradient's norm goes, for this set of parameters with gradients."""
@@ -357,6 +396,7 @@ class Measurer:
             [tuple(sorted(m)) if m else None for m in members],
             numel,
             norm_grad,
+            all(device.type == "cpu" for device, _ in by_kind),
         )
         if len(self._layouts) > 32:
             # The set of parameters with gradients varies (mixture of experts): keep
@@ -472,6 +512,7 @@ class Measurer:
     ) -> PendingStep:
         """This step's pending record: every device number in one vector, on its way
         to the host, and where each lies."""
+        self.settle_grads()
         if not self.grads_measured:
             self.measure_grads()  # gf.step without an optimizer step: what is there now
         pending = PendingStep(
