@@ -30,6 +30,7 @@ use serde_json::json;
 use std::collections::BTreeMap;
 
 use super::episode::{Alerts, Streak};
+use super::spaced::{LossMean, Reading, Spaced};
 use super::view::StepView;
 use super::wording::{name_list, sci};
 use crate::model::alert::{AlertKind, Opened, Severity};
@@ -55,27 +56,24 @@ pub const REPORTS: u32 = 3;
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ActivationNormGrowth {
-    /// Per module, its kept readings: (step, RMS, the loss's running mean then).
-    history: BTreeMap<String, Vec<(u64, f64, f64)>>,
-    /// The loss's running mean over about its last [`LOSS_READINGS`] readings: one
-    /// step's loss is too noisy to say whether the loss improved.
-    loss_mean: Option<f64>,
+    /// Per module, its kept readings of the RMS.
+    history: BTreeMap<String, Spaced>,
+    loss_mean: LossMean,
     streak: Streak,
 }
-
-/// Readings the loss's running mean spans, about.
-const LOSS_READINGS: f64 = 10.0;
 
 /// A module whose RMS grew over the window.
 struct Growth<'a> {
     module: &'a str,
-    from: (u64, f64, f64),
+    /// The reading it grew from, and the loss's running mean then.
+    from: Reading,
+    from_loss: f64,
     rms: f64,
 }
 
 impl Growth<'_> {
     fn ratio(&self) -> f64 {
-        self.rms / self.from.1
+        self.rms / self.from.value
     }
 }
 
@@ -85,10 +83,7 @@ impl ActivationNormGrowth {
         let Some(loss) = view.record.loss.map(|l| l.get()).filter(|l| l.is_finite()) else {
             return;
         };
-        let loss = self
-            .loss_mean
-            .map_or(loss, |mean| mean + (loss - mean) / LOSS_READINGS);
-        self.loss_mean = Some(loss);
+        let loss = self.loss_mean.observe(loss);
         let mut grown: Vec<Growth<'_>> = Vec::new();
         let mut measured = false;
         for module in &view.record.modules {
@@ -97,14 +92,20 @@ impl ActivationNormGrowth {
             };
             measured = true;
             let history = self.history.entry(module.module.clone()).or_default();
-            if let Some(from) = growth(history, step, rms, loss) {
+            if let Some((from, from_loss)) = growth(history, step, rms, loss) {
                 grown.push(Growth {
                     module: &module.module,
                     from,
+                    from_loss,
                     rms,
                 });
             }
-            keep(history, (step, rms, loss));
+            let reading = Reading {
+                step,
+                value: rms,
+                loss: Some(loss),
+            };
+            history.keep(reading, SPACING, KEPT);
         }
         if !measured {
             return;
@@ -122,43 +123,26 @@ impl ActivationNormGrowth {
 
 const SUBJECT: &str = "activations";
 
-/// The reading `rms` grew from, when it grew by [`GROWTH`] over [`WINDOW`] steps or
-/// more, is the largest since, and the loss did not improve for it.
-fn growth(
-    history: &[(u64, f64, f64)],
-    step: u64,
-    rms: f64,
-    loss: f64,
-) -> Option<(u64, f64, f64)> {
-    let start = history
-        .iter()
-        .rposition(|&(s, _, _)| s + WINDOW <= step)?;
-    let from = history[start];
-    // Still rising: the largest since the window's start, and grown over its second
-    // half too (a step up that then stays flat is not a growth that goes on).
-    let half = history
-        .iter()
-        .rposition(|&(s, _, _)| s + WINDOW / 2 <= step)
-        .map_or(from, |i| history[i]);
-    let highest = history[start..].iter().map(|&(_, r, _)| r).fold(0.0, f64::max);
-    let rising = rms >= NEAR_HIGHEST * highest && rms >= RECENT_GROWTH * half.1;
-    let flat = loss >= from.2 * (1.0 - LOSS_GAIN);
-    (from.1 > 0.0 && rms >= GROWTH * from.1 && rising && flat).then_some(from)
-}
-
-fn keep(history: &mut Vec<(u64, f64, f64)>, reading: (u64, f64, f64)) {
-    if history.last().is_some_and(|&(s, _, _)| reading.0 < s + SPACING) {
-        return;
-    }
-    history.push(reading);
-    if history.len() > KEPT {
-        history.remove(0);
-    }
+/// The reading `rms` grew from and the loss's mean then, when it grew by
+/// [`GROWTH`] over [`WINDOW`] steps or more, is still rising, and the loss (its
+/// running mean, `loss`) did not improve for it.
+fn growth(history: &Spaced, step: u64, rms: f64, loss: f64) -> Option<(Reading, f64)> {
+    let since = history.since(step, WINDOW)?;
+    let from = since[0];
+    let from_loss = from.loss?;
+    // Still rising: near the largest since the window's start, and grown over its
+    // second half too (a step up that then stays flat is not a growth that goes on).
+    let half = history.since(step, WINDOW / 2).map_or(from, |r| r[0]);
+    let highest = since.iter().map(|r| r.value).fold(0.0, f64::max);
+    let rising = rms >= NEAR_HIGHEST * highest && rms >= RECENT_GROWTH * half.value;
+    let flat = loss >= from_loss * (1.0 - LOSS_GAIN);
+    (from.value > 0.0 && rms >= GROWTH * from.value && rising && flat)
+        .then_some((from, from_loss))
 }
 
 fn alert(step: u64, loss: f64, streak: &Streak, grown: &[Growth<'_>]) -> Opened {
     let worst = &grown[0];
-    let (from_step, from_rms, from_loss) = worst.from;
+    let (from_step, from_rms, from_loss) = (worst.from.step, worst.from.value, worst.from_loss);
     let modules: Vec<&str> = grown.iter().map(|g| g.module).collect();
     Opened {
         kind: AlertKind::ActivationNormGrowth,

@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::episode::{Alerts, Streak};
+use super::spaced::{LossMean, Reading, Spaced};
 use super::view::StepView;
 use super::wording::sci;
 use crate::model::alert::{AlertKind, Opened, Severity};
@@ -53,15 +54,12 @@ pub const LOSS_GAIN: f64 = 0.10;
 /// [`TENFOLD_STEPS`] / the spacing).
 const SPACING: u64 = 10;
 const KEPT: usize = 16;
-/// Readings the loss's running mean spans, about.
-const LOSS_READINGS: f64 = 10.0;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct AttentionLogitGrowth {
     modules: BTreeMap<String, ModuleLogits>,
-    /// The loss's running mean over about its last [`LOSS_READINGS`] readings.
-    loss_mean: Option<f64>,
+    loss_mean: LossMean,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -70,9 +68,8 @@ struct ModuleLogits {
     /// The first max logit the module reported, and its step.
     first: Option<(u64, f64)>,
     above: Streak,
-    /// Readings kept [`SPACING`] steps apart: (step, max logit, the loss's running
-    /// mean then, when there was a loss).
-    kept: Vec<(u64, f64, Option<f64>)>,
+    /// Its max logits, kept [`SPACING`] steps apart.
+    kept: Spaced,
 }
 
 impl ModuleLogits {
@@ -84,23 +81,11 @@ impl ModuleLogits {
         logit: f64,
         loss: Option<f64>,
     ) -> Option<(u64, f64)> {
-        let &(then, earlier, loss_then) = self
-            .kept
-            .iter()
-            .rev()
-            .find(|&&(s, _, _)| s + TENFOLD_STEPS <= step)?;
-        let flat = loss.zip(loss_then).is_some_and(|(now, then)| now >= then * (1.0 - LOSS_GAIN));
-        (earlier > 0.0 && logit >= TENFOLD * earlier && flat).then_some((then, earlier))
-    }
-
-    fn keep(&mut self, reading: (u64, f64, Option<f64>)) {
-        if self.kept.last().is_some_and(|&(s, _, _)| reading.0 < s + SPACING) {
-            return;
-        }
-        self.kept.push(reading);
-        if self.kept.len() > KEPT {
-            self.kept.remove(0);
-        }
+        let then = *self.kept.since(step, TENFOLD_STEPS)?.first()?;
+        let flat = loss
+            .zip(then.loss)
+            .is_some_and(|(now, before)| now >= before * (1.0 - LOSS_GAIN));
+        (then.value > 0.0 && logit >= TENFOLD * then.value && flat).then_some((then.step, then.value))
     }
 }
 
@@ -108,12 +93,9 @@ impl AttentionLogitGrowth {
     pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let step = view.record.step;
         if let Some(loss) = view.record.loss.map(|l| l.get()).filter(|l| l.is_finite()) {
-            let mean = self
-                .loss_mean
-                .map_or(loss, |mean| mean + (loss - mean) / LOSS_READINGS);
-            self.loss_mean = Some(mean);
+            self.loss_mean.observe(loss);
         }
-        let loss = self.loss_mean;
+        let loss = self.loss_mean.get();
         for module in &view.record.modules {
             let Some(logit) = module.attn_max_logit.map(|l| l.get()) else {
                 continue;
@@ -124,7 +106,12 @@ impl AttentionLogitGrowth {
             let state = self.modules.entry(module.module.clone()).or_default();
             state.first.get_or_insert((step, logit));
             let tenfold = state.tenfold_without_progress(step, logit, loss);
-            state.keep((step, logit, loss));
+            let reading = Reading {
+                step,
+                value: logit,
+                loss,
+            };
+            state.kept.keep(reading, SPACING, KEPT);
             let above = logit > WARN_LOGIT;
             let kind = AlertKind::AttentionLogitGrowth;
             if !alerts.observe(kind, &module.module, &mut state.above, above, |s| {

@@ -21,6 +21,8 @@
 //!   [`thresholds`]: the thresholds they count against.
 //! - [`layers`]: stacks of numbered layers, named once at registration.
 //! - [`precision`]: floating-point spacing arithmetic (the bf16 ulp story).
+//! - [`spaced`]: a series' readings kept a few steps apart with the loss's running
+//!   mean, what the trend rules compare with a window earlier.
 //!
 //! One detector a file, each unit-tested beside itself:
 //!
@@ -83,6 +85,7 @@ pub mod precision;
 pub mod ranks;
 pub mod registration;
 pub mod rolling;
+pub mod spaced;
 pub(crate) mod testing;
 pub mod thresholds;
 pub mod update_levels;
