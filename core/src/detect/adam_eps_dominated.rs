@@ -109,13 +109,8 @@ fn group_states<'a>(view: &StepView<'a>) -> BTreeMap<String, GroupState<'a>> {
 
 /// The group's ε as registered (its own, or the optimizer's).
 fn eps_of(view: &StepView<'_>, group: &str) -> Option<f64> {
-    let optimizer = view.context.registration.optimizer.as_ref()?;
-    optimizer
-        .param_groups
-        .iter()
-        .find(|g| g.name == group)
-        .and_then(|g| g.eps)
-        .or(optimizer.eps)
+    view.context
+        .group_setting(group, |g| g.eps, |o| o.eps)
         .map(|e| e.get())
 }
 

@@ -164,13 +164,8 @@ fn group_of(view: &StepView<'_>, module: &str) -> Option<(String, bool)> {
 
 /// The group's betas as registered (its own, or the optimizer's).
 fn betas_of(view: &StepView<'_>, group: &str) -> Option<[f64; 2]> {
-    let optimizer = view.context.registration.optimizer.as_ref()?;
-    optimizer
-        .param_groups
-        .iter()
-        .find(|g| g.name == group)
-        .and_then(|g| g.betas)
-        .or(optimizer.betas)
+    view.context
+        .group_setting(group, |g| g.betas, |o| o.betas)
         .map(|[beta1, beta2]| [beta1.get(), beta2.get()])
 }
 

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 // than SipHash on short keys, and these keys come from the run's own registration.
 use rustc_hash::FxHashMap as HashMap;
 
-use gradflow_protocol::{Dtype, Role, RunRegistration};
+use gradflow_protocol::{Dtype, Optimizer, ParamGroup, Role, RunRegistration};
 
 use super::thresholds::Thresholds;
 
@@ -197,5 +197,22 @@ impl RunContext {
     /// parameters (its gradient being absent says nothing).
     pub fn trainable_group(&self, module: &str) -> Option<&str> {
         self.trainable_modules.get(module).map(|m| m.group.as_str())
+    }
+
+    /// An optimizer setting of parameter group `group` as registered: the group's
+    /// own (`of_group`), or else the optimizer's (`of_optimizer`).
+    pub fn group_setting<T>(
+        &self,
+        group: &str,
+        of_group: impl Fn(&ParamGroup) -> Option<T>,
+        of_optimizer: impl Fn(&Optimizer) -> Option<T>,
+    ) -> Option<T> {
+        let optimizer = self.registration.optimizer.as_ref()?;
+        optimizer
+            .param_groups
+            .iter()
+            .find(|g| g.name == group)
+            .and_then(of_group)
+            .or_else(|| of_optimizer(optimizer))
     }
 }
