@@ -251,15 +251,9 @@ class Measurer:
         self._shape = self._read_shape()
         self._layouts.clear()
         self._seg_cache.clear()
-        if self.worker is not None:
-            self.worker.discard()
         # Anything measured against the old layout is dropped; collect() measures the
         # gradients again if they are still there.
-        self._grads = None
-        self._grad_layout = None
-        self._before = None
-        self._stats = None
-        self._intended_runs = []
+        self._drop_measured()
 
     def _read_shape(self) -> Shape:
         trainable = [False] * len(self._modules)
@@ -280,6 +274,12 @@ class Measurer:
 
     def reset(self) -> None:
         """A new step: nothing measured yet."""
+        self._drop_measured()
+        self.hooks.reset()
+        self.registry.release_signature()
+
+    def _drop_measured(self) -> None:
+        """Forgets what was measured of the step (and what the worker took of it)."""
         if self.worker is not None:
             self.worker.discard()
         self._grads = None
@@ -287,8 +287,6 @@ class Measurer:
         self._before = None
         self._stats = None
         self._intended_runs = []
-        self.hooks.reset()
-        self.registry.release_signature()
 
     @property
     def grads_measured(self) -> bool:
