@@ -9,7 +9,7 @@ docs/instabilities.md, where each recipe's numbers were first measured.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -49,15 +49,17 @@ class CausalSelfAttention(nn.Module):
         return self.proj((attention @ v).transpose(1, 2).reshape(b, t, d))
 
 
+def dense_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+
+
 class Block(nn.Module):
-    def __init__(self, qk_norm: bool) -> None:
+    def __init__(self, qk_norm: bool, mlp: Callable[[], nn.Module] = dense_mlp) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(WIDTH)
         self.attn = CausalSelfAttention(qk_norm)
         self.ln2 = nn.LayerNorm(WIDTH)
-        self.mlp = nn.Sequential(
-            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
-        )
+        self.mlp = mlp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -65,12 +67,14 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, qk_norm: bool = False) -> None:
+    """`mlp` makes each block's feed-forward part (a dense MLP unless given)."""
+
+    def __init__(self, qk_norm: bool = False, mlp: Callable[[], nn.Module] = dense_mlp) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.tok = nn.Embedding(VOCAB, WIDTH)
         self.pos = nn.Embedding(CONTEXT, WIDTH)
-        self.layers = nn.ModuleList(Block(qk_norm) for _ in range(2))
+        self.layers = nn.ModuleList(Block(qk_norm, mlp) for _ in range(2))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
 

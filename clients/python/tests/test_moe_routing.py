@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import new_run_id
-from test_instabilities import CONTEXT, VOCAB, WIDTH, CausalSelfAttention, bigram_batches
+from test_instabilities import VOCAB, WIDTH, TinyGPT, bigram_batches
 from torch import nn
 
 import gradflow
@@ -55,39 +55,9 @@ class SparseMoE(nn.Module):
         return out.reshape(b, t, d)
 
 
-class Block(nn.Module):
-    def __init__(self, router_bias_std: float) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(WIDTH)
-        self.attn = CausalSelfAttention(qk_norm=False)
-        self.ln2 = nn.LayerNorm(WIDTH)
-        self.moe = SparseMoE(router_bias_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.moe(self.ln2(x))
-
-
-class TinyMoE(nn.Module):
-    def __init__(self, router_bias_std: float) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.pos = nn.Embedding(CONTEXT, WIDTH)
-        self.layers = nn.ModuleList(Block(router_bias_std) for _ in range(2))
-        self.ln_f = nn.LayerNorm(WIDTH)
-        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        for block in self.layers:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
 def train(server: Any, router_bias_std: float, balance: float) -> str:
     torch.set_num_threads(1)
-    model = TinyMoE(router_bias_std)
+    model = TinyGPT(mlp=lambda: SparseMoE(router_bias_std))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     gf = gradflow.watch(
         model,
@@ -99,7 +69,7 @@ def train(server: Any, router_bias_std: float, balance: float) -> str:
     )
     for _, tokens, targets in bigram_batches(STEPS):
         loss = F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        aux = sum(block.moe.aux for block in model.layers)
+        aux = sum(block.mlp.aux for block in model.layers)
         optimizer.zero_grad()
         (loss + balance * aux).backward()
         optimizer.step()
@@ -114,19 +84,19 @@ def moe_alerts(server: Any, run_id: str) -> List[Any]:
 
 def test_a_router_that_sends_every_token_to_one_expert_is_a_collapse(gradflow_server):
     run_id = train(gradflow_server, router_bias_std=3.0, balance=0.0)
-    for layer in ("layers.0.moe", "layers.1.moe"):
+    for layer in ("layers.0.mlp", "layers.1.mlp"):
         alert = gradflow_server.wait_for_alert(run_id, "moe_router_collapse", layer)
         assert alert["severity"] == "critical"
         assert alert["evidence"]["top_share"] > 0.9
         assert alert["evidence"]["idle_experts"] >= 4
         assert alert["first_step"] <= 10
-    shares = gradflow_server.series(run_id, "moe_top_share", "layers.0.moe")
+    shares = gradflow_server.series(run_id, "moe_top_share", "layers.0.mlp")
     assert len(shares) == STEPS
 
 
 @pytest.mark.parametrize("router_bias_std", [0.0])
 def test_balanced_routing_stays_silent(gradflow_server, router_bias_std):
     run_id = train(gradflow_server, router_bias_std=router_bias_std, balance=1e-2)
-    shares = gradflow_server.series(run_id, "moe_top_share", "layers.1.moe")
+    shares = gradflow_server.series(run_id, "moe_top_share", "layers.1.mlp")
     assert len(shares) == STEPS and max(v for _, v in shares) < 0.5
     assert gradflow_server.serious(run_id) == []
