@@ -13,7 +13,23 @@ The session server and ``gradflow_env`` (the run id and server address through
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 import pytest
 import torch
@@ -23,9 +39,29 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import gradflow
 
-# `grad_stuck_zero` and `unused_parameters` need 50 step numbers; every other
-# detector fewer (norm weights 20, overflow 10, first hint 1). One length for all.
+# The former one length for all (`grad_stuck_zero`'s 50 step numbers and two). A case
+# now runs for three times the longest window of the detectors involved, below.
 STEPS = 52
+
+# The detectors' windows, from PROTOCOL.md's alert table: a case runs for three times
+# the longest of those involved in its verdict (a healthy look-alike: in its twin
+# failure's), so that the verdict is not an artefact of a run sized to one rule.
+STUCK_WINDOW = 50  # grad_stuck_zero, unused_parameters
+NORM_WINDOW = 20  # norm_weight_frozen, update_rounded_away, model_in_eval_mode
+OVERFLOW_WINDOW = 10  # scaler_overflow_streak
+FIRST_STEPS = 12  # the client's clip and scheduler checks; registration checks
+RESET_WINDOW = 3  # accumulation_reset, grads_not_zeroed (reports running)
+RESET_STEPS = 12  # four times RESET_WINDOW, in optimizer steps
+SPIKE_WINDOW = 128  # loss_spike
+SEEDS = [0, 1, 2]
+
+
+def three_windows(window: int) -> int:
+    """The run length for a case whose longest involved window is `window`."""
+    return 3 * window
+
+
+seeded = pytest.mark.parametrize("seed", SEEDS)
 
 VOCAB = 64
 SEQ = 8
@@ -59,13 +95,41 @@ def token_batches(seed: int = 1, vocab: int = VOCAB) -> Iterator[torch.Tensor]:
         yield torch.randint(0, vocab, (BATCH, SEQ), generator=g)
 
 
-def feature_batches(width: int, classes: int, seed: int = 1):
+def counting_batches(seed: int = 1, vocab: int = VOCAB) -> Iterator[torch.Tensor]:
+    """Endless batches of sequences that count up from a random token (mod `vocab`):
+    a language-modelling task whose next token can be learnt, so that a healthy run's
+    held-out loss measurably falls (on random tokens it cannot)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        start = torch.randint(0, vocab, (BATCH, 1), generator=g)
+        yield (start + torch.arange(SEQ)) % vocab
+
+
+def feature_batches(width: int, classes: int, seed: int = 1, batch: int = BATCH * 2):
     """Endless (features, class) batches of a learnable task: the class is the sign
     pattern of the first features."""
     g = torch.Generator().manual_seed(seed)
     while True:
-        x = torch.randn(BATCH * 2, width, generator=g)
+        x = torch.randn(batch, width, generator=g)
         yield x, ((x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()) % classes
+
+
+def held_out_tokens(count: int = 64) -> torch.Tensor:
+    """A held-out batch of the counting task (the same for every seed)."""
+    g = torch.Generator().manual_seed(999)
+    start = torch.randint(0, VOCAB, (count, 1), generator=g)
+    return (start + torch.arange(SEQ)) % VOCAB
+
+
+def held_out_features(width: int = 16, classes: int = 4, count: int = 256) -> Any:
+    """A held-out batch of `feature_batches`' task (the same for every seed)."""
+    return next(feature_batches(width, classes, seed=999, batch=count))
+
+
+def held_out_loss(model: nn.Module, loss_of: Callable[[nn.Module, Any], torch.Tensor], batch: Any):
+    """The model's loss on a held-out batch, without a gradient and in its own mode."""
+    with torch.no_grad():
+        return float(loss_of(model, batch))
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -89,9 +153,9 @@ def class_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 class Classifier(nn.Module):
     """features -> `embed` -> `hidden` -> `head`: the plain model of most cases."""
 
-    def __init__(self, width: int = 16, hidden: int = 32, classes: int = 4) -> None:
+    def __init__(self, width: int = 16, hidden: int = 32, classes: int = 4, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.embed = nn.Linear(width, hidden)
         self.hidden = nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, classes)
@@ -111,14 +175,16 @@ def train_step(
     before: Optional[Callable[[int], None]] = None,
     after_backward: Optional[Callable[[int], None]] = None,
     after_step: Optional[Callable[[int], None]] = None,
+    seed: int = 0,
 ) -> Callable[[int], torch.Tensor]:
     """One iteration of the README's loop, as `step(i) -> loss` for `quickstart`:
     zero_grad, forward (under `autocast`), backward (scaled by `scaler`), optimizer
-    step. `loss_of(model, batch)` defaults to the LM loss over token batches; the
-    hooks put a case's bug where the user's code had it."""
+    step. `loss_of(model, batch)` defaults to the LM loss over token batches (drawn
+    from `seed`); the hooks put a case's bug where the user's code had it."""
     loss_of = loss_of or lm_loss
     if data is None:
-        data = token_batches() if loss_of in (lm_loss, next_token_loss) else feature_batches(16, 4)
+        lm = loss_of in (lm_loss, next_token_loss)
+        data = token_batches(seed + 1) if lm else feature_batches(16, 4, seed + 1)
 
     def step(i: int) -> torch.Tensor:
         if before is not None:
@@ -225,13 +291,27 @@ def quickstart(
     returns its loss), `close`. `before()` runs after `watch` and before the loop (a
     change the user made once the run was watched). Returns the run id."""
     options = {} if scaler is None else {"scaler": scaler}
-    gf = gradflow.watch(model, optimizer, **options)
-    if before is not None:
-        before()
-    for i in range(steps):
-        gf.step(loss=step(i))
-    gf.close()
+    with one_thread():
+        gf = gradflow.watch(model, optimizer, **options)
+        if before is not None:
+            before()
+        for i in range(steps):
+            gf.step(loss=step(i))
+        gf.close()
     return gf.run_id
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Runs torch on one intra-op thread: a tiny model's step is latency-bound, and
+    on a machine shared with other builds a second thread waits for a core (a tiny
+    Qwen2 step took 24 ms on one thread, 320 ms on two, under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- the verdict, from the server ----------------------------------------------------
@@ -293,3 +373,137 @@ def silent_and_stored(server: Any, run_id: str, steps: int) -> None:
     stored = server.run(run_id)["step_count"]
     assert stored == steps, f"the server stored {stored} of {steps} steps"
     silent(server, run_id)
+
+
+# -- what a case declares, and the one check that holds it to it -----------------------
+
+# A kind or cause no rule names yet: a missed case whose right verdict has no alert
+# kind matches any (so that its strict xfail fails the day something is said).
+ANY = "any"
+# The table's cells for a healthy look-alike, which declares silence.
+NONE = "—"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What gradflow must say about a case: a warning or critical alert of `kind`, with
+    `evidence.cause` == `cause`, on each of `subjects` (exactly), and nothing else
+    serious but alerts of the kinds in `also` (named consequences of the same fault);
+    or, with no kind, silence (a healthy look-alike)."""
+
+    kind: Optional[str]
+    subjects: Tuple[str, ...] = ()
+    cause: Optional[str] = None
+    also: FrozenSet[str] = frozenset()
+
+    @property
+    def silence(self) -> bool:
+        return self.kind is None
+
+    def cells(self) -> Tuple[str, Tuple[str, ...], str]:
+        """Kind, subjects and cause as docs/failure-corpus.md's table writes them."""
+        if self.kind is None:
+            return NONE, (), NONE
+        return self.kind, self.subjects, self.cause or NONE
+
+    def names(self, alert: Dict[str, Any]) -> bool:
+        return (
+            self.kind in (ANY, alert["kind"])
+            and alert["subject"] in self.subjects
+            and self.cause in (ANY, alert["evidence"].get("cause"))
+        )
+
+
+def expects(
+    kind: str, subject: Union[str, Sequence[str]], cause: str, *, also: Iterable[str] = ()
+) -> Callable[[F], F]:
+    """Declares a failure case's verdict on the test function (read by `judge` in its
+    body and by test_corpus_table against the doc's table): `kind` on `subject` (or on
+    each of several), with `cause`; `also` lists the kinds that may come with it."""
+    subjects = (subject,) if isinstance(subject, str) else tuple(subject)
+    declared = Expected(kind, subjects, cause, frozenset(also))
+    return lambda function: _declare(function, declared)
+
+
+def expects_silence(function: F) -> F:
+    """Declares a healthy look-alike: no warning or critical alert."""
+    return _declare(function, Expected(None))
+
+
+def _declare(function: F, declared: Expected) -> F:
+    function.expected = declared  # type: ignore[attr-defined]
+    return function
+
+
+def declaration(function: Callable[..., Any]) -> Expected:
+    declared = getattr(function, "expected", None)
+    if not isinstance(declared, Expected):
+        raise AssertionError(
+            f"{function.__name__} declares no verdict (@expects or @expects_silence)"
+        )
+    return declared
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What shows that a healthy run trained: `measure` went from `start` to `end`,
+    better by at least the fraction `by` (lower is better unless `higher`)."""
+
+    measure: str
+    start: float
+    end: float
+    by: float = 0.0
+    higher: bool = False
+
+    def shown(self) -> bool:
+        if self.higher:
+            return self.end > self.start * (1 + self.by)
+        return self.end < self.start * (1 - self.by)
+
+
+def judge(
+    request: Any,
+    server: Any,
+    run_id: str,
+    *,
+    steps: Optional[int] = None,
+    progress: Optional[Progress] = None,
+    wait: float = 2.0,
+) -> Optional[Dict[str, Any]]:
+    """Holds run `run_id` to what its test declared (`request` is the test's pytest
+    request). A failure case: the declared alert on each declared subject, and nothing
+    else serious but the `also` kinds; returns the first subject's alert. A look-alike
+    (`steps` and `progress` required): the server stored every one of `steps` steps,
+    training measurably progressed, and nothing serious was said. A verdict that does
+    not hold fails through `pytest.fail` (what `not_caught`'s strict xfail expects);
+    a broken PyTorch-side or delivery check through an assertion."""
+    declared = declaration(request.function)
+    if declared.silence:
+        if steps is None or progress is None:
+            raise TypeError("a look-alike's judge needs the run's `steps` and its `progress`")
+        stored = server.run(run_id)["step_count"]
+        assert stored == steps, f"the server stored {stored} of {steps} steps"
+        assert progress.shown(), f"training did not measurably progress: {progress}"
+        serious = server.serious(run_id)
+        if serious:
+            pytest.fail(f"false alarm: {described(serious)}")
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        serious = server.serious(run_id)
+        found = {a["subject"]: a for a in serious if declared.names(a)}
+        missing = [s for s in declared.subjects if s not in found]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if missing:
+        pytest.fail(
+            f"expected {declared.kind} on {missing} (cause {declared.cause}); "
+            f"the server says {described(server.alerts(run_id))}"
+        )
+    others = [a for a in serious if not declared.names(a) and a["kind"] not in declared.also]
+    if others:
+        pytest.fail(f"besides {declared.kind} on {declared.subjects}, also {described(others)}")
+    return found[declared.subjects[0]]

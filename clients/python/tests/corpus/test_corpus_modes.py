@@ -5,22 +5,31 @@ from __future__ import annotations
 
 import torch
 from corpus_support import (
+    ANY,
+    FIRST_STEPS,
+    NORM_WINDOW,
+    STUCK_WINDOW,
     class_loss,
+    expects,
     feature_batches,
+    judge,
     moved,
     not_caught,
     quickstart,
+    seeded,
     snapshot,
+    three_windows,
     train_step,
-    verdict,
 )
 from torch import nn
+
+# The step of the evaluation that leaves the model in eval mode.
+EVAL_STEP = 5
 
 
 class DropoutNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5))
         self.head = nn.Linear(64, 4)
 
@@ -28,18 +37,23 @@ class DropoutNet(nn.Module):
         return self.head(self.encoder(x))
 
 
-def test_model_left_in_eval_mode_after_evaluation(gradflow_server, gradflow_env):
+@seeded
+@expects("model_in_eval_mode", "model", "left_in_eval")
+def test_model_left_in_eval_mode_after_evaluation(request, gradflow_server, gradflow_env, seed):
     """`evaluate()` calls `model.eval()` and training never calls `model.train()`
     again: after the first evaluation, the rest of training runs without dropout.
+    The run goes on for three of the rule's 20-step windows after the evaluation.
+    The thread gives no optimizer settings: Adam at lr 1e-3.
 
     Thread: https://github.com/shubhamagarwal92/mmd/issues/14
     """
+    torch.manual_seed(seed)
     model = DropoutNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     modes = []
 
     def evaluate(i):
-        if i == 5:  # the periodic evaluation, which never switches back
+        if i == EVAL_STEP:  # the periodic evaluation, which never switches back
             model.eval()
             with torch.no_grad():
                 model(next(feature_batches(16, 4, seed=9))[0])
@@ -50,11 +64,13 @@ def test_model_left_in_eval_mode_after_evaluation(gradflow_server, gradflow_env)
         class_loss,
         before=evaluate,
         after_step=lambda _: modes.append(model.training),
+        seed=seed,
     )
-    run_id = quickstart(model, optimizer, step)
-    assert modes[:5] == [True] * 5 and not any(modes[5:])  # dropout off from step 5 on
-    alert = verdict(gradflow_server, run_id, "model_in_eval_mode", "model", "left_in_eval")
-    assert alert["first_step"] == 5 and "model.train()" in alert["fix"], alert
+    run_id = quickstart(model, optimizer, step, steps=EVAL_STEP + three_windows(NORM_WINDOW))
+    # dropout off from the evaluation on
+    assert modes[:EVAL_STEP] == [True] * EVAL_STEP and not any(modes[EVAL_STEP:])
+    alert = judge(request, gradflow_server, run_id)
+    assert alert["first_step"] == EVAL_STEP and "model.train()" in alert["fix"], alert
 
 
 class Encoder(nn.Module):
@@ -69,7 +85,6 @@ class Encoder(nn.Module):
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.enc = Encoder()
         self.logits = nn.Linear(32, 4)
 
@@ -77,22 +92,28 @@ class Net(nn.Module):
         return self.logits(self.enc(x))
 
 
-def test_frozen_flag_set_on_the_module_not_its_parameters(gradflow_server, gradflow_env):
+@seeded
+@expects("freeze_flag_ignored", "enc", "freeze_flag_ignored")
+def test_frozen_flag_set_on_the_module_not_its_parameters(
+    request, gradflow_server, gradflow_env, seed
+):
     """`frozen=True` sets `encoder.requires_grad = False` on the module, an attribute
     nothing reads: the parameters still require grad and the "frozen" pretrained
-    encoder is fine-tuned.
+    encoder is fine-tuned. A registration check; the run goes on for three times the
+    first-steps window. The threads give no optimizer settings: Adam at lr 1e-3.
 
     Threads: https://github.com/catalyst-team/catalyst/issues/79,
     https://github.com/CSCYQJ/MICCAI23-ProtoContra-SFDA/issues/18
     """
+    torch.manual_seed(seed)
     model = Net()
     model.enc.requires_grad = False  # the bug: meant requires_grad_(False)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     before = snapshot(model)
-    step = train_step(model, optimizer, class_loss)
-    run_id = quickstart(model, optimizer, step)
+    step = train_step(model, optimizer, class_loss, seed=seed)
+    run_id = quickstart(model, optimizer, step, steps=three_windows(FIRST_STEPS))
     assert "enc.net.0.weight" in moved(before, model)
-    alert = verdict(gradflow_server, run_id, "freeze_flag_ignored", "enc")
+    alert = judge(request, gradflow_server, run_id)
     assert "enc.requires_grad_(False)" in alert["fix"], alert
 
 
@@ -101,7 +122,6 @@ class TaskNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.features = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
         self.classifier = nn.Linear(32, 4)
 
@@ -113,20 +133,26 @@ class TaskNet(nn.Module):
     "missed: a frozen classifier is a legitimate setup; without train= the "
     "registration does not say which modules are meant to learn",
 )
-def test_freeze_mask_inverted(gradflow_server, gradflow_env):
+@seeded
+@expects(ANY, "classifier", ANY)
+def test_freeze_mask_inverted(request, gradflow_server, gradflow_env, seed):
     """The freeze step sets `requires_grad` the wrong way round: the layers meant to
     stay frozen require gradients and the new task's layers do not, so the model
-    trains what it should keep and keeps what it should train.
+    trains what it should keep and keeps what it should train. The right verdict
+    names the frozen classifier (any kind). The thread gives no optimizer settings:
+    SGD with momentum 0.9 at lr 0.05.
 
     Thread: https://github.com/wannabeOG/MAS-PyTorch/issues/1
     """
+    torch.manual_seed(seed)
     model = TaskNet()
     frozen = {"features"}  # what the user meant to keep fixed
     for name, module in model.named_children():
         module.requires_grad_(name in frozen)  # the bug: inverted
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, train_step(model, optimizer, class_loss))
+    step = train_step(model, optimizer, class_loss, seed=seed)
+    run_id = quickstart(model, optimizer, step, steps=three_windows(STUCK_WINDOW))
     changed = moved(before, model)
     assert "classifier.weight" not in changed and "features.0.weight" in changed
-    verdict(gradflow_server, run_id, subject="classifier")
+    judge(request, gradflow_server, run_id)

@@ -7,78 +7,99 @@ from __future__ import annotations
 import pytest
 import torch
 from corpus_support import (
-    STEPS,
+    FIRST_STEPS,
+    RESET_STEPS,
+    STUCK_WINDOW,
     add_lora,
     checkpoint_layers,
+    expects,
+    judge,
     lm_loss,
     moved,
     quickstart,
+    seeded,
     snapshot,
+    three_windows,
     tiny_qwen,
     token_batches,
     train_step,
-    verdict,
 )
 
 import gradflow
 
 
-def frozen_adapter_model():
+def frozen_adapter_model(seed: int):
     """A LoRA model loaded "for inference": adapters and base all frozen, input
     gradients enabled (as `prepare_model_for_kbit_training` does), so backward runs."""
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     for p in add_lora(model):
         p.requires_grad_(False)
     model.enable_input_require_grads()
     return model
 
 
-def learns_nothing(server, model, optimizer, cause):
-    """The run changes no weight, and gradflow says so at registration."""
+def learns_nothing(request, server, model, optimizer, seed):
+    """The run changes no weight, and gradflow says so at registration (a registration
+    check: the run goes on for three times the first-steps window)."""
     before = snapshot(model)
-    run_id = quickstart(model, optimizer, train_step(model, optimizer))
+    step = train_step(model, optimizer, seed=seed)
+    run_id = quickstart(model, optimizer, step, steps=three_windows(FIRST_STEPS))
     assert not moved(before, model)
-    alert = verdict(server, run_id, "nothing_trains", "run", cause)
+    alert = judge(request, server, run_id)
     assert alert["severity"] == "critical" and alert.get("step") is None, alert
 
 
-def test_adapter_loaded_frozen_gives_an_empty_optimizer(gradflow_server, gradflow_env):
+@seeded
+@expects("nothing_trains", "run", "all_frozen")
+def test_adapter_loaded_frozen_gives_an_empty_optimizer(
+    request, gradflow_server, gradflow_env, seed
+):
     """`PeftModel.from_pretrained` loads the adapter with `is_trainable=False`; the
     trainer groups the trainable parameters by weight decay into two empty groups and
-    trains for the whole run with nothing to update.
+    trains for the whole run with nothing to update. From the thread: TRL's SFT
+    trainer, AdamW at its default lr 2e-5.
 
     Thread: https://github.com/huggingface/trl/issues/6700
     """
-    model = frozen_adapter_model()
+    model = frozen_adapter_model(seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": trainable, "weight_decay": 0.0}, {"params": [], "weight_decay": 0.01}], lr=1e-3
+        [{"params": trainable, "weight_decay": 0.0}, {"params": [], "weight_decay": 0.01}], lr=2e-5
     )
     assert sum(len(g["params"]) for g in optimizer.param_groups) == 0
-    learns_nothing(gradflow_server, model, optimizer, "all_frozen")
+    learns_nothing(request, gradflow_server, model, optimizer, seed)
 
 
-def test_trainable_params_zero_with_an_optimizer_over_all_parameters(gradflow_server, gradflow_env):
+@seeded
+@expects("nothing_trains", "run", "all_frozen")
+def test_trainable_params_zero_with_an_optimizer_over_all_parameters(
+    request, gradflow_server, gradflow_env, seed
+):
     """The adapter came back frozen ("trainable params: 0"), the optimizer was built
     over `model.parameters()` (all frozen), the loss is logged and nothing learns.
+    From the thread: alpaca-lora's AdamW at lr 3e-4.
 
     Thread: https://github.com/tloen/alpaca-lora/issues/352
     """
-    model = frozen_adapter_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    learns_nothing(gradflow_server, model, optimizer, "all_frozen")
+    model = frozen_adapter_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    learns_nothing(request, gradflow_server, model, optimizer, seed)
 
 
-def test_zero_grad_inside_the_micro_batch_loop(gradflow_server, gradflow_env):
+@seeded
+@expects("accumulation_reset", "gradients", "reset_between_backwards")
+def test_zero_grad_inside_the_micro_batch_loop(request, gradflow_server, gradflow_env, seed):
     """Gradient accumulation over 4 micro-batches with `zero_grad` called per micro-
-    batch: every optimizer step sees only the last micro-batch's gradient.
+    batch: every optimizer step sees only the last micro-batch's gradient. The rule
+    wants 3 reports running; the run is 12 optimizer steps (48 backward passes). The
+    threads give no optimizer settings: AdamW at lr 1e-3.
 
     Threads: https://github.com/bytetriper/RAE/issues/67,
     https://github.com/pytorch/torchtitan/pull/3575
     """
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = token_batches()
+    data = token_batches(seed + 1)
     only_last = []
 
     def step(_):
@@ -92,22 +113,29 @@ def test_zero_grad_inside_the_micro_batch_loop(gradflow_server, gradflow_env):
         optimizer.step()
         return loss
 
-    run_id = quickstart(model, optimizer, step, steps=12)
+    run_id = quickstart(model, optimizer, step, steps=RESET_STEPS)
     # What the optimizer stepped on is the last micro-batch's gradient alone.
     assert all(only_last)
-    alert = verdict(gradflow_server, run_id, "accumulation_reset", "gradients")
+    alert = judge(request, gradflow_server, run_id)
     assert alert["evidence"]["resets"] == 3 and "about 4 times smaller" in alert["detail"], alert
 
 
-def test_zero_grad_between_backward_and_step(gradflow_server, gradflow_env):
+@seeded
+@expects(
+    "grad_stuck_zero",
+    ("model.embed_tokens", "model.layers", "model.norm", "lm_head"),
+    "cleared_before_step",
+)
+def test_zero_grad_between_backward_and_step(request, gradflow_server, gradflow_env, seed):
     """`optimizer.zero_grad()` moved between `backward()` and `step()`: the step finds
     no gradient (set to None) and the model never changes, while the loss is logged.
+    The thread gives no optimizer settings: AdamW at lr 1e-3.
 
     Thread: https://github.com/Tony-Y/pytorch_warmup/issues/12
     """
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = token_batches()
+    data = token_batches(seed + 1)
     before = snapshot(model)
 
     def step(_):
@@ -117,24 +145,30 @@ def test_zero_grad_between_backward_and_step(gradflow_server, gradflow_env):
         optimizer.step()
         return loss
 
-    run_id = quickstart(model, optimizer, step)
+    steps = three_windows(STUCK_WINDOW)
+    run_id = quickstart(model, optimizer, step, steps=steps)
     assert not moved(before, model)
     # Backward reached every module on every step; the gradient was gone by the step.
     hits = gradflow_server.series(run_id, "hook_hits", "model.layers.0.mlp.up_proj")
-    assert len(hits) == STEPS and all(value == 1 for _, value in hits), hits
-    alert = verdict(gradflow_server, run_id, "grad_stuck_zero", "model", "cleared_before_step")
+    assert len(hits) == steps and all(value == 1 for _, value in hits), hits
+    alert = judge(request, gradflow_server, run_id)
     assert "zero_grad" in alert["fix"], alert["fix"]
 
 
-def test_reentrant_checkpointing_over_a_frozen_base_starves_lora(gradflow_server, gradflow_env):
+@seeded
+@expects("grad_stuck_zero", "model.layers", "backward_not_reached")
+def test_reentrant_checkpointing_over_a_frozen_base_starves_lora(
+    request, gradflow_server, gradflow_env, seed
+):
     """LoRA on a frozen base with reentrant activation checkpointing and no
     `enable_input_require_grads()`: the checkpointed blocks' input does not require
     grad, so the adapters inside them never get a gradient ("lora_B nonzero: 0").
+    The threads give no optimizer settings: AdamW at lr 1e-3.
 
     Threads: https://github.com/locuslab/open-unlearning/issues/178,
     https://github.com/microsoft/LoRA/issues/120
     """
-    model = tiny_qwen()
+    model = tiny_qwen(seed)
     adapters = add_lora(model)
     # A trained head (the projector of a LLaVA-style model) keeps the loss
     # differentiable, so backward runs and nothing complains.
@@ -144,16 +178,15 @@ def test_reentrant_checkpointing_over_a_frozen_base_starves_lora(gradflow_server
     before = snapshot(model)
     # The client says it at once, naming the checkpoint and the fix.
     with pytest.warns(gradflow.GradflowWarning, match="reentrant activation checkpoint") as seen:
-        run_id = quickstart(model, optimizer, train_step(model, optimizer))
+        step = train_step(model, optimizer, seed=seed)
+        run_id = quickstart(model, optimizer, step, steps=three_windows(STUCK_WINDOW))
     # The client's own notice (the server's alert, also warned, says it again).
     (notice,) = [w for w in seen if "runs inside a reentrant" in str(w.message)]
     assert "enable_input_require_grads()" in str(notice.message)
     assert "use_reentrant=False" in str(notice.message)
     changed = moved(before, model)
     assert not [n for n in changed if "lora_" in n] and "lm_head.weight" in changed
-    alert = verdict(
-        gradflow_server, run_id, "grad_stuck_zero", "model.layers", cause="backward_not_reached"
-    )
+    alert = judge(request, gradflow_server, run_id)
     # The alert itself names the checkpoint, not a torch.no_grad() the user never wrote,
     # and gives the checkpoint's fix.
     assert alert["evidence"]["graph_cut"]["via"] == "reentrant_checkpoint", alert["evidence"]
