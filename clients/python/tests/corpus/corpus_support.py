@@ -35,9 +35,10 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
 
 import gradflow
+from gradflow.integrations.transformers import GradflowCallback
 
 # The former one length for all (`grad_stuck_zero`'s 50 step numbers and two). A case
 # now runs for three times the longest window of the detectors involved, below.
@@ -255,6 +256,54 @@ def checkpoint_layers(model: Qwen2ForCausalLM, reentrant: bool) -> None:
     model.model.layers = nn.ModuleList(
         CheckpointedLayer(layer, reentrant) for layer in model.model.layers
     )
+
+
+# -- a framework's own loop -------------------------------------------------------------
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """`count` rows drawn from token batches, as a `Trainer` dataset (labels = inputs)."""
+
+    def __init__(self, batches: Iterator[torch.Tensor], count: int) -> None:
+        self.ids = torch.cat([next(batches) for _ in range(-(-count // BATCH))])[:count]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def hf_trainer(
+    model: nn.Module,
+    out: Any,
+    steps: int,
+    seed: int,
+    batches: Iterator[torch.Tensor],
+    **arguments: Any,
+) -> Tuple[Trainer, GradflowCallback]:
+    """The Hugging Face `Trainer` over `steps` optimizer steps of `batches`, watched
+    as its users watch it (`GradflowCallback()`, the run from `GRADFLOW_*`): the
+    trainer, not yet trained, and the callback. `arguments` are `TrainingArguments`'."""
+    settings: Dict[str, Any] = dict(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=seed,
+    )
+    settings.update(arguments)
+    rows = BATCH * steps * settings.get("gradient_accumulation_steps", 1)
+    trainer = Trainer(
+        model=model, args=TrainingArguments(**settings), train_dataset=TokenRows(batches, rows)
+    )
+    callback = GradflowCallback()
+    trainer.add_callback(callback)
+    return trainer, callback
 
 
 # -- the failure, on the PyTorch side ------------------------------------------------

@@ -26,9 +26,11 @@ from corpus_support import (
     held_out_features,
     held_out_loss,
     held_out_tokens,
+    hf_trainer,
     judge,
     lm_loss,
     moved,
+    one_thread,
     quickstart,
     seeded,
     snapshot,
@@ -604,6 +606,41 @@ def test_scheduler_per_optimizer_step_with_accumulation(
         model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS)
     )
     assert scheduler.last_epoch == EARLY_STEPS
+    judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
+
+
+@seeded
+@expects_silence
+def test_the_trainers_own_accumulation_schedule_and_clip(
+    request, gradflow_server, gradflow_env, tmp_path, seed
+):
+    """The Hugging Face `Trainer`'s own loop, watched through its `GradflowCallback`:
+    4 micro-batches per optimizer step, a linear warm-up it steps once per optimizer
+    step, and its clip to `max_grad_norm` 1.0 between backward and the step. The
+    framework's loop beside the hand-written one above.
+
+    Thread: https://github.com/Lightning-AI/pytorch-lightning/issues/1476
+    """
+    model = tiny_qwen(seed)
+    trainer, callback = hf_trainer(
+        model,
+        tmp_path,
+        EARLY_STEPS,
+        seed,
+        counting_batches(seed + 1),
+        gradient_accumulation_steps=4,
+        learning_rate=1e-3,
+        warmup_steps=4,
+        max_grad_norm=1.0,
+    )
+
+    def train() -> str:
+        with one_thread():
+            trainer.train()
+        return callback.gf.run_id
+
+    run_id, progress = lm_progress(model, train)
+    assert trainer.lr_scheduler.last_epoch == EARLY_STEPS
     judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)
 
 

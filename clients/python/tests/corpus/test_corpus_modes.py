@@ -3,6 +3,9 @@ training, a freeze that did not freeze."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning
 import torch
 from corpus_support import (
     ANY,
@@ -15,6 +18,7 @@ from corpus_support import (
     judge,
     moved,
     not_caught,
+    one_thread,
     quickstart,
     seeded,
     snapshot,
@@ -22,6 +26,8 @@ from corpus_support import (
     train_step,
 )
 from torch import nn
+
+from gradflow.integrations.lightning import GradflowCallback
 
 # The step of the evaluation that leaves the model in eval mode.
 EVAL_STEP = 5
@@ -115,6 +121,58 @@ def test_frozen_flag_set_on_the_module_not_its_parameters(
     assert "enc.net.0.weight" in moved(before, model)
     alert = judge(request, gradflow_server, run_id)
     assert "enc.requires_grad_(False)" in alert["fix"], alert
+
+
+class LitNet(lightning.LightningModule):
+    """`Net` as a LightningModule: the encoder's "frozen" flag set the same way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return class_loss(self.net, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+@seeded
+@expects("freeze_flag_ignored", "net.enc", "freeze_flag_ignored")
+def test_frozen_flag_set_on_the_module_under_lightning(
+    request, gradflow_server, gradflow_env, seed
+):
+    """The same ignored freeze in a LightningModule trained by Lightning's own loop,
+    watched through its `GradflowCallback` (the registration happens at
+    `on_train_start`, from the Trainer's optimizer). A variant of the hand-written
+    loop above; catalyst's thread is about a framework's own `frozen=` flag.
+
+    Threads: https://github.com/catalyst-team/catalyst/issues/79,
+    https://github.com/CSCYQJ/MICCAI23-ProtoContra-SFDA/issues/18
+    """
+    torch.manual_seed(seed)
+    model = LitNet()
+    model.net.enc.requires_grad = False  # the bug: meant requires_grad_(False)
+    before = snapshot(model)
+    steps = three_windows(FIRST_STEPS)
+    data = feature_batches(16, 4, seed + 1)
+    x, y = (torch.cat(parts) for parts in zip(*(next(data) for _ in range(steps))))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    callback = GradflowCallback()
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with one_thread():
+        trainer.fit(model, loader)
+    assert "net.enc.net.0.weight" in moved(before, model)
+    alert = judge(request, gradflow_server, callback.gf.run_id)
+    assert "requires_grad_(False)" in alert["fix"], alert
 
 
 class TaskNet(nn.Module):

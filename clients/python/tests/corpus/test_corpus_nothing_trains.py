@@ -13,9 +13,11 @@ from corpus_support import (
     add_lora,
     checkpoint_layers,
     expects,
+    hf_trainer,
     judge,
     lm_loss,
     moved,
+    one_thread,
     quickstart,
     seeded,
     snapshot,
@@ -68,6 +70,31 @@ def test_adapter_loaded_frozen_gives_an_empty_optimizer(
     )
     assert sum(len(g["params"]) for g in optimizer.param_groups) == 0
     learns_nothing(request, gradflow_server, model, optimizer, seed)
+
+
+@seeded
+@expects("nothing_trains", "run", "all_frozen")
+def test_adapter_loaded_frozen_under_the_trainer(
+    request, gradflow_server, gradflow_env, tmp_path, seed
+):
+    """The same frozen adapter trained by the Hugging Face `Trainer` itself, watched
+    through its `GradflowCallback`: the Trainer builds its own two weight-decay groups
+    from the parameters that require grad (none) and runs every step. From the thread:
+    the Trainer's loop, lr 2e-5. A variant of the hand-written loop above.
+
+    Thread: https://github.com/huggingface/trl/issues/6700
+    """
+    model = frozen_adapter_model(seed)
+    before = snapshot(model)
+    steps = three_windows(FIRST_STEPS)
+    batches = token_batches(seed + 1)
+    trainer, callback = hf_trainer(model, tmp_path, steps, seed, batches, learning_rate=2e-5)
+    with one_thread():
+        trainer.train()
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == 0
+    assert not moved(before, model)
+    alert = judge(request, gradflow_server, callback.gf.run_id)
+    assert alert["severity"] == "critical" and alert.get("step") is None, alert
 
 
 @seeded
