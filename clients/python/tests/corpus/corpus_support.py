@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import (
     Any,
     Callable,
@@ -206,6 +206,35 @@ def train_step(
         return loss
 
     return step
+
+
+@dataclass
+class AmpLoop:
+    """The classifier trained under fp16 autocast with a `GradScaler`, SGD at lr 0.1:
+    the loop of the AMP clipping cases, `step` ready for `quickstart`."""
+
+    model: nn.Module
+    optimizer: Any
+    scaler: Any
+    step: Callable[[int], torch.Tensor] = field(init=False)
+
+
+def amp_loop(seed: int, clip: Callable[[AmpLoop], None]) -> AmpLoop:
+    """`AmpLoop` whose `clip(loop)` runs between backward and the scaler's step."""
+    model = Classifier(hidden=64, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    loop = AmpLoop(model, optimizer, scaler)
+    loop.step = train_step(
+        model,
+        optimizer,
+        class_loss,
+        scaler=scaler,
+        autocast=torch.float16,
+        after_backward=lambda _: clip(loop),
+        seed=seed,
+    )
+    return loop
 
 
 class LoRALinear(nn.Module):

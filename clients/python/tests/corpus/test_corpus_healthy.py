@@ -25,6 +25,7 @@ from corpus_support import (
     Classifier,
     Progress,
     add_lora,
+    amp_loop,
     checkpoint_layers,
     class_loss,
     counting_batches,
@@ -505,26 +506,18 @@ def test_clipping_after_unscale_under_a_grad_scaler(request, gradflow_server, gr
 
     Thread: https://github.com/pytorch/pytorch/issues/40907
     """
-    model = Classifier(hidden=64, seed=seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
     norms = []
 
-    def clip(_):
-        scaler.unscale_(optimizer)
-        norms.append(nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+    def clip(loop):
+        loop.scaler.unscale_(loop.optimizer)
+        norms.append(nn.utils.clip_grad_norm_(loop.model.parameters(), 0.05).item())
 
-    step = train_step(
-        model,
-        optimizer,
-        class_loss,
-        scaler=scaler,
-        autocast=torch.float16,
-        after_backward=clip,
-        seed=seed,
-    )
+    loop = amp_loop(seed, clip)
     run_id, progress = class_progress(
-        model, lambda: quickstart(model, optimizer, step, steps=EARLY_STEPS, scaler=scaler)
+        loop.model,
+        lambda: quickstart(
+            loop.model, loop.optimizer, loop.step, steps=EARLY_STEPS, scaler=loop.scaler
+        ),
     )
     assert max(norms) > 0.05  # it did clip
     judge(request, gradflow_server, run_id, steps=EARLY_STEPS, progress=progress)

@@ -9,10 +9,12 @@ from corpus_support import (
     NORM_WINDOW,
     OVERFLOW_WINDOW,
     Classifier,
+    amp_loop,
     class_loss,
     expects,
     judge,
     moved,
+    not_caught,
     quickstart,
     seeded,
     snapshot,
@@ -59,28 +61,51 @@ def test_clipping_the_scaled_gradients(request, gradflow_server, gradflow_env, s
 
     Thread: https://github.com/pytorch/pytorch/issues/40907
     """
-    model = Classifier(hidden=64, seed=seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
     norms = []
 
-    def clip(_):  # the bug: no scaler.unscale_(optimizer) before it
-        norms.append(nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+    def clip(loop):  # the bug: no scaler.unscale_(optimizer) before it
+        norms.append(nn.utils.clip_grad_norm_(loop.model.parameters(), 1.0).item())
 
-    step = train_step(
-        model,
-        optimizer,
-        class_loss,
-        scaler=scaler,
-        autocast=torch.float16,
-        after_backward=clip,
-        seed=seed,
+    loop = amp_loop(seed, clip)
+    run_id = quickstart(
+        loop.model, loop.optimizer, loop.step, steps=three_windows(FIRST_STEPS), scaler=loop.scaler
     )
-    run_id = quickstart(model, optimizer, step, steps=three_windows(FIRST_STEPS), scaler=scaler)
     # The clipped norm was the scaled one: the step used 1/65536 of the clip.
     assert min(norms) > 1000.0
     alert = judge(request, gradflow_server, run_id)
     assert alert["evidence"]["measured"] == 65536
+
+
+@seeded
+@not_caught(
+    "missed: the client checks `clip_grad_norm_` against the scaler's stage; "
+    "`clip_grad_value_` on the scaled gradients goes unseen"
+)
+@expects("clip_before_unscale", "gradients", "clip_before_unscale")
+def test_value_clipping_the_scaled_gradients(request, gradflow_server, gradflow_env, seed):
+    """The same AMP mistake with `clip_grad_value_`: the scaled gradients (x65536) are
+    clamped to 1.0, so after unscaling no element is above 1/65536 and SGD barely
+    moves. A variant of the norm clip above, from the same thread.
+
+    Thread: https://github.com/pytorch/pytorch/issues/40907
+    """
+    used = []
+
+    def clip(loop):  # the bug: no scaler.unscale_(optimizer) before it
+        nn.utils.clip_grad_value_(loop.model.parameters(), 1.0)
+
+    loop = amp_loop(seed, clip)
+
+    def record(*_):  # what the step uses, unscaled by scaler.step
+        used.append(max(p.grad.abs().max().item() for p in loop.model.parameters()))
+
+    loop.optimizer.register_step_pre_hook(record)
+    run_id = quickstart(
+        loop.model, loop.optimizer, loop.step, steps=three_windows(FIRST_STEPS), scaler=loop.scaler
+    )
+    # Every element the step used was clamped to 1/scale: the clip cut them all.
+    assert used and max(used) <= 1.0 / 65536 * 1.001, max(used)
+    judge(request, gradflow_server, run_id)
 
 
 @seeded
