@@ -20,6 +20,11 @@
 //! per module, and a `backward_not_reached` alert names the cut seen since its streak
 //! began on the subject (or feeding from it): the file and line to look at.
 //!
+//! A record whose gradients were read at one of several optimizer steps (its
+//! `optimizer_steps` ≥ 2, v1.9) cannot show that a module is not updated: a zero or
+//! missing gradient there is "not measured", unless its backward hooks never fired
+//! in the whole interval; [`super::optimizer_steps`] says what such a loop does.
+//!
 //! The threshold counts step numbers: a streak from step 0 reaches 50 steps on step
 //! 49 whether the client reported every step or every tenth. Steps where an entity
 //! is not reported neither extend nor break its streak: "not measured" is not
@@ -293,6 +298,7 @@ impl StuckZeroGrad {
             .and_then(|v| v.map(|v| v.get()))
             .is_some_and(|n| n >= 1.0);
         let diverging = alerts.is_open(AlertKind::LossDivergence, "loss");
+        let several_updates = record.optimizer_steps.is_some_and(|n| n >= 2);
         let mut module_readings: Vec<(&str, &str, Reading)> = Vec::new();
         let mut group_readings: GroupMap<Option<Reading>> = GroupMap::default();
         for (module, info) in view.trainable_modules() {
@@ -308,6 +314,14 @@ impl StuckZeroGrad {
                 clipped,
                 diverging,
             };
+            // Read at one of several optimizer steps (an extra `optimizer.step()`
+            // outside the accumulation branch), a zero or missing gradient shows only
+            // that one of them found none, not that the weights did not move: not
+            // measured. Hooks that never fired over the whole interval still show that
+            // backward never reached the module.
+            if several_updates && reading.zero && !reading.hooks_silent {
+                continue;
+            }
             module_readings.push((&module.module, group, reading));
             match group_readings.entry(group) {
                 Some(g) => g.merge(reading),
@@ -1146,6 +1160,31 @@ mod tests {
         assert!(o.title.starts_with("The loss's divergence"), "{}", o.title);
         assert!(o.fix.contains("Lower the learning rate"), "{}", o.fix);
         assert_eq!(judge(6).evidence["cause"], "zero_gradient");
+    }
+
+    /// An extra optimizer.step() after the accumulation branch's zero_grad
+    /// (thunlp/OpenPrompt#106's loop): the read, at the first of four steps, finds no
+    /// gradient, while the other steps update the weights. Not "nothing is updated";
+    /// a graph cut over the whole interval still is one.
+    #[test]
+    fn a_read_at_one_of_several_optimizer_steps_is_not_measured() {
+        let several = |mut r: StepRecord| {
+            r.optimizer_steps = Some(4);
+            r
+        };
+        let cleared = |s| {
+            several(record(
+                s,
+                &[
+                    ("qwen.a", Value::Null, 1),
+                    ("qwen.b", Value::Null, 1),
+                    ("qwen.c", Value::Null, 1),
+                ],
+            ))
+        };
+        assert!(run(&(0..20).map(cleared).collect::<Vec<_>>()).is_empty());
+        let cut = run(&(0..5).map(|s| several(detached(s))).collect::<Vec<_>>());
+        assert_eq!(opened(&cut[0].1).evidence["cause"], "backward_not_reached");
     }
 
     #[test]

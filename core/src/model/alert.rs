@@ -38,6 +38,7 @@ vocabulary! {
         SchedulerPerMicroBatch = WiringKind::SchedulerPerMicroBatch.as_str() => KindSpec::new(&[Severity::Warning]),
         ParamGroupEmpty = WiringKind::ParamGroupEmpty.as_str() => KindSpec::new(&[Severity::Warning]),
         GradsNotZeroed = "grads_not_zeroed" => KindSpec::new(&[Severity::Warning]),
+        OptimizerStepsPerReport = "optimizer_steps_per_report" => KindSpec::new(&[Severity::Warning, Severity::Info]),
         UpdateRoundedAway = "update_rounded_away" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         FirstStepHint = "first_step_hint" => KindSpec::new(&[Severity::Info]).ends_at_once(),
         LossDivergence = "loss_divergence" => KindSpec::new(&[Severity::Warning]),
