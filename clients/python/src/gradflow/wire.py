@@ -189,6 +189,7 @@ class StepRecord(_StepNumber, total=False):
     output_logits: OutputLogits  # v1.8
     moe: List[MoeLayer]  # v1.8
     batch: BatchInfo  # v1.8
+    optimizer_steps: int  # v1.9
 
 
 # -- registration (protocol/src/run.rs) ----------------------------------------------
