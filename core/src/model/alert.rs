@@ -37,6 +37,7 @@ vocabulary! {
         ClipAfterStep = WiringKind::ClipAfterStep.as_str() => KindSpec::new(&[Severity::Warning]),
         SchedulerPerMicroBatch = WiringKind::SchedulerPerMicroBatch.as_str() => KindSpec::new(&[Severity::Warning]),
         ParamGroupEmpty = WiringKind::ParamGroupEmpty.as_str() => KindSpec::new(&[Severity::Warning]),
+        TensorsNotRegistered = WiringKind::TensorsNotRegistered.as_str() => KindSpec::new(&[Severity::Critical]),
         GradsNotZeroed = "grads_not_zeroed" => KindSpec::new(&[Severity::Warning]),
         OptimizerStepsPerReport = "optimizer_steps_per_report" => KindSpec::new(&[Severity::Warning, Severity::Info]),
         UpdateRoundedAway = "update_rounded_away" => KindSpec::new(&[Severity::Critical, Severity::Warning]),

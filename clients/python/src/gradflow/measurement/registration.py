@@ -106,6 +106,8 @@ class Registry:
         self._module_ids: Set[int] = set()
         self._checks = 0
         self._registration_hooks = _torch_compat.registration_hooks(self._on_registration)
+        # Learnable tensors that are not parameters, said once a gradient reached them.
+        self._loose = wiring.LooseTensors(model, optimizer)
         self._rescan()
         self._sent_specs: Dict[str, Dict[str, Any]] = {}
         self._sent_groups: Dict[str, Dict[str, Any]] = {}
@@ -350,9 +352,10 @@ class Registry:
         dtype and the optimizer's group count, read once a step (see
         :meth:`release_signature`); only a change rebuilds the specs. `seen`: wiring
         findings the capture layer made since the last call (layers built in a
-        forward, the loop's order), sent with the amendment.
+        forward, the loop's order), sent with the amendment, with the learnable
+        tensors that are not parameters once a gradient reached them.
         """
-        built = list(seen)
+        built = list(seen) + self._loose.findings()
         replaced = self.replaced()
         if replaced:
             # A parameter was replaced by a new tensor (or added, or removed): the hooks
