@@ -11,7 +11,6 @@ look-alike is the same model and data with the accumulation written right."""
 
 from __future__ import annotations
 
-import time
 from typing import List, Tuple
 
 import torch
@@ -57,10 +56,7 @@ def train(server_url: str, step_outside_branch: bool) -> Tuple[str, List[float]]
 
 def settled_alerts(server, run_id: str) -> list:
     """The run's alerts once every step is stored (``gf.close`` flushed them)."""
-    deadline = time.monotonic() + 10
-    while len(server.series(run_id, "loss")) < MICRO_BATCHES // ACCUMULATE:
-        assert time.monotonic() < deadline, "the server did not store every step"
-        time.sleep(0.2)
+    server.wait_for_steps(run_id, MICRO_BATCHES // ACCUMULATE)
     return server.alerts(run_id)
 
 

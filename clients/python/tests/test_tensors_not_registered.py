@@ -12,7 +12,6 @@ that the forward makes anew (a leaf that requires grad) at every call."""
 
 from __future__ import annotations
 
-import time
 from typing import List, Tuple
 
 import torch
@@ -99,10 +98,7 @@ def train(server, model: FramePredictor, extra: List[torch.Tensor]):
         gf.step(loss=loss)
         losses.append(loss.item())
     gf.close()
-    deadline = time.monotonic() + 10
-    while len(server.series(gf.run_id, "loss")) < STEPS:
-        assert time.monotonic() < deadline, "the server did not store every step"
-        time.sleep(0.2)
+    server.wait_for_steps(gf.run_id, STEPS)
     return gf.run_id, losses
 
 
