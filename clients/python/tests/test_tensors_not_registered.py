@@ -7,8 +7,10 @@ once a gradient reached the same tensors (``tensors_not_registered``).
 
 The look-alike holds what must stay silent beside real weights: the peepholes as
 ``nn.Parameter``, a buffer, a frozen tensor, a learnable temperature that is not a
-parameter but is handed to the optimizer, and an input kept for a gradient penalty
-that the forward makes anew (a leaf that requires grad) at every call."""
+parameter but is handed to the optimizer, a learnable offset with an optimizer of
+its own that gradflow does not watch (SAC's ``log_alpha``), and an input kept for a
+gradient penalty that the forward makes anew (a leaf that requires grad) at every
+call."""
 
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class FramePredictor(nn.Module):
             self.register_buffer("frame_mean", torch.zeros(1))
             self.frozen_scale = torch.ones(1)  # no grad: a constant
             self.temperature = torch.ones(1, requires_grad=True)  # in the optimizer
+            self.offset = torch.zeros(1, requires_grad=True)  # its own optimizer
             self.last_input: torch.Tensor = torch.empty(0)
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
@@ -69,7 +72,7 @@ class FramePredictor(nn.Module):
         for t in range(frames.shape[1]):
             h, c = self.cell(frames[:, t : t + 1], h, c)
         out = self.head(h)
-        return out * self.temperature if self.look_alikes else out
+        return out * self.temperature + self.offset if self.look_alikes else out
 
 
 def moving_squares(batch: int, g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +85,11 @@ def moving_squares(batch: int, g: torch.Generator) -> Tuple[torch.Tensor, torch.
     return frames[:, :3], frames[:, 3:]
 
 
-def train(server, model: FramePredictor, extra: List[torch.Tensor]):
+def train(server, model: FramePredictor, extra: List[torch.Tensor], own: List[torch.Tensor]):
+    """Adam over the parameters and `extra`, watched; `own` has its own SGD."""
     g = torch.Generator().manual_seed(5)
     optimizer = torch.optim.Adam([*model.parameters(), *extra], lr=1e-2)
+    unwatched = torch.optim.SGD(own, lr=1e-2) if own else None
     frames, target = moving_squares(16, g)
     model(frames)  # a forward before watch: the penalty's input exists at registration
     gf = gradflow.watch(model, optimizer, server=server.url, run_id=new_run_id("peephole"))
@@ -95,6 +100,9 @@ def train(server, model: FramePredictor, extra: List[torch.Tensor]):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if unwatched is not None:
+            unwatched.step()
+            unwatched.zero_grad()
         gf.step(loss=loss)
         losses.append(loss.item())
     gf.close()
@@ -107,7 +115,7 @@ def test_peepholes_kept_as_tensors_are_named_with_the_fix(gradflow_server):
     model = FramePredictor(as_parameters=False)
     cell = model.cell
     before = [t.detach().clone() for t in (cell.Wci, cell.Wcf, cell.Wco)]
-    run_id, losses = train(gradflow_server, model, [])
+    run_id, losses = train(gradflow_server, model, [], [])
     assert losses[-1] < losses[0], "the convolutions train"
     for tensor, old in zip((cell.Wci, cell.Wcf, cell.Wco), before):
         assert torch.equal(tensor.detach(), old), "the peepholes never change"
@@ -128,9 +136,10 @@ def test_parameters_buffers_frozen_and_per_call_tensors_stay_silent(gradflow_ser
     torch.manual_seed(0)
     model = FramePredictor(as_parameters=True, look_alikes=True)
     before = model.cell.Wci.detach().clone()
-    run_id, losses = train(gradflow_server, model, [model.temperature])
+    run_id, losses = train(gradflow_server, model, [model.temperature], [model.offset])
     assert losses[-1] < 0.8 * losses[0], "training measurably progressed"
     assert not torch.equal(model.cell.Wci.detach(), before), "the peepholes train"
+    assert model.offset.item() != 0.0, "the offset trains under its own optimizer"
     assert gradflow_server.serious(run_id) == []
     assert [
         a for a in gradflow_server.alerts(run_id) if a["kind"] == "tensors_not_registered"

@@ -13,18 +13,21 @@ for the server to word as alerts.
 - ``tensors_not_registered`` (protocol v1.9): a module attribute holding tensors that
   require grad but are not parameters (``self.w = torch.zeros(..., requires_grad=True)``):
   outside ``parameters()`` and the optimizer, their gradients pile up and they never
-  change. :class:`LooseTensors` notes them at registration and says them once the
-  first backward has written a gradient into the same tensors, so that a tensor the
-  forward makes anew each call (an input kept for a gradient penalty) is not one.
+  change. :class:`LooseTensors` notes them at registration and says them after the
+  first steps if backward has written a gradient into the same tensors and their
+  values are unchanged, so that a tensor the forward makes anew each call (an input
+  kept for a gradient penalty) or one an unwatched optimizer trains is not one.
 
-Host-side attribute reads only, once per run; nothing here touches a tensor's data.
+Host-side attribute reads, once per run; the only tensor data read is a copy of each
+loose tensor of at most 65536 elements, compared once with the tensor after the
+first steps.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -154,20 +157,49 @@ def _lr(group: Dict[str, Any]) -> Optional[float]:
     return lr if math.isfinite(lr) else None
 
 
-# Calls of LooseTensors.findings that wait for a gradient in a noted tensor.
-LOOSE_LOOKS = 16
+# Calls of LooseTensors.findings before the noted tensors are judged (gf.step and
+# the optimizer's pre-step hook each make one: a few steps), and after which they
+# are no longer looked at.
+LOOSE_SETTLE = 6
+LOOSE_LOOKS = 32
+# Elements of a noted tensor copied to see whether anything changed its values
+# (beside its version counter, which in-place updates bump but `.data` writes do not).
+LOOSE_COPY = 1 << 16
+
+
+class _Seen(NamedTuple):
+    """A loose tensor as registration found it."""
+
+    ref: weakref.ref[torch.Tensor]
+    version: int
+    copy: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Seen:
+        small = tensor.numel() <= LOOSE_COPY
+        copy = tensor.detach().clone() if small else None
+        return cls(weakref.ref(tensor), tensor._version, copy)
+
+    def unchanged(self, tensor: torch.Tensor) -> bool:
+        if tensor._version != self.version:
+            return False
+        return self.copy is None or torch.equal(tensor.detach(), self.copy)
+
 
 # Per attribute, the loose tensors it held at registration; and a module's name, the
 # module and those of its attributes.
-_Attributes = List[Tuple[str, List["weakref.ref[torch.Tensor]"]]]
+_Attributes = List[Tuple[str, List[_Seen]]]
 _Noted = Tuple[str, nn.Module, _Attributes]
 
 
 class LooseTensors:
-    """Tensors kept as module attributes that a gradient reaches and no optimizer
-    holds. Noted once at registration; said once per module, at the first look after
-    backward has written a gradient into them while the attributes still hold them:
-    one finding names every such attribute of the module (comma-separated)."""
+    """Tensors kept as module attributes that a gradient reaches and nothing updates.
+    Noted once at registration; said once per module when, after the first steps,
+    the attributes still hold the same tensors, backward has written their ``.grad``
+    and their values are as registration found them: one finding names every such
+    attribute of the module (comma-separated). A tensor the forward makes anew is
+    not the one noted; one that an optimizer gradflow does not watch updates (SAC's
+    ``log_alpha``) changes."""
 
     def __init__(self, model: nn.Module, optimizer: Any) -> None:
         self._noted: List[_Noted] = []
@@ -180,8 +212,10 @@ class LooseTensors:
     def findings(self) -> List[wire.WiringFinding]:
         if not self._noted:
             return []
+        self._looks += 1
+        if self._looks < LOOSE_SETTLE:
+            return []
         try:
-            self._looks += 1
             found: List[wire.WiringFinding] = []
             waiting = []
             for name, module, attributes in self._noted:
@@ -208,14 +242,15 @@ class LooseTensors:
 
 
 def _still_held(module: nn.Module, attributes: _Attributes) -> List[Tuple[str, List[torch.Tensor]]]:
-    """The attributes that still hold the tensors noted in them: one the forward
-    assigned anew since is the forward's own tensor, not a weight."""
+    """The attributes that still hold the tensors noted in them, unchanged: one the
+    forward assigned anew is the forward's own tensor, and one whose values changed
+    is trained by something, not a weight left behind."""
     kept = []
-    for attribute, refs in attributes:
-        tensors = [t for t in (r() for r in refs) if t is not None]
+    for attribute, seen in attributes:
+        tensors = [(s, s.ref()) for s in seen]
         held = {id(t) for t in _tensors_in(vars(module).get(attribute))}
-        if tensors and all(id(t) in held for t in tensors):
-            kept.append((attribute, tensors))
+        if all(t is not None and id(t) in held and s.unchanged(t) for s, t in tensors):
+            kept.append((attribute, [t for _, t in tensors if t is not None]))
     return kept
 
 
@@ -232,7 +267,7 @@ def _loose_tensors(model: nn.Module, optimizer: Any) -> List[_Noted]:
         attributes: _Attributes = []
         for attribute, value in vars(module).items():
             loose = [
-                weakref.ref(t)
+                _Seen.of(t)
                 for t in _tensors_in(value)
                 if t.requires_grad
                 and t.is_leaf
