@@ -1167,7 +1167,7 @@ mod tests {
             let context = RunContext::new(&registration, context().thresholds);
             let mut detector = StuckZeroGrad::default();
             let t = transitions(
-                &(0..5).map(|s| zero_with(s, json!({}))).collect::<Vec<_>>(),
+                (0..5).map(|s| zero_with(s, json!({}))).collect::<Vec<_>>(),
                 |r, out| detector.on_step(&StepView::new(&context, r), out),
             );
             opened(&t[0].1).clone()
