@@ -124,6 +124,12 @@ pub struct StepRecord {
     /// v1.8: what the step trained on: the user's batch ids, each micro-batch's loss.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<BatchInfo>,
+    /// v1.9: how many times the watched optimizer stepped (`optimizer.step()` ran to
+    /// its end) since the client's previous step record call (`gf.step`), reported or
+    /// not. More than one means the gradients of this record were read at one of
+    /// several updates. Absent: not counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_steps: Option<u32>,
 }
 
 /// A place where a module's output lost its path to the loss, as a client saw it

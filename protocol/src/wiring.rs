@@ -70,6 +70,12 @@ crate::vocabulary! {
         /// every group that holds some (a name filter that matched nothing): the
         /// parameters meant for it train at another lr (`attribute`: the group's name).
         ParamGroupEmpty = "param_group_empty",
+        /// *(v1.9)* A module's attributes (`attribute`, comma-separated) hold `params`
+        /// tensors that require grad and are not parameters (`self.w = torch.zeros(...,
+        /// requires_grad=True)`): not in `parameters()` nor the optimizer, backward fills
+        /// their `.grad` and they never change. Sent in an amendment once a gradient
+        /// reached them.
+        TensorsNotRegistered = "tensors_not_registered",
     }
 }
 

@@ -152,6 +152,15 @@ class ServerProcess:
                 pytest.fail(f"no {kind} alert on {subject or 'any subject'} for {run_id}: {seen}")
             time.sleep(0.2)
 
+    def wait_for_steps(self, run_id: str, steps: int, timeout: float = 10.0) -> None:
+        """Waits until the server stored `steps` losses of the run (a silent run is only
+        silent if its steps arrived); fails when they do not within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while len(self.series(run_id, "loss")) < steps:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server stored fewer than {steps} steps of {run_id}")
+            time.sleep(0.2)
+
     def serious(self, run_id: str) -> List[Dict[str, Any]]:
         """The run's warning and critical alerts (what a healthy run must not have)."""
         return [a for a in self.alerts(run_id) if a["severity"] in ("warning", "critical")]

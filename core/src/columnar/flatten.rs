@@ -367,6 +367,11 @@ const SCALARS: &[Scalar] = &[
         set: |r, v| r.local_grads_nonfinite = v.map(|v| v != 0.0),
     },
     Scalar {
+        kind: SeriesKind::OptimizerSteps,
+        get: |r| count_cell(r.optimizer_steps.map(u64::from)),
+        set: |r, v| r.optimizer_steps = v.map(|v| v as u32),
+    },
+    Scalar {
         kind: SeriesKind::InputAbsmax,
         get: |r| float_cell(r.input_absmax),
         set: |r, v| r.input_absmax = v.map(Float),
@@ -562,7 +567,7 @@ mod tests {
         let sent = record(
             r#"{"step": 7, "loss": 2.5, "lr": 0.25, "lrs": {"decay": 0.125},
                 "step_time": 0.5, "grads_carried_over": false, "input_absmax": 3.0,
-                "local_grads_nonfinite": true,
+                "local_grads_nonfinite": true, "optimizer_steps": 3,
                 "scaler": {"scale": 65536, "growth_tracker": 3, "found_inf": true, "step_skipped": true},
                 "modules": [{"module": "a.x", "grad_norm": 0.75, "hook_hits": 2, "numel": 64, "nonfinite": 0},
                             {"module": "a.y", "grad_norm": null, "hook_hits": 0}],

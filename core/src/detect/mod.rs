@@ -158,6 +158,7 @@ streaming_detectors! {
     loss_divergence::LossDivergence,
     grad_nonfinite::GradNonfinite,
     grads_not_zeroed::GradsNotZeroed,
+    optimizer_steps::OptimizerStepsPerReport,
     accumulation_reset::AccumulationReset,
     eval_mode::EvalMode,
     stuck_zero::StuckZeroGrad,

@@ -20,6 +20,11 @@
 //! per module, and a `backward_not_reached` alert names the cut seen since its streak
 //! began on the subject (or feeding from it): the file and line to look at.
 //!
+//! A record whose gradients were read at one of several optimizer steps (its
+//! `optimizer_steps` ≥ 2, v1.9) cannot show that a module is not updated: a zero or
+//! missing gradient there is "not measured", unless its backward hooks never fired
+//! in the whole interval; [`super::optimizer_steps`] says what such a loop does.
+//!
 //! The threshold counts step numbers: a streak from step 0 reaches 50 steps on step
 //! 49 whether the client reported every step or every tenth. Steps where an entity
 //! is not reported neither extend nor break its streak: "not measured" is not
@@ -30,7 +35,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use gradflow_protocol::{GraphCut, GraphCutKind, GraphCutVia};
+use gradflow_protocol::{Dtype, GraphCut, GraphCutKind, GraphCutVia, LossScaler};
 
 use super::context::RunContext;
 use super::episode::{Alerts, Streak};
@@ -220,10 +225,14 @@ enum Cause {
     /// Reached, gradient 0 from when the loss diverged: the blow-up (saturated or
     /// dead units) killed it.
     AfterDivergence,
+    /// Reached, gradient 0, in a run whose forward runs under fp16 autocast
+    /// (`precision.compute_dtype` f16) with no loss scaler: backward flushes every
+    /// gradient below fp16's smallest subnormal to zero.
+    Fp16WithoutScaler,
 }
 
 impl Cause {
-    fn of(run: &ZeroRun) -> Cause {
+    fn of(run: &ZeroRun, context: &RunContext) -> Cause {
         let len = run.streak.count;
         if run.hooks_silent == len {
             Cause::BackwardNotReached
@@ -235,6 +244,8 @@ impl Cause {
             Cause::ClippedToZero
         } else if run.diverging {
             Cause::AfterDivergence
+        } else if fp16_without_scaler(context) {
+            Cause::Fp16WithoutScaler
         } else {
             Cause::ZeroGradient
         }
@@ -248,6 +259,7 @@ impl Cause {
             Cause::ClearedBeforeStep => "cleared_before_step",
             Cause::ClippedToZero => "clipped_to_zero",
             Cause::AfterDivergence => "after_divergence",
+            Cause::Fp16WithoutScaler => "fp16_without_scaler",
         }
     }
 }
@@ -293,6 +305,7 @@ impl StuckZeroGrad {
             .and_then(|v| v.map(|v| v.get()))
             .is_some_and(|n| n >= 1.0);
         let diverging = alerts.is_open(AlertKind::LossDivergence, "loss");
+        let several_updates = record.optimizer_steps.is_some_and(|n| n >= 2);
         let mut module_readings: Vec<(&str, &str, Reading)> = Vec::new();
         let mut group_readings: GroupMap<Option<Reading>> = GroupMap::default();
         for (module, info) in view.trainable_modules() {
@@ -308,6 +321,14 @@ impl StuckZeroGrad {
                 clipped,
                 diverging,
             };
+            // Read at one of several optimizer steps (an extra `optimizer.step()`
+            // outside the accumulation branch), a zero or missing gradient shows only
+            // that one of them found none, not that the weights did not move: not
+            // measured. Hooks that never fired over the whole interval still show that
+            // backward never reached the module.
+            if several_updates && reading.zero && !reading.hooks_silent {
+                continue;
+            }
             module_readings.push((&module.module, group, reading));
             match group_readings.entry(group) {
                 Some(g) => g.merge(reading),
@@ -350,7 +371,7 @@ impl StuckZeroGrad {
             let long_enough = |s: &Streak| alone && s.spans(threshold, step) && !group_stuck;
             if run.observe(alerts, module, reading, long_enough) {
                 reached
-                    .entry((group, Cause::of(run).as_str()))
+                    .entry((group, Cause::of(run, context).as_str()))
                     .or_default()
                     .push(module);
             }
@@ -417,8 +438,8 @@ fn cut_for<'a>(
     group: Option<&str>,
     run: &ZeroRun,
 ) -> Option<&'a SeenCut> {
-    if Cause::of(run) != Cause::BackwardNotReached {
-        return None;
+    if run.hooks_silent != run.streak.count {
+        return None; // not `backward_not_reached` (the first cause Cause::of tries)
     }
     cuts.values()
         .filter(|seen| seen.step >= run.first_step() && seen.explains(subject, group))
@@ -611,7 +632,7 @@ fn open(
     others: &[(String, f64)],
     cut: Option<&SeenCut>,
 ) -> Opened {
-    let cause = Cause::of(run);
+    let cause = Cause::of(run, context);
     let (reports, first_step, span) = (run.streak.count, run.first_step(), run.streak.span(step));
     let what = match module_of_group {
         Some(group) => format!("Module {subject} (group {group})"),
@@ -687,6 +708,9 @@ fn explain(cause: Cause, subject: &str) -> (String, &'static str) {
         Cause::AfterDivergence => {
             format!("The loss's divergence killed {subject}'s gradient")
         }
+        Cause::Fp16WithoutScaler => {
+            format!("fp16 without a loss scaler flushes {subject}'s gradient to zero")
+        }
     };
     let why = match cause {
         Cause::BackwardNotReached => {
@@ -716,8 +740,27 @@ fn explain(cause: Cause, subject: &str) -> (String, &'static str) {
              exactly zero since the loss diverged: it went to zero within the first steps of \
              the divergence, and has stayed there."
         }
+        Cause::Fp16WithoutScaler => {
+            "Their backward hooks fired, so backward reached them, but the gradient that \
+             arrived was exactly zero, and the forward runs under fp16 autocast with no loss \
+             scaler: in backward, every gradient below fp16's smallest value (6e-8) \
+             underflows to zero, silently. Small losses and deep models underflow first."
+        }
     };
     (title, why)
+}
+
+/// The forward runs under fp16 autocast (the client's `precision.compute_dtype`) and
+/// no loss scaler is watched.
+fn fp16_without_scaler(context: &RunContext) -> bool {
+    context
+        .registration
+        .precision
+        .as_ref()
+        .is_some_and(|p| {
+            p.compute_dtype == Some(Dtype::F16)
+                && p.loss_scaler == Some(LossScaler::None)
+        })
 }
 
 /// What to do about `cause`.
@@ -750,6 +793,13 @@ fn fix_for(cause: Cause, subject: &str, through_checkpoint: bool) -> String {
          clip_grad_value_(clip_value=0) clamps them to 0). Give the clip the limit you \
          meant (max_norm around 1.0), and check where it is read from: a config value of \
          0 meant as \"no clipping\" is taken literally by torch."
+            .to_owned(),
+        Cause::Fp16WithoutScaler => "Scale the loss so that small gradients survive fp16: \
+         scaler = torch.amp.GradScaler(); scaler.scale(loss).backward(); \
+         scaler.step(optimizer); scaler.update() (and pass scaler= to gradflow.watch). Or \
+         autocast to bf16 instead (torch.autocast(device_type, dtype=torch.bfloat16)), \
+         which has fp32's exponent range and needs no scaler. If the gradient stays 0 \
+         with a scaler, look for a mask or gate that is all zero."
             .to_owned(),
         Cause::AfterDivergence => format!(
             "The cause is the loss's divergence (the loss_divergence alert): the steps that \
@@ -1102,6 +1152,40 @@ mod tests {
         assert_eq!(opened(&run(&some)[0].1).evidence["cause"], "zero_gradient");
     }
 
+    /// fp16 autocast with no loss scaler (engichang1467/Open-Rig3R#35): a gradient of
+    /// exactly 0 that backward reached names the underflow and its fix. The same zeros
+    /// under bf16, or with a scaler watched, or where the client did not say, keep
+    /// the general cause.
+    #[test]
+    fn fp16_autocast_without_a_scaler_is_named_as_the_cause() {
+        let cause_under = |precision: Value| {
+            let mut registration: RunRegistration =
+                serde_json::to_value(&context().registration)
+                    .and_then(serde_json::from_value)
+                    .unwrap();
+            registration.precision = serde_json::from_value(precision).unwrap();
+            let context = RunContext::new(&registration, context().thresholds);
+            let mut detector = StuckZeroGrad::default();
+            let t = transitions(
+                (0..5).map(|s| zero_with(s, json!({}))).collect::<Vec<_>>(),
+                |r, out| detector.on_step(&StepView::new(&context, r), out),
+            );
+            opened(&t[0].1).clone()
+        };
+        let o = cause_under(json!({"compute_dtype": "f16", "loss_scaler": "none"}));
+        assert_eq!(o.evidence["cause"], "fp16_without_scaler", "{o:?}");
+        assert!(o.fix.contains("GradScaler"), "{}", o.fix);
+        assert!(o.fix.contains("bfloat16"), "{}", o.fix);
+        for precision in [
+            json!({"compute_dtype": "bf16", "loss_scaler": "none"}),
+            json!({"compute_dtype": "f16", "loss_scaler": "dynamic"}),
+            json!({"compute_dtype": "f16"}),
+        ] {
+            let o = cause_under(precision.clone());
+            assert_eq!(o.evidence["cause"], "zero_gradient", "{precision}");
+        }
+    }
+
     /// A gradient that went to 0 as the loss diverged was killed by the blow-up
     /// (gradflow-trainer --scenario lr-too-high): the alert leads with the
     /// divergence. One already at 0 long before the loss diverged is not blamed on
@@ -1146,6 +1230,31 @@ mod tests {
         assert!(o.title.starts_with("The loss's divergence"), "{}", o.title);
         assert!(o.fix.contains("Lower the learning rate"), "{}", o.fix);
         assert_eq!(judge(6).evidence["cause"], "zero_gradient");
+    }
+
+    /// An extra optimizer.step() after the accumulation branch's zero_grad
+    /// (thunlp/OpenPrompt#106's loop): the read, at the first of four steps, finds no
+    /// gradient, while the other steps update the weights. Not "nothing is updated";
+    /// a graph cut over the whole interval still is one.
+    #[test]
+    fn a_read_at_one_of_several_optimizer_steps_is_not_measured() {
+        let several = |mut r: StepRecord| {
+            r.optimizer_steps = Some(4);
+            r
+        };
+        let cleared = |s| {
+            several(record(
+                s,
+                &[
+                    ("qwen.a", Value::Null, 1),
+                    ("qwen.b", Value::Null, 1),
+                    ("qwen.c", Value::Null, 1),
+                ],
+            ))
+        };
+        assert!(run(&(0..20).map(cleared).collect::<Vec<_>>()).is_empty());
+        let cut = run(&(0..5).map(|s| several(detached(s))).collect::<Vec<_>>());
+        assert_eq!(opened(&cut[0].1).evidence["cause"], "backward_not_reached");
     }
 
     #[test]

@@ -12,6 +12,9 @@
 //! - `params_created_in_forward` (critical, from an amendment during the first
 //!   steps): a module's `forward` builds layers with parameters that end up
 //!   registered nowhere; they are new random weights at every call and never train.
+//! - `tensors_not_registered` (critical, v1.9, from an amendment once a gradient
+//!   reached them): tensors with `requires_grad=True` kept as a module attribute
+//!   instead of `nn.Parameter`; no optimizer built from `parameters()` holds them.
 
 use gradflow_protocol::{RunRegistration, WiringFinding, WiringKind};
 use serde_json::json;
@@ -85,6 +88,7 @@ fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
                 .to_owned(),
         ),
         WiringKind::ParamsCreatedInForward => created_in_forward(&module, attribute, &params),
+        WiringKind::TensorsNotRegistered => tensors_not_registered(&module, attribute, finding),
         // The loop's order, seen in the first steps (v1.6), and empty optimizer groups.
         WiringKind::ClipBeforeUnscale => {
             loop_wiring::clip_before_unscale(&params, finding.measured)
@@ -116,6 +120,39 @@ fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
             "measured": finding.measured,
         }),
     }
+}
+
+/// `attribute` names every such attribute of the module, comma-separated.
+fn tensors_not_registered(
+    module: &str,
+    attributes: &str,
+    finding: &WiringFinding,
+) -> (AlertKind, Severity, String, String, String) {
+    let tensors = match finding.params {
+        Some(1) => "a tensor".to_owned(),
+        Some(n) => format!("{n} tensors"),
+        None => "tensors".to_owned(),
+    };
+    let first = attributes.split(", ").next().unwrap_or(attributes);
+    (
+        AlertKind::TensorsNotRegistered,
+        Severity::Critical,
+        format!("{module}: {attributes} require grad but are not parameters: they never train"),
+        format!(
+            "{module} keeps {tensors} created with requires_grad=True as plain attributes \
+             ({attributes}), not as nn.Parameter. Backward reached them (their .grad is \
+             filled), but they are not in model.parameters() and not in the optimizer: \
+             their gradients pile up step after step and their values never change. \
+             .to(device) does not move them and state_dict does not save them either."
+        ),
+        format!(
+            "Wrap each in nn.Parameter in __init__: self.{first} = \
+             nn.Parameter(torch.zeros(...)) (an nn.ParameterList for a list), then build \
+             the optimizer from model.parameters(). If they are meant to stay fixed, create \
+             them without requires_grad and register them with \
+             self.register_buffer(\"{first}\", ...)."
+        ),
+    )
 }
 
 fn created_in_forward(
@@ -182,6 +219,40 @@ mod tests {
         );
         assert!(found[1].fix.contains("nn.ModuleList"));
         assert_eq!(found[2].evidence["cause"], "tied_weights_untied");
+    }
+
+    /// automan000/Convolutional_LSTM_PyTorch#17: the peephole weights Wci, Wcf, Wco
+    /// kept as tensors with requires_grad=True.
+    #[test]
+    fn tensors_that_are_not_parameters_name_the_attribute_and_nn_parameter() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "params": [{"name": "cell0.Wxi.weight"}],
+            "wiring": [{"kind": "tensors_not_registered", "module": "cell0",
+                        "attribute": "Wci, Wcf, Wco", "params": 3}]
+        }))
+        .unwrap();
+        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        let [alert] = &found[..] else {
+            panic!("{found:?}")
+        };
+        assert_eq!(alert.kind, AlertKind::TensorsNotRegistered);
+        assert_eq!(alert.subject, "cell0");
+        assert_eq!(alert.severity, Severity::Critical);
+        assert!(
+            alert.title.starts_with("cell0: Wci, Wcf, Wco require grad"),
+            "{}",
+            alert.title
+        );
+        assert!(
+            alert.detail.contains("3 tensors created"),
+            "{}",
+            alert.detail
+        );
+        assert!(
+            alert.fix.contains("self.Wci = nn.Parameter("),
+            "{}",
+            alert.fix
+        );
     }
 
     #[test]

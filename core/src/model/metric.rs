@@ -54,6 +54,7 @@ vocabulary! {
         StepTime = "step_time" => Reads::new(&[SeriesKind::StepTime], Subject::None),
         GradsCarriedOver = "grads_carried_over" => Reads::new(&[SeriesKind::GradsCarriedOver], Subject::None),
         LocalGradsNonfinite = "local_grads_nonfinite" => Reads::new(&[SeriesKind::LocalGradsNonfinite], Subject::None),
+        OptimizerSteps = "optimizer_steps" => Reads::new(&[SeriesKind::OptimizerSteps], Subject::None),
         InputAbsmax = "input_absmax" => Reads::new(&[SeriesKind::InputAbsmax], Subject::None),
         GradNonfinite = "grad_nonfinite" => Reads::new(&[SeriesKind::ModuleNonfinite], Subject::Required("a module")),
         GradNumel = "grad_numel" => Reads::new(&[SeriesKind::ModuleNumel], Subject::Required("a module")),

@@ -48,6 +48,8 @@ vocabulary! {
         /// v1.7: whether a rank's own gradients were non-finite before the all-reduce
         /// (1 or 0).
         LocalGradsNonfinite = "local_grads_nonfinite",
+        /// v1.9: the optimizer steps since the client's previous step record call.
+        OptimizerSteps = "optimizer_steps",
         /// v1.8: an attention module's largest pre-softmax logit.
         AttnMaxLogit = "attn_max_logit",
         /// v1.8: an attention module's smallest head entropy (nats).

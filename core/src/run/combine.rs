@@ -73,8 +73,8 @@ fn rule(kind: SeriesKind, sharded: bool) -> Rule {
         Loss | Metric => Rule::Mean,
         Lr | ScalerScale | ScalerGrowthTracker => Rule::Lowest,
         FoundInf | StepSkipped | GradsCarriedOver | LocalGradsNonfinite | InputAbsmax
-        | StepTime | GpuMemoryUsedBytes | GpuMemoryTotalBytes | GpuUtilizationPct
-        | GpuTemperatureC | GpuPowerW => Rule::Max,
+        | OptimizerSteps | StepTime | GpuMemoryUsedBytes | GpuMemoryTotalBytes
+        | GpuUtilizationPct | GpuTemperatureC | GpuPowerW => Rule::Max,
         DroppedSteps | ModuleNonfinite => Rule::Sum,
         HookHits => Rule::Min,
         GroupGradNorm => Rule::Derived,

@@ -189,6 +189,7 @@ class StepRecord(_StepNumber, total=False):
     output_logits: OutputLogits  # v1.8
     moe: List[MoeLayer]  # v1.8
     batch: BatchInfo  # v1.8
+    optimizer_steps: int  # v1.9
 
 
 # -- registration (protocol/src/run.rs) ----------------------------------------------
@@ -216,7 +217,7 @@ class Optimizer(TypedDict, total=False):
 class _WiringKind(TypedDict):
     # freeze_flag_ignored | modules_not_registered | tied_weights_untied |
     # params_created_in_forward | (v1.6) clip_before_unscale | clip_after_step |
-    # scheduler_per_micro_batch | param_group_empty
+    # scheduler_per_micro_batch | param_group_empty | (v1.9) tensors_not_registered
     kind: str
     module: str
 

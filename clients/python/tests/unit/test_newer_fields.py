@@ -42,3 +42,9 @@ def test_a_rank_s_local_nonfinite_flag_is_stripped():
     record = {"step": 7, "rank": 1, "loss": 0.5, "local_grads_nonfinite": True}
     bare = json.loads(without_newer_fields(json.dumps(record)) or "null")
     assert bare == {"step": 7, "rank": 1, "loss": 0.5}
+
+
+def test_the_optimizer_step_count_is_stripped():
+    record = {"step": 4, "loss": 0.5, "optimizer_steps": 5}
+    bare = json.loads(without_newer_fields(json.dumps(record)) or "null")
+    assert bare == {"step": 4, "loss": 0.5}

@@ -231,6 +231,8 @@ class Instruments:
     ) -> Optional[PendingStep]:
         """``gf.step``: this step's pending record when it is reported, else None;
         the step number moves on either way."""
+        # Counted before the loop's shape consumes the count (v1.9 `optimizer_steps`).
+        optimizer_steps = self._steps_since if self._handles else None
         # This rank's own work on the step (a multi-rank run): what shows a straggler.
         self._observe_shape()
         clock = self.hooks.clock
@@ -248,6 +250,7 @@ class Instruments:
                 self.updates.take(),
                 self.signals.take(batch_ids, micro_losses),
             )
+            pending.optimizer_steps = optimizer_steps
             if self.rank is not None and step_span is not None:
                 pending.step_time = functools.partial(_ranks.elapsed, *step_span)
         else:

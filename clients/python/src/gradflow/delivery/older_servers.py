@@ -9,6 +9,8 @@ from typing import Any, Optional
 from .transport import Refused
 
 V18_STEP_FIELDS = ("output_logits", "moe", "batch")
+# v1.9 fields a v1.8 server refuses, dropped with the v1.8 ones.
+V19_STEP_FIELDS = ("optimizer_steps",)
 V18_MODULE_FIELDS = ("attn_max_logit", "attn_min_entropy", "act_rms", "act_absmax", "adam")
 
 
@@ -23,10 +25,11 @@ def refused_newer_field(registration: Any, err: Refused) -> Optional[str]:
 
 
 def strip_v18(record: Any) -> bool:
-    """Removes a record's v1.8 fields (the instability signals) in place: module
-    entries that carried nothing else go; True when anything was removed."""
+    """Removes a record's v1.8 and v1.9 fields (the instability signals, the optimizer
+    steps) in place: module entries that carried nothing else go; True when anything
+    was removed."""
     changed = False
-    for key in V18_STEP_FIELDS:
+    for key in V18_STEP_FIELDS + V19_STEP_FIELDS:
         changed = record.pop(key, None) is not None or changed
     modules = record.get("modules")
     if not isinstance(modules, list):

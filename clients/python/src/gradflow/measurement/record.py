@@ -158,6 +158,8 @@ class PendingStep:
     partial: bool = False
     rank: Optional[int] = None
     step_time: Optional[Callable[[], Optional[float]]] = None
+    # Optimizer steps since the previous gf.step (v1.9), when the optimizer is hooked.
+    optimizer_steps: Optional[int] = None
     # The instability signals (v1.8) measured on this step, when any.
     signals: Optional[SignalsAt] = None
     # Makes `modules` and `norms` on the reporter thread, when set.
@@ -226,6 +228,8 @@ class PendingStep:
             # Sent only when true: a server older than v1.7 refuses the field, and
             # the client then resends the step without it (see the reporter).
             rec["local_grads_nonfinite"] = True
+        if self.optimizer_steps is not None:
+            rec["optimizer_steps"] = self.optimizer_steps
         return rec
 
     def _module(self, m: ModuleAt, v: List[float]) -> wire.ModuleStep:

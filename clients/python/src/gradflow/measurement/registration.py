@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import _torch_compat, wire
-from . import layout, ranks, wiring
+from . import autocast, layout, ranks, wiring
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")
@@ -106,6 +106,10 @@ class Registry:
         self._module_ids: Set[int] = set()
         self._checks = 0
         self._registration_hooks = _torch_compat.registration_hooks(self._on_registration)
+        # Learnable tensors that are not parameters, said once a gradient reached them.
+        self._loose = wiring.LooseTensors(model, optimizer)
+        # The forward's autocast dtype, known once the loop's first forwards ran.
+        self._autocast = autocast.AutocastProbe(model)
         self._rescan()
         self._sent_specs: Dict[str, Dict[str, Any]] = {}
         self._sent_groups: Dict[str, Dict[str, Any]] = {}
@@ -182,6 +186,7 @@ class Registry:
         for handle in self._registration_hooks:
             handle.remove()
         self._registration_hooks = []
+        self._autocast.remove()
 
     def _membership(self) -> Dict[int, int]:
         """id(parameter) -> index of the optimizer's parameter group holding it."""
@@ -350,9 +355,24 @@ class Registry:
         dtype and the optimizer's group count, read once a step (see
         :meth:`release_signature`); only a change rebuilds the specs. `seen`: wiring
         findings the capture layer made since the last call (layers built in a
-        forward, the loop's order), sent with the amendment.
+        forward, the loop's order), sent with the amendment, with the learnable
+        tensors that are not parameters once a gradient reached them.
         """
-        built = list(seen)
+        built = list(seen) + self._loose.findings()
+        compute_dtype = self._autocast.take()
+        if compute_dtype is not None:
+            # Sent alone: it changes nothing the signature below compares.
+            return self._with_compute_dtype(self._changes(built), compute_dtype)
+        return self._changes(built)
+
+    @staticmethod
+    def _with_compute_dtype(amend: Optional[wire.Amendment], compute_dtype: str) -> wire.Amendment:
+        out: Dict[str, Any] = dict(amend or {})
+        out["precision"] = {**out.get("precision", {}), "compute_dtype": compute_dtype}
+        return cast(wire.Amendment, out)
+
+    def _changes(self, built: List[wire.WiringFinding]) -> Optional[wire.Amendment]:
+        """:meth:`amendment`'s registration changes, with the wiring findings `built`."""
         replaced = self.replaced()
         if replaced:
             # A parameter was replaced by a new tensor (or added, or removed): the hooks

@@ -10,15 +10,26 @@ for the server to word as alerts.
   input and output embeddings are two tensors.
 - ``param_group_empty`` (protocol v1.6): a param group with no parameter whose lr
   differs from every group that holds some, while every parameter of the model trains.
+- ``tensors_not_registered`` (protocol v1.9): a module attribute holding tensors that
+  require grad but are not parameters (``self.w = torch.zeros(..., requires_grad=True)``):
+  outside ``parameters()`` and the optimizer, their gradients pile up and they never
+  change. :class:`LooseTensors` notes them at registration and says them after the
+  first steps if backward has written a gradient into the same tensors and their
+  values are unchanged, so that a tensor the forward makes anew each call (an input
+  kept for a gradient penalty) or one an unwatched optimizer trains is not one.
 
-Host-side attribute reads only, once per run; nothing here touches a tensor's data.
+Host-side attribute reads, once per run; the only tensor data read is a copy of each
+loose tensor of at most 65536 elements, compared once with the tensor after the
+first steps.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Set, Tuple
+import weakref
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
+import torch
 from torch import nn
 
 from .. import wire
@@ -144,3 +155,140 @@ def _lr(group: Dict[str, Any]) -> Optional[float]:
     except (TypeError, ValueError):
         return None
     return lr if math.isfinite(lr) else None
+
+
+# Calls of LooseTensors.findings before the noted tensors are judged (gf.step and
+# the optimizer's pre-step hook each make one: a few steps), and after which they
+# are no longer looked at.
+LOOSE_SETTLE = 6
+LOOSE_LOOKS = 32
+# Elements of a noted tensor copied to see whether anything changed its values
+# (beside its version counter, which in-place updates bump but `.data` writes do not).
+LOOSE_COPY = 1 << 16
+
+
+class _Seen(NamedTuple):
+    """A loose tensor as registration found it."""
+
+    ref: weakref.ref[torch.Tensor]
+    version: int
+    copy: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Seen:
+        small = tensor.numel() <= LOOSE_COPY
+        copy = tensor.detach().clone() if small else None
+        return cls(weakref.ref(tensor), tensor._version, copy)
+
+    def unchanged(self, tensor: torch.Tensor) -> bool:
+        if tensor._version != self.version:
+            return False
+        return self.copy is None or torch.equal(tensor.detach(), self.copy)
+
+
+# Per attribute, the loose tensors it held at registration; and a module's name, the
+# module and those of its attributes.
+_Attributes = List[Tuple[str, List[_Seen]]]
+_Noted = Tuple[str, nn.Module, _Attributes]
+
+
+class LooseTensors:
+    """Tensors kept as module attributes that a gradient reaches and nothing updates.
+    Noted once at registration; said once per module when, after the first steps,
+    the attributes still hold the same tensors, backward has written their ``.grad``
+    and their values are as registration found them: one finding names every such
+    attribute of the module (comma-separated). A tensor the forward makes anew is
+    not the one noted; one that an optimizer gradflow does not watch updates (SAC's
+    ``log_alpha``) changes."""
+
+    def __init__(self, model: nn.Module, optimizer: Any) -> None:
+        self._noted: List[_Noted] = []
+        self._looks = 0
+        try:
+            self._noted = _loose_tensors(model, optimizer)
+        except Exception as exc:
+            swallow("looking for tensors that are not parameters", exc)
+
+    def findings(self) -> List[wire.WiringFinding]:
+        if not self._noted:
+            return []
+        self._looks += 1
+        if self._looks < LOOSE_SETTLE:
+            return []
+        try:
+            found: List[wire.WiringFinding] = []
+            waiting = []
+            for name, module, attributes in self._noted:
+                kept = _still_held(module, attributes)
+                if not kept:
+                    continue
+                if any(t.grad is not None for _, tensors in kept for t in tensors):
+                    found.append(
+                        {
+                            "kind": "tensors_not_registered",
+                            "module": name,
+                            "attribute": ", ".join(a for a, _ in kept),
+                            "params": sum(len(tensors) for _, tensors in kept),
+                        }
+                    )
+                else:
+                    waiting.append((name, module, attributes))
+            self._noted = waiting if self._looks < LOOSE_LOOKS else []
+            return found
+        except Exception as exc:
+            swallow("looking for tensors that are not parameters", exc)
+            self._noted = []
+            return []
+
+
+def _still_held(module: nn.Module, attributes: _Attributes) -> List[Tuple[str, List[torch.Tensor]]]:
+    """The attributes that still hold the tensors noted in them, unchanged: one the
+    forward assigned anew is the forward's own tensor, and one whose values changed
+    is trained by something, not a weight left behind."""
+    kept = []
+    for attribute, seen in attributes:
+        tensors = [(s, s.ref()) for s in seen]
+        held = {id(t) for t in _tensors_in(vars(module).get(attribute))}
+        if all(t is not None and id(t) in held and s.unchanged(t) for s, t in tensors):
+            kept.append((attribute, [t for _, t in tensors if t is not None]))
+    return kept
+
+
+def _loose_tensors(model: nn.Module, optimizer: Any) -> List[_Noted]:
+    """Per module, the attributes holding floating-point leaf tensors (themselves, or
+    in a plain list, tuple or dict) that require grad and are neither the model's
+    parameters nor in the optimizer's param groups. Buffers and parameters live in
+    the module's own tables, not in its ``__dict__``."""
+    owned = {id(p) for p in model.parameters()}
+    for group in getattr(optimizer, "param_groups", None) or []:
+        owned.update(id(p) for p in group.get("params", []))
+    noted: List[_Noted] = []
+    for name, module in model.named_modules():
+        attributes: _Attributes = []
+        for attribute, value in vars(module).items():
+            loose = [
+                _Seen.of(t)
+                for t in _tensors_in(value)
+                if t.requires_grad
+                and t.is_leaf
+                and t.is_floating_point()
+                and not isinstance(t, nn.Parameter)
+                and id(t) not in owned
+            ]
+            if loose:
+                attributes.append((attribute, loose))
+        if attributes:
+            noted.append((name, module, attributes))
+            if len(noted) >= MAX_FINDINGS:
+                break
+    return noted
+
+
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
