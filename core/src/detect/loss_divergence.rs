@@ -17,6 +17,14 @@
 //!   highest, or every one a loss at least [`LOSS_JUMP`] times the window's highest
 //!   loss. The whole window rose, not a few odd batches in it, and it cleared the
 //!   noise of the window it left;
+//! - every one of those losses is also above [`FACTOR`] times the highest loss the
+//!   run had before that window, its first steps included: the rise leaves the whole
+//!   range the loss has had, not only its recent low. Weights thrown out of the
+//!   region they were in land where the loss is worse than anywhere training has
+//!   been (an untrained model's large, confident errors included); a loss that rises
+//!   back within the range it already had, however far above its recent low, is the
+//!   objective moving under weights that stayed where they were (a DQN's target
+//!   network copied in, a new stage of a curriculum);
 //! - the alert opens when it holds on [`PERSIST`] reported steps running. From the
 //!   first step it holds, the level left is kept: the episode lasts while the loss's
 //!   level stays above [`FACTOR`] times it, however the gradients settle;
@@ -37,7 +45,12 @@
 //! REINFORCE loss grows with the return, noisy from one episode to the next, its
 //! gradient norm rising with it by a few times, not ten; the first Adam steps of a
 //! regression overshoot the loss by tens of percent with gradients a few times
-//! larger. A loss only 3× higher could be the data (a harder batch, a new
+//! larger. A DQN that copies its online network into the target network every 100
+//! steps has fitted the frozen targets to a TD loss near 1e-6 when the copy moves
+//! them: the loss jumps 10⁴× at once and the gradient norm 100×, and both hold for
+//! tens of steps while the network fits the new targets; yet the loss after each
+//! copy (0.01–0.04) stays below the TD loss of the run's first steps (0.08–0.17,
+//! random Q-values against a reward of 1). A loss only 3× higher could be the data (a harder batch, a new
 //! curriculum stage); a loss or gradients an order of magnitude larger in the same
 //! few steps say the weights were moved far, which is the step size's doing. Two steps
 //! running keep one odd pair of batches from opening it and still answer by step
@@ -109,6 +122,9 @@ impl Level {
 pub struct LossDivergence {
     /// The last [`WINDOW`] + [`SPAN`] readings, oldest first.
     recent: VecDeque<Reading>,
+    /// The highest loss of the readings older than [`Self::recent`]: with the
+    /// window the level left, the range the run's loss has had.
+    peak: f64,
     /// The level the loss left, kept from the first step the condition held while
     /// it goes on holding.
     left: Option<Level>,
@@ -158,7 +174,10 @@ impl LossDivergence {
             // included (the window's highest values, not only its median).
             None => {
                 let since = self.since();
-                let rose = since.clone().all(|r| r.loss > factor * then.loss_max);
+                // Above the whole range the run's loss has had, not only the
+                // window's: back within it is the objective moving, not the weights.
+                let highest = then.loss_max.max(self.peak);
+                let rose = since.clone().all(|r| r.loss > factor * highest);
                 // Corroborated: the gradients rose an order of magnitude with it, or
                 // the loss itself did (a saturated softmax bounds the gradients).
                 let gradients = then.grad_max > 0.0
@@ -179,7 +198,9 @@ impl LossDivergence {
 
     fn remember(&mut self, reading: Reading) {
         if self.recent.len() == WINDOW + SPAN {
-            self.recent.pop_front();
+            if let Some(old) = self.recent.pop_front() {
+                self.peak = self.peak.max(old.loss);
+            }
         }
         self.recent.push_back(reading);
     }
@@ -402,6 +423,31 @@ mod tests {
             .map(|&l| (l, if l > 20.0 { 100.0 } else { 1.0 }))
             .collect();
         assert!(run(&signed).is_empty());
+    }
+
+    #[test]
+    fn a_loss_back_within_the_range_it_had_is_not_a_divergence() {
+        // A DQN on a six-cell corridor, its target network copied in every 100
+        // steps, as measured in PyTorch: its first TD losses up to 0.17, fitted down
+        // to ~1e-6 before each copy; at each copy the loss jumps to 0.01–0.04 and the
+        // gradient norm from ~0.002 to 0.1–0.3, both holding for tens of steps.
+        let mut dqn: Vec<(f64, f64)> = (0..100)
+            .map(|i| {
+                let loss = 0.17 * 0.95f64.powi(i) + 0.005 * ((i * 7919 % 7) as f64 / 7.0);
+                (loss, 2.0 * loss.sqrt())
+            })
+            .collect();
+        for _copy in 0..5 {
+            dqn.extend((0..100).map(|i| {
+                let loss = (0.03 * 0.93f64.powi(i)).max(1e-6 * (1.0 + (i % 3) as f64));
+                (loss, 2.0 * loss.sqrt())
+            }));
+        }
+        assert!(run(&dqn).is_empty());
+        // The same jumps above 3× everything the run had are a divergence.
+        let mut thrown = dqn[..300].to_vec();
+        thrown.extend([(0.9, 2.0); 10]);
+        assert_eq!(opened_steps(&run(&thrown)), [305]);
     }
 
     #[test]
