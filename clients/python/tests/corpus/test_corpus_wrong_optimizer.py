@@ -11,25 +11,19 @@ window, the longest of the detectors that could see these.
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Any, Callable, Tuple
+from typing import Callable, Tuple
 
 import pytest
 import torch
 from conftest import new_run_id
 from corpus_support import moved, not_caught, quickstart, snapshot, train_step, verdict
+from corpus_verdicts import nothing_else
 from torch import nn
 
 import gradflow
 
 SEEDS = [0, 1, 2]
 STEPS = 150
-SERIOUS = ("warning", "critical")
-
-
-def nothing_else(server: Any, run_id: str, *kinds: str) -> None:
-    """No warning or critical alert of another kind than `kinds` on the run."""
-    others = [a["kind"] for a in server.alerts(run_id) if a["severity"] in SERIOUS]
-    assert set(others) <= set(kinds), others
 
 
 # -- GANs: one watch per model, each with its own optimizer -------------------------
