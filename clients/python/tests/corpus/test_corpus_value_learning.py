@@ -15,7 +15,8 @@ from typing import List, Tuple
 
 import pytest
 import torch
-from corpus_support import quickstart, silent_and_stored
+from corpus_loops import fit
+from corpus_support import silent_and_stored
 from torch import nn
 
 # Every case here is a healthy run (the corpus table counts them as look-alikes).
@@ -73,25 +74,20 @@ def dqn(seed: int) -> Tuple[str, List[float], float, float, int]:
         with torch.no_grad():
             return float((online(one_hot(states)) - q_star).abs().mean())
 
-    losses: List[float] = []
-
-    def step(i: int) -> torch.Tensor:
+    def copy_target(i: int) -> None:
         if i > 0 and i % TARGET_EVERY == 0:
             target.load_state_dict(online.state_dict())
+
+    def td_loss() -> torch.Tensor:
         pick = torch.randint(0, len(cells), (BATCH,), generator=g)
         q = online(one_hot(cells[pick])).gather(1, actions[pick, None]).squeeze(1)
         with torch.no_grad():
             best_next = target(one_hot(nexts[pick])).max(1).values
             goal = rewards[pick] + GAMMA * best_next * (1 - done[pick])
-        loss = nn.functional.smooth_l1_loss(q, goal)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        return loss
+        return nn.functional.smooth_l1_loss(q, goal)
 
     start = error()
-    run_id = quickstart(online, optimizer, step, steps=STEPS)
+    run_id, losses = fit(online, optimizer, td_loss, STEPS, before=copy_target)
     with torch.no_grad():
         greedy = online(one_hot(states)).argmax(1)
     return run_id, losses, start, error(), int((greedy == 1).sum())

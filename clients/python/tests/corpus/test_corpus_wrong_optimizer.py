@@ -10,13 +10,13 @@ window, the longest of the detectors that could see these.
 
 from __future__ import annotations
 
-from itertools import repeat
 from typing import Callable, Tuple
 
 import pytest
 import torch
 from conftest import new_run_id
-from corpus_support import moved, not_caught, quickstart, snapshot, train_step, verdict
+from corpus_loops import fit
+from corpus_support import moved, not_caught, snapshot, verdict
 from corpus_verdicts import nothing_else
 from torch import nn
 
@@ -117,14 +117,6 @@ def test_a_discriminator_that_never_zeroes_its_gradients(gradflow_server, gradfl
 # -- an optimizer built over another network's parameters ----------------------------
 
 
-def fit_with(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_of: Callable[[], torch.Tensor]
-) -> str:
-    """The README's loop over `loss_of()` under the quickstart: the run id."""
-    step = train_step(model, optimizer, lambda _model, _batch: loss_of(), repeat(None))
-    return quickstart(model, optimizer, step, steps=STEPS)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_value_model_whose_optimizer_holds_the_actor(gradflow_server, gradflow_env, seed):
     """Dreamer's value optimizer built over the wrong module's parameters: the value
@@ -145,7 +137,7 @@ def test_a_value_model_whose_optimizer_holds_the_actor(gradflow_server, gradflow
         return 0.5 * ((value(states) - returns) ** 2).mean()
 
     before = snapshot(value)
-    run_id = fit_with(value, value_optimizer, value_loss)
+    run_id, _ = fit(value, value_optimizer, value_loss, STEPS)
     assert not moved(before, value)
     verdict(gradflow_server, run_id, "nothing_trains", "run", "none_in_optimizer")
     # Each module's own finding says the same: its parameters are not in the optimizer.
@@ -194,7 +186,7 @@ def test_a_char_rnn_built_twice_trains_the_copy_the_optimizer_lacks(
         return nn.functional.cross_entropy(rnn(line), letters[0] % 4)
 
     before = snapshot(rnn)
-    run_id = fit_with(rnn, optimizer, line_loss)
+    run_id, _ = fit(rnn, optimizer, line_loss, STEPS)
     assert not moved(before, rnn)
     verdict(gradflow_server, run_id, "nothing_trains", "run", "none_in_optimizer")
     # Each module's own finding says the same: its parameters are not in the optimizer.
@@ -220,7 +212,7 @@ def test_a_regression_loss_that_broadcasts_its_target(gradflow_server, gradflow_
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(UserWarning, match="target size"):
-        run_id = fit_with(model, optimizer, lambda: nn.MSELoss()(model(x), y))
+        run_id, _ = fit(model, optimizer, lambda: nn.MSELoss()(model(x), y), STEPS)
     # The slope stays near 0 instead of (9, -2): the loss levels off near y's variance.
     assert model.weight.abs().max() < 1.0, model.weight
     with torch.no_grad():
