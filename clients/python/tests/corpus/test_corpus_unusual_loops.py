@@ -48,13 +48,18 @@ class Online(nn.Module):
         return self.predictor(self.projector(self.encoder(x)))
 
 
+def view(points: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A noisy view of each point (the augmentation)."""
+    return points + NOISE * torch.randn(points.shape, generator=g)
+
+
 def retrieval(encoder: nn.Module, points: torch.Tensor, g: torch.Generator) -> float:
     """How often a noisy view's nearest neighbour among other views of every point is
     its own point's."""
     encoder.eval()
     with torch.no_grad():
-        a = nn.functional.normalize(encoder(points + NOISE * torch.randn(points.shape, generator=g)))
-        b = nn.functional.normalize(encoder(points + NOISE * torch.randn(points.shape, generator=g)))
+        a = nn.functional.normalize(encoder(view(points, g)))
+        b = nn.functional.normalize(encoder(view(points, g)))
     encoder.train()
     return float(((a @ b.T).argmax(1) == torch.arange(len(points))).float().mean())
 
@@ -84,8 +89,8 @@ def test_byol_whose_loss_is_negative_and_whose_target_moves_by_hand(
 
     def step(i: int) -> torch.Tensor:
         batch = points[torch.randint(0, len(points), (32,), generator=g)]
-        view_1 = batch + NOISE * torch.randn(batch.shape, generator=g)
-        view_2 = batch + NOISE * torch.randn(batch.shape, generator=g)
+        view_1 = view(batch, g)
+        view_2 = view(batch, g)
         with torch.no_grad():
             z_1 = target.projector(target.encoder(view_1))
             z_2 = target.projector(target.encoder(view_2))
