@@ -17,9 +17,19 @@
 //!   highest, or every one a loss at least [`LOSS_JUMP`] times the window's highest
 //!   loss. The whole window rose, not a few odd batches in it, and it cleared the
 //!   noise of the window it left;
-//! - the alert opens when it holds on [`PERSIST`] reported steps running. From the
-//!   first step it holds, the level left is kept: the episode lasts while the loss's
-//!   level stays above [`FACTOR`] times it, however the gradients settle;
+//! - when every one of those losses is also above [`FACTOR`] times the highest loss
+//!   the run had before that window, its first steps included (the rise left the
+//!   whole range the loss has had, where weights thrown out of their region land),
+//!   the alert opens once it holds on [`PERSIST`] reported steps running;
+//! - a rise back within the range the loss already had may be the objective moving
+//!   under weights that stayed where they were (a DQN's target network copied in,
+//!   a new stage of a curriculum): the network then fits the new objective and the
+//!   loss falls back. So it opens only after [`HOLD`] reports running on which the
+//!   loss's level never fell below [`KEPT`] of the highest level it reached since
+//!   the rise: a loss that stays up is not being fitted (a language model thrown
+//!   back to its unigram loss, below its untrained loss but not recovering);
+//! - from the first step it holds, the level left is kept: the episode lasts while
+//!   the loss's level stays above [`FACTOR`] times it, however the gradients settle;
 //! - only a positive loss is judged. A loss that has been 0 or below once is not
 //!   one training drives down to 0 (a policy-gradient surrogate with a baseline, a
 //!   negated reward, an adversarial or contrastive term), and is never judged again.
@@ -37,7 +47,12 @@
 //! REINFORCE loss grows with the return, noisy from one episode to the next, its
 //! gradient norm rising with it by a few times, not ten; the first Adam steps of a
 //! regression overshoot the loss by tens of percent with gradients a few times
-//! larger. A loss only 3× higher could be the data (a harder batch, a new
+//! larger. A DQN that copies its online network into the target network every 100
+//! steps has fitted the frozen targets to a TD loss near 1e-6 when the copy moves
+//! them: the loss jumps 10⁴× at once and the gradient norm 100×, and both hold for
+//! tens of steps while the network fits the new targets; yet the loss after each
+//! copy (0.01–0.04) stays below the TD loss of the run's first steps (0.08–0.17,
+//! random Q-values against a reward of 1). A loss only 3× higher could be the data (a harder batch, a new
 //! curriculum stage); a loss or gradients an order of magnitude larger in the same
 //! few steps say the weights were moved far, which is the step size's doing. Two steps
 //! running keep one odd pair of batches from opening it and still answer by step
@@ -63,8 +78,13 @@ pub const GRAD_FACTOR: f64 = 10.0;
 /// How many times the level it left a loss rising without gradients to match must
 /// be on every reading (an order of magnitude).
 pub const LOSS_JUMP: f64 = 10.0;
-/// Steps running the condition must hold.
+/// Steps running the condition must hold (a rise beyond the loss's whole range).
 pub const PERSIST: u32 = 2;
+/// Reports running a rise back within the loss's range must hold, not recovering.
+pub const HOLD: u32 = 20;
+/// The fraction of the highest level since a rise within the range that the loss's
+/// level must keep: below it, the loss is being fitted again.
+pub const KEPT: f64 = 0.5;
 /// Readings a level is the median of.
 pub const WINDOW: usize = 5;
 /// How many steps back the level the loss left is read: a rise slower than this
@@ -109,9 +129,16 @@ impl Level {
 pub struct LossDivergence {
     /// The last [`WINDOW`] + [`SPAN`] readings, oldest first.
     recent: VecDeque<Reading>,
+    /// The highest loss of the readings older than [`Self::recent`]: with the
+    /// window the level left, the range the run's loss has had.
+    peak: f64,
     /// The level the loss left, kept from the first step the condition held while
     /// it goes on holding.
     left: Option<Level>,
+    /// The rise that began the episode stayed within the range the loss had had.
+    within_range: bool,
+    /// The highest level the loss reached since the episode began.
+    high: f64,
     /// A finite loss of 0 or below was seen: not a loss training drives to 0.
     signed: bool,
     /// Steps running the condition held. Flattened, as stored before this detector
@@ -148,9 +175,15 @@ impl LossDivergence {
         let Some(now) = Level::of(self.since()) else {
             return;
         };
+        // Set when an episode begins: whether its rise stayed within the range.
+        let mut began = None;
         let holds = match self.left {
-            // Kept while the loss's level stays away, however the gradients settle.
-            Some(_) => now.loss > factor * then.loss,
+            // Kept while the loss's level stays away, however the gradients settle;
+            // a rise within the range also while it is not being fitted back down.
+            Some(_) => {
+                self.high = self.high.max(now.loss);
+                now.loss > factor * then.loss && (!self.within_range || now.loss >= KEPT * self.high)
+            }
             // Every reading since, not only their median, above both bars: a rise
             // of the whole window, not a few odd batches in it.
             // A gradient level of 0 has no scale to rise from.
@@ -163,13 +196,23 @@ impl LossDivergence {
                 // the loss itself did (a saturated softmax bounds the gradients).
                 let gradients = then.grad_max > 0.0
                     && since.clone().all(|r| r.grad >= GRAD_FACTOR * then.grad_max);
-                rose && (gradients || since.clone().all(|r| r.loss >= LOSS_JUMP * then.loss_max))
+                let holds = rose
+                    && (gradients || since.clone().all(|r| r.loss >= LOSS_JUMP * then.loss_max));
+                // Beyond the whole range the run's loss has had, or back within it.
+                let highest = then.loss_max.max(self.peak);
+                began = holds.then(|| !since.clone().all(|r| r.loss > factor * highest));
+                holds
             }
         };
+        if let Some(within_range) = began {
+            self.within_range = within_range;
+            self.high = now.loss;
+        }
         self.left = holds.then_some(then);
         let kind = AlertKind::LossDivergence;
+        let needed = if self.within_range { HOLD } else { PERSIST };
         if !alerts.observe(kind, SUBJECT, &mut self.above, holds, |s| {
-            s.reports(PERSIST)
+            s.reports(needed)
         }) {
             return;
         }
@@ -179,7 +222,9 @@ impl LossDivergence {
 
     fn remember(&mut self, reading: Reading) {
         if self.recent.len() == WINDOW + SPAN {
-            self.recent.pop_front();
+            if let Some(old) = self.recent.pop_front() {
+                self.peak = self.peak.max(old.loss);
+            }
         }
         self.recent.push_back(reading);
     }
@@ -402,6 +447,53 @@ mod tests {
             .map(|&l| (l, if l > 20.0 { 100.0 } else { 1.0 }))
             .collect();
         assert!(run(&signed).is_empty());
+    }
+
+    #[test]
+    fn a_loss_back_within_the_range_it_had_is_not_a_divergence() {
+        // A DQN on a six-cell corridor, its target network copied in every 100
+        // steps, as measured in PyTorch: its first TD losses up to 0.17, fitted down
+        // to ~1e-6 before each copy; at each copy the loss jumps to 0.01–0.04 and the
+        // gradient norm from ~0.002 to 0.1–0.3, both holding for tens of steps.
+        let mut dqn: Vec<(f64, f64)> = (0..100)
+            .map(|i| {
+                let loss = 0.17 * 0.95f64.powi(i) + 0.005 * ((i * 7919 % 7) as f64 / 7.0);
+                (loss, 2.0 * loss.sqrt())
+            })
+            .collect();
+        for _copy in 0..5 {
+            dqn.extend((0..100).map(|i| {
+                let loss = (0.03 * 0.93f64.powi(i)).max(1e-6 * (1.0 + (i % 3) as f64));
+                (loss, 2.0 * loss.sqrt())
+            }));
+        }
+        assert!(run(&dqn).is_empty());
+        // The same jumps above 3× everything the run had are a divergence.
+        let mut thrown = dqn[..300].to_vec();
+        thrown.extend([(0.9, 2.0); 10]);
+        assert_eq!(opened_steps(&run(&thrown)), [305]);
+    }
+
+    #[test]
+    fn a_loss_thrown_back_within_its_range_that_stays_up_is_a_divergence() {
+        // A language model that trained from 10.8 (an untrained model over 50k
+        // tokens) down to 2, then thrown to its unigram loss of 7 with gradients
+        // 20×: below where it started, but not coming back down.
+        let mut run_of: Vec<(f64, f64)> = (0..200)
+            .map(|i| {
+                let loss = 2.0 + 8.8 * 0.97f64.powi(i) + 0.05 * ((i * 7919 % 7) as f64 / 7.0);
+                (loss, 1.0)
+            })
+            .collect();
+        run_of.extend((0..40).map(|i| (7.0 + 0.1 * ((i % 3) as f64), 20.0)));
+        let opened = opened_steps(&run(&run_of));
+        // The rise holds from step 204 (the five readings since all clear the bar),
+        // then for HOLD reports running.
+        assert_eq!(opened, [204 + u64::from(HOLD) - 1]);
+        // The same rise, fitted back down within a few steps, is the objective moving.
+        let mut fitted = run_of[..200].to_vec();
+        fitted.extend((0..40).map(|i| (2.0 + 5.0 * 0.8f64.powi(i), 20.0 * 0.8f64.powi(i))));
+        assert!(run(&fitted).is_empty());
     }
 
     #[test]
