@@ -1,4 +1,4 @@
-//! The gradflow wire protocol, v1.8 (docs/PROTOCOL.md): the types every instrumented trainer sends and the
+//! The gradflow wire protocol, v1.9 (docs/PROTOCOL.md): the types every instrumented trainer sends and the
 //! server accepts, their parsing and validation, and the encoding of non-finite floats.
 //!
 //! This crate is the one boundary every client sees. It does no I/O and depends only
@@ -10,7 +10,8 @@
 //! - [`step`]: the step records of `POST /api/v1/runs/{run_id}/steps`.
 //! - [`amend`]: v1.1 registration amendments, carried by a step record.
 //! - [`signals`]: v1.8 instability signals (attention, activations, Adam's state,
-//!   output logits, MoE loads, batch ids) and the registration's `signals`.
+//!   output logits, MoE loads, batch ids; v1.9 the batch's repeated-token share and
+//!   the logits' mean) and the registration's `signals`.
 //! - [`parse`]: JSON, NDJSON and CBOR batch parsing with field paths in errors.
 //! - [`float`]: [`Float`], a number that may be `"NaN"`, `"Infinity"`, `"-Infinity"`.
 //! - [`timestamp`]: RFC 3339 or Unix-seconds timestamps.

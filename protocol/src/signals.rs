@@ -48,6 +48,10 @@ pub struct OutputLogits {
     /// The largest absolute output logit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub absmax: Option<Float>,
+    /// v1.9: the mean over tokens of the mean output logit over the vocabulary: the
+    /// logits' level, which the softmax (and so the loss) does not see.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logit_mean: Option<Float>,
 }
 
 /// One MoE layer's routing this step.
@@ -76,6 +80,11 @@ pub struct BatchInfo {
     /// The loss of each micro-batch of the step, in order, when the client sees them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub micro_losses: Vec<Float>,
+    /// v1.9: how repetitive the step's token ids were: the largest share of one token
+    /// id within one sequence (its count over the sequence's length), the largest over
+    /// the step's sequences, in [0, 1]. A batch of one repeated token reads 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeated_token_share: Option<Float>,
 }
 
 /// The registration's `signals`: for each family the client measures, its interval in
@@ -99,17 +108,21 @@ pub struct SignalIntervals {
     /// `moe`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<u32>,
+    /// v1.9: `batch.repeated_token_share`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u32>,
 }
 
 impl SignalIntervals {
     /// Each family with its interval, as the registration names them.
-    pub fn families(&self) -> [(&'static str, Option<u32>); 5] {
+    pub fn families(&self) -> [(&'static str, Option<u32>); 6] {
         [
             ("attention", self.attention),
             ("activations", self.activations),
             ("adam", self.adam),
             ("output_logits", self.output_logits),
             ("moe", self.moe),
+            ("tokens", self.tokens),
         ]
     }
 
@@ -197,6 +210,10 @@ fn check_batch(path: &Path<'_>, batch: &BatchInfo) -> Result<(), InvalidBody> {
         }
         check_text(&ids.index(i), id, MAX_BATCH_ID_BYTES)?;
     }
+    check_fraction(
+        &path.field("repeated_token_share"),
+        batch.repeated_token_share,
+    )?;
     if batch.micro_losses.len() > MAX_MICRO_LOSSES {
         return Err(path.field("micro_losses").error(format!(
             "{} micro-batch losses is more than the limit of {MAX_MICRO_LOSSES} per step",

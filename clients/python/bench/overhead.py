@@ -2,7 +2,8 @@
 ``wandb.watch(model, log="all", log_freq=1)`` in offline mode, side by side.
 
     python clients/python/bench/overhead.py [--device cpu|cuda]
-        [--preset tiny|tiny-50ms|cpu|qwen2.5-0.5b-narrow|qwen2.5-0.5b] [--profile FILE]
+        [--preset tiny|tiny-50ms|tiny-moe|cpu|qwen2.5-0.5b-narrow|qwen2.5-0.5b]
+        [--profile FILE]
 
 Each mode trains its own copy of the same model (same seed, same batches). The modes
 take turns in rounds of ``--block`` steps, so a machine that slows down mid-run slows
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -55,6 +56,27 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # cores), on two CPU cores.
     "tiny": dict(model="prompt-agent", batch=8, seq=12),
     "tiny-50ms": dict(model="prompt-agent", batch=64, seq=48),
+    # A 2-layer Qwen2-MoE causal LM (8 experts, top-2, a shared expert): every family
+    # of the instability signals has its modules here (eager attention, blocks, the
+    # output head, the routers, the input embedding).
+    "tiny-moe": dict(
+        model="qwen2-moe",
+        config=dict(
+            vocab_size=256,
+            hidden_size=48,
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_implementation="eager",
+        ),
+        batch=4,
+        seq=16,
+    ),
     # About 60-90 ms a step on two CPU cores: the client's CPU target is for a step of
     # at least 50 ms.
     "cpu": dict(
@@ -151,6 +173,9 @@ class Mode:
             from tiny_models import PromptAgent
 
             self.model: torch.nn.Module = PromptAgent(seed=0).to(device)
+        elif preset.get("model") == "qwen2-moe":
+            moe = Qwen2MoeConfig(max_position_embeddings=preset["seq"], **preset["config"])
+            self.model = Qwen2MoeForCausalLM(moe).to(device, param_dtype)
         else:
             config = Qwen2Config(max_position_embeddings=preset["seq"], **preset["config"])
             self.model = Qwen2ForCausalLM(config).to(device, param_dtype)
@@ -215,10 +240,11 @@ def mode_signals(name: str) -> Any:
     """The instability signals of a gradflow mode: ``gradflow`` the client's defaults,
     ``gradflow:none`` none, ``gradflow:FAMILY`` that family alone on every step,
     ``gradflow:all`` every family on every step."""
+    from gradflow.measurement.signals import FAMILIES as families
+
     _, _, which = name.partition(":")
     if not which:
         return None
-    families = ("attention", "activations", "adam", "output_logits", "moe")
     if which == "none":
         return False
     if which == "all":

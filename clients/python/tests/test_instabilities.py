@@ -184,6 +184,12 @@ def test_a_bad_batch_is_named_at_its_step_with_its_ids(gradflow_server):
     assert alert["evidence"]["cause"] == "data_batch"
     assert alert["evidence"]["batch_ids"] == ["shard-0:batch-150"]
     assert "shard-0:batch-150" in alert["detail"]
+    # The batch of one repeated token is named by its repeated-token share, against
+    # the bigram batches' usual share.
+    assert alert["evidence"]["repeated_token_share"] == 1.0
+    assert alert["evidence"]["repeated_token_share_usual"] < 0.5
+    shares = dict(gradflow_server.series(run_id, "repeated_token_share"))
+    assert len(shares) == 200 and shares[150] == 1.0
     # The batch may also move Adam's update (adam_update_spike); nothing else speaks.
     others = {k[0] for k in kinds(gradflow_server, run_id)} - {"loss_spike", "adam_update_spike"}
     assert others == set()
@@ -192,6 +198,8 @@ def test_a_bad_batch_is_named_at_its_step_with_its_ids(gradflow_server):
 def test_the_same_run_without_the_bad_batch_stays_silent(gradflow_server):
     run_id, _ = train(gradflow_server, 200)
     assert kinds(gradflow_server, run_id) == []
+    shares = [v for _, v in gradflow_server.series(run_id, "repeated_token_share")]
+    assert len(shares) == 200 and max(shares) < 0.5
 
 
 def test_attention_logits_growing_at_a_high_lr_are_caught(gradflow_server):

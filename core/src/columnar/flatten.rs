@@ -386,6 +386,20 @@ const SCALARS: &[Scalar] = &[
         get: |r| float_cell(r.output_logits.as_ref()?.absmax),
         set: |r, v| output_logits(r).absmax = v.map(Float),
     },
+    Scalar {
+        kind: SeriesKind::OutputLogitMean,
+        get: |r| float_cell(r.output_logits.as_ref()?.logit_mean),
+        set: |r, v| output_logits(r).logit_mean = v.map(Float),
+    },
+    Scalar {
+        kind: SeriesKind::RepeatedTokenShare,
+        get: |r| float_cell(r.batch.as_ref()?.repeated_token_share),
+        set: |r, v| {
+            r.batch
+                .get_or_insert_with(Default::default)
+                .repeated_token_share = v.map(Float)
+        },
+    },
 ];
 
 impl Scalar {

@@ -23,9 +23,12 @@
 //!
 //! - `data_batch`: one micro-batch's loss at least [`MICRO_FACTOR`]× the median of the
 //!   step's micro-batch losses, or on a multi-rank run one rank's own loss that far
-//!   above the ranks' median (the step's loss is their mean), or the loss back under its bar on the very next step
+//!   above the ranks' median (the step's loss is their mean), or (v1.9) the batch's
+//!   repeated-token share (`batch.repeated_token_share`) at least [`REPEAT_FACTOR`]×
+//!   the median of its last 128 readings and [`REPEAT_EXCESS`] above it (a batch
+//!   that is mostly one token), or the loss back under its bar on the very next step
 //!   (the model was fine on the next batch: the spike was that batch's). The step's
-//!   batch ids are named.
+//!   batch ids are named. The first three open on the spike's own report.
 //! - `optimizer_state`: a module's Adam update RMS (`adam.update_rms`) spiked by
 //!   `adam_update_spike`'s rule (2× its own level and beyond its jitter) within
 //!   [`PRECURSOR_STEPS`] steps before the spike (the Marin 32B pattern: update spikes
@@ -100,6 +103,14 @@ pub const MIN_GRAD_RATIO: f64 = 4.0;
 pub const LOG_DEVIATIONS: f64 = 7.0;
 /// A micro-batch this many times the step's median micro-batch loss is the culprit.
 pub const MICRO_FACTOR: f64 = 2.0;
+/// A batch's repeated-token share this many times the median of its window is a
+/// repeated-token batch...
+pub const REPEAT_FACTOR: f64 = 2.0;
+/// ...and at least this much above it (a share is a fraction of a sequence): a run
+/// whose batches are all repetitive (padding) has no batch far above its usual.
+pub const REPEAT_EXCESS: f64 = 0.25;
+/// Readings of the share before its median is the run's usual.
+pub const REPEAT_HISTORY: usize = 16;
 /// An update spike this many steps before a loss spike preceded it.
 pub const PRECURSOR_STEPS: u64 = 20;
 /// The embedding's gradient norm this many times its level, the rest not, on the
@@ -126,6 +137,8 @@ pub struct LossSpike {
     last_update_spike: Option<(u64, String, f64)>,
     /// A spike waiting for the next report to be judged.
     pending: Option<Spike>,
+    /// The batches' repeated-token shares (v1.9).
+    repeats: Rolling,
 }
 
 /// A step that spiked, with what its cause is read from.
@@ -148,6 +161,10 @@ struct Spike {
     rank_losses: Vec<(u32, f64)>,
     embedding_first: Option<(f64, f64)>,
     update_spike: Option<(u64, String, f64)>,
+    /// The step's repeated-token share and the median of the run's, when the batch
+    /// is far more repetitive than the run's usual.
+    #[serde(default)]
+    repeated_tokens: Option<(f64, f64)>,
 }
 
 impl LossSpike {
@@ -181,7 +198,7 @@ impl LossSpike {
         match spiked {
             Some(spike) if !alerts.holds(AlertKind::LossSpike, SUBJECT) => {
                 let spike = self.describe(view, loss, grad, spike);
-                if spike.micro_culprit().is_some() || spike.rank_culprit().is_some() {
+                if spike.batch_proven() {
                     alerts.open(spike.alert(false));
                 } else {
                     self.pending = Some(spike);
@@ -201,6 +218,21 @@ impl LossSpike {
         if let Some(rest) = rest {
             push_clipped(&mut self.rest, rest);
         }
+        if let Some(share) = repeated_token_share(view) {
+            self.repeats.push(share);
+        }
+    }
+
+    /// The step's repeated-token share and the run's usual (the median of its last
+    /// readings), when the share is far above it.
+    fn repeated_tokens(&self, view: &StepView<'_>) -> Option<(f64, f64)> {
+        let share = repeated_token_share(view)?;
+        if self.repeats.len() < REPEAT_HISTORY {
+            return None;
+        }
+        let usual = self.repeats.median()?;
+        (share >= REPEAT_FACTOR * usual && share - usual >= REPEAT_EXCESS)
+            .then_some((share, usual))
     }
 
     /// The loss's and the gradient norm's levels, when this step spikes.
@@ -249,6 +281,7 @@ impl LossSpike {
                 .last_update_spike
                 .clone()
                 .filter(|(s, _, _)| *s < step && step - s <= PRECURSOR_STEPS),
+            repeated_tokens: self.repeated_tokens(view),
         }
     }
 }
@@ -265,9 +298,17 @@ impl Spike {
         far_above_the_rest(self.rank_losses.iter().copied())
     }
 
+    /// Whether the step's own numbers prove its batch the cause (no need to wait
+    /// for the next report).
+    fn batch_proven(&self) -> bool {
+        self.micro_culprit().is_some()
+            || self.rank_culprit().is_some()
+            || self.repeated_tokens.is_some()
+    }
+
     /// The cause, in the order of how directly the numbers prove it.
     fn cause(&self, one_step: bool) -> &'static str {
-        if self.micro_culprit().is_some() || self.rank_culprit().is_some() {
+        if self.batch_proven() {
             "data_batch"
         } else if self.update_spike.is_some() {
             "optimizer_state"
@@ -325,6 +366,8 @@ impl Spike {
                 "update_spike": self.update_spike.as_ref().map(|(s, m, r)| json!({
                     "step": s, "module": m, "ratio": r})),
                 "embedding_ratio": self.embedding_first.map(|(e, _)| e),
+                "repeated_token_share": self.repeated_tokens.map(|(share, _)| share),
+                "repeated_token_share_usual": self.repeated_tokens.map(|(_, usual)| usual),
             }),
         }
     }
@@ -339,6 +382,15 @@ impl Spike {
         };
         match cause {
             "data_batch" => match (self.micro_culprit(), self.rank_culprit()) {
+                (None, None) if self.repeated_tokens.is_some() => {
+                    let (share, usual) = self.repeated_tokens.expect("just checked");
+                    format!(
+                        "One token id made up {:.0} % of a sequence of this batch, where the \
+                         run's batches usually reach {:.0} %: a repeated-token batch. {ids}",
+                        100.0 * share,
+                        100.0 * usual
+                    )
+                }
                 (Some((i, worst, median)), _) => format!(
                     "Micro-batch {i}'s loss was {} while the step's median was {}: that batch \
                      is far off the others. {ids}",
@@ -415,6 +467,12 @@ fn fix(cause: &str) -> &'static str {
              losses) or update clipping keeps one spike from moving the weights."
         }
     }
+}
+
+/// The step's repeated-token share (v1.9), when the client measured it.
+fn repeated_token_share(view: &StepView<'_>) -> Option<f64> {
+    let share = view.record.batch.as_ref()?.repeated_token_share?.get();
+    share.is_finite().then_some(share)
 }
 
 /// The L2 norm of every reported module's gradient norm; `None` without one.
@@ -539,6 +597,56 @@ mod tests {
         assert_eq!(alert.evidence["cause"], "data_batch");
         assert_eq!(alert.evidence["batch_ids"], json!(["b150"]));
         assert!(alert.detail.contains("b150"), "{}", alert.detail);
+    }
+
+    /// Shares like the bigram batches' of docs/instabilities.md (0.06–0.31, median
+    /// 0.125 as the client reads them).
+    fn usual_share(step: u64) -> f64 {
+        0.0625 * (1 + step % 5) as f64
+    }
+
+    #[test]
+    fn a_repeated_token_batch_is_named_at_once_with_its_share() {
+        let t = run(300, |step, v| {
+            v["batch"]["repeated_token_share"] = json!(usual_share(step));
+            if step == 150 {
+                v["loss"] = json!(8.05);
+                v["modules"][1]["grad_norm"] = json!(20.9);
+                v["batch"]["repeated_token_share"] = json!(1.0);
+            }
+        });
+        let opened = opened(&t);
+        assert_eq!(opened.len(), 1, "{t:?}");
+        let (at, alert) = &opened[0];
+        assert_eq!((*at, alert.first_step), (150, Some(150)));
+        assert_eq!(alert.evidence["cause"], "data_batch");
+        assert_eq!(alert.evidence["repeated_token_share"], 1.0);
+        let usual = alert.evidence["repeated_token_share_usual"].as_f64().unwrap();
+        assert!((0.0625..=0.3125).contains(&usual), "{usual}");
+        assert!(alert.detail.contains("100 % of a sequence"), "{}", alert.detail);
+    }
+
+    #[test]
+    fn a_share_near_the_runs_usual_proves_nothing() {
+        // Every batch mostly padding (share 0.8–0.9): the spiking one's 1.0 is not far
+        // above the run's usual, so the cause waits for the next report as before.
+        let t = run(300, |step, v| {
+            v["batch"]["repeated_token_share"] = json!(0.8 + 0.1 * (step % 2) as f64);
+            if step == 150 {
+                v["loss"] = json!(8.05);
+                v["batch"]["repeated_token_share"] = json!(1.0);
+            }
+        });
+        let opened = opened(&t);
+        assert_eq!(opened.len(), 1, "{t:?}");
+        assert_eq!(opened[0].0, 151);
+        assert!(opened[0].1.evidence["repeated_token_share"].is_null());
+        // A repetitive batch without a spike opens nothing.
+        let t = run(300, |step, v| {
+            let share = if step == 150 { 1.0 } else { usual_share(step) };
+            v["batch"]["repeated_token_share"] = json!(share);
+        });
+        assert!(t.is_empty(), "{t:?}");
     }
 
     #[test]

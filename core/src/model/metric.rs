@@ -75,6 +75,8 @@ vocabulary! {
         MoeMaxVio = "moe_max_vio" => Reads::new(&[SeriesKind::MoeMaxVio], Subject::Required("an MoE layer")),
         MoeIdleExperts = "moe_idle_experts" => Reads::new(&[SeriesKind::MoeIdleExperts], Subject::Required("an MoE layer")),
         MicroLoss = "micro_loss" => Reads::new(&[SeriesKind::MicroLoss], Subject::Required("a micro-batch index")),
+        RepeatedTokenShare = "repeated_token_share" => Reads::new(&[SeriesKind::RepeatedTokenShare], Subject::None),
+        OutputLogitMean = "output_logit_mean" => Reads::new(&[SeriesKind::OutputLogitMean], Subject::None),
     }
 }
 

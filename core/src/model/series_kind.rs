@@ -82,6 +82,10 @@ vocabulary! {
         MoeIdleExperts = "moe_idle_experts",
         /// v1.8: one micro-batch's loss; the subject is its index in the step.
         MicroLoss = "micro_loss",
+        /// v1.9: the step's largest share of one token id within a sequence.
+        RepeatedTokenShare = "repeated_token_share",
+        /// v1.9: the output logits' mean over the vocabulary and tokens.
+        OutputLogitMean = "output_logit_mean",
     }
 }
 

@@ -108,9 +108,8 @@ fn rule(kind: SeriesKind, sharded: bool) -> Rule {
         }
         AttnMaxLogit | AttnMinEntropy | ActRms | ActAbsmax | AdamUpdated | AdamBelowEps
         | AdamUpdateRms | AdamUpdateAbsmax | OutputLogzMean | OutputLogitAbsmax
-        | MoeExpertTokens | MoeRouterZ | MoeTopShare | MoeMaxVio | MoeIdleExperts | MicroLoss => {
-            signal_rule(kind, sharded)
-        }
+        | MoeExpertTokens | MoeRouterZ | MoeTopShare | MoeMaxVio | MoeIdleExperts | MicroLoss
+        | RepeatedTokenShare | OutputLogitMean => signal_rule(kind, sharded),
     }
 }
 
@@ -126,9 +125,11 @@ fn signal_rule(kind: SeriesKind, sharded: bool) -> Rule {
     use SeriesKind::*;
     let per_shard = |rule: Rule| if sharded { rule } else { Rule::Lowest };
     match kind {
-        AttnMaxLogit | ActRms | ActAbsmax | OutputLogitAbsmax | MicroLoss => Rule::Max,
+        AttnMaxLogit | ActRms | ActAbsmax | OutputLogitAbsmax | MicroLoss | RepeatedTokenShare => {
+            Rule::Max
+        }
         AttnMinEntropy => Rule::Min,
-        OutputLogzMean | MoeRouterZ => Rule::Mean,
+        OutputLogzMean | OutputLogitMean | MoeRouterZ => Rule::Mean,
         MoeExpertTokens => Rule::Sum,
         MoeTopShare | MoeMaxVio | MoeIdleExperts => Rule::Derived,
         AdamUpdated => per_shard(Rule::Sum),

@@ -1,4 +1,4 @@
-//! Protocol v1.8 through a real server: the instability signals are validated with
+//! Protocol v1.8 (and v1.9's repeated-token share) through a real server: the instability signals are validated with
 //! a path to what was wrong, stored as series and read back by name, combined across
 //! the ranks of a multi-rank run, and the registration's `signals` is kept.
 
@@ -15,9 +15,10 @@ fn record() -> Value {
              "adam": {"updated": 4096, "below_eps": 0.75, "update_rms": 0.125, "update_absmax": 2.75}},
             {"module": "model.layers.1.self_attn", "attn_max_logit": "Infinity"}
         ],
-        "output_logits": {"logz_mean": -3.5, "absmax": 21.0},
+        "output_logits": {"logz_mean": -3.5, "absmax": 21.0, "logit_mean": -12.5},
         "moe": [{"module": "model.layers.0.mlp.gate", "tokens_per_expert": [6, 2, 0, 0], "router_z": 4.5}],
-        "batch": {"ids": ["shard-3:row-17", "shard-3:row-18"], "micro_losses": [2.25, 2.75]}
+        "batch": {"ids": ["shard-3:row-17", "shard-3:row-18"], "micro_losses": [2.25, 2.75],
+                  "repeated_token_share": 0.375}
     })
 }
 
@@ -25,7 +26,7 @@ fn record() -> Value {
 async fn every_v1_8_value_reads_back_as_a_series() {
     let app = TestApp::spawn().await;
     let registration = json!({"params": [], "signals": {"attention": 1, "activations": 1,
-        "adam": 10, "output_logits": 1, "moe": 1}});
+        "adam": 10, "output_logits": 1, "moe": 1, "tokens": 1}});
     assert_eq!(app.register("r", &registration).await.status(), 201);
     let (_, run) = app.get_json("/api/v1/runs/r").await;
     assert_eq!(run["signals"], registration["signals"]);
@@ -59,6 +60,7 @@ async fn every_v1_8_value_reads_back_as_a_series() {
         ),
         ("metric=output_logz_mean".into(), json!(-3.5)),
         ("metric=output_logit_absmax".into(), json!(21)),
+        ("metric=output_logit_mean".into(), json!(-12.5)),
         (
             format!("metric=moe_expert_tokens&subject={gate}/1"),
             json!(2),
@@ -68,6 +70,7 @@ async fn every_v1_8_value_reads_back_as_a_series() {
         (format!("metric=moe_max_vio&subject={gate}"), json!(2)),
         (format!("metric=moe_idle_experts&subject={gate}"), json!(2)),
         ("metric=micro_loss&subject=1".into(), json!(2.75)),
+        ("metric=repeated_token_share".into(), json!(0.375)),
     ];
     for (query, value) in cases {
         assert_eq!(app.points("r", &query).await, vec![(4, value)], "{query}");
@@ -162,6 +165,10 @@ async fn bad_v1_8_values_are_refused_with_their_path() {
             with("/batch/micro_losses", json!(["nan"])),
             "steps[1].batch.micro_losses",
         ),
+        (
+            with("/batch/repeated_token_share", json!(1.5)),
+            "steps[1].batch.repeated_token_share",
+        ),
     ];
     for (body, path) in cases {
         let (status, error) = error_of(app.post_steps("r", &body).await).await;
@@ -211,7 +218,7 @@ async fn ranks_combine_their_signals() {
                          "adam": {"updated": 10, "below_eps": 0.5, "update_rms": 0.25}}],
             "output_logits": {"logz_mean": logit / 10.0},
             "moe": [{"module": "gate", "tokens_per_expert": tokens}],
-            "batch": {"micro_losses": [micro]}}])
+            "batch": {"micro_losses": [micro], "repeated_token_share": micro / 10.0}}])
     };
     let attn = "model.layers.0.self_attn";
     assert_eq!(
@@ -234,6 +241,7 @@ async fn ranks_combine_their_signals() {
             json!(0.5),
         ),
         ("metric=micro_loss&subject=0".into(), json!(9)),
+        ("metric=repeated_token_share".into(), json!(0.9)),
         // The mean log Z.
         ("metric=output_logz_mean".into(), json!(4)),
         // Loads add up, and the summary is the sum's: 8 of 16 tokens.

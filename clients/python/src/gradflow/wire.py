@@ -73,6 +73,7 @@ class OutputLogits(TypedDict, total=False):
 
     logz_mean: Float
     absmax: Optional[Float]
+    logit_mean: Float  # v1.9
 
 
 class _MoeLayerName(TypedDict):
@@ -91,6 +92,7 @@ class BatchInfo(TypedDict, total=False):
 
     ids: List[str]
     micro_losses: List[Float]
+    repeated_token_share: Float  # v1.9
 
 
 class _ParamStepName(TypedDict):

@@ -1,13 +1,16 @@
 """The instability signals read in the forward pass: attention, block activations,
-output logits and MoE routing, on the steps their interval samples.
+output logits, MoE routing and the batch's token ids, on the steps their interval
+samples.
 
 Hooks are put on the modules only for a sampled step (before its forward, at the
 previous ``gf.step``) and taken off at its ``gf.step``: on every other step the
-modules run with no hook of gradflow's, at no cost. A sampled step's hooks run only in
-training forwards (gradients enabled, not a checkpointed forward recomputed in
-backward). Each hook hands over a *capture*: a function of tensors the forward made
-that yields a few numbers; on a GPU it is called at once (kernels queued on the
-step's stream), on a CPU the reporter thread calls it
+modules run with no hook of gradflow's, at no cost. The one exception is the input
+embedding's pre-hook that reads the token ids (the ``tokens`` family, due on most
+steps): it stays on while the family is measured and returns at once when not due.
+A sampled step's hooks run only in training forwards (gradients enabled, not a
+checkpointed forward recomputed in backward). Each hook hands over a *capture*: a
+function of tensors the forward made that yields a few numbers; on a GPU it is called
+at once (kernels queued on the step's stream), on a CPU the reporter thread calls it
 (:class:`gradflow.measurement.vector.Deferred`).
 The numbers of a module's captures of one step (several with gradient accumulation)
 are combined in the record (:mod:`gradflow.measurement.record`).
@@ -48,6 +51,17 @@ class ForwardSignals:
         self._values: List[Any] = []  # per entry: a tensor (device) or a Capture (CPU)
         self._size = 0
         self._open: List[AttentionCapture] = []
+        # The token ids are read on most steps (every step by default): their hook
+        # stays on and reads only on due steps, rather than coming and going each
+        # step (a compiled model would see a new hook every time).
+        self._tokens_due = False
+        self._tokens_handle: Any = None
+        if schedule.intervals.get("tokens") and modules.embedding is not None:
+            name, module = modules.embedding
+            read = functools.partial(self._tokens, name)
+            self._tokens_handle = module.register_forward_pre_hook(
+                functools.partial(self._read_ids, read)
+            )
 
     def arm(self, step: int) -> None:
         """Hooks for `step` if a forward family is due on it (none otherwise)."""
@@ -65,8 +79,10 @@ class ForwardSignals:
         if due("moe", step):
             for router in self.modules.routers:
                 self._hook_output(router.module, functools.partial(self._routing, router))
+        self._tokens_due = due("tokens", step)
 
     def disarm(self) -> None:
+        self._tokens_due = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -89,6 +105,9 @@ class ForwardSignals:
 
     def remove(self) -> None:
         self.disarm()
+        if self._tokens_handle is not None:
+            self._tokens_handle.remove()
+            self._tokens_handle = None
         self._entries, self._values, self._size = [], [], 0
 
     # -- capturing ---------------------------------------------------------------
@@ -105,6 +124,10 @@ class ForwardSignals:
                 _safely(read, output)
 
         self._handles.append(module.register_forward_hook(hook))
+
+    def _read_ids(self, read: Callable[[Any], None], _module: Any, args: Any) -> None:
+        if self._tokens_due and args and _training_forward():
+            _safely(read, args[0])
 
     def _hook_attention(self, name: str, module: torch.nn.Module) -> None:
         def enter(_module: Any, _args: Any) -> None:
@@ -135,7 +158,12 @@ class ForwardSignals:
         x = _first_tensor(output)
         if x is not None and x.is_floating_point() and x.dim() >= 2 and x.numel():
             held = Held(x)
-            self._keep("output_logits", name, 3, functools.partial(_logits, held), x.device)
+            self._keep("output_logits", name, 4, functools.partial(_logits, held), x.device)
+
+    def _tokens(self, name: str, ids: Any) -> None:
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.numel():
+            held = Held(ids)
+            self._keep("tokens", name, 2, functools.partial(_repeated_tokens, held), ids.device)
 
     def _routing(self, router: Router, output: Any) -> None:
         logits = _first_tensor(output)
@@ -204,10 +232,12 @@ def _activation(held: Held) -> torch.Tensor:
 
 
 def _logits(held: Held) -> torch.Tensor:
-    """[Σ log Z, tokens read, largest |logit|] over every k-th token of the output."""
+    """[Σ log Z, tokens read, largest |logit|, Σ mean logit] over every k-th token of
+    the output (a token's mean logit over the vocabulary: the level the softmax does
+    not see)."""
     x = held.get()
     if x is None:
-        return _not_measured(3, held.tensor.device)
+        return _not_measured(4, held.tensor.device)
     with torch.no_grad():
         flat = x.reshape(-1, x.shape[-1])
         stride = max(1, math.ceil(flat.shape[0] / OUTPUT_TOKENS))
@@ -215,7 +245,27 @@ def _logits(held: Held) -> torch.Tensor:
         logz = torch.logsumexp(sample, dim=-1)
         low, high = torch.aminmax(sample)
         count = torch.tensor(float(sample.shape[0]), device=x.device)
-        return torch.stack([logz.sum(), count, torch.maximum(high, -low)])
+        level = sample.mean(dim=-1).sum()
+        return torch.stack([logz.sum(), count, torch.maximum(high, -low), level])
+
+
+def _repeated_tokens(held: Held) -> torch.Tensor:
+    """[the largest share of one id within a sequence, max over the sequences; 1]:
+    the ids of each sequence sorted, its longest run of equal ids over its length."""
+    ids = held.get()
+    if ids is None:
+        return _not_measured(2, held.tensor.device)
+    with torch.no_grad():
+        rows = ids.reshape(-1, ids.shape[-1]) if ids.dim() else ids.reshape(1, 1)
+        length = rows.shape[-1]
+        ranked = rows.sort(dim=-1).values
+        position = torch.arange(length, device=ids.device).expand_as(ranked)
+        starts = torch.ones_like(ranked, dtype=torch.bool)
+        starts[:, 1:] = ranked[:, 1:] != ranked[:, :-1]
+        # Where each position's run of equal ids began: the last start at or before it.
+        begun = torch.where(starts, position, torch.zeros_like(position)).cummax(dim=-1).values
+        longest = (position - begun + 1).max().double()
+        return torch.stack([longest / length, torch.ones_like(longest)])
 
 
 def _routing(logits: Held, indices: Optional[Held], experts: int, top_k: int) -> torch.Tensor:

@@ -10,6 +10,10 @@ code, or the ones the user pointed at (``watch(signal_modules=...)``).
   Qwen2-MoE's sparse MoE blocks); the MoE layer is named by that block.
 - The output head: ``get_output_embeddings()`` of a Hugging Face causal LM, else a
   module named ``lm_head``.
+- The input embedding (whose token ids the ``tokens`` family reads):
+  ``get_input_embeddings()`` of a Hugging Face model, else the model's first
+  ``nn.Embedding`` (token embeddings come before position embeddings in GPT-2,
+  nanoGPT and their kin).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class SignalModules:
     blocks: List[Named] = field(default_factory=list)
     routers: List[Router] = field(default_factory=list)
     output: Optional[Named] = None
+    embedding: Optional[Named] = None
 
     def families(self) -> Dict[str, bool]:
         """Which forward-pass families have something to read."""
@@ -52,6 +57,7 @@ class SignalModules:
             "activations": bool(self.blocks),
             "moe": bool(self.routers),
             "output_logits": self.output is not None,
+            "tokens": self.embedding is not None,
         }
 
 
@@ -74,7 +80,13 @@ def find(model: nn.Module, settings: SignalSettings) -> SignalModules:
     )
     output = _given(model, named, given, "output")
     head = output[0] if output else (None if output is not None else output_head(model, named))
-    return SignalModules(attention, blocks, routers, head)
+    embedding = _given(model, named, given, "embedding")
+    tokens = (
+        embedding[0]
+        if embedding
+        else (None if embedding is not None else input_embedding(model, named))
+    )
+    return SignalModules(attention, blocks, routers, head, tokens)
 
 
 def attention_modules(named: List[Named]) -> List[Named]:
@@ -115,17 +127,33 @@ def moe_routers(named: List[Named]) -> List[Router]:
 def output_head(model: nn.Module, named: List[Named]) -> Optional[Named]:
     """A causal LM's output head: Hugging Face's ``get_output_embeddings()``, else a
     module named ``lm_head``."""
-    head: Any = None
-    getter = getattr(model, "get_output_embeddings", None)
-    if callable(getter):
-        try:
-            head = getter()
-        except (NotImplementedError, AttributeError):
-            head = None
+    head = _declared(model, "get_output_embeddings")
     for name, module in named:
         if (head is not None and module is head) or (head is None and name == "lm_head"):
             return name, module
     return None
+
+
+def input_embedding(model: nn.Module, named: List[Named]) -> Optional[Named]:
+    """The module the token ids go into: Hugging Face's ``get_input_embeddings()``,
+    else the model's first ``nn.Embedding``."""
+    embedding = _declared(model, "get_input_embeddings")
+    for name, module in named:
+        if module is embedding or (embedding is None and isinstance(module, nn.Embedding)):
+            return name, module
+    return None
+
+
+def _declared(model: nn.Module, getter_name: str) -> Any:
+    """What a Hugging Face model's getter (``get_input_embeddings``...) returns; None
+    without one, or when the model does not implement it."""
+    getter = getattr(model, getter_name, None)
+    if not callable(getter):
+        return None
+    try:
+        return getter()
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _expert_count(block: nn.Module, gate: nn.Module) -> Optional[int]:

@@ -1,10 +1,11 @@
 """A step's instability signals in its record (protocol v1.8), built on the reporter
 thread from the step's vector: per module ``attn_max_logit``, ``attn_min_entropy``,
-``act_rms``, ``act_absmax`` and ``adam``; ``output_logits``, ``moe`` and ``batch`` at
-the top. What the measuring side put in the vector is described here by position
-(:class:`SignalsAt`); a module's several captures in one step (gradient accumulation)
-are combined: the largest logit, the smallest entropy, RMS and log Z over every
-element, expert loads added up. Nothing here imports torch.
+``act_rms``, ``act_absmax`` and ``adam``; ``output_logits``, ``moe`` and ``batch`` (with
+v1.9's ``repeated_token_share``) at the top. What the measuring side put in the vector
+is described here by position (:class:`SignalsAt`); a module's several captures in one
+step (gradient accumulation) are combined: the largest logit, the smallest entropy, RMS
+and log Z over every element, expert loads added up, the largest repeated-token share.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def apply(signals: SignalsAt, rec: wire.StepRecord, v: Sequence[float]) -> None:
     if any(layer is not None for layer in moe):
         rec["moe"] = [cast(wire.MoeLayer, layer) for layer in moe if layer is not None]
     batch = _batch(signals, v)
+    share = _repeated_tokens(list(by_family.get("tokens", {}).values()))
+    if share is not None:
+        batch["repeated_token_share"] = share
     if batch:
         rec["batch"] = cast(wire.BatchInfo, batch)
 
@@ -114,9 +118,23 @@ def _output_logits(captures: List[List[Sequence[float]]]) -> Optional[Dict[str, 
     measured = [c for module in captures for c in module if c[1] > 0]
     if not measured:
         return None
-    logz = sum(c[0] for c in measured) / sum(c[1] for c in measured)
+    tokens = sum(c[1] for c in measured)
+    logz = sum(c[0] for c in measured) / tokens
     absmax = max((c[2] for c in measured), key=_nan_first)
-    return {"logz_mean": encode.number(logz), "absmax": encode.norm(absmax)}
+    level = sum(c[3] for c in measured) / tokens
+    return {
+        "logz_mean": encode.number(logz),
+        "absmax": encode.norm(absmax),
+        "logit_mean": encode.number(level),
+    }
+
+
+def _repeated_tokens(captures: List[List[Sequence[float]]]) -> Optional[float]:
+    """The largest share over every forward of the step (gradient accumulation)."""
+    measured = [c[0] for module in captures for c in module if c[1] == 1.0]
+    if not measured:
+        return None
+    return min(1.0, max(0.0, max(measured)))
 
 
 def _moe(module: str, captures: List[Sequence[float]]) -> Optional[Dict[str, Any]]:

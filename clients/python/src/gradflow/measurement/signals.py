@@ -1,14 +1,18 @@
-"""Which instability signals a run measures, and on which steps (protocol v1.8).
+"""Which instability signals a run measures, and on which steps (protocol v1.8, v1.9).
 
-Five families, each measured every k-th *reported* step (its interval; 0 is off):
+Six families, each measured every k-th *reported* step (its interval; 0 is off):
 
 - ``attention``: each attention module's largest pre-softmax logit and its smallest
   head entropy;
 - ``activations``: each block's output RMS and largest absolute value;
 - ``adam``: Adam(W)'s state per module after the optimizer step (the fraction of
   elements below ε, the update's RMS and largest value, divided by the lr);
-- ``output_logits``: the output head's mean log Z and largest absolute logit;
-- ``moe``: each MoE layer's tokens per expert and router z.
+- ``output_logits``: the output head's mean log Z, largest absolute logit and (v1.9)
+  mean logit;
+- ``moe``: each MoE layer's tokens per expert and router z;
+- ``tokens`` (v1.9): how repetitive the batch's token ids are (the largest share of
+  one id within a sequence), read from the input embedding on every reported step by
+  default: a bad batch is one step, and what it costs is one sort of the ids.
 
 The defaults keep all of them together within the client's cost target (BENCHMARKS.md,
 "The instability signals' cost"). The registration states the families measured and
@@ -21,18 +25,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
-FAMILIES = ("attention", "activations", "adam", "output_logits", "moe")
+FAMILIES = ("attention", "activations", "adam", "output_logits", "moe", "tokens")
 
 # Every how many reported steps each family is measured by default. Chosen from the
 # measured cost of each (BENCHMARKS.md): at these intervals all five together add
 # well under the client's 1 ms of training-thread CPU a step at Qwen2.5-0.5B's
-# module count.
+# module count. `tokens` is due on every step: the step a bad batch spikes is the one
+# whose ids must be read.
 DEFAULT_INTERVALS: Dict[str, int] = {
     "attention": 10,
     "activations": 10,
     "adam": 10,
     "output_logits": 10,
     "moe": 10,
+    "tokens": 1,
 }
 
 # The kinds of module a user may point at (``signal_modules=``), by family.
@@ -41,6 +47,7 @@ MODULE_KINDS = {
     "blocks": "activations",
     "routers": "moe",
     "output": "output_logits",
+    "embedding": "tokens",
 }
 
 
