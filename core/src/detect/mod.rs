@@ -159,6 +159,7 @@ streaming_detectors! {
     grad_nonfinite::GradNonfinite,
     grads_not_zeroed::GradsNotZeroed,
     optimizer_steps::OptimizerStepsPerReport,
+    optimizer_not_stepped::OptimizerNotStepped,
     accumulation_reset::AccumulationReset,
     eval_mode::EvalMode,
     stuck_zero::StuckZeroGrad,

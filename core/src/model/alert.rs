@@ -40,6 +40,7 @@ vocabulary! {
         TensorsNotRegistered = WiringKind::TensorsNotRegistered.as_str() => KindSpec::new(&[Severity::Critical]),
         GradsNotZeroed = "grads_not_zeroed" => KindSpec::new(&[Severity::Warning]),
         OptimizerStepsPerReport = "optimizer_steps_per_report" => KindSpec::new(&[Severity::Warning, Severity::Info]),
+        OptimizerNotStepped = "optimizer_not_stepped" => KindSpec::new(&[Severity::Critical]),
         UpdateRoundedAway = "update_rounded_away" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         FirstStepHint = "first_step_hint" => KindSpec::new(&[Severity::Info]).ends_at_once(),
         LossDivergence = "loss_divergence" => KindSpec::new(&[Severity::Warning]),

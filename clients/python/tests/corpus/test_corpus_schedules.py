@@ -96,8 +96,7 @@ class DepthNet(nn.Module):
         return self.decoder(self.encoder(x))
 
 
-@not_caught("missed: no alert kind says that an optimizer is never stepped")
-@expects(ANY, "run", ANY)
+@expects("optimizer_not_stepped", "optimizer", "never_stepped")
 @pytest.mark.parametrize("seed", SEEDS)
 def test_scheduler_stepped_instead_of_the_optimizer(request, gradflow_server, gradflow_env, seed):
     """SfmLearner with a scheduler added (Adam 2e-4, `--scheduler step`): the loop
