@@ -52,7 +52,7 @@
 //! them: the loss jumps 10⁴× at once and the gradient norm 100×, and both hold for
 //! tens of steps while the network fits the new targets; yet the loss after each
 //! copy (0.01–0.04) stays below the TD loss of the run's first steps (0.08–0.17,
-//! random Q-values against a reward of 1). A loss only 3× higher could be the data (a harder batch, a new
+//! random Q-values against a reward of 1), and is fitted back down. A loss only 3× higher could be the data (a harder batch, a new
 //! curriculum stage); a loss or gradients an order of magnitude larger in the same
 //! few steps say the weights were moved far, which is the step size's doing. Two steps
 //! running keep one odd pair of batches from opening it and still answer by step
