@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -110,6 +110,9 @@ class States:
         self._mapping: Any = None
         self._size = -1
         self._dicts: List[Dict[str, Any]] = []
+        # Keys every dict was seen to hold, while the dicts are kept: an optimizer
+        # adds a parameter's state at its first step and never takes it away.
+        self._held: Set[str] = set()
 
     def get(self) -> List[Dict[str, Any]]:
         state = self._optimizer.state
@@ -120,7 +123,19 @@ class States:
             complete = all(d is not None for d in dicts)
             self._mapping = state if complete else None
             self._size = len(state)
+            self._held = set()
         return self._dicts
+
+    def all_hold(self, key: str) -> bool:
+        """Whether every parameter's state holds `key` (looked at once while the
+        dicts are kept, instead of once a step)."""
+        dicts = self.get()
+        if key in self._held:
+            return True
+        held = all(key in d for d in dicts)
+        if held and self._mapping is not None:
+            self._held.add(key)
+        return held
 
 
 @dataclass(frozen=True)
@@ -198,15 +213,19 @@ def inputs(
 
 
 def adam_later(
-    optimizer: Any, group: Dict[str, Any], states_of: List[Dict[str, Any]], sharded: bool
+    optimizer: Any,
+    group: Dict[str, Any],
+    states_of: List[Dict[str, Any]],
+    sharded: bool,
+    checked: bool = False,
 ) -> Optional[Callable[[], AdamInputs]]:
     """Adam/AdamW's :func:`inputs` in two halves: read now, what may change before the
     next optimizer step (the group's scalars: a scheduler sets the lr right after
     this step) and whether every parameter has its moments yet; copied by the call
     returned, the moments and the step count, which only the next optimizer step
     changes (so it may run on another thread until then). None when the state does
-    not allow it."""
-    if any("exp_avg" not in s for s in states_of):
+    not allow it; `checked`: every parameter's state is known to hold its moments."""
+    if not checked and any("exp_avg" not in s for s in states_of):
         return None
     b1, b2 = (float(b) for b in group["betas"])
     decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
