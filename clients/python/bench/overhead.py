@@ -534,6 +534,10 @@ class Breakdown:
         ("hooks", "take_reached", "  hook hits taken"),
         ("hooks", "reset", "  hooks reset"),
         ("measurer", "reset", "  measurer reset"),
+        ("", "_observe_shape", "  loop shape"),
+        ("", "end_step", "  the step's end (instruments)"),
+        ("@delivery", "submit", "  record handed to the reporter"),
+        ("@_alerts", "deliver", "  alerts delivered"),
     )
 
     def __init__(self, gf: Any, mode: Mode, fine: bool = False) -> None:
@@ -548,7 +552,11 @@ class Breakdown:
             for key, hook in list(hooks.items()):
                 hooks[key] = self._timed(hook, label)
         for owner, name, label in self.PARTS + (self.FINE if fine else ()):
-            target = getattr(instruments, owner, None)
+            # "": the instruments themselves; "@name": the watcher's own `name`.
+            if owner.startswith("@"):
+                target = getattr(gf, owner[1:], None)
+            else:
+                target = getattr(instruments, owner, None) if owner else instruments
             if target is not None and hasattr(target, name):
                 setattr(target, name, self._timed(getattr(target, name), "  " + label))
         mode.after_step = self._timed(mode.after_step, "gf.step")
