@@ -15,11 +15,15 @@ that: no closure (Lightning's runs backward inside the step) and no step hook of
 optimizer's own between gradflow's pre- and post-step hooks (one that clips the
 gradients in place would race with the worker), gradflow's own readers aside.
 
-Adam's state on a sampled step (:mod:`gradflow.measurement.adam_state`) changes only
-in the optimizer's next step: the worker copies it, instead of the training thread,
-while the loop goes on to the next forward and backward, and the next pre-step hook
-waits for the copies. Only for them: the arithmetic on them stays the reporter
-thread's (a wait for it too cost 1.9 ms a step on average on a loaded machine).
+Adam's state on a sampled step (:mod:`gradflow.measurement.adam_state`), and the norm
+weights' moments for their intended update on every step
+(:func:`gradflow.measurement.intended.adam_later`), change only in the optimizer's
+next step: the worker copies them, instead of the training thread, while the loop
+goes on to the next forward and backward, and the next pre-step hook waits for the
+copies. The reads are queued during the post-step hook and started in one job at its
+end (:meth:`StepWorker.start_reads`). Only the copies: the arithmetic on them stays
+the reporter thread's (a wait for it too cost 1.9 ms a step on average on a loaded
+machine).
 """
 
 from __future__ import annotations
