@@ -271,6 +271,12 @@ def main() -> None:
         help="also time gradflow's own entry points on the training thread (its optimizer "
         "hooks, gf.step, and the parts they call), in training-thread CPU per step",
     )
+    parser.add_argument(
+        "--breakdown-fine",
+        action="store_true",
+        help="--breakdown with the parts inside the parts timed too (each timing costs "
+        "about 1 us of its own: not for the totals)",
+    )
     parser.add_argument("--autocast", choices=["none", "bf16"], default=None)
     parser.add_argument(
         "--param-dtype",
@@ -332,8 +338,8 @@ def main() -> None:
             mode.after_step = lambda loss, gf=gf: gf.step(loss=loss)
             mode.close = gf.close
             mode.background = thread_cpu(getattr(gf, "reporter", None))
-            if args.breakdown:
-                mode.parts = Breakdown(gf, mode)
+            if args.breakdown or args.breakdown_fine:
+                mode.parts = Breakdown(gf, mode, fine=args.breakdown_fine)
             if args.profile:
                 import cProfile
 
@@ -541,8 +547,26 @@ class Breakdown:
         ("tracer", "take", "graph-cut tracer, step end"),
         ("measurer", "collect", "the step's record and vector"),
     )
+    # Finer parts, with --breakdown=fine: each wrapped call costs ~1 µs of its own.
+    FINE = (
+        ("registry", "replaced", "  replaced parameters"),
+        ("registry", "_live_signature", "  registration signature"),
+        ("measurer", "_flat_norms", "  norm weights' flat copy"),
+        ("measurer", "_intended_plans", "  intended update's inputs"),
+        ("signals", "after_optimizer_step", "  signals after the step"),
+        ("signals", "take", "  signals taken"),
+        ("signals", "arm", "  signals armed"),
+        ("registry", "lrs", "  learning rates"),
+        ("hooks", "take_reached", "  hook hits taken"),
+        ("hooks", "reset", "  hooks reset"),
+        ("measurer", "reset", "  measurer reset"),
+        ("", "_observe_shape", "  loop shape"),
+        ("", "end_step", "  the step's end (instruments)"),
+        ("@delivery", "submit", "  record handed to the reporter"),
+        ("@_alerts", "deliver", "  alerts delivered"),
+    )
 
-    def __init__(self, gf: Any, mode: Mode) -> None:
+    def __init__(self, gf: Any, mode: Mode, fine: bool = False) -> None:
         self.mode = mode
         self.seconds: Dict[str, float] = {}
         instruments = gf.instruments
@@ -553,8 +577,12 @@ class Breakdown:
         ):
             for key, hook in list(hooks.items()):
                 hooks[key] = self._timed(hook, label)
-        for owner, name, label in self.PARTS:
-            target = getattr(instruments, owner, None)
+        for owner, name, label in self.PARTS + (self.FINE if fine else ()):
+            # "": the instruments themselves; "@name": the watcher's own `name`.
+            if owner.startswith("@"):
+                target = getattr(gf, owner[1:], None)
+            else:
+                target = getattr(instruments, owner, None) if owner else instruments
             if target is not None and hasattr(target, name):
                 setattr(target, name, self._timed(getattr(target, name), "  " + label))
         mode.after_step = self._timed(mode.after_step, "gf.step")

@@ -157,3 +157,47 @@ def test_adams_state_read_on_the_worker_is_the_step_it_followed(gradflow_server)
     assert len({value for _, value in copied}) == STEPS, copied  # a new figure each step
     for (step, a), (same, b) in zip(worker, copied):
         assert step == same and a == pytest.approx(b, rel=1e-6), (worker, copied)
+
+
+def test_norm_weights_intended_update_read_on_the_worker_is_the_steps_own(gradflow_server):
+    """The norm weights' Adam moments are copied on the worker beside the next forward
+    and backward, and the group's lr read at the step: with a scheduler that halves
+    the lr between the step and gf.step, what the optimizer meant is still what it
+    applied (in f32 nothing rounds away), on every step."""
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=gradflow_server.url,
+        run_id=new_run_id("intended-worker"),
+        on_alert=None,
+        signals=False,
+    )
+    worker = gf.instruments.worker
+    assert worker is not None
+    reads = []
+    until_next_step = worker.until_next_step
+
+    def noted(read):
+        reads.append(read)
+        return until_next_step(read)
+
+    worker.until_next_step = noted
+    data = batches(STEPS)
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        tokens, target = next(data)
+        nn.functional.cross_entropy(model(tokens), target).backward()
+        optimizer.step()
+        scheduler.step()
+        gf.step()
+    gf.close()
+    assert len(reads) == STEPS, reads
+    name = "agent.norm.weight"
+    intended = gradflow_server.series(gf.run_id, "intended_update_norm", name)
+    applied = gradflow_server.series(gf.run_id, "update_norm", name)
+    assert len(intended) == len(applied) == STEPS, (intended, applied)
+    for (_, want), (_, got) in zip(intended, applied):
+        assert got > 0 and abs(want - got) <= 1e-4 * got, (intended, applied)

@@ -167,13 +167,26 @@ class Instruments:
                 )
 
     @guarded("measuring gradients")
-    def _measure(self, during_step: bool = False) -> None:
+    def _measure(self, during_step: bool = False, before_step: bool = False) -> None:
+        """The gradients' norms; `before_step` (the optimizer's pre-step hook): the
+        weights' copies before the step too, taken first: once the worker has the
+        gradients, each torch call here would hand it the GIL and wait to get it
+        back."""
         self._check_amend()
+        if before_step:
+            self._copy_before_step()
         if self.reporting() and not self.measurer.grads_measured:
             if during_step:
                 self.measurer.measure_grads_during_step()
             else:
                 self.measurer.measure_grads()
+
+    @guarded("copying weights before the optimizer step")
+    def _copy_before_step(self) -> None:
+        if self.reporting():
+            self.measurer.snapshot_norms()
+            if self.updates.due(self.step):
+                self.updates.before_step()
 
     @guarded("optimizer step pre-hook")
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -189,11 +202,7 @@ class Instruments:
             and not closure
             and alone_between(optimizer, *ids, readers=self.loop_order.hook_ids())
         )
-        self._measure(during_step=alone)
-        if self.reporting():
-            self.measurer.snapshot_norms()
-            if self.updates.due(self.step):
-                self.updates.before_step()
+        self._measure(during_step=alone, before_step=True)
 
     @guarded("optimizer step post-hook")
     def _post_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -201,12 +210,17 @@ class Instruments:
             self.hooks.clock.on_optimizer_step()
         self._steps_since += 1
         self._forwards_at_step = self.hooks.forwards
-        self.measurer.settle_grads()
-        if self.reporting():
-            self.measurer.after_step()
-            self.updates.after_step()
-            self.signals.after_optimizer_step(self.step)
-        self.hooks.arm_carry_probe()
+        try:
+            self.measurer.settle_grads()
+            if self.reporting():
+                self.measurer.after_step()
+                self.updates.after_step()
+                self.signals.after_optimizer_step(self.step)
+            self.hooks.arm_carry_probe()
+        finally:
+            if self.worker is not None:
+                # Last: the reads of the state the step left, queued above.
+                self.worker.start_reads()
 
     @guarded("reading gradients at the end of backward")
     def _measure_at_backward_end(self) -> None:

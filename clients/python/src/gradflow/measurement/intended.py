@@ -11,9 +11,10 @@ Nesterov, weight decay); any other optimizer gets no intended update.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -109,6 +110,9 @@ class States:
         self._mapping: Any = None
         self._size = -1
         self._dicts: List[Dict[str, Any]] = []
+        # Keys every dict was seen to hold, while the dicts are kept: an optimizer
+        # adds a parameter's state at its first step and never takes it away.
+        self._held: Set[str] = set()
 
     def get(self) -> List[Dict[str, Any]]:
         state = self._optimizer.state
@@ -119,7 +123,19 @@ class States:
             complete = all(d is not None for d in dicts)
             self._mapping = state if complete else None
             self._size = len(state)
+            self._held = set()
         return self._dicts
+
+    def all_hold(self, key: str) -> bool:
+        """Whether every parameter's state holds `key` (looked at once while the
+        dicts are kept, instead of once a step)."""
+        dicts = self.get()
+        if key in self._held:
+            return True
+        held = all(key in d for d in dicts)
+        if held and self._mapping is not None:
+            self._held.add(key)
+        return held
 
 
 @dataclass(frozen=True)
@@ -170,33 +186,11 @@ def inputs(
     states_of = (
         states.get() if states is not None else [optimizer.state.get(p) or {} for p in params]
     )
+    if kind == "adam":
+        later = adam_later(optimizer, group, states_of, sharded)
+        return None if later is None else later()
     lr = float(group["lr"])
     wd = float(group.get("weight_decay", 0.0) or 0.0)
-    if kind == "adam":
-        if any("exp_avg" not in s for s in states_of):
-            return None
-        b1, b2 = (float(b) for b in group["betas"])
-        eps = float(group["eps"])
-        second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
-        m = _flat([s["exp_avg"] for s in states_of], sharded)
-        v = _flat([s[second] for s in states_of], sharded)
-        count: Any = states_of[0]["step"]
-        count = local(count) if isinstance(count, torch.Tensor) else count
-        bc1: Any
-        bc2_sqrt: Any
-        if isinstance(count, torch.Tensor) and count.device.type != "cpu":
-            # capturable / fused: the count lives on the device; reading it would sync.
-            on_device = count.to(m.device, torch.float32)
-            bc1 = 1 - b1**on_device
-            bc2_sqrt = (1 - b2**on_device).sqrt()
-        else:
-            steps = float(count)
-            bc1 = 1 - b1**steps
-            bc2_sqrt = math.sqrt(1 - b2**steps)
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
-            "decoupled_weight_decay", False
-        )
-        return AdamInputs(m, v, lr, wd, eps, bc1, bc2_sqrt, bool(decoupled))
     if kind == "sgd":
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         g = _flat(grads, sharded)
@@ -216,6 +210,73 @@ def inputs(
             bool(group.get("maximize")),
         )
     return None
+
+
+def adam_later(
+    optimizer: Any,
+    group: Dict[str, Any],
+    states_of: List[Dict[str, Any]],
+    sharded: bool,
+    checked: bool = False,
+) -> Optional[Callable[[], AdamInputs]]:
+    """Adam/AdamW's :func:`inputs` in two halves: read now, what may change before the
+    next optimizer step (the group's scalars: a scheduler sets the lr right after
+    this step) and whether every parameter has its moments yet; copied by the call
+    returned, the moments and the step count, which only the next optimizer step
+    changes (so it may run on another thread until then). None when the state does
+    not allow it; `checked`: every parameter's state is known to hold its moments."""
+    if not checked and any("exp_avg" not in s for s in states_of):
+        return None
+    b1, b2 = (float(b) for b in group["betas"])
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
+        "decoupled_weight_decay", False
+    )
+    scalars = _AdamScalars(
+        float(group["lr"]),
+        float(group.get("weight_decay", 0.0) or 0.0),
+        float(group["eps"]),
+        b1,
+        b2,
+        bool(decoupled),
+        "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq",
+    )
+    return functools.partial(_adam_copies, scalars, states_of, sharded)
+
+
+@dataclass(frozen=True)
+class _AdamScalars:
+    """An Adam group's scalars as they were right after its step."""
+
+    lr: float
+    wd: float
+    eps: float
+    b1: float
+    b2: float
+    decoupled: bool
+    second: str  # the second moment's key: max_exp_avg_sq under amsgrad
+
+
+def _adam_copies(
+    scalars: _AdamScalars, states_of: List[Dict[str, Any]], sharded: bool
+) -> AdamInputs:
+    """The moments' flat f32 copies and the bias corrections of the step count."""
+    m = _flat([s["exp_avg"] for s in states_of], sharded)
+    v = _flat([s[scalars.second] for s in states_of], sharded)
+    count: Any = states_of[0]["step"]
+    count = local(count) if isinstance(count, torch.Tensor) else count
+    b1, b2 = scalars.b1, scalars.b2
+    bc1: Any
+    bc2_sqrt: Any
+    if isinstance(count, torch.Tensor) and count.device.type != "cpu":
+        # capturable / fused: the count lives on the device; reading it would sync.
+        on_device = count.to(m.device, torch.float32)
+        bc1 = 1 - b1**on_device
+        bc2_sqrt = (1 - b2**on_device).sqrt()
+    else:
+        steps = float(count)
+        bc1 = 1 - b1**steps
+        bc2_sqrt = math.sqrt(1 - b2**steps)
+    return AdamInputs(m, v, scalars.lr, scalars.wd, scalars.eps, bc1, bc2_sqrt, scalars.decoupled)
 
 
 def apply(given: Inputs, before: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import operator
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Union
 
 import torch
 
@@ -73,6 +73,7 @@ SMALL_ON_CPU = 8192
 
 _GRAD = operator.attrgetter("grad")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_IS_NONE = functools.partial(operator.is_, None)
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,12 @@ class Measurer:
         for n in norms:
             self._offsets.append(self._offsets[-1] + n.numel)
         self._tensors = [p.tensor for p in params]
+        self._every_index = list(range(len(self._tensors)))
+        self._every_key = tuple(self._every_index)
         self._sharded = any(is_dtensor(t) for t in self._tensors)
+        self._norms_on_cpu = not self._sharded and all(
+            t.device.type == "cpu" for t in self._norm_tensors
+        )
         self._shape = self._read_shape()
         self._layouts.clear()
         self._seg_cache.clear()
@@ -305,7 +311,10 @@ class Measurer:
         if trainable is None or len(trainable) != len(every):
             trainable = tuple(map(_REQUIRES_GRAD, self._tensors))
         if self.registry.all_trainable and len(trainable) == len(every):
-            present = [i for i, g in enumerate(every) if g is not None]
+            if any(map(_IS_NONE, every)):
+                present = [i for i, g in enumerate(every) if g is not None]
+            else:
+                present = self._every_index  # the usual step: a C-level check only
         else:
             present = [i for i, g in enumerate(every) if g is not None and trainable[i]]
         if not present:
@@ -315,7 +324,7 @@ class Measurer:
         grads = every if len(present) == len(every) else [every[i] for i in present]
         if self._sharded:
             grads = [local(g) for g in grads]
-        key = tuple(present)
+        key = self._every_key if present is self._every_index else tuple(present)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(present, grads)
@@ -416,8 +425,9 @@ class Measurer:
 
     def after_step(self) -> None:
         """Update, drift and mean of the norm weights, and what the optimizer meant.
-        Here, on the training thread: the weights after the step and the optimizer
-        state they need, copied (the next step overwrites them in place). The
+        Here, on the training thread: the weights after the step, copied (user code
+        may change them in place before ``gf.step``), and the optimizer state they need
+        (the next step overwrites it in place), copied here or by the worker. The
         arithmetic (~40 small operations) runs here on a device, and on the reporter
         thread on a CPU (:class:`Deferred`)."""
         if not self._norms or self._before is None:
@@ -459,8 +469,9 @@ class Measurer:
 
     def _intended_plans(self, base: int) -> Tuple[List[_IntendedPlan], int]:
         """Per run of norm weights whose optimizer state allows it, what its intended
-        update is computed from (copied now), and where its summary goes; the stats'
-        size with them."""
+        update is computed from (copied now, or by the worker: see
+        :meth:`_intended_inputs`), and where its summary goes; the stats' size with
+        them."""
         plans: List[_IntendedPlan] = []
         self._intended_runs = []
         slot = base
@@ -473,14 +484,7 @@ class Measurer:
             first = self._norms[start]
             if first.group_index is None or first.group_index >= len(groups):
                 continue
-            given = intended.inputs(
-                self._family,
-                self.optimizer,
-                groups[first.group_index],
-                tensors[start:end],
-                self._sharded,
-                self._run_states[run],
-            )
+            given = self._intended_inputs(groups[first.group_index], tensors[start:end], run)
             if given is None:
                 continue
             lengths = (
@@ -494,6 +498,22 @@ class Measurer:
             self._intended_runs.append((start, end, slot))
             slot += width(Intended) * (end - start)
         return plans, slot
+
+    def _intended_inputs(
+        self, group: Dict[str, Any], tensors: List[torch.Tensor], run: int
+    ) -> Union[intended.Inputs, Callable[[], intended.Inputs], None]:
+        """A run's intended-update inputs: copied now, or, on a CPU under one of
+        torch's Adams, by the worker before the next optimizer step (the moments
+        change only there; :mod:`gradflow.measurement.overlap`), what gives them."""
+        states = self._run_states[run]
+        worker = self.worker
+        if self._family == "adam" and worker is not None and self._norms_on_cpu:
+            if not states.all_hold("exp_avg"):
+                return None
+            later = intended.adam_later(self.optimizer, group, states.get(), False, checked=True)
+            return None if later is None else worker.until_next_step(later)
+        assert self._family is not None
+        return intended.inputs(self._family, self.optimizer, group, tensors, self._sharded, states)
 
     # -- the step record ---------------------------------------------------------
 
@@ -529,7 +549,7 @@ class Measurer:
             return slots.take(vector.numel(t))
 
         if isinstance(loss, torch.Tensor):
-            pending.loss_at = add(loss.detach().float().mean().reshape(1))
+            pending.loss_at = add(_loss_piece(loss.detach()))
         elif loss is not None:
             pending.loss = float(loss)
         grad_slots = [add(piece) for piece in self._grads or ()]
@@ -597,7 +617,7 @@ class _IntendedPlan:
 
     start: int
     end: int
-    given: intended.Inputs
+    given: Union[intended.Inputs, Callable[[], intended.Inputs]]  # a call: copied later
     dtype: torch.dtype
     lengths: Optional[List[int]]
     count: int
@@ -636,7 +656,8 @@ def _norm_stats(
     pieces = [torch.stack([update_sq, drift, mean], dim=1).reshape(-1)]
     for plan in plans:
         was, now = before[plan.start : plan.end], after[plan.start : plan.end]
-        upd = intended.apply(plan.given, was)
+        given = plan.given() if callable(plan.given) else plan.given
+        upd = intended.apply(given, was)
         summary = intended.summary(upd, was, now, plan.dtype, plan.lengths, plan.count)
         pieces.append(summary.reshape(-1))
     return torch.cat(pieces)
@@ -701,6 +722,19 @@ def describe(
             )
         )
     return modules, norms
+
+
+def _loss_piece(loss: torch.Tensor) -> Piece:
+    """The loss's mean as one number: on a CPU taken on the reporter thread (three
+    small torch calls cost ~0.1 ms on the training thread right after the step, when
+    their code is out of the caches), elsewhere on the device now."""
+    if loss.device.type == "cpu":
+        return Deferred(1, loss.device, functools.partial(_loss_mean, loss))
+    return _loss_mean(loss)
+
+
+def _loss_mean(loss: torch.Tensor) -> torch.Tensor:
+    return loss.float().mean().reshape(1)
 
 
 def _flat32(t: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,15 @@ that: no closure (Lightning's runs backward inside the step) and no step hook of
 optimizer's own between gradflow's pre- and post-step hooks (one that clips the
 gradients in place would race with the worker), gradflow's own readers aside.
 
-Adam's state on a sampled step (:mod:`gradflow.measurement.adam_state`) changes only
-in the optimizer's next step: the worker copies it, instead of the training thread,
-while the loop goes on to the next forward and backward, and the next pre-step hook
-waits for the copies. Only for them: the arithmetic on them stays the reporter
-thread's (a wait for it too cost 1.9 ms a step on average on a loaded machine).
+Adam's state on a sampled step (:mod:`gradflow.measurement.adam_state`), and the norm
+weights' moments for their intended update on every step
+(:func:`gradflow.measurement.intended.adam_later`), change only in the optimizer's
+next step: the worker copies them, instead of the training thread, while the loop
+goes on to the next forward and backward, and the next pre-step hook waits for the
+copies. The reads are queued during the post-step hook and started in one job at its
+end (:meth:`StepWorker.start_reads`). Only the copies: the arithmetic on them stays
+the reporter thread's (a wait for it too cost 1.9 ms a step on average on a loaded
+machine).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class StepWorker:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._job: Optional[Tuple[Future[List[Piece]], Norms, List[torch.Tensor]]] = None
         self._state_reads: List[Future[Any]] = []
+        self._queued: List[Tuple[Future[Any], Callable[[], Any]]] = []
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if self._pool is None:
@@ -113,17 +118,29 @@ class StepWorker:
                 job[0].result()
 
     def until_next_step(self, read: Callable[[], T]) -> Callable[[], T]:
-        """`read()` on the worker, started now; what it reads must change only in the
-        optimizer's next step, whose pre-step hook waits for it (so it should copy, and
-        leave the arithmetic to the thread that assembles the step). Returns what gives
-        its result (raising its error) to that thread."""
-        future: Future[T] = self._submit(read)
+        """`read()` on the worker, started by :meth:`start_reads` (the end of the
+        post-step hook); what it reads must change only in the optimizer's next step,
+        whose pre-step hook waits for it (so it should copy, and leave the arithmetic
+        to the thread that assembles the step). Returns what gives its result (raising
+        its error) to that thread."""
+        future: Future[T] = Future()
+        self._queued.append((future, read))
         self._state_reads = [f for f in self._state_reads if not f.done()]
         self._state_reads.append(future)
         return future.result
 
+    def start_reads(self) -> None:
+        """Starts the reads queued by :meth:`until_next_step`, in one job. Called once
+        the training thread is done with the step's hooks: from then on the worker
+        holds the GIL between its torch calls, and each torch call of the training
+        thread would hand it over and wait to get it back."""
+        queued, self._queued = self._queued, []
+        if queued:
+            self._submit(_run_reads, queued)
+
     def before_step(self) -> None:
         """Waits for the state reads still running (asleep)."""
+        self.start_reads()
         reads, self._state_reads = self._state_reads, []
         for future in reads:
             with contextlib.suppress(Exception):
@@ -135,3 +152,12 @@ class StepWorker:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+
+
+def _run_reads(queued: List[Tuple[Future[Any], Callable[[], Any]]]) -> None:
+    """Each read, its result or error set on its future (on the worker)."""
+    for future, read in queued:
+        try:
+            future.set_result(read())
+        except Exception as exc:
+            future.set_exception(exc)
