@@ -119,10 +119,6 @@ def test_byol_whose_loss_is_negative_and_whose_target_moves_by_hand(
 HORIZON = 8
 
 
-@not_caught(
-    "false alarm: accumulation_reset (warning): a time step whose return is 0 adds an "
-    "exactly-zero gradient, read as a reset by the next backward pass"
-)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_reinforce_with_a_backward_per_time_step(gradflow_server, gradflow_env, seed):
     """Hands-on RL's REINFORCE update: `zero_grad()` once, then walking the episode
