@@ -61,8 +61,12 @@ class ModelHooks:
         self._sentinel_hook: Any = None
         self._sentinel_left_hook: Any = None
         # Whether the last backward that reached the sentinel left its gradient
-        # non-zero: a device bool, None before one did (or when it could not be read).
+        # non-zero: a device bool, None before one did (or when it was not read).
         self._left_nonzero: Optional[torch.Tensor] = None
+        # Whether the last optimizer step had exactly one backward pass: then the
+        # first backward of the next is not read (a loop keeps its shape), so a loop
+        # of one backward per step pays for one look at the sentinel, not two.
+        self._one_backward_before = False
         self._probe_armed = False
         # Backward passes that reached the sentinel since the last optimizer step.
         self._backwards = 0
@@ -261,6 +265,7 @@ class ModelHooks:
                         self._note_left
                     )
         self._probe_armed = self._sentinel is not None
+        self._one_backward_before = self._backwards == 1
         self.step_backwards, self._backwards = self._backwards, 0
 
     def _drop_sentinel(self) -> None:
@@ -309,7 +314,11 @@ class ModelHooks:
 
     def _note_left(self, tensor: torch.Tensor) -> None:
         """After a backward pass added to the sentinel's gradient: whether it left the
-        gradient non-zero (one ``aminmax`` on the device, never read here)."""
+        gradient non-zero (one ``aminmax`` on the device, never read here). Not for
+        the first backward of a step after a step of one: a loop that turns to several
+        backward passes then has its first zero found uncounted, once."""
+        if self._backwards <= 1 and self._one_backward_before:
+            return
         try:
             grad = tensor.grad
             self._left_nonzero = None if grad is None else _absmax(grad.detach()) != 0
