@@ -356,6 +356,13 @@ pub struct RunRegistration {
     /// interval in reported steps. Absent: none of them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signals: Option<crate::signals::SignalIntervals>,
+    /// v1.9: how many of the model's modules are PyTorch's own whose behaviour depends
+    /// on the training flag (dropout with `p > 0`, batch or instance norm keeping
+    /// running statistics, recurrent layers and attention with dropout). `0` says the
+    /// model holds none, so eval mode changes nothing PyTorch knows of. Absent: the
+    /// client does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode_dependent_modules: Option<u32>,
 }
 
 /// Most webhooks one registration may name.

@@ -135,6 +135,8 @@ pub fn registration(trainer: &Trainer, name: &str, config: serde_json::Value) ->
             attention: Some(u32::try_from(options.qwen_every.max(1)).unwrap_or(u32::MAX)),
             ..SignalIntervals::default()
         }),
+        // The trainer reports no training flag, so its mode is never judged.
+        mode_dependent_modules: None,
     }
 }
 

@@ -13,23 +13,25 @@ from torch import nn
 import gradflow
 
 
-def loop(server, zero: str, steps: int = 10, accumulate: int = 1):
+def loop(server, zero: str, steps: int = 10, accumulate: int = 1, weights=None):
     """zero: "none" (the bug), "before" (zero_grad before backward), "after" (after the
     optimizer step), "data" (the old idiom p.grad.data.zero_()), "inside" and
     "inside_zeros" (zero_grad in the micro-batch loop, to None or to zeros: the bug
-    that keeps the last micro-batch only)."""
+    that keeps the last micro-batch only). weights: each micro-batch's loss weight (0:
+    a backward pass that adds an exactly-zero gradient)."""
     model = PromptAgent()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gf = gradflow.watch(model, optimizer, server=server.url, run_id=new_run_id("zero"))
     data = batches(steps * accumulate)
+    weights = weights or [1.0] * accumulate
     for _ in range(steps):
         if zero == "before":
             optimizer.zero_grad(set_to_none=True)
-        for _micro in range(accumulate):
+        for micro in range(accumulate):
             if zero in ("inside", "inside_zeros"):
                 optimizer.zero_grad(set_to_none=zero == "inside")
             tokens, target = next(data)
-            loss = nn.functional.cross_entropy(model(tokens), target) / accumulate
+            loss = nn.functional.cross_entropy(model(tokens), target) * weights[micro] / accumulate
             loss.backward()
         optimizer.step()
         if zero == "after":
@@ -88,6 +90,20 @@ def test_intended_accumulation_reports_no_reset_and_one_backward_reports_nothing
     with pytest.raises(urllib.error.HTTPError) as missing:
         gradflow_server.series(run_id, "metric", RESETS)
     assert missing.value.code == 404
+
+
+def test_a_backward_that_adds_exactly_zero_is_no_reset(gradflow_server):
+    """A gradient found at zero is a reset only when the previous backward left it
+    non-zero: micro-batches weighted 0 (a REINFORCE time step whose return is 0) leave
+    the zero they found. With zero_grad to zeros inside the loop and the first of four
+    micro-batches weighted 0, the second finds a zero nothing was lost from; the third
+    and fourth each lose what the one before left: 2 resets a step, not 3."""
+    run_id = loop(gradflow_server, "before", accumulate=4, weights=[0.0, 0.0, 1.0, 0.0])
+    resets = gradflow_server.series(run_id, "metric", RESETS)
+    assert len(resets) == 9 and all(value == 0 for _, value in resets), resets
+    run_id = loop(gradflow_server, "inside_zeros", accumulate=4, weights=[0.0, 1.0, 1.0, 1.0])
+    resets = gradflow_server.series(run_id, "metric", RESETS)
+    assert len(resets) == 9 and all(value == 2 for _, value in resets), resets
 
 
 def test_steps_the_loss_scaler_skips_are_not_micro_batches(gradflow_server):

@@ -3,8 +3,9 @@ the run its registration or its steps.
 
 A release of the server can only be run as the binary of its own version, so this
 file stands in for one with a small HTTP server that answers as a protocol v1.4
-server does (400 `invalid_body` for the unknown `wiring` field, in a registration or
-in an amendment) and keeps what it accepts.
+server does (400 `invalid_body` for an unknown field: the v1.9
+`mode_dependent_modules` or the v1.5 `wiring`, in a registration, or `wiring` in an
+amendment) and keeps what it accepts.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _refuse_wiring(self) -> None:
+    def _refuse(self, field: str) -> None:
         self.server.refused += 1
         self._answer(
             400,
-            {"error": {"code": "invalid_body", "message": "unknown field `wiring`"}},
+            {"error": {"code": "invalid_body", "message": f"unknown field `{field}`"}},
         )
 
     def _body(self) -> bytes:
@@ -63,8 +64,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_PUT(self) -> None:
         body = json.loads(self._body())
-        if "wiring" in body:
-            return self._refuse_wiring()
+        for newer in ("mode_dependent_modules", "wiring"):
+            if newer in body:
+                return self._refuse(newer)
         self.server.registrations.append(body)
         self._answer(201, {})
 
@@ -74,7 +76,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._answer(200, {})
         records = json.loads(data)
         if any("wiring" in (r.get("amend") or {}) for r in records):
-            return self._refuse_wiring()
+            return self._refuse("wiring")
         self.server.steps.extend(records)
         self._answer(200, {"accepted": len(records), "duplicates": 0})
 
@@ -85,8 +87,9 @@ class _Handler(BaseHTTPRequestHandler):
 def test_wiring_findings_an_older_server_refuses_cost_no_step(tmp_path):
     """The registration carries a wiring finding (an empty parameter group with its
     own lr) and an amendment carries another (a clip after the optimizer step): the
-    older server refuses both bodies, and the client sends each again without its
-    findings, so the run is registered and every step is stored."""
+    older server refuses both bodies (the registration for its count of
+    mode-dependent modules too), and the client sends each again without what it
+    refused, so the run is registered and every step is stored."""
     server = OlderServer()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -114,7 +117,8 @@ def test_wiring_findings_an_older_server_refuses_cost_no_step(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
-    assert server.refused >= 2, "both findings were sent, and refused"
+    assert server.refused >= 3, "the newer fields were sent, and refused"
     assert len(server.registrations) >= 1
     assert all("wiring" not in r for r in server.registrations)
+    assert all("mode_dependent_modules" not in r for r in server.registrations)
     assert sorted(r["step"] for r in server.steps) == list(range(20))

@@ -129,3 +129,25 @@ def test_a_bad_argument_does_not_stop_training():
         gf = gradflow.watch(model, run_id="not a valid id")
     assert isinstance(gf, gradflow.NoopWatcher)
     assert any("run id" in str(w.message) for w in caught)
+
+
+def test_the_registration_counts_the_modules_whose_behaviour_depends_on_the_mode(
+    gradflow_server,
+):
+    """Dropout with p > 0, batch norm keeping running statistics and a recurrent layer
+    with dropout read the training flag; dropout at 0 and norms without running
+    statistics (they normalise by the batch in both modes) do not."""
+    steady = nn.Sequential(
+        nn.Linear(8, 8), nn.Dropout(0.0), nn.BatchNorm1d(8, track_running_stats=False)
+    )
+    assert registered(gradflow_server, steady)["mode_dependent_modules"] == 0
+    moody = nn.ModuleDict(
+        {
+            "drop": nn.Dropout(0.1),
+            "norm": nn.BatchNorm1d(8),
+            "rnn": nn.LSTM(8, 8, num_layers=2, dropout=0.2),
+            "instance": nn.InstanceNorm1d(8),
+            "head": nn.Linear(8, 1),
+        }
+    )
+    assert registered(gradflow_server, moody)["mode_dependent_modules"] == 3

@@ -28,7 +28,7 @@ vocabulary! {
         GroupNotTraining = "group_not_training" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         NothingTrains = "nothing_trains" => KindSpec::new(&[Severity::Critical]),
         AccumulationReset = "accumulation_reset" => KindSpec::new(&[Severity::Warning]),
-        ModelInEvalMode = "model_in_eval_mode" => KindSpec::new(&[Severity::Warning]),
+        ModelInEvalMode = "model_in_eval_mode" => KindSpec::new(&[Severity::Warning, Severity::Info]),
         FreezeFlagIgnored = WiringKind::FreezeFlagIgnored.as_str() => KindSpec::new(&[Severity::Warning]),
         ModulesNotRegistered = WiringKind::ModulesNotRegistered.as_str() => KindSpec::new(&[Severity::Critical]),
         TiedWeightsUntied = WiringKind::TiedWeightsUntied.as_str() => KindSpec::new(&[Severity::Warning]),

@@ -249,6 +249,7 @@ class RunRegistration(TypedDict, total=False):
     webhooks: List[Webhook]
     wiring: List[WiringFinding]
     signals: Dict[str, int]  # v1.8: family -> interval in reported steps
+    mode_dependent_modules: int  # v1.9: PyTorch modules that read the training flag
 
 
 # -- what the server answers ---------------------------------------------------------

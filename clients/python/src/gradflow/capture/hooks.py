@@ -15,7 +15,10 @@ on one parameter looks, just before the first backward after an optimizer step,
 whether its gradient still holds values (nothing zeroed it: ``grads_carried_over``),
 and before each later backward of the same step whether the gradient the earlier
 ones accumulated is gone (reset between the micro-batches of one step:
-``grads_reset_between_backwards``). Every hook is removed by
+``grads_reset_between_backwards``). A gradient found at zero is a reset only when the
+previous backward left it non-zero, which a post-accumulate hook on the same
+parameter remembers: a backward that contributes exactly zero (a REINFORCE time step
+whose return is 0) leaves a zero that no reset made. Every hook is removed by
 :meth:`ModelHooks.remove`.
 """
 
@@ -56,6 +59,14 @@ class ModelHooks:
         # the first backward after each optimizer step (see arm_carry_probe).
         self._sentinel: Optional[torch.Tensor] = None
         self._sentinel_hook: Any = None
+        self._sentinel_left_hook: Any = None
+        # Whether the last backward that reached the sentinel left its gradient
+        # non-zero: a device bool, None before one did (or when it was not read).
+        self._left_nonzero: Optional[torch.Tensor] = None
+        # Whether the last optimizer step had exactly one backward pass: then the
+        # first backward of the next is not read (a loop keeps its shape), so a loop
+        # of one backward per step pays for one look at the sentinel, not two.
+        self._one_backward_before = False
         self._probe_armed = False
         # Backward passes that reached the sentinel since the last optimizer step.
         self._backwards = 0
@@ -127,10 +138,7 @@ class ModelHooks:
         if any(id(t) not in live for t in self._reached):
             self._reached[:] = [t for t in self._reached if id(t) in live]
         if self._sentinel is not None and id(self._sentinel) not in live:
-            if self._sentinel_hook is not None:
-                self._sentinel_hook.remove()
-                self._sentinel_hook = None
-            self._sentinel = None
+            self._drop_sentinel()
             self._probe_armed = False
         for p in self.registry.params:
             self._hook(p)
@@ -194,9 +202,7 @@ class ModelHooks:
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
-        if self._sentinel_hook is not None:
-            self._sentinel_hook.remove()
-            self._sentinel_hook = None
+        self._drop_sentinel()
         if self._input_hook is not None:
             self._input_hook.remove()
             self._input_hook = None
@@ -251,14 +257,25 @@ class ModelHooks:
         if sentinel is None or sentinel.grad is None or not sentinel.requires_grad:
             sentinel = self._pick_sentinel()
             if sentinel is not self._sentinel:
-                if self._sentinel_hook is not None:
-                    self._sentinel_hook.remove()
-                    self._sentinel_hook = None
+                self._drop_sentinel()
                 self._sentinel = sentinel
                 if sentinel is not None:
                     self._sentinel_hook = sentinel.register_hook(self._probe)
+                    self._sentinel_left_hook = sentinel.register_post_accumulate_grad_hook(
+                        self._note_left
+                    )
         self._probe_armed = self._sentinel is not None
+        self._one_backward_before = self._backwards == 1
         self.step_backwards, self._backwards = self._backwards, 0
+
+    def _drop_sentinel(self) -> None:
+        """The carry-over probe's hooks come off; no parameter is looked at."""
+        for handle in (self._sentinel_hook, self._sentinel_left_hook):
+            if handle is not None:
+                handle.remove()
+        self._sentinel_hook = self._sentinel_left_hook = None
+        self._sentinel = None
+        self._left_nonzero = None
 
     def _pick_sentinel(self) -> Optional[torch.Tensor]:
         """A parameter the optimizer steps that got a gradient this step (one outside
@@ -281,8 +298,9 @@ class ModelHooks:
         self._backwards += 1
         if earlier > 0:
             self._look_for_reset()
-            return
-        if not self._probe_armed:
+        # Until this backward's own result is read (_note_left).
+        self._left_nonzero = None
+        if earlier > 0 or not self._probe_armed:
             return
         self._probe_armed = False
         try:
@@ -294,15 +312,33 @@ class ModelHooks:
         except Exception:  # never break the backward pass
             self.carried = None
 
+    def _note_left(self, tensor: torch.Tensor) -> None:
+        """After a backward pass added to the sentinel's gradient: whether it left the
+        gradient non-zero (one ``aminmax`` on the device, never read here). Not for
+        the first backward of a step after a step of one: a loop that turns to several
+        backward passes then has its first zero found uncounted, once."""
+        if self._backwards <= 1 and self._one_backward_before:
+            return
+        try:
+            grad = tensor.grad
+            self._left_nonzero = None if grad is None else _absmax(grad.detach()) != 0
+        except Exception:  # never break the backward pass
+            self._left_nonzero = None
+
     def _look_for_reset(self) -> None:
         """A later backward pass of one optimizer step: a gradient set to None since
-        the earlier ones is counted on the host; one zeroed in place, on the device."""
+        the earlier ones is counted on the host; one found at zero, on the device, and
+        only when the previous backward left it non-zero (a pass that added exactly
+        zero leaves a zero nobody reset; unread, nothing is counted)."""
         try:
             old = self._sentinel.grad if self._sentinel is not None else None
             if old is None:
                 self.resets_seen += 1
                 return
-            zeroed = (_absmax(old.detach()) == 0).float().reshape(1)
+            left_nonzero = self._left_nonzero
+            if left_nonzero is None:
+                return
+            zeroed = ((_absmax(old.detach()) == 0) & left_nonzero).float().reshape(1)
             previous = self.resets_zeroed
             self.resets_zeroed = zeroed if previous is None else previous + zeroed
         except Exception:  # never break the backward pass

@@ -19,8 +19,9 @@ def refused_newer_field(registration: Any, err: Refused) -> Optional[str]:
     if err.status != 400:
         return None
     said = f"{err.message or ''} {err.path or ''}"
-    if "signals" in registration and "signals" in said:
-        return "signals"
+    for newer in ("mode_dependent_modules", "signals"):
+        if newer in registration and newer in said:
+            return newer
     return "wiring" if "wiring" in registration else None
 
 

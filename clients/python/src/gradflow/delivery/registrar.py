@@ -84,8 +84,9 @@ class Registrar:
 
     def _register_older_too(self, timeout: Optional[float]) -> None:
         """Registers; a server older than this client refuses a newer field (an
-        unknown field is a 400): its instability signals (v1.8, when the error names
-        them), then its wiring findings (v1.5) are left out in turn rather than not
+        unknown field is a 400): its count of mode-dependent modules (v1.9) and its
+        instability signals (v1.8), when the error names them, then its wiring
+        findings (v1.5) are left out in turn rather than not
         registering at all. Without `signals`, steps go without their v1.8 fields."""
         while True:
             try:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import _torch_compat, wire
-from . import autocast, layout, ranks, wiring
+from . import autocast, layout, modes, ranks, wiring
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")
@@ -313,6 +313,9 @@ class Registry:
             body["wiring"] = found
         if signals:
             body["signals"] = dict(signals)
+        mode_dependent = modes.mode_dependent_modules(self.model)
+        if mode_dependent is not None:
+            body["mode_dependent_modules"] = mode_dependent
         # Only what stays the same when the same job restarts: registering again with
         # the same body is then accepted as the same run.
         cfg: Dict[str, Any] = {"client": "gradflow-python", "torch": torch.__version__}
