@@ -1,7 +1,9 @@
 //! What instrumentation costs a training step: two trainers of the same preset and
 //! seed, one instrumented (telemetry computed, transferred and turned into a step
 //! record, as when reporting) and one not, stepped alternately in one process so that
-//! both see the same machine load; medians of the per-step times.
+//! both see the same machine load; medians of the per-step times. The same with a
+//! third trainer, instrumented but without the attention statistics, gives those
+//! statistics' own cost (`measure_attention`).
 //!
 //! Used by the benchmark harness (`gradflow-bench overhead`) and by
 //! `cargo bench -p gradflow-trainer --bench overhead`, both of which settle candle's
@@ -73,68 +75,137 @@ pub fn measure(preset: &Preset, steps: u64, device: &Device) -> anyhow::Result<O
     measure_pair(&mut on, &mut off, steps, device, |_, _| {})
 }
 
+/// Median step times of the instrumented trainer with and without its attention
+/// statistics, and of the uninstrumented one: what the attention layers' largest
+/// logit and smallest head entropy cost apart from the rest of the instrumentation.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttentionCost {
+    pub preset: String,
+    pub params: usize,
+    /// Measured steps of each trainer (after three warm-up steps).
+    pub steps: u64,
+    pub instrumented_ms: f64,
+    pub without_attention_ms: f64,
+    pub uninstrumented_ms: f64,
+}
+
+impl AttentionCost {
+    /// The attention statistics' time a step, in milliseconds.
+    pub fn attention_ms(&self) -> f64 {
+        self.instrumented_ms - self.without_attention_ms
+    }
+
+    /// The attention statistics' share of the instrumentation's extra time, in percent.
+    pub fn share_of_overhead(&self) -> f64 {
+        self.attention_ms() / (self.instrumented_ms - self.uninstrumented_ms) * 100.0
+    }
+}
+
+/// Steps three trainers of the same preset and seed `steps` times, interleaved:
+/// instrumented, instrumented without attention statistics, and uninstrumented.
+pub fn measure_attention(
+    preset: &Preset,
+    steps: u64,
+    device: &Device,
+) -> anyhow::Result<AttentionCost> {
+    let trainer = |instrument: bool, attention_statistics: bool| -> anyhow::Result<Trainer> {
+        let model = HybridModel::random(preset, DType::F32, device, 0)?;
+        let options = TrainOptions {
+            instrument,
+            attention_statistics,
+            ..TrainOptions::new(DType::F32, DType::F32)
+        };
+        Trainer::new(model, options, device)
+    };
+    let mut full = trainer(true, true)?;
+    let mut without = trainer(true, false)?;
+    let mut off = trainer(false, true)?;
+    let medians = measure_interleaved(
+        &mut [&mut full, &mut without, &mut off],
+        steps,
+        device,
+        |_, _| {},
+    )?;
+    Ok(AttentionCost {
+        preset: full.model.preset.name.to_owned(),
+        params: full.model.store.len(),
+        steps,
+        instrumented_ms: medians[0],
+        without_attention_ms: medians[1],
+        uninstrumented_ms: medians[2],
+    })
+}
+
 /// Steps two trainers built alike but for `instrument` (`on` instrumented, `off`
 /// not) `steps` times, interleaved, and returns the medians. Each instrumented
 /// step's record goes to `sink` inside the timed region, so a sink that hands it to
 /// a reporter charges the hand-over too (the sending is the reporter thread's).
-/// The device is synchronised at the end of every timed step: on CUDA the step's
-/// kernels are queued, and only a synchronised clock sees them finish.
 pub fn measure_pair(
     on: &mut Trainer,
     off: &mut Trainer,
     steps: u64,
     device: &Device,
-    mut sink: impl FnMut(u64, StepRecord),
+    sink: impl FnMut(u64, StepRecord),
 ) -> anyhow::Result<Overhead> {
-    anyhow::ensure!(steps > 0, "measure at least one step");
     anyhow::ensure!(
         on.options.instrument && !off.options.instrument,
         "the first trainer is the instrumented one, the second is not"
     );
-    for step in 0..WARM_UP_STEPS {
-        on.step(step)?;
-        off.step(step)?;
-    }
-    device.synchronize()?;
-    for trainer in [&mut *on, &mut *off] {
-        if let Some(phases) = &mut trainer.phases {
-            phases.clear();
-        }
-    }
-    let (mut t_on, mut t_off) = (Vec::new(), Vec::new());
-    for step in WARM_UP_STEPS..WARM_UP_STEPS + steps {
-        // Alternate which goes first, so neither always runs on a warmer cache.
-        let order = if step % 2 == 0 {
-            [true, false]
-        } else {
-            [false, true]
-        };
-        for instrumented in order {
-            let start = Instant::now();
-            if instrumented {
-                let output = on.step(step)?;
-                // Building the record is part of the cost; serialising it is the reporter's.
-                let record = output.record.context("an instrumented step has a record")?;
-                sink(step, record);
-                device.synchronize()?;
-                t_on.push(start.elapsed().as_secs_f64());
-            } else {
-                off.step(step)?;
-                device.synchronize()?;
-                t_off.push(start.elapsed().as_secs_f64());
-            }
-        }
-    }
+    let medians = measure_interleaved(&mut [&mut *on, &mut *off], steps, device, sink)?;
     Ok(Overhead {
         preset: on.model.preset.name.to_owned(),
         device: format!("{device:?}"),
         params: on.model.store.len(),
         steps,
-        instrumented_ms: median(t_on) * 1e3,
-        uninstrumented_ms: median(t_off) * 1e3,
+        instrumented_ms: medians[0],
+        uninstrumented_ms: medians[1],
         phases_instrumented: on.phases.as_ref().map(Phases::medians),
         phases_uninstrumented: off.phases.as_ref().map(Phases::medians),
     })
+}
+
+/// Steps every trainer `steps` times, interleaved, and returns each one's median
+/// step time in milliseconds. Every instrumented step's record goes to `sink`
+/// inside the timed region. The device is synchronised at the end of every timed
+/// step: on CUDA the step's kernels are queued, and only a synchronised clock sees
+/// them finish.
+fn measure_interleaved(
+    trainers: &mut [&mut Trainer],
+    steps: u64,
+    device: &Device,
+    mut sink: impl FnMut(u64, StepRecord),
+) -> anyhow::Result<Vec<f64>> {
+    anyhow::ensure!(steps > 0, "measure at least one step");
+    for step in 0..WARM_UP_STEPS {
+        for trainer in trainers.iter_mut() {
+            trainer.step(step)?;
+        }
+    }
+    device.synchronize()?;
+    for trainer in trainers.iter_mut() {
+        if let Some(phases) = &mut trainer.phases {
+            phases.clear();
+        }
+    }
+    let count = trainers.len();
+    let mut times = vec![Vec::new(); count];
+    for step in WARM_UP_STEPS..WARM_UP_STEPS + steps {
+        // Rotate which goes first, so that none always runs on a warmer cache.
+        let first = usize::try_from(step).unwrap_or(0) % count;
+        for k in (first..count).chain(0..first) {
+            let trainer = &mut *trainers[k];
+            let start = Instant::now();
+            let output = trainer.step(step)?;
+            if trainer.options.instrument {
+                // Building the record is part of the cost; serialising it is the reporter's.
+                let record = output.record.context("an instrumented step has a record")?;
+                sink(step, record);
+            }
+            device.synchronize()?;
+            times[k].push(start.elapsed().as_secs_f64());
+        }
+    }
+    Ok(times.into_iter().map(|t| median(t) * 1e3).collect())
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {

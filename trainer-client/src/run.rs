@@ -250,6 +250,7 @@ fn train_options(args: &Args, settings: &ScenarioSettings) -> TrainOptions {
         faults: settings.faults.clone(),
         seed: args.seed,
         instrument: !args.no_instrument,
+        attention_statistics: true,
         grad_sums: args.grad_sums,
     }
 }

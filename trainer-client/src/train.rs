@@ -62,6 +62,9 @@ pub struct TrainOptions {
     pub seed: u64,
     /// Compute and report telemetry (off: train only, to measure the overhead).
     pub instrument: bool,
+    /// With `instrument`: compute each attention call's largest logit and smallest
+    /// head entropy (off: to measure what they cost apart).
+    pub attention_statistics: bool,
     /// How the instrumented step sums each gradient's squares.
     pub grad_sums: GradSums,
 }
@@ -82,6 +85,7 @@ impl TrainOptions {
             faults: Faults::default(),
             seed: 0,
             instrument: true,
+            attention_statistics: true,
             grad_sums: GradSums::Auto,
         }
     }
@@ -294,7 +298,9 @@ impl Trainer {
         // Module outputs are recorded only when instrumented: hook hits are read
         // from them once the loss is known.
         let (logits, outputs) = if self.options.instrument {
-            let (logits, outputs) = trace::capture(|| self.forward(step, &ids, &grids));
+            let (logits, outputs) = trace::capture(self.options.attention_statistics, || {
+                self.forward(step, &ids, &grids)
+            });
             (logits?, outputs)
         } else {
             (self.forward(step, &ids, &grids)?, Outputs::default())

@@ -172,7 +172,7 @@ impl Qwen2 {
         let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (head_dim as f64).sqrt()))?;
         let masked = scores.broadcast_add(mask)?;
         let probs = softmax_f32(&masked)?;
-        if trace::capturing() {
+        if trace::attention_wanted() {
             trace::record_attention(&layer.attention, attention_statistics(&masked, &probs)?);
         }
         let attended = probs

@@ -14,7 +14,8 @@
 //!
 //! Attention layers record their statistics (`record_attention`) as tensors on the
 //! device, which the trainer brings to the host in the step's one transfer; outside
-//! a capture they are not computed at all (`capturing`).
+//! a capture, or in one that leaves them out, they are not computed at all
+//! (`attention_wanted`).
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -24,6 +25,8 @@ use candle_core::{Tensor, TensorId};
 /// What one forward pass recorded.
 #[derive(Debug, Default)]
 struct Recorded {
+    /// Whether attention layers compute and record their statistics.
+    attention_wanted: bool,
     outputs: Vec<(String, TensorId)>,
     attention: Vec<(String, Tensor)>,
 }
@@ -42,10 +45,10 @@ pub fn record(module: &str, output: &Tensor) {
     });
 }
 
-/// Whether a capture is under way on this thread: statistics that cost device work
-/// are computed only then.
-pub fn capturing() -> bool {
-    CAPTURING.with_borrow(Option::is_some)
+/// Whether a capture that wants attention statistics is under way on this thread:
+/// they cost device work, so attention layers compute them only then.
+pub fn attention_wanted() -> bool {
+    CAPTURING.with_borrow(|capturing| capturing.as_ref().is_some_and(|r| r.attention_wanted))
 }
 
 /// Notes attention module `module`'s statistics: an f32 tensor of two elements, its
@@ -68,8 +71,9 @@ pub struct Outputs {
     pub attention: Vec<(String, Tensor)>,
 }
 
-/// Runs `forward`, recording the module outputs it makes on this thread.
-pub fn capture<T>(forward: impl FnOnce() -> T) -> (T, Outputs) {
+/// Runs `forward`, recording the module outputs it makes on this thread and, with
+/// `attention`, its attention layers' statistics.
+pub fn capture<T>(attention: bool, forward: impl FnOnce() -> T) -> (T, Outputs) {
     /// Ends the capture however `forward` returns, a panic included, and restores
     /// any capture it was nested in.
     struct Restore(Option<Recorded>);
@@ -79,7 +83,11 @@ pub fn capture<T>(forward: impl FnOnce() -> T) -> (T, Outputs) {
             CAPTURING.with_borrow_mut(|capturing| *capturing = outer);
         }
     }
-    let outer = CAPTURING.with_borrow_mut(|capturing| capturing.replace(Recorded::default()));
+    let recorded = Recorded {
+        attention_wanted: attention,
+        ..Recorded::default()
+    };
+    let outer = CAPTURING.with_borrow_mut(|capturing| capturing.replace(recorded));
     let restore = Restore(outer);
     let value = forward();
     let recorded = CAPTURING.with_borrow_mut(|capturing| capturing.take().unwrap_or_default());
@@ -125,7 +133,7 @@ mod tests {
     fn a_module_without_parameters_in_the_graph_is_reached_through_its_input() {
         let w = Var::from_tensor(&ones(3)).unwrap();
         let frozen = ones(3); // a plain tensor, not a variable: no optimizer holds it
-        let (loss, outputs) = capture(|| {
+        let (loss, outputs) = capture(false, || {
             let below = (w.as_tensor() * 2.0).unwrap();
             record("below", &below);
             let above = (&below * &frozen).unwrap();
@@ -140,7 +148,7 @@ mod tests {
         let w = Var::from_tensor(&ones(3)).unwrap();
         let v = Var::from_tensor(&ones(3)).unwrap();
         record("ignored", w.as_tensor());
-        let (loss, outputs) = capture(|| {
+        let (loss, outputs) = capture(false, || {
             let cut = (w.as_tensor() * 2.0).unwrap();
             record("cut", &cut);
             let head = (cut.detach() * v.as_tensor()).unwrap();
@@ -153,7 +161,7 @@ mod tests {
     #[test]
     fn a_module_called_twice_counts_each_call_and_an_unused_output_none() {
         let w = Var::from_tensor(&ones(2)).unwrap();
-        let (loss, outputs) = capture(|| {
+        let (loss, outputs) = capture(false, || {
             let a = (w.as_tensor() * 3.0).unwrap();
             record("shared", &a);
             let b = (&a * 3.0).unwrap();

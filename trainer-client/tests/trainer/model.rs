@@ -384,3 +384,33 @@ fn each_attention_layer_reports_its_largest_logit_and_its_most_focused_heads_ent
         assert_eq!((module.grad_norm, module.hook_hits), (None, None));
     }
 }
+
+#[test]
+fn without_attention_statistics_a_record_has_no_attention_entries_and_the_rest_unchanged() {
+    let preset = tiny();
+    let record_of = |attention_statistics: bool| {
+        let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
+        let opts = TrainOptions {
+            attention_statistics,
+            ..options(DType::F32, DType::F32)
+        };
+        let mut trainer = Trainer::new(model, opts, &Device::Cpu).unwrap();
+        trainer.step(0).unwrap().record.unwrap()
+    };
+    let with = record_of(true);
+    let without = record_of(false);
+    let is_attention = |m: &&gradflow_protocol::ModuleStep| {
+        m.attn_max_logit.is_some() || m.attn_min_entropy.is_some()
+    };
+    assert_eq!(
+        with.modules.iter().filter(is_attention).count(),
+        preset.qwen.num_hidden_layers
+    );
+    let left: Vec<_> = without.modules.iter().filter(is_attention).collect();
+    assert!(left.is_empty(), "attention entries left: {left:?}");
+    // Everything else is measured as before: the same modules, hook hits and
+    // gradient norms from the same seed.
+    let trained: Vec<_> = with.modules.iter().filter(|m| !is_attention(m)).collect();
+    assert_eq!(without.modules.iter().collect::<Vec<_>>(), trained);
+    assert_eq!(without.loss, with.loss);
+}
