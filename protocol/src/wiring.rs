@@ -55,11 +55,14 @@ crate::vocabulary! {
         /// *(v1.6)* `clip_grad_norm_` ran on the scaled gradients under a GradScaler
         /// (after `backward`, with no `scaler.unscale_(optimizer)` before it): the norm
         /// clipped is the scaled one (`measured`: the scale), so every step is cut to
-        /// `max_norm / scale` once unscaled. Sent in an amendment.
+        /// `max_norm / scale` once unscaled. Sent in an amendment. *(v1.10)* `attribute`
+        /// `clip_grad_value_`: the clip was `clip_grad_value_`, which clamped the scaled
+        /// elements.
         ClipBeforeUnscale = "clip_before_unscale",
         /// *(v1.6)* `clip_grad_norm_` cut gradients that no `backward` had written since the
         /// last `optimizer.step()` (called after the step, or before the next `backward`):
-        /// the optimizer steps on unclipped gradients. Sent in an amendment.
+        /// the optimizer steps on unclipped gradients. Sent in an amendment. *(v1.10)*
+        /// `attribute` `clip_grad_value_`: the clip was `clip_grad_value_`.
         ClipAfterStep = "clip_after_step",
         /// *(v1.6)* An LR scheduler of the optimizer advances `measured` (≥ 2) steps per
         /// optimizer step, every step (stepped per micro-batch under gradient

@@ -11,6 +11,7 @@ from torch.nn.utils import clip_grad
 from torch.nn.utils import clip_grad_norm_ as imported_before_watch
 
 import gradflow
+from gradflow import _torch_compat
 from gradflow.capture import loop_order
 
 
@@ -44,6 +45,7 @@ def test_the_clip_is_restored_at_close(gradflow_server):
 
 def test_everything_is_removed_after_the_first_steps(gradflow_server):
     original = clip_grad._clip_grads_with_norm_
+    value_clip = nn.utils.clip_grad_value_
     model, optimizer = model_and_optimizer()
     gf = gradflow.watch(model, optimizer, server=gradflow_server.url, run_id=new_run_id())
     hooks = len(optimizer._optimizer_step_post_hooks)
@@ -53,6 +55,56 @@ def test_everything_is_removed_after_the_first_steps(gradflow_server):
     # The loop-order wrapper is gone; what stays for the run is the one observer
     # of clips with a limit of 0 (gradflow.capture.clip_zero), straight over torch's own.
     assert clip_grad._clip_grads_with_norm_.__wrapped__ is original
+    assert nn.utils.clip_grad_value_.__wrapped__ is value_clip
     assert len(optimizer._optimizer_step_post_hooks) == hooks - 1
     gf.close()
+    assert nn.utils.clip_grad_value_ is value_clip
     assert gradflow_server.serious(gf.run_id) == []
+
+
+def test_a_value_clip_after_the_step_is_named_and_restored_at_close(gradflow_server):
+    value_clip = nn.utils.clip_grad_value_
+    model, optimizer = model_and_optimizer()
+    gf = gradflow.watch(model, optimizer, server=gradflow_server.url, run_id=new_run_id())
+    for _ in range(3):
+        one_step(model, optimizer, clip_after=False)
+        # A generator of parameters, read once for the observers and the clip alike.
+        nn.utils.clip_grad_value_((p for p in model.parameters()), 1e-4)
+        gf.step()
+    assert all(float(p.grad.abs().max()) <= 1e-4 for p in model.parameters())
+    gf.close()
+    assert nn.utils.clip_grad_value_ is value_clip
+    alert = gradflow_server.wait_for_alert(gf.run_id, "clip_after_step", subject="gradients")
+    assert alert["evidence"]["params"] == 4
+    assert "clip_grad_value_ cut 4 parameter tensors" in alert["detail"]
+
+
+def test_a_value_clip_that_cuts_nothing_is_not_a_finding(gradflow_server):
+    model, optimizer = model_and_optimizer()
+    gf = gradflow.watch(model, optimizer, server=gradflow_server.url, run_id=new_run_id())
+    for _ in range(loop_order.LOOKS + 1):
+        one_step(model, optimizer, clip_after=False)
+        nn.utils.clip_grad_value_(model.parameters(), 1e6)  # after the step, but a no-op
+        gf.step()
+    gf.close()
+    assert gradflow_server.run(gf.run_id)["step_count"] == loop_order.LOOKS + 1
+    assert gradflow_server.serious(gf.run_id) == []
+
+
+def test_stacked_clip_observers_come_off_in_any_order():
+    original = nn.utils.clip_grad_value_
+    seen = []
+    lower = _torch_compat.wrap_clip_values(lambda _p, v: seen.append(("lower", v)))
+    upper = _torch_compat.wrap_clip_values(lambda _p, v: seen.append(("upper", v)))
+    assert lower is not None and upper is not None
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.tensor([5.0, -5.0, 0.5])
+    nn.utils.clip_grad_value_([param], 1.0)
+    assert seen == [("upper", 1.0), ("lower", 1.0)]
+    assert param.grad.tolist() == [1.0, -1.0, 0.5]
+    lower()  # the one beneath goes first: the upper one now calls torch's directly
+    assert nn.utils.clip_grad_value_.__wrapped__ is original
+    nn.utils.clip_grad_value_([param], 0.25)
+    assert seen[-1] == ("upper", 0.25) and len(seen) == 3
+    upper()
+    assert nn.utils.clip_grad_value_ is original

@@ -2,9 +2,10 @@
 //! during the first steps (protocol v1.6, sent in an amendment's `wiring`), and of an
 //! optimizer group that holds nothing (at registration):
 //!
-//! - `clip_before_unscale` (critical): `clip_grad_norm_` clipped the scaled gradients.
-//! - `clip_after_step` (warning): `clip_grad_norm_` cut gradients the optimizer had
-//!   already used (after `optimizer.step()`, before the next `backward`).
+//! - `clip_before_unscale` (critical): `clip_grad_norm_` clipped the scaled gradients
+//!   (or `clip_grad_value_` clamped them: the finding's `attribute`, v1.10).
+//! - `clip_after_step` (warning): a clip cut gradients the optimizer had already used
+//!   (after `optimizer.step()`, before the next `backward`).
 //! - `scheduler_per_micro_batch` (warning): an LR scheduler advances k ≥ 2 steps per
 //!   optimizer step.
 //! - `param_group_empty` (warning): an optimizer group holds no parameter and its lr
@@ -35,7 +36,53 @@ pub(super) fn subject(finding: &WiringFinding) -> Option<String> {
     }
 }
 
-pub(super) fn clip_after_step(params: &str) -> Worded {
+/// The clip function a finding names: `clip_grad_value_` in its `attribute` (v1.10),
+/// else `clip_grad_norm_` (the only one v1.6 clients report).
+pub(super) fn clip_function(finding: &WiringFinding) -> Clip {
+    match finding.attribute.as_deref() {
+        Some("clip_grad_value_") => Clip::Value,
+        _ => Clip::Norm,
+    }
+}
+
+/// Which of torch's two gradient clips a loop-order finding is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Clip {
+    Norm,
+    Value,
+}
+
+impl Clip {
+    fn name(self) -> &'static str {
+        match self {
+            Clip::Norm => "clip_grad_norm_",
+            Clip::Value => "clip_grad_value_",
+        }
+    }
+
+    /// The clip call as the fix writes it.
+    fn call(self) -> &'static str {
+        match self {
+            Clip::Norm => "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)",
+            Clip::Value => "torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)",
+        }
+    }
+
+    /// What it did when it cut.
+    fn cut(self) -> &'static str {
+        match self {
+            Clip::Norm => "their norm was above max_norm",
+            Clip::Value => "some elements were above clip_value",
+        }
+    }
+}
+
+pub(super) fn clip_after_step(params: &str, clip: Clip) -> Worded {
+    let (name, call, cut) = (clip.name(), clip.call(), clip.cut());
+    let does_nothing = match clip {
+        Clip::Norm => "max_norm does nothing",
+        Clip::Value => "clip_value does nothing",
+    };
     (
         AlertKind::ClipAfterStep,
         Severity::Warning,
@@ -43,37 +90,54 @@ pub(super) fn clip_after_step(params: &str) -> Worded {
          gradients"
             .to_owned(),
         format!(
-            "During the first steps, clip_grad_norm_ cut {params} (their norm was above \
-             max_norm) while no backward had written them since the last \
-             optimizer.step(): it ran after the step, or before the next backward, so it \
-             clipped gradients already used (or about to be cleared). Every optimizer step \
-             used the unclipped gradients: max_norm does nothing."
+            "During the first steps, {name} cut {params} ({cut}) while no backward had \
+             written them since the last optimizer.step(): it ran after the step, or \
+             before the next backward, so it clipped gradients already used (or about to \
+             be cleared). Every optimizer step used the unclipped gradients: \
+             {does_nothing}."
         ),
-        "Clip between backward and the step: loss.backward(); \
-         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); optimizer.step() \
-         (under a GradScaler: scaler.unscale_(optimizer) right before the clip)."
-            .to_owned(),
+        format!(
+            "Clip between backward and the step: loss.backward(); {call}; optimizer.step() \
+             (under a GradScaler: scaler.unscale_(optimizer) right before the clip)."
+        ),
     )
 }
 
-pub(super) fn clip_before_unscale(params: &str, scale: Option<u64>) -> Worded {
+pub(super) fn clip_before_unscale(params: &str, scale: Option<u64>, clip: Clip) -> Worded {
     let scale = scale.map_or_else(|| "the loss scale".to_owned(), |s| s.to_string());
+    let (name, call) = (clip.name(), clip.call());
+    let (title, what) = match clip {
+        Clip::Norm => (
+            "clip_grad_norm_ clips the scaled gradients: every step is cut far below max_norm",
+            format!(
+                "the norm it measured and clipped is the scaled one ({scale} × the true \
+                 norm), so once scaler.step unscales them the gradients are cut to \
+                 max_norm / {scale}"
+            ),
+        ),
+        Clip::Value => (
+            "clip_grad_value_ clamps the scaled gradients: every step is cut far below \
+             clip_value",
+            format!(
+                "it clamped the scaled elements ({scale} × the true ones) to ±clip_value, \
+                 so once scaler.step unscales them no element is above clip_value / \
+                 {scale}"
+            ),
+        ),
+    };
     (
         AlertKind::ClipBeforeUnscale,
         Severity::Critical,
-        "clip_grad_norm_ clips the scaled gradients: every step is cut far below max_norm"
-            .to_owned(),
+        title.to_owned(),
         format!(
-            "Under the GradScaler, clip_grad_norm_ ran on {params} after backward and \
-             before scaler.unscale_(optimizer): the norm it measured and clipped is the \
-             scaled one ({scale} × the true norm), so once scaler.step unscales them the \
-             gradients are cut to max_norm / {scale}. The model trains with steps \
-             thousands of times too small, and the loss stalls."
+            "Under the GradScaler, {name} ran on {params} after backward and before \
+             scaler.unscale_(optimizer): {what}. The model trains with steps thousands of \
+             times too small, and the loss stalls."
         ),
-        "Unscale before clipping: scaler.scale(loss).backward(); \
-         scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(model.parameters(), \
-         max_norm); scaler.step(optimizer); scaler.update()."
-            .to_owned(),
+        format!(
+            "Unscale before clipping: scaler.scale(loss).backward(); \
+             scaler.unscale_(optimizer); {call}; scaler.step(optimizer); scaler.update()."
+        ),
     )
 }
 
@@ -211,5 +275,56 @@ mod tests {
             found[3].detail
         );
         assert_eq!(found[1].evidence["cause"], "clip_after_step");
+    }
+
+    #[test]
+    fn a_value_clip_is_named_and_its_fix_clamps_after_unscaling() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "params": [{"name": "base.0.weight"}],
+            "wiring": [
+                {"kind": "clip_before_unscale", "module": "", "params": 4, "measured": 65536,
+                 "attribute": "clip_grad_value_"},
+                {"kind": "clip_after_step", "module": "", "params": 4,
+                 "attribute": "clip_grad_value_"}
+            ]
+        }))
+        .unwrap();
+        registration.validate().unwrap();
+        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        assert_eq!(found.len(), 2);
+        let (scaled, after) = (&found[0], &found[1]);
+        assert_eq!(scaled.subject, "gradients");
+        assert!(
+            scaled
+                .title
+                .starts_with("clip_grad_value_ clamps the scaled gradients"),
+            "{}",
+            scaled.title
+        );
+        assert!(
+            scaled.detail.contains("clip_value / 65536"),
+            "{}",
+            scaled.detail
+        );
+        assert!(
+            scaled
+                .fix
+                .contains("clip_grad_value_(model.parameters(), clip_value)")
+        );
+        assert!(
+            !scaled.detail.contains("clip_grad_norm_"),
+            "{}",
+            scaled.detail
+        );
+        assert!(
+            after.detail.contains("clip_grad_value_ cut 4"),
+            "{}",
+            after.detail
+        );
+        assert!(
+            after.detail.contains("clip_value does nothing"),
+            "{}",
+            after.detail
+        );
     }
 }

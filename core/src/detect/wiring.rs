@@ -91,9 +91,12 @@ fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
         WiringKind::TensorsNotRegistered => tensors_not_registered(&module, attribute, finding),
         // The loop's order, seen in the first steps (v1.6), and empty optimizer groups.
         WiringKind::ClipBeforeUnscale => {
-            loop_wiring::clip_before_unscale(&params, finding.measured)
+            let clip = loop_wiring::clip_function(finding);
+            loop_wiring::clip_before_unscale(&params, finding.measured, clip)
         }
-        WiringKind::ClipAfterStep => loop_wiring::clip_after_step(&params),
+        WiringKind::ClipAfterStep => {
+            loop_wiring::clip_after_step(&params, loop_wiring::clip_function(finding))
+        }
         WiringKind::SchedulerPerMicroBatch => loop_wiring::scheduler(finding),
         WiringKind::ParamGroupEmpty => loop_wiring::empty_group(finding, registration),
     };

@@ -199,31 +199,64 @@ def wrap_clip_grads(observe: Callable[[Any, Any, Any], None]) -> Optional[Callab
     this torch has no such function."""
     from torch.nn.utils import clip_grad
 
-    original = getattr(clip_grad, "_clip_grads_with_norm_", None)
+    def clip(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if len(args) >= 3:
+            observe(args[0], args[1], args[2])
+        return inner(*args, **kwargs)
+
+    return _chain(clip_grad, "_clip_grads_with_norm_", clip)
+
+
+def wrap_clip_values(observe: Callable[[Any, Any], None]) -> Optional[Callable[[], None]]:
+    """Makes ``torch.nn.utils.clip_grad_value_`` call ``observe(parameters,
+    clip_value)`` before it clamps. torch has no inner function of its own to hook, so
+    the public name is wrapped: a ``clip_grad_value_`` imported by name before
+    ``watch`` is not seen. An iterator of parameters is read into a list once, here,
+    so that every observer and the clip itself see all of it. Returns the restoring
+    function, or None when this torch has no ``clip_grad_value_``."""
+
+    def clip(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if args:
+            parameters = args[0]
+            if not isinstance(parameters, (torch.Tensor, list, tuple)):
+                parameters = list(parameters)  # read twice: by the observer and the clip
+            args = (parameters,) + args[1:]
+            limit = args[1] if len(args) >= 2 else kwargs.get("clip_value")
+            observe(parameters, limit)
+        return inner(*args, **kwargs)
+
+    return _chain(torch.nn.utils, "clip_grad_value_", clip)
+
+
+def _chain(owner: Any, name: str, around: Callable[..., Any]) -> Optional[Callable[[], None]]:
+    """Replaces ``owner.<name>`` by a wrapper that calls ``around(inner, *args,
+    **kwargs)``, ``inner`` being what it replaced. Several such wrappers stack (each
+    reads its ``__wrapped__`` at every call), and each one's restore takes it out of
+    the stack wherever it is, so observers can come and go in any order. Returns that
+    restore, or None when ``owner`` has no ``name``."""
+    original = getattr(owner, name, None)
     if original is None:
         return None
 
-    def clip(*args: Any, **kwargs: Any) -> Any:
-        if len(args) >= 3:
-            observe(args[0], args[1], args[2])
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Read at each call: restoring a wrapper beneath this one relinks it.
-        return clip.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+        return around(wrapper.__wrapped__, *args, **kwargs)  # type: ignore[attr-defined]
 
-    clip.__wrapped__ = original  # type: ignore[attr-defined]
-    clip._gradflow_clip = True  # type: ignore[attr-defined]
-    clip_grad._clip_grads_with_norm_ = clip
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper._gradflow_clip = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
 
     def restore() -> None:
-        current = getattr(clip_grad, "_clip_grads_with_norm_", None)
-        if current is clip:
-            clip_grad._clip_grads_with_norm_ = clip.__wrapped__  # type: ignore[attr-defined]
+        current = getattr(owner, name, None)
+        if current is wrapper:
+            setattr(owner, name, wrapper.__wrapped__)  # type: ignore[attr-defined]
             return
-        # Wrapped since by another of these wrappers (which read `__wrapped__` at each
-        # call): take this one out of the chain beneath it. Anything else is left.
+        # Wrapped since by another of these wrappers: take this one out of the chain
+        # beneath it. Anything else is left.
         while getattr(current, "_gradflow_clip", False):
             inner = current.__wrapped__  # type: ignore[union-attr]
-            if inner is clip:
-                current.__wrapped__ = clip.__wrapped__  # type: ignore[union-attr, attr-defined]
+            if inner is wrapper:
+                current.__wrapped__ = wrapper.__wrapped__  # type: ignore[union-attr]
                 return
             current = inner
 

@@ -13,7 +13,6 @@ from corpus_support import (
     judge,
     lm_loss,
     moved,
-    not_caught,
     quickstart,
     seeded,
     snapshot,
@@ -244,10 +243,6 @@ def test_gradient_clipping_before_backward(request, gradflow_server, gradflow_en
 
 
 @seeded
-@not_caught(
-    "missed: the client checks where `clip_grad_norm_` clips (it taps `clip_grad_value_` "
-    "only for a limit of 0), so a value clip after the step goes unseen"
-)
 @expects("clip_after_step", "gradients", "clip_after_step")
 def test_value_clipping_after_the_optimizer_step(request, gradflow_server, gradflow_env, seed):
     """The same misplaced clip with `clip_grad_value_` (`--clip-value` in the loops that

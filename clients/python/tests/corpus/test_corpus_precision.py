@@ -14,7 +14,6 @@ from corpus_support import (
     expects,
     judge,
     moved,
-    not_caught,
     quickstart,
     seeded,
     snapshot,
@@ -77,10 +76,6 @@ def test_clipping_the_scaled_gradients(request, gradflow_server, gradflow_env, s
 
 
 @seeded
-@not_caught(
-    "missed: the client checks `clip_grad_norm_` against the scaler's stage; "
-    "`clip_grad_value_` on the scaled gradients goes unseen"
-)
 @expects("clip_before_unscale", "gradients", "clip_before_unscale")
 def test_value_clipping_the_scaled_gradients(request, gradflow_server, gradflow_env, seed):
     """The same AMP mistake with `clip_grad_value_`: the scaled gradients (x65536) are

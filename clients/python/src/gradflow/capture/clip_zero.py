@@ -8,8 +8,8 @@ cause of a zero gradient, instead of masks or dead units.
 ``clip_grad_norm_`` is seen through the module-level function it calls
 (``_torch_compat.wrap_clip_grads``, so a ``clip_grad_norm_`` imported before
 ``watch`` is seen too); ``clip_grad_value_`` through the name
-``torch.nn.utils.clip_grad_value_``. Only clips of the watched model's parameters
-count.
+``torch.nn.utils.clip_grad_value_`` (``_torch_compat.wrap_clip_values``). Only clips
+of the watched model's parameters count.
 """
 
 from __future__ import annotations
@@ -33,34 +33,14 @@ class ClipsToZero:
         self._count = 0
         self._restores: List[Callable[[], None]] = []
         try:
-            restore = _torch_compat.wrap_clip_grads(self._on_norm_clip)
-            if restore is not None:
-                self._restores.append(restore)
-            self._wrap_value_clip()
+            for restore in (
+                _torch_compat.wrap_clip_grads(self._on_norm_clip),
+                _torch_compat.wrap_clip_values(self._on_clip),
+            ):
+                if restore is not None:
+                    self._restores.append(restore)
         except Exception as exc:
             swallow("watching gradient clips", exc)
-
-    def _wrap_value_clip(self) -> None:
-        utils = torch.nn.utils
-        original = getattr(utils, "clip_grad_value_", None)
-        if original is None:
-            return
-        tap = self
-
-        def clip_grad_value_(parameters: Any, clip_value: Any, *args: Any, **kwargs: Any) -> Any:
-            if not isinstance(parameters, (torch.Tensor, list, tuple)):
-                parameters = list(parameters)  # read twice: here and by the clip
-            tap._on_clip(parameters, clip_value)
-            return original(parameters, clip_value, *args, **kwargs)
-
-        clip_grad_value_.__wrapped__ = original  # type: ignore[attr-defined]
-        utils.clip_grad_value_ = clip_grad_value_
-
-        def restore() -> None:
-            if getattr(utils, "clip_grad_value_", None) is clip_grad_value_:
-                utils.clip_grad_value_ = original
-
-        self._restores.append(restore)
 
     def _on_norm_clip(self, parameters: Any, max_norm: Any, _total_norm: Any) -> None:
         self._on_clip(parameters, max_norm)

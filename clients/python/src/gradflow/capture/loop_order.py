@@ -2,12 +2,16 @@
 findings (protocol v1.6) in an amendment; the empty param groups found with the
 registration (``param_group_empty``) are :func:`gradflow.measurement.wiring.empty_groups`.
 
-- ``clip_after_step``: ``clip_grad_norm_`` cut gradients that no ``backward`` wrote
-  since the last ``optimizer.step()`` (a clip after the step, or before the next
-  backward): the optimizer steps on unclipped gradients.
-- ``clip_before_unscale``: ``clip_grad_norm_`` ran on fresh gradients under a
-  GradScaler whose ``unscale_`` had not run for the watched optimizer: it clipped
-  the scaled norm.
+- ``clip_after_step``: ``clip_grad_norm_`` or ``clip_grad_value_`` cut gradients
+  that no ``backward`` wrote since the last ``optimizer.step()`` (a clip after the
+  step, or before the next backward): the optimizer steps on unclipped gradients.
+- ``clip_before_unscale``: a clip ran on fresh gradients under a GradScaler whose
+  ``unscale_`` had not run for the watched optimizer: it clipped the scaled norm, or
+  clamped the scaled elements.
+
+A clip "cut" when it changed something: the norm was above ``max_norm``, or some
+element's magnitude above ``clip_value``. A value clip's finding names it in
+``attribute`` (``clip_grad_value_``); a norm clip's carries none (as before v1.10).
 - ``scheduler_per_micro_batch``: an LR scheduler of the optimizer advanced the same
   k >= 2 steps at every optimizer step.
 
@@ -19,9 +23,11 @@ How, exactly and cheaply. Only during the first ``LOOKS`` optimizer steps: an
 optimizer step post-hook notes, for a few of the model's parameters, which gradient
 tensor they hold and its in-place version (``backward`` makes a new one or bumps
 it); ``clip_grad_norm_`` is observed through the module-level function it calls
-(``_torch_compat.wrap_clip_grads``), only for clips of the watched model's
-parameters: a clip that finds those gradients as the step left them, and whose norm
-was above ``max_norm``, acted on used gradients. The scaler's per-optimizer stage
+(``_torch_compat.wrap_clip_grads``), ``clip_grad_value_`` through its public name
+(``_torch_compat.wrap_clip_values``; the largest gradient element is read, one host
+sync per clip, only during these steps), only for clips of the watched model's
+parameters: a clip that finds those gradients as the step left them, and that cut,
+acted on used gradients. The scaler's per-optimizer stage
 says whether ``unscale_`` ran. The schedulers bound to the optimizer are found once,
 after the first step, by ``gc.get_referrers(optimizer)`` (one walk of the heap,
 about 0.1 s in a process with 360 000 objects), then their ``last_epoch`` is read at
@@ -74,12 +80,21 @@ class LoopOrder:
         self._done = False
         self._found: List[wire.WiringFinding] = []
         self._handle: Optional[Any] = None
-        self._restore: Optional[Any] = None
+        self._restores: List[Any] = []
+        # The clip function of the last clip counted ("" for clip_grad_norm_).
+        self._clip_name = ""
         if optimizer is None or not hasattr(optimizer, "register_step_post_hook"):
             return
         try:
             self._handle = optimizer.register_step_post_hook(self._after_step)
-            self._restore = _torch_compat.wrap_clip_grads(self._on_clip)
+            self._restores = [
+                restore
+                for restore in (
+                    _torch_compat.wrap_clip_grads(self._on_clip),
+                    _torch_compat.wrap_clip_values(self._on_value_clip),
+                )
+                if restore is not None
+            ]
         except Exception as exc:
             swallow("watching the loop's order", exc)
             self.remove()
@@ -89,9 +104,7 @@ class LoopOrder:
         would change the hooks torch is iterating: the hook is removed at the next
         look (``findings``)."""
         self._done = True
-        if self._restore is not None:
-            self._restore()
-            self._restore = None
+        self._unwrap()
         self._noted = []
         self._schedulers = []
 
@@ -100,10 +113,13 @@ class LoopOrder:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        if self._restore is not None:
-            self._restore()
-            self._restore = None
+        self._unwrap()
         self._noted_params = []
+
+    def _unwrap(self) -> None:
+        for restore in self._restores:
+            restore()
+        self._restores = []
 
     def hook_ids(self) -> Tuple[int, ...]:
         """The id of its optimizer step hook while it has one (it only reads)."""
@@ -172,38 +188,60 @@ class LoopOrder:
             ):
                 self._say("scheduler_per_micro_batch", attribute=name, measured=k)
 
-    # -- clip_grad_norm_ -------------------------------------------------------------
+    # -- clip_grad_norm_ and clip_grad_value_ -------------------------------------------
 
     def _on_clip(self, parameters: Any, max_norm: Any, total_norm: Any) -> None:
         try:
-            if self._done:
-                return
-            params = [parameters] if hasattr(parameters, "grad") else list(parameters)
-            first = next((p for p in params if p.grad is not None), None)
-            if first is None or id(first) not in self._params:
-                return
             limit = float(max_norm)
-            if not math.isfinite(limit):
-                return  # clip_grad_norm_(..., inf) measures the norm; it clips nothing
-            if self._used(params):
-                if float(total_norm) > limit:
-                    self._clipped_used += 1
-                    self._clip_params = len(params)
-                if self._clipped_used >= CLIPS:
-                    self._say("clip_after_step", params=self._clip_params)
-            elif self._unscale_pending():
-                scale = _torch_compat.scaler_scale(self._scaler)
-                if scale is not None and scale > 1.0 and float(total_norm) > limit:
-                    self._clipped_scaled += 1
-                    self._clip_params, self._scale = len(params), scale
-                if self._clipped_scaled >= CLIPS:
-                    self._say(
-                        "clip_before_unscale",
-                        params=self._clip_params,
-                        measured=round(self._scale or 0),
-                    )
+            if math.isfinite(limit):  # clip_grad_norm_(..., inf) measures; it cuts nothing
+                self._on_any_clip(parameters, "", lambda: float(total_norm) > limit)
         except Exception as exc:
             swallow("watching gradient clipping", exc)
+
+    def _on_value_clip(self, parameters: Any, clip_value: Any) -> None:
+        try:
+            limit = float(clip_value)
+            if math.isfinite(limit) and limit > 0:  # a limit of 0 is clip_zero's
+
+                def cut() -> bool:
+                    grads = [p.grad for p in _listed(parameters) if p.grad is not None]
+                    largest = torch.stack(torch._foreach_norm(grads, math.inf)).max()
+                    return bool(largest > limit)
+
+                self._on_any_clip(parameters, "clip_grad_value_", cut)
+        except Exception as exc:
+            swallow("watching gradient clipping", exc)
+
+    def _on_any_clip(self, parameters: Any, name: str, cut: Any) -> None:
+        """One clip of `parameters` by the function `name`; `cut()` says whether it
+        changed anything (read only when it matters: it may cost a host sync)."""
+        if self._done:
+            return
+        params = _listed(parameters)
+        first = next((p for p in params if p.grad is not None), None)
+        if first is None or id(first) not in self._params:
+            return
+        if self._used(params):
+            if cut():
+                self._clipped_used += 1
+                self._clip_params, self._clip_name = len(params), name
+            if self._clipped_used >= CLIPS:
+                self._say("clip_after_step", params=self._clip_params, attribute=self._name())
+        elif self._unscale_pending():
+            scale = _torch_compat.scaler_scale(self._scaler)
+            if scale is not None and scale > 1.0 and cut():
+                self._clipped_scaled += 1
+                self._clip_params, self._scale, self._clip_name = len(params), scale, name
+            if self._clipped_scaled >= CLIPS:
+                self._say(
+                    "clip_before_unscale",
+                    params=self._clip_params,
+                    measured=round(self._scale or 0),
+                    attribute=self._name(),
+                )
+
+    def _name(self) -> Optional[str]:
+        return self._clip_name or None
 
     def _used(self, params: List[Any]) -> bool:
         """Whether the noted gradients are still those the last step used (no
@@ -231,6 +269,10 @@ class LoopOrder:
         finding: Dict[str, Any] = {"kind": kind, "module": ""}
         finding.update({k: v for k, v in fields.items() if v is not None})
         self._found.append(finding)  # type: ignore[arg-type]
+
+
+def _listed(parameters: Any) -> List[Any]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
 def _world_size() -> int:
