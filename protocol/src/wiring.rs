@@ -79,6 +79,12 @@ crate::vocabulary! {
         /// their `.grad` and they never change. Sent in an amendment once a gradient
         /// reached them.
         TensorsNotRegistered = "tensors_not_registered",
+        /// *(v1.10)* `ReduceLROnPlateau` cut the lr `measured` (≥ 2) times while the
+        /// metric it is stepped with never improved on its first reading under its mode
+        /// (`attribute`: `min` or `max`) and moved steadily the other way: an accuracy
+        /// read in mode `min` (or a loss in mode `max`), every evaluation counted as no
+        /// improvement. Sent in an amendment.
+        PlateauModeMismatch = "plateau_mode_mismatch",
     }
 }
 

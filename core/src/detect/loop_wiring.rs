@@ -8,6 +8,8 @@
 //!   (after `optimizer.step()`, before the next `backward`).
 //! - `scheduler_per_micro_batch` (warning): an LR scheduler advances k ≥ 2 steps per
 //!   optimizer step.
+//! - `plateau_mode_mismatch` (warning, v1.10): `ReduceLROnPlateau` cuts the lr while
+//!   its metric moves steadily the way its mode calls worse, never once better.
 //! - `param_group_empty` (warning): an optimizer group holds no parameter and its lr
 //!   differs from every group that holds some.
 
@@ -28,6 +30,7 @@ pub(super) fn subject(finding: &WiringFinding) -> Option<String> {
                 .clone()
                 .unwrap_or_else(|| "scheduler".to_owned()),
         ),
+        WiringKind::PlateauModeMismatch => Some("ReduceLROnPlateau".to_owned()),
         WiringKind::ParamGroupEmpty => Some(format!(
             "param group {}",
             finding.attribute.as_deref().unwrap_or("?")
@@ -158,6 +161,37 @@ pub(super) fn scheduler(finding: &WiringFinding) -> Worded {
             "Call scheduler.step() right after optimizer.step(), inside the accumulation \
              branch (once per optimizer step); or, if the schedule is meant to count \
              micro-batches, build it with {k}x the steps, knowingly."
+        ),
+    )
+}
+
+pub(super) fn plateau_mode(finding: &WiringFinding) -> Worded {
+    let mode = finding.attribute.as_deref().unwrap_or("min");
+    let cuts = finding.measured.unwrap_or(2);
+    let (worse, better, other, meant) = if mode == "max" {
+        ("fell", "above", "min", "a loss or an error")
+    } else {
+        ("rose", "below", "max", "an accuracy or a score")
+    };
+    (
+        AlertKind::PlateauModeMismatch,
+        Severity::Warning,
+        format!(
+            "ReduceLROnPlateau (mode='{mode}') cut the lr {cuts} times while its metric \
+             steadily {worse}"
+        ),
+        format!(
+            "The metric ReduceLROnPlateau is stepped with never went {better} its first \
+             reading and {worse} steadily since, and the scheduler cut the lr {cuts} times. \
+             In mode '{mode}' a metric that {worse} never improves, so every evaluation \
+             counts towards patience and the lr keeps falling while the metric moves: if \
+             it is {meant}, the scheduler reads it the wrong way round."
+        ),
+        format!(
+            "If the metric is {meant}, build the scheduler with mode='{other}' \
+             (ReduceLROnPlateau(optimizer, mode='{other}', ...)); if the mode is right, the \
+             metric has got worse since the first evaluation (a model that overfits from \
+             the start): look at that rather than at the lr."
         ),
     )
 }
@@ -326,5 +360,40 @@ mod tests {
             "{}",
             after.detail
         );
+    }
+
+    #[test]
+    fn a_plateau_mode_mismatch_names_the_mode_and_the_other_one() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "params": [{"name": "base.0.weight"}],
+            "wiring": [{"kind": "plateau_mode_mismatch", "module": "", "attribute": "min",
+                        "measured": 3}]
+        }))
+        .unwrap();
+        registration.validate().unwrap();
+        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        let [alert] = &found[..] else {
+            panic!("{found:?}")
+        };
+        assert_eq!(
+            (alert.kind, alert.subject.as_str(), alert.severity),
+            (
+                AlertKind::PlateauModeMismatch,
+                "ReduceLROnPlateau",
+                Severity::Warning
+            )
+        );
+        assert!(
+            alert.title.contains("cut the lr 3 times"),
+            "{}",
+            alert.title
+        );
+        assert!(
+            alert.detail.contains("an accuracy or a score"),
+            "{}",
+            alert.detail
+        );
+        assert!(alert.fix.contains("mode='max'"), "{}", alert.fix);
+        assert_eq!(alert.evidence["cause"], "plateau_mode_mismatch");
     }
 }

@@ -33,6 +33,8 @@
 //! - [`loss_nonfinite`]: `loss_nonfinite`, a NaN or infinite loss.
 //! - [`loss_divergence`]: `loss_divergence`, the loss running away from its start.
 //! - [`grads_not_zeroed`]: `grads_not_zeroed`, gradients carried over optimizer steps.
+//! - *(v1.10)* [`lr_vanished`]: `lr_vanished`, a group's lr fallen to 10⁻⁸ of its
+//!   peak (or 0) for a twentieth of the run: the schedule ended or decays too fast.
 //! - [`accumulation_reset`]: `accumulation_reset`, gradients reset between the
 //!   backward passes of one optimizer step (only the last micro-batch counts).
 //! - [`eval_mode`]: `model_in_eval_mode`, a model left in eval mode mid-run.
@@ -160,6 +162,7 @@ streaming_detectors! {
     grads_not_zeroed::GradsNotZeroed,
     optimizer_steps::OptimizerStepsPerReport,
     optimizer_not_stepped::OptimizerNotStepped,
+    lr_vanished::LrVanished,
     accumulation_reset::AccumulationReset,
     eval_mode::EvalMode,
     stuck_zero::StuckZeroGrad,

@@ -98,6 +98,7 @@ fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
             loop_wiring::clip_after_step(&params, loop_wiring::clip_function(finding))
         }
         WiringKind::SchedulerPerMicroBatch => loop_wiring::scheduler(finding),
+        WiringKind::PlateauModeMismatch => loop_wiring::plateau_mode(finding),
         WiringKind::ParamGroupEmpty => loop_wiring::empty_group(finding, registration),
     };
     Opened {

@@ -228,6 +228,32 @@ def wrap_clip_values(observe: Callable[[Any, Any], None]) -> Optional[Callable[[
     return _chain(torch.nn.utils, "clip_grad_value_", clip)
 
 
+def wrap_plateau_steps(
+    observe: Callable[[Any, Any, List[float]], None],
+) -> Optional[Callable[[], None]]:
+    """Makes ``ReduceLROnPlateau.step`` call ``observe(scheduler, metrics,
+    lrs_before)`` after it ran (``lrs_before``: its optimizer's group lrs before the
+    call, so a cut is seen). The class's method is wrapped, so every instance is seen,
+    built before ``watch`` or after. Returns the restoring function, or None when this
+    torch has no ``ReduceLROnPlateau``."""
+    plateau = getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None)
+    if plateau is None:
+        return None
+
+    def step(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        scheduler = args[0] if args else None
+        try:
+            groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
+            before = [float(g["lr"]) for g in groups or ()]
+        except Exception:  # never the user's step's fault: observe sees no lrs
+            before = []
+        out = inner(*args, **kwargs)
+        observe(scheduler, args[1] if len(args) >= 2 else kwargs.get("metrics"), before)
+        return out
+
+    return _chain(plateau, "step", step)
+
+
 def _chain(owner: Any, name: str, around: Callable[..., Any]) -> Optional[Callable[[], None]]:
     """Replaces ``owner.<name>`` by a wrapper that calls ``around(inner, *args,
     **kwargs)``, ``inner`` being what it replaced. Several such wrappers stack (each
@@ -243,7 +269,7 @@ def _chain(owner: Any, name: str, around: Callable[..., Any]) -> Optional[Callab
         return around(wrapper.__wrapped__, *args, **kwargs)  # type: ignore[attr-defined]
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    wrapper._gradflow_clip = True  # type: ignore[attr-defined]
+    wrapper._gradflow_wrapper = True  # type: ignore[attr-defined]
     setattr(owner, name, wrapper)
 
     def restore() -> None:
@@ -253,7 +279,7 @@ def _chain(owner: Any, name: str, around: Callable[..., Any]) -> Optional[Callab
             return
         # Wrapped since by another of these wrappers: take this one out of the chain
         # beneath it. Anything else is left.
-        while getattr(current, "_gradflow_clip", False):
+        while getattr(current, "_gradflow_wrapper", False):
             inner = current.__wrapped__  # type: ignore[union-attr]
             if inner is wrapper:
                 current.__wrapped__ = wrapper.__wrapped__  # type: ignore[union-attr]

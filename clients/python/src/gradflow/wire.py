@@ -219,7 +219,8 @@ class Optimizer(TypedDict, total=False):
 class _WiringKind(TypedDict):
     # freeze_flag_ignored | modules_not_registered | tied_weights_untied |
     # params_created_in_forward | (v1.6) clip_before_unscale | clip_after_step |
-    # scheduler_per_micro_batch | param_group_empty | (v1.9) tensors_not_registered
+    # scheduler_per_micro_batch | param_group_empty | (v1.9) tensors_not_registered |
+    # (v1.10) plateau_mode_mismatch
     kind: str
     module: str
 

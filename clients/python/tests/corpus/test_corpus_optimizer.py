@@ -61,7 +61,7 @@ def test_warmup_scheduler_stepped_per_epoch(request, gradflow_server, gradflow_e
 
 
 @seeded
-@expects("norm_weight_frozen", NORMS, "zero_lr")
+@expects("norm_weight_frozen", NORMS, "zero_lr", also=["lr_vanished"])
 def test_schedule_length_too_short_decays_lr_to_zero(request, gradflow_server, gradflow_env, seed):
     """`num_training_steps` set far below the real number of optimizer steps: the
     linear schedule reaches lr 0 early and the rest of the run learns nothing

@@ -31,6 +31,7 @@ from .hooks import ModelHooks
 from .instability import InstabilitySignals
 from .loop_order import LoopOrder
 from .loopshape import LoopShape
+from .plateau import PlateauWatch
 from .scaler import ScalerTap
 
 
@@ -56,6 +57,8 @@ class Instruments:
         # (clipping, schedulers) over the first optimizer steps.
         self.built_in_forward = BuiltInForward(registry.model)
         self.loop_order = LoopOrder(registry.model, registry.optimizer, registry.scaler)
+        # For the whole run: a plateau scheduler's calls, one per evaluation.
+        self.plateau = PlateauWatch(registry.optimizer)
         self.hooks = ModelHooks(registry)
         self.measurer = Measurer(registry, self.hooks)
         if rank is not None:
@@ -128,6 +131,7 @@ class Instruments:
         if self.clips is not None:
             self.clips.remove()
         self.loop_order.remove()
+        self.plateau.remove()
         self.registry.remove()
         if self.scaler is not None:
             self.scaler.uninstall()
@@ -140,7 +144,7 @@ class Instruments:
 
     def _check_amend(self) -> None:
         amend = self.registry.amendment(
-            self.built_in_forward.findings() + self.loop_order.findings()
+            self.built_in_forward.findings() + self.loop_order.findings() + self.plateau.findings()
         )
         if amend is None:
             return

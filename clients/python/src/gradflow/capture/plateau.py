@@ -1,0 +1,125 @@
+"""``ReduceLROnPlateau`` stepped with a metric it reads the wrong way round: in its
+default mode ``"min"`` a metric that rises (an accuracy, a score) never improves, so
+every evaluation counts towards its patience and the lr is cut again and again while
+the model gets better (md-mohaiminul/ViS4mer#4). Sent as the wiring finding
+``plateau_mode_mismatch`` (protocol v1.10) in an amendment: ``attribute`` the
+scheduler's mode, ``measured`` the lr cuts.
+
+The rule, on the scheduler's own calls: the lr was cut at least ``CUTS`` times; no
+metric since the first was better than the first under the scheduler's mode (every
+cut came from a metric that never improved on its first reading); and the metric
+moved the other way steadily (Kendall's tau of the readings against their order at
+least ``TREND`` in the direction the mode calls worse, over at least ``READINGS``
+readings). A healthy plateau schedule sees its metric improve before it flattens,
+and a flat or noisy metric has no steady trend; a loss that rises from the very
+first evaluation (a model that overfits from the start) is told apart only in the
+words: the finding says both.
+
+How: the class's ``step`` is wrapped (``_torch_compat.wrap_plateau_steps``), so a
+scheduler built before or after ``watch`` is seen; only schedulers of the watched
+optimizer count. It reads one float per evaluation and nothing per training step.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Dict, List, Optional
+
+from .. import _torch_compat, wire
+from .._log import swallow
+
+# Lr cuts before it is said.
+CUTS = 2
+# Readings of the metric needed for a trend.
+READINGS = 4
+# Kendall's tau, in the direction the mode calls worse, that makes a trend steady.
+TREND = 0.6
+# Readings kept per scheduler (the trend is judged over the latest).
+KEPT = 64
+
+
+class _Readings:
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.first: Optional[float] = None
+        self.values: List[float] = []
+        self.cuts = 0
+        self.improved = False
+
+
+class PlateauWatch:
+    """Watches the ``ReduceLROnPlateau`` schedulers of ``optimizer``."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizers = [o for o in (optimizer, getattr(optimizer, "optimizer", None)) if o]
+        self._readings: weakref.WeakKeyDictionary[Any, _Readings] = weakref.WeakKeyDictionary()
+        self._said: set[int] = set()
+        self._found: List[wire.WiringFinding] = []
+        self._restore: Optional[Any] = None
+        if not self._optimizers:
+            return
+        try:
+            self._restore = _torch_compat.wrap_plateau_steps(self._on_step)
+        except Exception as exc:
+            swallow("watching the plateau scheduler", exc)
+
+    def remove(self) -> None:
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
+
+    def findings(self) -> List[wire.WiringFinding]:
+        found, self._found = self._found, []
+        return found
+
+    def _on_step(self, scheduler: Any, metrics: Any, lrs_before: List[float]) -> None:
+        try:
+            optimizer = getattr(scheduler, "optimizer", None)
+            if optimizer is None or id(scheduler) in self._said:
+                return
+            if not any(optimizer is o for o in self._optimizers):
+                return
+            value = float(metrics)
+            if not math.isfinite(value):
+                return
+            mode = str(getattr(scheduler, "mode", "min"))
+            readings = self._readings.get(scheduler)
+            if readings is None:
+                readings = self._readings[scheduler] = _Readings(mode)
+            lrs = [float(g["lr"]) for g in optimizer.param_groups]
+            if any(after < before for before, after in zip(lrs_before, lrs)):
+                readings.cuts += 1
+            worse = 1.0 if mode == "min" else -1.0  # the sign of a change the mode calls worse
+            if readings.first is None:
+                readings.first = value
+            elif (value - readings.first) * worse < 0:
+                readings.improved = True
+            readings.values = (readings.values + [value])[-KEPT:]
+            if (
+                readings.cuts >= CUTS
+                and not readings.improved
+                and len(readings.values) >= READINGS
+                and worse * _kendall_tau(readings.values) >= TREND
+            ):
+                self._said.add(id(scheduler))
+                finding: Dict[str, Any] = {
+                    "kind": "plateau_mode_mismatch",
+                    "module": "",
+                    "attribute": mode,
+                    "measured": readings.cuts,
+                }
+                self._found.append(finding)  # type: ignore[arg-type]
+        except Exception as exc:
+            swallow("watching the plateau scheduler", exc)
+
+
+def _kendall_tau(values: List[float]) -> float:
+    """Kendall's tau of `values` against their order: 1 when each reading is above
+    every earlier one, -1 when below, near 0 without a trend."""
+    pairs = concordant = 0
+    for i, a in enumerate(values):
+        for b in values[i + 1 :]:
+            pairs += 1
+            concordant += (b > a) - (b < a)
+    return concordant / pairs if pairs else 0.0
