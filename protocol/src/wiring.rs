@@ -85,6 +85,12 @@ crate::vocabulary! {
         /// read in mode `min` (or a loss in mode `max`), every evaluation counted as no
         /// improvement. Sent in an amendment.
         PlateauModeMismatch = "plateau_mode_mismatch",
+        /// *(v1.10)* `optimizer.step()` changed `params` parameters of `module` that have
+        /// `requires_grad=False` (`attribute`: their names, comma-separated): frozen
+        /// weights left in the optimizer, moved by weight decay or momentum on a zeroed
+        /// gradient, or by an optimizer that decays parameters without one. Weights moved
+        /// outside the step (an EMA teacher) are not judged. Sent in an amendment.
+        FrozenWeightsStepped = "frozen_weights_stepped",
     }
 }
 

@@ -89,6 +89,7 @@ fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
         ),
         WiringKind::ParamsCreatedInForward => created_in_forward(&module, attribute, &params),
         WiringKind::TensorsNotRegistered => tensors_not_registered(&module, attribute, finding),
+        WiringKind::FrozenWeightsStepped => frozen_weights_stepped(&module, attribute, finding),
         // The loop's order, seen in the first steps (v1.6), and empty optimizer groups.
         WiringKind::ClipBeforeUnscale => {
             let clip = loop_wiring::clip_function(finding);
@@ -159,6 +160,37 @@ fn tensors_not_registered(
     )
 }
 
+fn frozen_weights_stepped(
+    module: &str,
+    attributes: &str,
+    finding: &WiringFinding,
+) -> (AlertKind, Severity, String, String, String) {
+    let tensors = match finding.params {
+        Some(1) => "a parameter".to_owned(),
+        Some(n) => format!("{n} parameters"),
+        None => "parameters".to_owned(),
+    };
+    (
+        AlertKind::FrozenWeightsStepped,
+        Severity::Warning,
+        format!("{module}: frozen weights ({attributes}) are changed by optimizer.step()"),
+        format!(
+            "optimizer.step() changed {tensors} of {module} ({attributes}) that have \
+             requires_grad=False: they are frozen, yet the optimizer holds them and moves \
+             them every step. Weight decay shrinks them, or momentum keeps moving them, on \
+             a gradient that was zeroed rather than set to None (zero_grad(set_to_none=\
+             False), or torch before 2.0); some optimizers decay parameters that have no \
+             gradient at all. Weights meant to stay fixed drift away from what was loaded \
+             or learned."
+        ),
+        "Build the optimizer from the trainable parameters only: \
+         torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], ...) \
+         (rebuild it, or drop the frozen ones from its groups, when you freeze \
+         mid-run); and clear gradients with optimizer.zero_grad(set_to_none=True)."
+            .to_owned(),
+    )
+}
+
 fn created_in_forward(
     module: &str,
     layer: &str,
@@ -223,6 +255,33 @@ mod tests {
         );
         assert!(found[1].fix.contains("nn.ModuleList"));
         assert_eq!(found[2].evidence["cause"], "tied_weights_untied");
+    }
+
+    /// iamwangyabin/S-Prompts#2: a frozen prompt pool left in the optimizer decays.
+    #[test]
+    fn frozen_weights_the_step_moves_are_named_by_module() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "params": [{"name": "prompt.pool", "requires_grad": false}, {"name": "head.w"}],
+            "wiring": [{"kind": "frozen_weights_stepped", "module": "prompt",
+                        "attribute": "pool", "params": 1}]
+        }))
+        .unwrap();
+        registration.validate().unwrap();
+        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        let [alert] = &found[..] else {
+            panic!("{found:?}")
+        };
+        assert_eq!(
+            (alert.kind, alert.subject.as_str(), alert.severity),
+            (AlertKind::FrozenWeightsStepped, "prompt", Severity::Warning)
+        );
+        assert!(
+            alert.detail.contains("a parameter of prompt (pool)"),
+            "{}",
+            alert.detail
+        );
+        assert!(alert.fix.contains("if p.requires_grad"), "{}", alert.fix);
+        assert_eq!(alert.evidence["cause"], "frozen_weights_stepped");
     }
 
     /// automan000/Convolutional_LSTM_PyTorch#17: the peephole weights Wci, Wcf, Wco

@@ -27,6 +27,7 @@ from .built_in_forward import BuiltInForward
 from .clip_zero import METRIC as CLIPPED_TO_ZERO
 from .clip_zero import ClipsToZero
 from .cuts import CutTracer
+from .frozen_moves import FrozenMoves
 from .hooks import ModelHooks
 from .instability import InstabilitySignals
 from .loop_order import LoopOrder
@@ -57,8 +58,13 @@ class Instruments:
         # (clipping, schedulers) over the first optimizer steps.
         self.built_in_forward = BuiltInForward(registry.model)
         self.loop_order = LoopOrder(registry.model, registry.optimizer, registry.scaler)
-        # For the whole run: a plateau scheduler's calls, one per evaluation.
+        # For the whole run: a plateau scheduler's calls, one per evaluation; and, on
+        # sampled optimizer steps, frozen weights the step changes (its hooks come
+        # before this instrument's, which attach() adds).
         self.plateau = PlateauWatch(registry.optimizer)
+        self.frozen_moves = FrozenMoves(
+            {id(p.tensor): p.name for p in registry.params}, registry.optimizer
+        )
         self.hooks = ModelHooks(registry)
         self.measurer = Measurer(registry, self.hooks)
         if rank is not None:
@@ -132,6 +138,7 @@ class Instruments:
             self.clips.remove()
         self.loop_order.remove()
         self.plateau.remove()
+        self.frozen_moves.remove()
         self.registry.remove()
         if self.scaler is not None:
             self.scaler.uninstall()
@@ -144,7 +151,10 @@ class Instruments:
 
     def _check_amend(self) -> None:
         amend = self.registry.amendment(
-            self.built_in_forward.findings() + self.loop_order.findings() + self.plateau.findings()
+            self.built_in_forward.findings()
+            + self.loop_order.findings()
+            + self.plateau.findings()
+            + self.frozen_moves.findings()
         )
         if amend is None:
             return
@@ -204,7 +214,11 @@ class Instruments:
         alone = (
             ids is not None
             and not closure
-            and alone_between(optimizer, *ids, readers=self.loop_order.hook_ids())
+            and alone_between(
+                optimizer,
+                *ids,
+                readers=self.loop_order.hook_ids() + self.frozen_moves.hook_ids(),
+            )
         )
         self._measure(during_step=alone, before_step=True)
 
