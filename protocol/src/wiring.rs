@@ -91,6 +91,12 @@ crate::vocabulary! {
         /// gradient, or by an optimizer that decays parameters without one. Weights moved
         /// outside the step (an EMA teacher) are not judged. Sent in an amendment.
         FrozenWeightsStepped = "frozen_weights_stepped",
+        /// *(v1.10)* An element-wise loss (`mse_loss`, `l1_loss`, `smooth_l1_loss`,
+        /// `huber_loss`) got a prediction and a target whose shapes broadcast into more
+        /// pairs than either holds (`attribute`: the function and the two shapes;
+        /// `measured`: the pairs per prediction): `(N, 1)` against `(N)` compares every
+        /// prediction with every target. Sent in an amendment.
+        LossBroadcasts = "loss_broadcasts",
     }
 }
 

@@ -10,6 +10,8 @@
 //!   optimizer step.
 //! - `plateau_mode_mismatch` (warning, v1.10): `ReduceLROnPlateau` cuts the lr while
 //!   its metric moves steadily the way its mode calls worse, never once better.
+//! - `loss_broadcasts` (critical, v1.10): an element-wise loss whose prediction and
+//!   target broadcast into more pairs than either holds.
 //! - `param_group_empty` (warning): an optimizer group holds no parameter and its lr
 //!   differs from every group that holds some.
 
@@ -31,6 +33,7 @@ pub(super) fn subject(finding: &WiringFinding) -> Option<String> {
                 .unwrap_or_else(|| "scheduler".to_owned()),
         ),
         WiringKind::PlateauModeMismatch => Some("ReduceLROnPlateau".to_owned()),
+        WiringKind::LossBroadcasts => Some("loss".to_owned()),
         WiringKind::ParamGroupEmpty => Some(format!(
             "param group {}",
             finding.attribute.as_deref().unwrap_or("?")
@@ -192,6 +195,37 @@ pub(super) fn plateau_mode(finding: &WiringFinding) -> Worded {
              (ReduceLROnPlateau(optimizer, mode='{other}', ...)); if the mode is right, the \
              metric has got worse since the first evaluation (a model that overfits from \
              the start): look at that rather than at the lr."
+        ),
+    )
+}
+
+pub(super) fn loss_broadcasts(finding: &WiringFinding) -> Worded {
+    let call = finding
+        .attribute
+        .as_deref()
+        .unwrap_or("an element-wise loss: shapes that differ");
+    let function = call.split(':').next().unwrap_or("the loss");
+    let times = finding
+        .measured
+        .map_or_else(|| "many".to_owned(), |n| n.to_string());
+    (
+        AlertKind::LossBroadcasts,
+        Severity::Critical,
+        format!(
+            "{function} broadcasts its prediction against its target: the model fits the wrong objective"
+        ),
+        format!(
+            "{call}. The shapes differ and broadcast into {times} times as many pairs as \
+             there are predictions: every prediction is compared with every target (for \
+             (N, 1) against (N,), an (N, N) loss), whose minimum predicts the mean target \
+             for every sample. The loss falls and the gradients flow, but the model \
+             cannot learn the mapping. Torch warned about it once (\"Using a target size \
+             ... different to the input size\")."
+        ),
+        format!(
+            "Give the prediction and the target the same shape: {function}(pred.squeeze(-1), \
+             target) or {function}(pred, target.unsqueeze(-1)); assert pred.shape == \
+             target.shape before the loss."
         ),
     )
 }
@@ -395,5 +429,41 @@ mod tests {
         );
         assert!(alert.fix.contains("mode='max'"), "{}", alert.fix);
         assert_eq!(alert.evidence["cause"], "plateau_mode_mismatch");
+    }
+
+    /// pytorch/pytorch#16045: MSELoss on predictions (100, 1) and targets (100,).
+    #[test]
+    fn a_broadcasting_loss_names_the_shapes_and_the_squeeze() {
+        let registration: RunRegistration = serde_json::from_value(json!({
+            "params": [{"name": "weight"}],
+            "wiring": [{"kind": "loss_broadcasts", "module": "",
+                        "attribute": "mse_loss: input (100, 1), target (100,)", "measured": 100}]
+        }))
+        .unwrap();
+        registration.validate().unwrap();
+        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        let [alert] = &found[..] else {
+            panic!("{found:?}")
+        };
+        assert_eq!(
+            (alert.kind, alert.subject.as_str(), alert.severity),
+            (AlertKind::LossBroadcasts, "loss", Severity::Critical)
+        );
+        assert!(
+            alert.title.starts_with("mse_loss broadcasts"),
+            "{}",
+            alert.title
+        );
+        assert!(
+            alert.detail.contains("input (100, 1), target (100,)"),
+            "{}",
+            alert.detail
+        );
+        assert!(alert.detail.contains("100 times"), "{}", alert.detail);
+        assert!(
+            alert.fix.contains("mse_loss(pred.squeeze(-1), target)"),
+            "{}",
+            alert.fix
+        );
     }
 }

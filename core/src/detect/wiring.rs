@@ -90,6 +90,7 @@ fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
         WiringKind::ParamsCreatedInForward => created_in_forward(&module, attribute, &params),
         WiringKind::TensorsNotRegistered => tensors_not_registered(&module, attribute, finding),
         WiringKind::FrozenWeightsStepped => frozen_weights_stepped(&module, attribute, finding),
+        WiringKind::LossBroadcasts => loop_wiring::loss_broadcasts(finding),
         // The loop's order, seen in the first steps (v1.6), and empty optimizer groups.
         WiringKind::ClipBeforeUnscale => {
             let clip = loop_wiring::clip_function(finding);

@@ -40,6 +40,7 @@ vocabulary! {
         ParamGroupEmpty = WiringKind::ParamGroupEmpty.as_str() => KindSpec::new(&[Severity::Warning]),
         TensorsNotRegistered = WiringKind::TensorsNotRegistered.as_str() => KindSpec::new(&[Severity::Critical]),
         FrozenWeightsStepped = WiringKind::FrozenWeightsStepped.as_str() => KindSpec::new(&[Severity::Warning]),
+        LossBroadcasts = WiringKind::LossBroadcasts.as_str() => KindSpec::new(&[Severity::Critical]),
         GradsNotZeroed = "grads_not_zeroed" => KindSpec::new(&[Severity::Warning]),
         OptimizerStepsPerReport = "optimizer_steps_per_report" => KindSpec::new(&[Severity::Warning, Severity::Info]),
         OptimizerNotStepped = "optimizer_not_stepped" => KindSpec::new(&[Severity::Critical]),

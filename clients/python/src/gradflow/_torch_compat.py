@@ -254,6 +254,24 @@ def wrap_plateau_steps(
     return _chain(plateau, "step", step)
 
 
+def wrap_loss_function(
+    name: str, observe: Callable[[str, Any, Any], None]
+) -> Optional[Callable[[], None]]:
+    """Makes ``torch.nn.functional.<name>`` (a loss of ``input`` and ``target``, e.g.
+    ``mse_loss``) call ``observe(name, input, target)`` before it computes. The loss
+    modules (``nn.MSELoss``...) call the functional by its module attribute, so they
+    are seen too. Returns the restoring function, or None when there is no such
+    function."""
+
+    def loss(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        given = args[0] if args else kwargs.get("input")
+        target = args[1] if len(args) >= 2 else kwargs.get("target")
+        observe(name, given, target)
+        return inner(*args, **kwargs)
+
+    return _chain(torch.nn.functional, name, loss)
+
+
 def _chain(owner: Any, name: str, around: Callable[..., Any]) -> Optional[Callable[[], None]]:
     """Replaces ``owner.<name>`` by a wrapper that calls ``around(inner, *args,
     **kwargs)``, ``inner`` being what it replaced. Several such wrappers stack (each

@@ -220,7 +220,7 @@ class _WiringKind(TypedDict):
     # freeze_flag_ignored | modules_not_registered | tied_weights_untied |
     # params_created_in_forward | (v1.6) clip_before_unscale | clip_after_step |
     # scheduler_per_micro_batch | param_group_empty | (v1.9) tensors_not_registered |
-    # (v1.10) plateau_mode_mismatch | frozen_weights_stepped
+    # (v1.10) plateau_mode_mismatch | frozen_weights_stepped | loss_broadcasts
     kind: str
     module: str
 

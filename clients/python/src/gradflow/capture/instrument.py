@@ -32,6 +32,7 @@ from .hooks import ModelHooks
 from .instability import InstabilitySignals
 from .loop_order import LoopOrder
 from .loopshape import LoopShape
+from .loss_shapes import LossShapes
 from .plateau import PlateauWatch
 from .scaler import ScalerTap
 
@@ -65,6 +66,7 @@ class Instruments:
         self.frozen_moves = FrozenMoves(
             {id(p.tensor): p.name for p in registry.params}, registry.optimizer
         )
+        self.loss_shapes = LossShapes()
         self.hooks = ModelHooks(registry)
         self.measurer = Measurer(registry, self.hooks)
         if rank is not None:
@@ -139,6 +141,7 @@ class Instruments:
         self.loop_order.remove()
         self.plateau.remove()
         self.frozen_moves.remove()
+        self.loss_shapes.remove()
         self.registry.remove()
         if self.scaler is not None:
             self.scaler.uninstall()
@@ -155,6 +158,7 @@ class Instruments:
             + self.loop_order.findings()
             + self.plateau.findings()
             + self.frozen_moves.findings()
+            + self.loss_shapes.findings()
         )
         if amend is None:
             return
