@@ -279,13 +279,11 @@ pub(super) fn empty_group(finding: &WiringFinding, registration: &RunRegistratio
 mod tests {
     use serde_json::json;
 
-    use super::super::{Thresholds, registration};
     use super::*;
-    use crate::detect::context::RunContext;
 
     #[test]
     fn loop_findings_name_the_numbers_and_the_fix() {
-        let registration: RunRegistration = serde_json::from_value(json!({
+        let found = crate::detect::testing::registration_alerts(json!({
             "params": [{"name": "base.0.weight", "param_group": "0"}],
             "optimizer": {"name": "adamw", "param_groups": [
                 {"name": "0", "lr": 1e-3}, {"name": "1", "lr": 1e-5}]},
@@ -296,10 +294,7 @@ mod tests {
                  "attribute": "LambdaLR", "measured": 4},
                 {"kind": "param_group_empty", "module": "", "attribute": "1", "params": 0}
             ]
-        }))
-        .unwrap();
-        registration.validate().unwrap();
-        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        }));
         let got: Vec<_> = found
             .iter()
             .map(|a| (a.kind, a.subject.as_str(), a.severity))
@@ -347,7 +342,7 @@ mod tests {
 
     #[test]
     fn a_value_clip_is_named_and_its_fix_clamps_after_unscaling() {
-        let registration: RunRegistration = serde_json::from_value(json!({
+        let found = crate::detect::testing::registration_alerts(json!({
             "params": [{"name": "base.0.weight"}],
             "wiring": [
                 {"kind": "clip_before_unscale", "module": "", "params": 4, "measured": 65536,
@@ -355,10 +350,7 @@ mod tests {
                 {"kind": "clip_after_step", "module": "", "params": 4,
                  "attribute": "clip_grad_value_"}
             ]
-        }))
-        .unwrap();
-        registration.validate().unwrap();
-        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        }));
         assert_eq!(found.len(), 2);
         let (scaled, after) = (&found[0], &found[1]);
         assert_eq!(scaled.subject, "gradients");
@@ -398,14 +390,11 @@ mod tests {
 
     #[test]
     fn a_plateau_mode_mismatch_names_the_mode_and_the_other_one() {
-        let registration: RunRegistration = serde_json::from_value(json!({
+        let found = crate::detect::testing::registration_alerts(json!({
             "params": [{"name": "base.0.weight"}],
             "wiring": [{"kind": "plateau_mode_mismatch", "module": "", "attribute": "min",
                         "measured": 3}]
-        }))
-        .unwrap();
-        registration.validate().unwrap();
-        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        }));
         let [alert] = &found[..] else {
             panic!("{found:?}")
         };
@@ -434,14 +423,11 @@ mod tests {
     /// pytorch/pytorch#16045: MSELoss on predictions (100, 1) and targets (100,).
     #[test]
     fn a_broadcasting_loss_names_the_shapes_and_the_squeeze() {
-        let registration: RunRegistration = serde_json::from_value(json!({
+        let found = crate::detect::testing::registration_alerts(json!({
             "params": [{"name": "weight"}],
             "wiring": [{"kind": "loss_broadcasts", "module": "",
                         "attribute": "mse_loss: input (100, 1), target (100,)", "measured": 100}]
-        }))
-        .unwrap();
-        registration.validate().unwrap();
-        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        }));
         let [alert] = &found[..] else {
             panic!("{found:?}")
         };

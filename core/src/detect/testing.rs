@@ -79,3 +79,12 @@ impl Run {
         alerts.finish()
     }
 }
+
+/// What a registration (JSON, validated) opens on its own: its wiring findings' and
+/// its checks' alerts.
+pub fn registration_alerts(value: serde_json::Value) -> Vec<crate::model::alert::Opened> {
+    let registration: gradflow_protocol::RunRegistration =
+        serde_json::from_value(value).expect("a registration");
+    registration.validate().expect("a valid registration");
+    super::registration::check(&RunContext::new(&registration, Thresholds::default()))
+}

@@ -261,14 +261,11 @@ mod tests {
     /// iamwangyabin/S-Prompts#2: a frozen prompt pool left in the optimizer decays.
     #[test]
     fn frozen_weights_the_step_moves_are_named_by_module() {
-        let registration: RunRegistration = serde_json::from_value(json!({
+        let found = crate::detect::testing::registration_alerts(json!({
             "params": [{"name": "prompt.pool", "requires_grad": false}, {"name": "head.w"}],
             "wiring": [{"kind": "frozen_weights_stepped", "module": "prompt",
                         "attribute": "pool", "params": 1}]
-        }))
-        .unwrap();
-        registration.validate().unwrap();
-        let found = registration::check(&RunContext::new(&registration, Thresholds::default()));
+        }));
         let [alert] = &found[..] else {
             panic!("{found:?}")
         };
