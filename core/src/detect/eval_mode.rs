@@ -5,7 +5,9 @@
 //! # The rule
 //!
 //! The Python client sends the model's training flag at each `gf.step` as the
-//! metric [`METRIC`] (1 or 0). The alert opens when the flag, after at least one
+//! metric [`METRIC`] (1 or 0; since v1.10 also 0 when the flag is on but every
+//! dropout and running-statistics batch norm is in eval mode: an evaluation helper
+//! that switched the model's parts, facebookresearch/clevr-iep#22). The alert opens when the flag, after at least one
 //! reported step at 1, is 0 on every reported step spanning [`STEPS`] step numbers,
 //! and resolves on a step at 1. A run in eval mode from its first step never opens
 //! it: some setups train that way on purpose, and nothing in the numbers tells a

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Un
 import torch
 
 from .. import _torch_compat, wire
-from . import intended, step_signals, vector
+from . import intended, modes, step_signals, vector
 from .overlap import StepWorker
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
@@ -162,6 +162,10 @@ class Measurer:
 
     def __init__(self, registry: Registry, hooks: StepHooks) -> None:
         self.registry = registry
+        # The model's modules that read the training flag, found again whenever the
+        # registry rescans (a new list of parameters).
+        self._modes_of: Optional[List[Any]] = None
+        self._mode_dependent: List[Any] = []
         self.hooks = hooks
         # Set for a multi-rank run: records carry the partial sums (see the module).
         self.partial = False
@@ -346,6 +350,13 @@ class Measurer:
             self.measure_grads()
         finally:
             self._during_step = False
+
+    def _in_training_mode(self) -> bool:
+        params = self.registry.params
+        if self._modes_of is not params:
+            self._modes_of = params
+            self._mode_dependent = modes.mode_dependent(self.registry.model)
+        return modes.computes_in_training_mode(self.registry.model, self._mode_dependent)
 
     def settle_grads(self) -> None:
         """The norms the worker took, once it has them (the optimizer's post-step
@@ -538,9 +549,9 @@ class Measurer:
         )
         if metrics:
             pending.metrics.update(metrics)
-        # Whether the model was in training mode at gf.step (dropout on): a model left
-        # in eval() after an evaluation trains without it. 1 or 0.
-        pending.metrics.setdefault(TRAINING_METRIC, 1.0 if self.registry.model.training else 0.0)
+        # Whether the model computed in training mode at gf.step (dropout on): a model
+        # left in eval() after an evaluation trains without it. 1 or 0.
+        pending.metrics.setdefault(TRAINING_METRIC, 1.0 if self._in_training_mode() else 0.0)
         pieces: List[Piece] = []
         slots = Slots()
 
