@@ -234,6 +234,32 @@ def test_a_sane_eps_stays_silent(gradflow_server):
     assert kinds(gradflow_server, run_id) == []
 
 
+def test_rows_whose_gradient_is_negligible_are_not_counted_below_eps(gradflow_server):
+    """An output head whose rows for ids the data never uses get only a vanishing
+    gradient (here 1e-13 of the loss), as the tokens a model learnt to rule out do:
+    their √v̂ is below ε = 1e-8 while the used rows' is far above it. Counted, they
+    made most of the head "below ε" on a healthy run (docs/instabilities.md); they
+    carry none of the gradient and are left out (v1.10)."""
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(16, 64))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    gf = gradflow.watch(
+        head, optimizer, server=gradflow_server.url, run_id=new_run_id(), signals={"adam": 5}
+    )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        out = head(torch.randn(32, 16, generator=g))
+        loss = (out[:, :8] - 1.0).square().mean() + 1e-13 * out[:, 8:].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+    gf.close()
+    below = gradflow_server.series(gf.run_id, "adam_below_eps", "0")
+    assert len(below) == 8 and all(v == 0.0 for _, v in below), below
+    assert kinds(gradflow_server, gf.run_id) == []
+
+
 def test_an_update_spike_from_a_bad_batch_with_a_slow_second_moment_is_named(gradflow_server):
     # β₂ = 0.999: Adam's second moment lags the batch's gradient, the update jumps.
     run_id, _ = train(gradflow_server, 160, beta2=0.999, bad_step=150, signals={"adam": 1})

@@ -7,7 +7,9 @@
 //!
 //! On each step with Adam's state (`modules[].adam`, sampled by the client), per
 //! optimizer parameter group: the fraction of its updated elements (v > 0; rows never
-//! updated are left out by the client) with √v̂ < ε, over its modules weighted by
+//! updated are left out by the client, and since v1.10 the Python client also leaves
+//! out elements whose √v̂ is below 10⁻⁴ of their parameter's largest, the rows of
+//! tokens a model learnt to rule out) with √v̂ < ε, over its modules weighted by
 //! their updated elements. The alert opens when it is at least [`FRACTION`] on
 //! [`REPORTS`] reports running; critical when the group's update RMS / lr is also
 //! below [`DAMPED_UPDATE`] (updates an order of magnitude under Adam's healthy

@@ -6,8 +6,14 @@ samples: per parameter, from its moments ``exp_avg`` (m) and ``exp_avg_sq`` (v, 
 
 (the update divided by the lr, weight decay left out). Elements never updated
 (``v = 0``: an embedding row whose token has not been seen) are left out of every
-figure. Per parameter: [Σ u², max |u|, elements updated, elements with √v̂ < ε]; the
-record sums them per module (``adam`` of ``modules[]``, protocol v1.8).
+figure. Per parameter: [Σ u², max |u|, elements updated, elements with √v̂ < ε,
+elements that carry gradient]; the record sums them per module (``adam`` of ``modules[]``, protocol v1.8).
+
+Below ε counts (v1.10), and is a fraction of, only the elements that carry some of the
+gradient, whose √v̂ is at least ``CARRIES`` (10⁻⁴) of the parameter's largest: an output head's rows of tokens the data never uses get only the
+tiny softmax probabilities of tokens it learnt to rule out, their √v̂ 10⁵ below the
+used rows', and ε damping them hides no gradient scale (an ε above the gradients'
+scale, the failure, puts the rows that carry the gradient below it too).
 
 The moments are copied flat on the training thread (one flattening call each, a chunk
 of parameters at a time, so the temporaries stay bounded) and the arithmetic runs on
@@ -36,8 +42,11 @@ from .ranks import is_dtensor, local_numel
 from .registration import Registry
 from .vector import Deferred, Piece
 
-# Numbers per parameter: Σ u², max |u|, updated, below ε.
-WIDTH = 4
+# Numbers per parameter: Σ u², max |u|, updated, below ε, carrying (see the module).
+WIDTH = 5
+# The share of a parameter's largest √v̂ below which an element counts as carrying
+# none of its gradient (not counted below ε).
+CARRIES = 1e-4
 # Elements per chunk of the copies and temporaries (m, v, u and masks: ~5 × 4 B each).
 CHUNK_ELEMENTS = 16 * 1024 * 1024
 
@@ -222,7 +231,7 @@ def _stats(
     b2: float,
     eps: float,
 ) -> torch.Tensor:
-    """Per parameter [Σ u², max |u|, updated, below ε] (see the module), from flat
+    """Per parameter [Σ u², max |u|, updated, below ε, carrying] (see the module), from flat
     copies of the moments, `lengths` elements each: arithmetic on any thread."""
     steps = steps.to(m.device)
     sizes = torch.tensor(lengths, device=m.device)
@@ -230,13 +239,21 @@ def _stats(
     bc2 = torch.repeat_interleave(1 - b2**steps, sizes, output_size=m.numel())
     v_hat = v / bc2
     updated = v > 0
-    u = torch.where(updated, (m / bc1) / (v_hat.sqrt() + eps), 0.0)
+    root = v_hat.sqrt()
+    u = torch.where(updated, (m / bc1) / (root + eps), 0.0)
     squares = intended.segment_sums(u * u, lengths)
     largest = intended.segment_maxima(u.abs(), lengths) + squares * 0.0  # NaN stays NaN
     count = intended.segment_counts(updated, lengths)
-    below = intended.segment_counts(updated & (v_hat < eps * eps), lengths)
+    # Below ε counts only elements that carry some of the parameter's gradient: a √v̂
+    # at least CARRIES of the parameter's largest (see the module).
+    floor = intended.segment_maxima(root, lengths) * CARRIES
+    carries = root >= torch.repeat_interleave(floor, sizes, output_size=m.numel())
+    carrying = updated & carries
+    below = intended.segment_counts(carrying & (v_hat < eps * eps), lengths)
+    carried = intended.segment_counts(carrying, lengths)
     wide = count.dtype
-    return torch.stack([squares.to(wide), largest.to(wide), count, below], dim=1).reshape(-1)
+    numbers = [squares.to(wide), largest.to(wide), count, below, carried]
+    return torch.stack(numbers, dim=1).reshape(-1)
 
 
 def _joined(pieces: List[Piece]) -> Piece:

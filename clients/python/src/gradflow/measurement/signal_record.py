@@ -20,7 +20,7 @@ from . import encode
 # Batch ids a record carries at most, and bytes of one id (the protocol's limits).
 MAX_BATCH_IDS = 1024
 MAX_BATCH_ID_BYTES = 256
-ADAM_WIDTH = 4
+ADAM_WIDTH = 5
 
 
 @dataclass(frozen=True)
@@ -158,20 +158,22 @@ def _adam(signals: SignalsAt, v: Sequence[float]) -> Dict[str, Dict[str, Any]]:
     totals: Dict[str, List[float]] = {}
     for k, module in enumerate(signals.adam_modules):
         at = signals.adam_at + ADAM_WIDTH * k
-        squares, largest, updated, below = v[at : at + ADAM_WIDTH]
-        total = totals.setdefault(module, [0.0, 0.0, 0.0, 0.0])
+        squares, largest, updated, below, carrying = v[at : at + ADAM_WIDTH]
+        total = totals.setdefault(module, [0.0, 0.0, 0.0, 0.0, 0.0])
         total[0] += squares
         total[1] = max(total[1], largest, key=_nan_first)
         total[2] += updated
         total[3] += below
+        total[4] += carrying
     out: Dict[str, Dict[str, Any]] = {}
-    for module, (squares, largest, updated, below) in totals.items():
+    for module, (squares, largest, updated, below, carrying) in totals.items():
         count = encode.count(updated)
         if not count:
             continue  # no element of the module was ever updated
         out[module] = {
             "updated": count,
-            "below_eps": min(1.0, max(0.0, below / updated)),
+            # Of the elements that carry gradient (v1.10; see adam_state).
+            "below_eps": min(1.0, max(0.0, below / carrying)) if carrying else 0.0,
             "update_rms": encode.norm(math.sqrt(squares / updated) if squares >= 0 else math.nan),
             "update_absmax": encode.norm(largest),
         }
