@@ -7,13 +7,15 @@ samples: per parameter, from its moments ``exp_avg`` (m) and ``exp_avg_sq`` (v, 
 (the update divided by the lr, weight decay left out). Elements never updated
 (``v = 0``: an embedding row whose token has not been seen) are left out of every
 figure. Per parameter: [Σ u², max |u|, elements updated, elements with √v̂ < ε,
-elements that carry gradient]; the record sums them per module (``adam`` of ``modules[]``, protocol v1.8).
+elements that carry gradient]; the record sums them per module (``adam`` of
+``modules[]``, protocol v1.8).
 
-Below ε counts (v1.10), and is a fraction of, only the elements that carry some of the
-gradient, whose √v̂ is at least ``CARRIES`` (10⁻⁴) of the parameter's largest: an output head's rows of tokens the data never uses get only the
-tiny softmax probabilities of tokens it learnt to rule out, their √v̂ 10⁵ below the
-used rows', and ε damping them hides no gradient scale (an ε above the gradients'
-scale, the failure, puts the rows that carry the gradient below it too).
+Below ε counts (v1.10), and is a fraction of, only the elements that carry some of
+the gradient, whose √v̂ is at least ``CARRIES`` (10⁻⁴) of the parameter's largest: an
+output head's rows of tokens the data never uses get only the tiny softmax
+probabilities of tokens it learnt to rule out, their √v̂ 10⁵ below the used rows',
+and ε damping them hides no gradient scale (an ε above the gradients' scale, the
+failure, puts the rows that carry the gradient below it too).
 
 The moments are copied flat on the training thread (one flattening call each, a chunk
 of parameters at a time, so the temporaries stay bounded) and the arithmetic runs on
