@@ -17,6 +17,7 @@ import gradflow
 from gradflow._torch_compat import PausableForwardPreHooks
 from gradflow.measurement import intended, measure, vector
 from gradflow.measurement.measure import count_hits
+from gradflow.measurement.registration import SIGNATURE_EVERY
 
 
 def accumulate(model, optimizer, gf, steps, micro, before_last_backward=None):
@@ -224,9 +225,10 @@ def test_the_optimizer_state_is_looked_up_again_when_it_is_replaced():
 def test_a_change_after_the_gradient_read_is_amended_on_the_step_it_first_trains(
     gradflow_server,
 ):
-    """The signature is read once a step, when the gradients are: a module unfrozen
-    between optimizer.step() and gf.step() is amended on the next step, the first
-    whose gradients it has; one unfrozen before the forward, on that step."""
+    """The signature is read at most once a step, when the gradients are, and on
+    any step whose parameters holding a gradient changed: a module unfrozen between
+    optimizer.step() and gf.step() is amended on the next step, the first whose
+    gradients it has; one unfrozen before the forward, on that step."""
     model = PromptAgent()
     model.agent.head.requires_grad_(False)
     model.agent.hidden.requires_grad_(False)
@@ -253,3 +255,36 @@ def test_a_change_after_the_gradient_read_is_amended_on_the_step_it_first_trains
         2: ["agent.head.bias", "agent.head.weight"],
         4: ["agent.hidden.bias", "agent.hidden.weight"],
     }, run["amendments"]
+
+
+def test_a_change_no_gradient_shows_is_amended_within_the_signature_bound(gradflow_server):
+    """A layer frozen while its gradient stays (zeroed, not set to None) and a layer
+    cast to another dtype leave every parameter's gradient where it was: the
+    periodic read of the signature amends each by SIGNATURE_EVERY steps after the
+    step it was made in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gf = gradflow.watch(
+        model, optimizer, server=gradflow_server.url, run_id=new_run_id("bound"), on_alert=None
+    )
+    x = torch.randn(4, 8)
+    frozen_at, cast_at = 5, 11
+    for step in range(cast_at + SIGNATURE_EVERY + 3):
+        if step == frozen_at:
+            model[0].requires_grad_(False)
+        if step == cast_at:
+            model[2].to(torch.bfloat16)
+        optimizer.zero_grad(set_to_none=False)
+        hidden = model[1](model[0](x)).to(model[2].weight.dtype)
+        loss = model[2](hidden).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+    gf.close()
+    run = gradflow_server.run(gf.run_id)
+    specs = [(a["step"], p) for a in run["amendments"] for p in a["amend"].get("params", [])]
+    frozen = [s for s, p in specs if p["name"] == "0.weight" and p["requires_grad"] is False]
+    cast = [s for s, p in specs if p["name"] == "2.weight" and p.get("dtype") == "bf16"]
+    assert frozen and frozen_at <= frozen[0] <= frozen_at + SIGNATURE_EVERY, run["amendments"]
+    assert cast and cast_at <= cast[0] <= cast_at + SIGNATURE_EVERY, run["amendments"]
