@@ -26,10 +26,11 @@ WALK_EVERY = 16
 
 # The parameters' requires_grad and dtype are read at the first check of every this
 # many steps, and of any step whose optimizer groups changed, whose model had a
-# parameter or module assigned, or whose parameters holding a gradient are not those
-# of the last check: a change of either made in step n is amended by step
-# n + SIGNATURE_EVERY (a parameter unfrozen before a forward, or frozen with its
-# gradient set to None, on the step itself). Reading them every step was most of the
+# parameter or module assigned, or whose parameters holding a gradient, or those
+# gradients' dtypes, are not those of the last check: a change of either made in
+# step n is amended by step n + SIGNATURE_EVERY (a parameter unfrozen before a
+# forward, frozen with its gradient set to None, or cast while it trains, on the
+# step itself). Reading them every step was most of the
 # amendment check's cost (~0.45 ms at 290 tensors on a CPU, passes over every
 # parameter after backward), beside the gradients' own read.
 SIGNATURE_EVERY = 4
@@ -113,10 +114,12 @@ class Registry:
         self._steps_unread = 0
         self._signature_due = False
         # The parameters' gradients as the last check read them (for the gradient
-        # read of the same hook: see take_grads), and which of them were not None.
+        # read of the same hook: see take_grads), which of them were not None, and
+        # the dtypes of those that were.
         self._grads: Optional[List[Optional[torch.Tensor]]] = None
         self._grads_of: Optional[List[torch.Tensor]] = None
         self._grad_presence: Optional[Tuple[bool, ...]] = None
+        self._grad_dtypes: Optional[Tuple[torch.dtype, ...]] = None
         # Ranks in a run whose every rank reports (v1.4): parameters then say how
         # their elements are laid out across the ranks. 1 otherwise.
         self.world_size = 1
@@ -249,23 +252,26 @@ class Registry:
             return None
         return grads
 
-    def _presence_changed(self) -> bool:
+    def _grads_changed(self) -> bool:
         """Reads the gradients (kept for :meth:`take_grads`): whether the parameters
-        holding one are not those of the last check. A pointer comparison each, on
-        the read the gradient norms make anyway."""
+        holding one, or those gradients' dtypes, are not those of the last check. A
+        pointer comparison and a dtype read each, C-level, on the gradients the
+        gradient norms read anyway (their objects just touched): a parameter cast
+        while it trains gets a gradient of its new dtype on the step of the cast."""
         grads = list(map(_GRAD, self._tensors))
         self._grads, self._grads_of = grads, self._tensors
         presence = tuple(map(operator.is_not, grads, itertools.repeat(None)))
-        changed = presence != self._grad_presence
-        self._grad_presence = presence
+        dtypes = tuple(map(_DTYPE, itertools.compress(grads, presence)))
+        changed = presence != self._grad_presence or dtypes != self._grad_dtypes
+        self._grad_presence, self._grad_dtypes = presence, dtypes
         return changed
 
     def _skips_signature(self) -> bool:
         """Whether this step's first check may leave the parameters unread: the
         signature was read fewer than ``SIGNATURE_EVERY`` steps ago, the optimizer's
         groups are as they were then, and so are the parameters that hold a
-        gradient."""
-        if self._presence_changed():
+        gradient and those gradients' dtypes."""
+        if self._grads_changed():
             return False
         if self._signature_due or self._steps_unread + 1 >= SIGNATURE_EVERY:
             return False
@@ -422,8 +428,10 @@ class Registry:
         :meth:`release_signature`): every ``SIGNATURE_EVERY``-th step, and on any
         step whose optimizer groups changed, whose model had a parameter or module
         assigned (a replacement), or whose parameters holding a gradient changed (one
-        unfrozen, or frozen with its gradient set to None). A parameter frozen,
-        unfrozen or cast in step n is thus amended by step n + ``SIGNATURE_EVERY``
+        unfrozen, or frozen with its gradient set to None) or whose gradients' dtypes
+        did (a parameter cast while it trains). A parameter frozen, unfrozen or cast
+        in step n is thus amended by step n + ``SIGNATURE_EVERY``, one cast while it
+        trains on step n
         (tested: ``test_a_change_no_gradient_shows_is_amended_within_the_signature_bound``);
         only a change rebuilds the specs. `seen`: wiring findings the capture layer
         made since the last call (layers built in a forward, the loop's order), sent
