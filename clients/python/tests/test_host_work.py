@@ -14,7 +14,7 @@ from conftest import PromptAgent, batches, new_run_id
 from torch import nn
 
 import gradflow
-from gradflow._torch_compat import PausableForwardPreHooks
+from gradflow._torch_compat import ParkedForwardHooks, PausableForwardPreHooks
 from gradflow.measurement import intended, measure, vector
 from gradflow.measurement.measure import count_hits
 from gradflow.measurement.registration import SIGNATURE_EVERY
@@ -117,6 +117,67 @@ def test_paused_hooks_are_put_back_once_and_never_after_removal():
     hooks.resume()
     layer(x)
     assert calls == ["a", "a"] and not layer._forward_pre_hooks
+
+
+def test_parked_hooks_run_only_while_their_key_is_switched_on():
+    layer = nn.Linear(2, 2)
+    calls = []
+    hooks = ParkedForwardHooks()
+    hooks.add_pre(layer, lambda module, args: calls.append("pre"), "a")
+    hooks.add(layer, lambda module, args, out: calls.append("post"), "a", always_call=True)
+    hooks.add(layer, lambda module, args, out: calls.append("other"), "b")
+    x = torch.zeros(1, 2)
+    layer(x)
+    assert calls == [] and not layer._forward_hooks and not layer._forward_pre_hooks
+    hooks.switch_on("a")
+    hooks.switch_on("missing")  # a key without hooks: nothing to do
+    layer(x)
+    assert calls == ["pre", "post"]
+    hooks.switch_off()
+    hooks.switch_off()
+    layer(x)
+    assert calls == ["pre", "post"] and not layer._forward_hooks
+    hooks.switch_on("b")
+    layer(x)
+    assert calls == ["pre", "post", "other"]
+    hooks.remove()
+    layer(x)
+    assert calls == ["pre", "post", "other"]
+    assert not layer._forward_hooks and not layer._forward_hooks_always_called
+
+
+def test_the_signals_hooks_are_on_for_their_sampled_steps_only(gradflow_server):
+    """Registered once, switched on at the gf.step before a sampled step and off at
+    its own: the modules of the other steps run without them, and the watch's end
+    leaves none."""
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def forward_hooked() -> int:
+        return sum(1 for m in model.modules() if m._forward_hooks)
+
+    bare = forward_hooked()
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=gradflow_server.url,
+        run_id=new_run_id("parked"),
+        on_alert=None,
+        signals={"activations": 2, "tokens": 0, "attention": 0, "adam": 0, "moe": 0},
+    )
+    seen = []
+    for tokens, target in batches(4):
+        seen.append(forward_hooked() - bare)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens), target)
+        loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+    gf.close()
+    assert seen[0] > 0 and seen[2] == seen[0] and seen[1] == seen[3] == 0, seen
+    assert forward_hooked() == bare
+    run = gradflow_server.run(gf.run_id)
+    assert run["step_count"] == 4
 
 
 def test_a_hook_may_pause_its_own_module_while_it_runs():
