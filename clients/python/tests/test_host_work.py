@@ -14,9 +14,10 @@ from conftest import PromptAgent, batches, new_run_id
 from torch import nn
 
 import gradflow
-from gradflow._torch_compat import PausableForwardPreHooks
+from gradflow._torch_compat import ParkedForwardHooks, PausableForwardPreHooks
 from gradflow.measurement import intended, measure, vector
 from gradflow.measurement.measure import count_hits
+from gradflow.measurement.registration import SIGNATURE_EVERY
 
 
 def accumulate(model, optimizer, gf, steps, micro, before_last_backward=None):
@@ -116,6 +117,67 @@ def test_paused_hooks_are_put_back_once_and_never_after_removal():
     hooks.resume()
     layer(x)
     assert calls == ["a", "a"] and not layer._forward_pre_hooks
+
+
+def test_parked_hooks_run_only_while_their_key_is_switched_on():
+    layer = nn.Linear(2, 2)
+    calls = []
+    hooks = ParkedForwardHooks()
+    hooks.add_pre(layer, lambda module, args: calls.append("pre"), "a")
+    hooks.add(layer, lambda module, args, out: calls.append("post"), "a", always_call=True)
+    hooks.add(layer, lambda module, args, out: calls.append("other"), "b")
+    x = torch.zeros(1, 2)
+    layer(x)
+    assert calls == [] and not layer._forward_hooks and not layer._forward_pre_hooks
+    hooks.switch_on("a")
+    hooks.switch_on("missing")  # a key without hooks: nothing to do
+    layer(x)
+    assert calls == ["pre", "post"]
+    hooks.switch_off()
+    hooks.switch_off()
+    layer(x)
+    assert calls == ["pre", "post"] and not layer._forward_hooks
+    hooks.switch_on("b")
+    layer(x)
+    assert calls == ["pre", "post", "other"]
+    hooks.remove()
+    layer(x)
+    assert calls == ["pre", "post", "other"]
+    assert not layer._forward_hooks and not layer._forward_hooks_always_called
+
+
+def test_the_signals_hooks_are_on_for_their_sampled_steps_only(gradflow_server):
+    """Registered once, switched on at the gf.step before a sampled step and off at
+    its own: the modules of the other steps run without them, and the watch's end
+    leaves none."""
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def forward_hooked() -> int:
+        return sum(1 for m in model.modules() if m._forward_hooks)
+
+    bare = forward_hooked()
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=gradflow_server.url,
+        run_id=new_run_id("parked"),
+        on_alert=None,
+        signals={"activations": 2, "tokens": 0, "attention": 0, "adam": 0, "moe": 0},
+    )
+    seen = []
+    for tokens, target in batches(4):
+        seen.append(forward_hooked() - bare)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens), target)
+        loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+    gf.close()
+    assert seen[0] > 0 and seen[2] == seen[0] and seen[1] == seen[3] == 0, seen
+    assert forward_hooked() == bare
+    run = gradflow_server.run(gf.run_id)
+    assert run["step_count"] == 4
 
 
 def test_a_hook_may_pause_its_own_module_while_it_runs():
@@ -224,9 +286,10 @@ def test_the_optimizer_state_is_looked_up_again_when_it_is_replaced():
 def test_a_change_after_the_gradient_read_is_amended_on_the_step_it_first_trains(
     gradflow_server,
 ):
-    """The signature is read once a step, when the gradients are: a module unfrozen
-    between optimizer.step() and gf.step() is amended on the next step, the first
-    whose gradients it has; one unfrozen before the forward, on that step."""
+    """The signature is read at most once a step, when the gradients are, and on
+    any step whose parameters holding a gradient changed: a module unfrozen between
+    optimizer.step() and gf.step() is amended on the next step, the first whose
+    gradients it has; one unfrozen before the forward, on that step."""
     model = PromptAgent()
     model.agent.head.requires_grad_(False)
     model.agent.hidden.requires_grad_(False)
@@ -253,3 +316,38 @@ def test_a_change_after_the_gradient_read_is_amended_on_the_step_it_first_trains
         2: ["agent.head.bias", "agent.head.weight"],
         4: ["agent.hidden.bias", "agent.hidden.weight"],
     }, run["amendments"]
+
+
+def test_a_change_no_gradient_shows_is_amended_within_the_signature_bound(gradflow_server):
+    """A layer frozen while its gradient stays (zeroed, not set to None) leaves every
+    parameter's gradient where it was: the periodic read of the signature amends it
+    by SIGNATURE_EVERY steps after the step it was made in. A layer cast to another
+    dtype while it trains is amended on the step of the cast, whose gradients come in
+    the new dtype, though no periodic read falls on it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gf = gradflow.watch(
+        model, optimizer, server=gradflow_server.url, run_id=new_run_id("bound"), on_alert=None
+    )
+    x = torch.randn(4, 8)
+    frozen_at, cast_at = 5, 11
+    for step in range(cast_at + SIGNATURE_EVERY + 3):
+        if step == frozen_at:
+            model[0].requires_grad_(False)
+        if step == cast_at:
+            model[2].to(torch.bfloat16)
+        optimizer.zero_grad(set_to_none=False)
+        hidden = model[1](model[0](x)).to(model[2].weight.dtype)
+        loss = model[2](hidden).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+    gf.close()
+    run = gradflow_server.run(gf.run_id)
+    specs = [(a["step"], p) for a in run["amendments"] for p in a["amend"].get("params", [])]
+    frozen = [s for s, p in specs if p["name"] == "0.weight" and p["requires_grad"] is False]
+    cast = [s for s, p in specs if p["name"] == "2.weight" and p.get("dtype") == "bf16"]
+    assert frozen and frozen_at <= frozen[0] <= frozen_at + SIGNATURE_EVERY, run["amendments"]
+    assert cast_at % SIGNATURE_EVERY != 0
+    assert cast and cast[0] == cast_at, run["amendments"]

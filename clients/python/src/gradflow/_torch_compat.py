@@ -83,7 +83,30 @@ def registration_hooks(callback: Callable[[Any, str, Any], None]) -> List[Any]:
 # -- module forward pre-hooks ---------------------------------------------------------
 
 
-class PausableForwardPreHooks:
+class _HookSlots:
+    """Module hooks registered once, kept by key with the dict each lives in, so
+    that they can be taken out of their modules and put back (an entry each)
+    without a new registration; ``_keys``: the keys moved, to undo."""
+
+    def __init__(self) -> None:
+        self._handles: List[Any] = []
+        # key -> (the module's hook dict, the hook's id, the hook)
+        self._slots: Dict[Any, List[Any]] = {}
+        self._keys: List[Any] = []
+
+    def _keep(self, key: Any, hooks: Any, handle: Any, hook: Callable[..., Any]) -> None:
+        self._handles.append(handle)
+        self._slots.setdefault(key, []).append((hooks, handle.id, hook))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._slots = {}
+        self._keys = []
+
+
+class PausableForwardPreHooks(_HookSlots):
     """Forward pre-hooks (with kwargs) that can be taken out of their modules for the
     rest of a step and put back, by key: a module whose hook dict is empty takes
     ``Module._call_impl``'s fast path, so a paused hook costs its module nothing (a
@@ -92,16 +115,9 @@ class PausableForwardPreHooks:
     path iterates a copy of it, so a hook may pause its own module); a resume puts
     it back, after any hook registered since (these hooks only read)."""
 
-    def __init__(self) -> None:
-        self._handles: List[Any] = []
-        # key -> (the module's hook dict, the hook's id, the hook)
-        self._slots: Dict[Any, List[Any]] = {}
-        self._paused: List[Any] = []
-
     def add(self, module: torch.nn.Module, hook: Callable[..., Any], key: Any) -> None:
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-        self._handles.append(handle)
-        self._slots.setdefault(key, []).append((module._forward_pre_hooks, handle.id, hook))
+        self._keep(key, module._forward_pre_hooks, handle, hook)
 
     def pause(self, key: Any) -> None:
         """Takes every hook of `key` out of its module until :meth:`resume`."""
@@ -110,21 +126,59 @@ class PausableForwardPreHooks:
             return
         for hooks, hook_id, _hook in slots:
             hooks.pop(hook_id, None)
-        self._paused.append(key)
+        self._keys.append(key)
 
     def resume(self) -> None:
         """Puts every paused hook back."""
-        paused, self._paused = self._paused, []
+        paused, self._keys = self._keys, []
         for key in paused:
             for hooks, hook_id, hook in self._slots.get(key, ()):
                 hooks[hook_id] = hook
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._slots = {}
-        self._paused = []
+
+class ParkedForwardHooks(_HookSlots):
+    """Forward hooks and pre-hooks registered once and switched on by key for a
+    step, then all off: a switch moves each hook between its entry in the module's
+    hook dict and its slot here (a dict insertion or removal each), instead of
+    registering it anew with its handle and taking it off again (a handle's weak
+    references and extra dicts, a few µs a hook). A hook switched on runs after any
+    registered since (these hooks only read). ``always_call`` stays marked in
+    torch's own dict while the hook is off, where ``Module._call_impl`` looks only at
+    ids of hooks in place."""
+
+    def add_pre(self, module: torch.nn.Module, hook: Callable[..., Any], key: Any) -> None:
+        handle = module.register_forward_pre_hook(hook)
+        self._park(key, module._forward_pre_hooks, handle, hook)
+
+    def add(
+        self,
+        module: torch.nn.Module,
+        hook: Callable[..., Any],
+        key: Any,
+        always_call: bool = False,
+    ) -> None:
+        handle = module.register_forward_hook(hook, always_call=always_call)
+        self._park(key, module._forward_hooks, handle, hook)
+
+    def _park(self, key: Any, hooks: Any, handle: Any, hook: Callable[..., Any]) -> None:
+        """Off until its key is switched on."""
+        self._keep(key, hooks, handle, hook)
+        hooks.pop(handle.id, None)
+
+    def switch_on(self, key: Any) -> None:
+        slots = self._slots.get(key)
+        if not slots:
+            return
+        for hooks, hook_id, hook in slots:
+            hooks[hook_id] = hook
+        self._keys.append(key)
+
+    def switch_off(self) -> None:
+        """Every hook switched on goes off."""
+        on, self._keys = self._keys, []
+        for key in on:
+            for hooks, hook_id, _hook in self._slots.get(key, ()):
+                hooks.pop(hook_id, None)
 
 
 # -- DTensor -------------------------------------------------------------------------

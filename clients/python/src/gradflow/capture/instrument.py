@@ -331,6 +331,7 @@ class Instruments:
         backward reached no module. Only a registration change is sent then, alone
         in a record with no step data (a module missing from a record was not
         measured that step)."""
+        self.registry.read_signature_next()  # no later step would catch a change
         self._check_amend()
         cuts = self.tracer.take()
         if self.hooks.hits:

@@ -310,7 +310,9 @@ class Measurer:
         Per parameter, only a C-level ``map`` reads the gradients and one
         comprehension keeps those there; on a CPU the norms are not even stacked here
         (the reporter thread assembles the step's numbers: :mod:`gradflow.measurement.vector`)."""
-        every = list(map(_GRAD, self._tensors))
+        every = self.registry.take_grads(self._tensors)
+        if every is None:
+            every = list(map(_GRAD, self._tensors))
         trainable = self.registry.requires_grad
         if trainable is None or len(trainable) != len(every):
             trainable = tuple(map(_REQUIRES_GRAD, self._tensors))

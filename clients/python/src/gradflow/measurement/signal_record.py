@@ -36,10 +36,14 @@ class Captured:
 
 @dataclass
 class SignalsAt:
-    """Where a step's signals lie in its vector (absolute positions), and the host
-    values that come with them."""
+    """Where a step's signals lie in its vector (absolute positions, but the
+    captures': theirs from `captured_base`), and the host values that come with them."""
 
     captured: List[Captured] = field(default_factory=list)
+    # Where the forward's captures start: their offsets are from there (added here,
+    # on the reporter thread, rather than by a copy of each capture on the training
+    # thread).
+    captured_base: int = 0
     # Adam: where its numbers start, and the module of each parameter (ADAM_WIDTH each).
     adam_at: Optional[int] = None
     adam_modules: List[str] = field(default_factory=list)
@@ -52,8 +56,9 @@ def apply(signals: SignalsAt, rec: wire.StepRecord, v: Sequence[float]) -> None:
     """Adds the step's signals to `rec`."""
     fields: Dict[str, Dict[str, Any]] = {}
     by_family: Dict[str, Dict[str, List[Sequence[float]]]] = {}
+    base = signals.captured_base
     for c in signals.captured:
-        numbers = v[c.offset : c.offset + c.width]
+        numbers = v[base + c.offset : base + c.offset + c.width]
         by_family.setdefault(c.family, {}).setdefault(c.module, []).append(numbers)
     for module, captures in by_family.get("attention", {}).items():
         fields.setdefault(module, {}).update(_attention(captures))

@@ -5,7 +5,7 @@ and described for the record (:mod:`gradflow.measurement.signal_record`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -48,8 +48,8 @@ def place(given: StepSignals, add: Callable[[Piece], int]) -> SignalsAt:
     says where they lie."""
     at = SignalsAt(batch_ids=_host_ids(given.batch_ids))
     if given.forward is not None:
-        start = add(given.forward.piece)
-        at.captured = [replace(c, offset=start + c.offset) for c in given.forward.captured]
+        at.captured_base = add(given.forward.piece)
+        at.captured = given.forward.captured
     if given.adam is not None:
         at.adam_at = add(given.adam.piece)
         at.adam_modules = given.adam.modules
