@@ -40,8 +40,8 @@ KEPT = 64
 
 
 class _Readings:
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
+    def __init__(self) -> None:
+        self.said = False
         self.first: Optional[float] = None
         self.values: List[float] = []
         self.cuts = 0
@@ -54,7 +54,6 @@ class PlateauWatch:
     def __init__(self, optimizer: Any) -> None:
         self._optimizers = [o for o in (optimizer, getattr(optimizer, "optimizer", None)) if o]
         self._readings: weakref.WeakKeyDictionary[Any, _Readings] = weakref.WeakKeyDictionary()
-        self._said: set[int] = set()
         self._found: List[wire.WiringFinding] = []
         self._restore: Optional[Any] = None
         if not self._optimizers:
@@ -76,7 +75,7 @@ class PlateauWatch:
     def _on_step(self, scheduler: Any, metrics: Any, lrs_before: List[float]) -> None:
         try:
             optimizer = getattr(scheduler, "optimizer", None)
-            if optimizer is None or id(scheduler) in self._said:
+            if optimizer is None:
                 return
             if not any(optimizer is o for o in self._optimizers):
                 return
@@ -86,7 +85,9 @@ class PlateauWatch:
             mode = str(getattr(scheduler, "mode", "min"))
             readings = self._readings.get(scheduler)
             if readings is None:
-                readings = self._readings[scheduler] = _Readings(mode)
+                readings = self._readings[scheduler] = _Readings()
+            if readings.said:
+                return
             lrs = [float(g["lr"]) for g in optimizer.param_groups]
             if any(after < before for before, after in zip(lrs_before, lrs)):
                 readings.cuts += 1
@@ -102,7 +103,7 @@ class PlateauWatch:
                 and len(readings.values) >= READINGS
                 and worse * _kendall_tau(readings.values) >= TREND
             ):
-                self._said.add(id(scheduler))
+                readings.said = True
                 finding: Dict[str, Any] = {
                     "kind": "plateau_mode_mismatch",
                     "module": "",
