@@ -11,7 +11,7 @@
 use candle_core::{D, DType, Result, Tensor, Var};
 
 use crate::grad_sums::same_shape_groups;
-use crate::optim::intended_summary;
+use crate::optim::{StepMoments, intended_summary};
 
 /// Weights of one shape and dtype, stacked in this order.
 struct Group {
@@ -91,13 +91,14 @@ impl NormWatch {
 
     /// The step's statistics on the device, as one f32 vector to bring to the host
     /// with the rest of the step and to read back with [`NormWatch::decode`].
-    /// `intended[k]` is the update the optimizer meant to apply to watched weight `k`
-    /// (in f32, of the weight's shape), `None` where it applied none.
+    /// `moments` is what the optimizer step used on each watched weight (in watch
+    /// order), from which the update it meant to apply is computed here, a group at
+    /// a time; a weight it did not update has no intended-update summary.
     pub fn statistics(
         &self,
         vars: &[Var],
         before: &Before,
-        intended: &[Option<Tensor>],
+        moments: &StepMoments,
     ) -> Result<Option<Tensor>> {
         let mut parts = Vec::with_capacity(self.groups.len() * 2);
         for (group, before) in self.groups.iter().zip(&before.0) {
@@ -111,22 +112,23 @@ impl NormWatch {
             let mean = after.mean_keepdim(D::Minus1)?;
             parts.push(Tensor::cat(&[update, drift, mean], 1)?.flatten_all()?);
 
-            let rows: Vec<u32> = (0..group.members.len() as u32)
-                .filter(|&r| intended[group.members[r as usize]].is_some())
-                .collect();
+            let (rows, used): (Vec<u32>, Vec<&(Tensor, Tensor)>) = (0..group.members.len() as u32)
+                .filter_map(|r| {
+                    let used = moments.moments[group.members[r as usize]].as_ref()?;
+                    Some((r, used))
+                })
+                .unzip();
             if rows.is_empty() {
                 continue;
             }
-            let updates: Vec<Tensor> = rows
-                .iter()
-                .map(|&r| {
-                    intended[group.members[r as usize]]
-                        .as_ref()
-                        .expect("filtered")
-                })
-                .map(Tensor::flatten_all)
-                .collect::<Result<_>>()?;
-            let updates = Tensor::stack(&updates, 0)?;
+            let stack = |pick: fn(&(Tensor, Tensor)) -> &Tensor| -> Result<Tensor> {
+                let rows: Vec<Tensor> = used
+                    .iter()
+                    .map(|&pair| pick(pair).flatten_all())
+                    .collect::<Result<_>>()?;
+                Tensor::stack(&rows, 0)
+            };
+            let (m_hat, v_hat) = (stack(|p| &p.0)?, stack(|p| &p.1)?);
             let (before, after) = if rows.len() == group.members.len() {
                 (before.clone(), after)
             } else {
@@ -136,6 +138,7 @@ impl NormWatch {
                     after.index_select(&index, 0)?,
                 )
             };
+            let updates = moments.intended(&before, &m_hat, &v_hat)?;
             let summary = intended_summary(&updates, &before, &after, group.dtype)?;
             parts.push(Tensor::cat(&summary, 1)?.flatten_all()?);
         }
@@ -251,13 +254,35 @@ mod tests {
             .map(|v| v.as_tensor().copy().unwrap().to_dtype(DType::F32).unwrap())
             .collect();
         let before = watch.before(&vars).unwrap();
+        // Moments in each weight's dtype, as the optimizer step keeps them; weight 2
+        // was not updated.
+        let moments = StepMoments {
+            lr: 1e-3,
+            lr_lambda: 1e-4,
+            eps: 1e-8,
+            moments: (0..vars.len())
+                .map(|k| {
+                    (k != 2).then(|| {
+                        let n = vars[k].elem_count();
+                        let tensor = |f: &dyn Fn(usize) -> f32| {
+                            let values: Vec<f32> = (0..n).map(f).collect();
+                            Tensor::new(values.as_slice(), &Device::Cpu)
+                                .unwrap()
+                                .to_dtype(vars[k].dtype())
+                                .unwrap()
+                        };
+                        let m_hat = tensor(&|e| 1e-2 * (e as f32 - 1.0));
+                        let v_hat = tensor(&|e| 1e-4 * (e as f32 + 1.0));
+                        (m_hat, v_hat)
+                    })
+                })
+                .collect(),
+        };
+        // Each weight's intended update computed on its own, as the step once did.
         let intended: Vec<Option<Tensor>> = (0..vars.len())
             .map(|k| {
-                (k != 2).then(|| {
-                    let n = vars[k].elem_count();
-                    let values: Vec<f32> = (0..n).map(|e| 1e-3 * (e as f32 - 1.0)).collect();
-                    Tensor::new(values.as_slice(), &Device::Cpu).unwrap()
-                })
+                let (m_hat, v_hat) = moments.moments[k].as_ref()?;
+                Some(moments.intended(&before_each[k], m_hat, v_hat).unwrap())
             })
             .collect();
         for (k, update) in intended.iter().enumerate() {
@@ -270,11 +295,8 @@ mod tests {
         let nan = Tensor::new(&[f32::NAN, 1.0], &Device::Cpu).unwrap();
         vars[4].set(&nan).unwrap();
 
-        let device = watch
-            .statistics(&vars, &before, &intended)
-            .unwrap()
-            .unwrap();
-        let has: Vec<bool> = intended.iter().map(Option::is_some).collect();
+        let device = watch.statistics(&vars, &before, &moments).unwrap().unwrap();
+        let has = moments.updated();
         let grouped = watch.decode(&device.to_vec1::<f32>().unwrap(), &has);
         for k in 0..vars.len() {
             let expected =

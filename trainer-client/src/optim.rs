@@ -54,9 +54,12 @@ impl AdamW {
         self.params.lr = lr;
     }
 
-    /// One optimizer step. For each var of `watch`, the update it meant to apply, in
-    /// f32 (`None`: the optimizer does not hold it, or it had no gradient).
-    pub fn step(&mut self, grads: &GradStore, watch: &[&Var]) -> Result<Vec<Option<Tensor>>> {
+    /// One optimizer step. For each var of `watch`, the bias-corrected moments the
+    /// step used (`None`: the optimizer does not hold it, or it had no gradient), from
+    /// which [`StepMoments::intended`] gives the update it meant to apply: computed
+    /// a group of same-shaped weights at a time by the caller, not here a weight at
+    /// a time (eight small operations a weight, each a kernel launch on CUDA).
+    pub fn step(&mut self, grads: &GradStore, watch: &[&Var]) -> Result<StepMoments> {
         self.step_t += 1;
         let ParamsAdamW {
             lr,
@@ -68,7 +71,12 @@ impl AdamW {
         let lr_lambda = lr * weight_decay;
         let scale_m = 1f64 / (1f64 - beta1.powi(self.step_t as i32));
         let scale_v = 1f64 / (1f64 - beta2.powi(self.step_t as i32));
-        let mut intended = vec![None; watch.len()];
+        let mut moments = StepMoments {
+            lr,
+            lr_lambda,
+            eps,
+            moments: vec![None; watch.len()],
+        };
         for state in &self.vars {
             let theta = &state.var;
             let Some(g) = grads.get(theta) else { continue };
@@ -78,11 +86,7 @@ impl AdamW {
             let m_hat = (&next_m * scale_m)?;
             let v_hat = (&next_v * scale_v)?;
             if let Some(k) = watch.iter().position(|w| w.id() == theta.id()) {
-                let m_hat = m_hat.to_dtype(DType::F32)?;
-                let v_hat = v_hat.to_dtype(DType::F32)?;
-                let decay = (theta.as_tensor().to_dtype(DType::F32)? * (-lr_lambda))?;
-                let adam = ((m_hat / (v_hat.sqrt()? + eps)?)? * (-lr))?;
-                intended[k] = Some((decay + adam)?);
+                moments.moments[k] = Some((m_hat.clone(), v_hat.clone()));
             }
             let next_theta = (theta.as_tensor() * (1f64 - lr_lambda))?;
             let adjusted_grad = (m_hat / (v_hat.sqrt()? + eps)?)?;
@@ -91,7 +95,49 @@ impl AdamW {
             state.second_moment.set(&next_v)?;
             theta.set(&next_theta)?;
         }
-        Ok(intended)
+        Ok(moments)
+    }
+}
+
+/// What one optimizer step used on the watched vars: enough to compute the update it
+/// meant to apply to each, later and for many weights at once.
+#[derive(Clone)]
+pub struct StepMoments {
+    pub lr: f64,
+    /// lr · weight decay.
+    pub lr_lambda: f64,
+    pub eps: f64,
+    /// Per watched var, its bias-corrected first and second moments (m̂, v̂) in the
+    /// var's dtype; `None` where the step did not update it.
+    pub moments: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl StepMoments {
+    /// A step that updated none of `watched` vars (skipped by the loss scaler).
+    pub fn none(watched: usize) -> StepMoments {
+        StepMoments {
+            lr: 0.0,
+            lr_lambda: 0.0,
+            eps: 0.0,
+            moments: vec![None; watched],
+        }
+    }
+
+    /// Which watched vars the step updated.
+    pub fn updated(&self) -> Vec<bool> {
+        self.moments.iter().map(Option::is_some).collect()
+    }
+
+    /// The intended update `−lr·λ·θ − lr·m̂/(√v̂ + ε)` in f32, of weights `theta` (in
+    /// f32, their values before the step) whose moments are `m_hat` and `v_hat` (in
+    /// the weights' dtype): the same operations in the same order as the step's, so
+    /// rows stacked from several weights give each weight's own update exactly.
+    pub fn intended(&self, theta: &Tensor, m_hat: &Tensor, v_hat: &Tensor) -> Result<Tensor> {
+        let m_hat = m_hat.to_dtype(DType::F32)?;
+        let v_hat = v_hat.to_dtype(DType::F32)?;
+        let decay = (theta * (-self.lr_lambda))?;
+        let adam = ((m_hat / (v_hat.sqrt()? + self.eps)?)? * (-self.lr))?;
+        decay + adam
     }
 }
 
@@ -270,8 +316,21 @@ mod tests {
                 .unwrap()
                 .backward()
                 .unwrap();
-            let intended = a.step(&ga, &[&ours]).unwrap();
-            assert!(intended[0].is_some());
+            let before = ours.as_tensor().copy().unwrap();
+            let moments = a.step(&ga, &[&ours]).unwrap();
+            let (m_hat, v_hat) = moments.moments[0].clone().expect("updated");
+            // In f32 the intended update is what the step applied, up to rounding.
+            let intended = moments.intended(&before, &m_hat, &v_hat).unwrap();
+            let applied = (ours.as_tensor() - &before).unwrap();
+            let gap: f32 = (intended - applied)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(gap < 1e-6, "intended and applied differ by {gap}");
             let gb = theirs
                 .as_tensor()
                 .sqr()

@@ -21,7 +21,7 @@ use crate::grad_sums::{self, GradSums};
 use crate::model::HybridModel;
 use crate::model::trace::{self, Outputs};
 use crate::norm_watch::NormWatch;
-use crate::optim::{AdamW, ParamsAdamW};
+use crate::optim::{AdamW, ParamsAdamW, StepMoments};
 use crate::phases::Phases;
 use crate::scaler::LossScaler;
 use crate::tasks::{Batch, Task, Tokenizer};
@@ -389,8 +389,8 @@ impl Trainer {
             }
             _ => (None, false),
         };
-        let intended = if skipped {
-            vec![None; self.watched.params().len()]
+        let moments = if skipped {
+            StepMoments::none(self.watched.params().len())
         } else {
             let watch: Vec<&Var> = self
                 .watched
@@ -405,8 +405,8 @@ impl Trainer {
         // Stage B: per watched norm weight, squared update, drift, mean — on the
         // values in their own dtype (converting bf16 to f32 is exact) — then, where
         // the optimizer updated it, the summary of its intended update.
-        let stage_b = self.watched.statistics(&self.vars, &before, &intended)?;
-        let has_intended: Vec<bool> = intended.iter().map(Option::is_some).collect();
+        let stage_b = self.watched.statistics(&self.vars, &before, &moments)?;
+        let has_intended = moments.updated();
         self.mark("norm weight stats")?;
         let (host_a, host_b) = match stage_a_host {
             Some(a) => {
