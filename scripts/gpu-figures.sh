@@ -6,15 +6,18 @@
 #      side in one process;
 #   2. the client's per-parameter gradient norms against one read of the gradients;
 #   3. the Rust trainer's instrumentation on CUDA, instrumented and uninstrumented
-#      trainers stepped alternately in one process, reporting to a real server and not;
+#      trainers stepped alternately in one process, reporting to a real server and not,
+#      and the attention statistics' own cost (a third trainer without them);
 #   4. the trainer's failure scenarios on CUDA, each verdict as the server gives it;
 #   5. the GPU's NVML readings as the server stored them, from a real CUDA run;
+#   6. the Python client's instability signals, each family alone on every step, at
+#      Qwen2.5-0.5B's shape and on a small Qwen2-MoE (the routers' family);
 #   0. the fused gradient-sums kernel against the per-tensor sums
 #      (`gradflow-trainer --check-grad-sums`).
 #
 #   scripts/gpu-figures.sh OUT_DIR
 #
-# PARTS picks some of the parts (default: "0 1 2 3 4 5"), CLIENT_CASES the client's
+# PARTS picks some of the parts (default: "0 1 2 3 4 5 6"), CLIENT_CASES the client's
 # cases ("TOKENS PARAM_DTYPE GIL_SWITCH_INTERVAL [EVERY]", comma-separated; EVERY is
 # gradflow.watch's every=, default 1), GRAD_SUMS the trainer's --grad-sums choices
 # measured beside its default (space-separated, default "per-tensor stacked fused"),
@@ -44,7 +47,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 cu13=$("$python" -c 'import nvidia, pathlib; print(pathlib.Path(list(nvidia.__path__)[0]) / "cu13" / "lib")' 2>/dev/null)
 [ -d "$cu13" ] && export LD_LIBRARY_PATH=$cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
-parts=${PARTS:-0 1 2 3 4 5}
+parts=${PARTS:-0 1 2 3 4 5 6}
 part() { [[ " $parts " == *" $1 "* ]]; }
 
 if part 0; then
@@ -71,6 +74,16 @@ if part 2; then
     "$python" "$client/bench/norms.py" --json "$out/norms.json"
 fi
 
+if part 6; then
+    echo "== 6. the instability signals' families, each alone on every step"
+    "$python" "$client/bench/overhead.py" --device cuda --preset qwen2.5-0.5b --seq 512 \
+        --modes bare,gradflow:none,gradflow,gradflow:attention,gradflow:activations,gradflow:adam,gradflow:output_logits,gradflow:tokens,gradflow:all \
+        --steps 40 --warmup 5 --block 5 --server-bin "$server_bin" --json "$out/families-qwen.json"
+    "$python" "$client/bench/overhead.py" --device cuda --preset tiny-moe \
+        --modes bare,gradflow:none,gradflow,gradflow:moe,gradflow:output_logits,gradflow:all \
+        --steps 60 --warmup 10 --server-bin "$server_bin" --json "$out/families-moe.json"
+fi
+
 part 3 && echo "== 3. the Rust trainer on CUDA, qwen2.5-0.5b, bf16, in one process"
 work=$(mktemp -d)
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -85,6 +98,11 @@ part 3 && for report in ${TRAINER_REPORT:-on off}; do
     "$trainer_bin" "${flags[@]}" >"$out/trainer-report-$report.json"
     cat "$out/trainer-report-$report.json"
 done
+# The attention layers' statistics (largest logit, smallest head entropy) apart: a
+# third trainer, instrumented without them, stepped in turn with the other two.
+part 3 && "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \
+    --steps 40 --measure-overhead --attention-cost --quiet --no-report \
+    >"$out/trainer-attention.json" && echo "attention cost: $(cat "$out/trainer-attention.json")"
 # The ways of summing the gradients' squares, without reporting, side by side.
 part 3 && for sums in ${GRAD_SUMS:-per-tensor stacked fused}; do
     "$trainer_bin" --device cuda --preset qwen2.5-0.5b --param-dtype bf16 --compute-dtype bf16 \

@@ -153,6 +153,13 @@ pub struct Args {
     #[arg(long, requires = "measure_overhead")]
     pub phases: bool,
 
+    /// With --measure-overhead: also step a third trainer in turn with the other two,
+    /// instrumented but without the attention layers' statistics (largest logit,
+    /// smallest head entropy): their own cost is `instrumented_ms` less
+    /// `without_attention_ms` of the same run.
+    #[arg(long, requires = "measure_overhead")]
+    pub attention_cost: bool,
+
     /// Where undelivered steps are spooled while the server is unreachable.
     #[arg(long, env = "GRADFLOW_SPOOL_DIR")]
     pub spool_dir: Option<PathBuf>,

@@ -44,6 +44,13 @@ fn main() -> ExitCode {
                     overhead.steps,
                     overhead.device,
                 );
+                if let Some(without) = overhead.without_attention_ms {
+                    eprintln!(
+                        "gradflow-trainer: the attention statistics cost {:+.3} ms of it \
+                         ({without:.3} ms instrumented without them)",
+                        overhead.instrumented_ms - without,
+                    );
+                }
             }
             let loss = match (outcome.first_loss, outcome.last_loss) {
                 (Some(a), Some(b)) => format!("loss {a:.4} → {b:.4}"),

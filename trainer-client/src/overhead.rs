@@ -38,6 +38,10 @@ pub struct Overhead {
     pub steps: u64,
     pub instrumented_ms: f64,
     pub uninstrumented_ms: f64,
+    /// With a third trainer stepped in turn (`--attention-cost`): the instrumented
+    /// trainer's median without its attention statistics.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub without_attention_ms: Option<f64>,
     /// With phases timed (`Trainer::phases` set on both): each phase's median, of
     /// the instrumented and of the uninstrumented trainer.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -72,7 +76,7 @@ pub fn measure(preset: &Preset, steps: u64, device: &Device) -> anyhow::Result<O
     };
     let mut on = trainer(true)?;
     let mut off = trainer(false)?;
-    measure_pair(&mut on, &mut off, steps, device, |_, _| {})
+    measure_pair(&mut on, &mut off, None, steps, device, |_, _| {})
 }
 
 /// Median step times of the instrumented trainer with and without its attention
@@ -140,9 +144,13 @@ pub fn measure_attention(
 /// not) `steps` times, interleaved, and returns the medians. Each instrumented
 /// step's record goes to `sink` inside the timed region, so a sink that hands it to
 /// a reporter charges the hand-over too (the sending is the reporter thread's).
+/// `without_attention`, when given, is a third trainer stepped in turn with them:
+/// `on`'s options but no attention statistics, so that their own cost is the
+/// difference of two medians of one run.
 pub fn measure_pair(
     on: &mut Trainer,
     off: &mut Trainer,
+    without_attention: Option<&mut Trainer>,
     steps: u64,
     device: &Device,
     sink: impl FnMut(u64, StepRecord),
@@ -151,7 +159,15 @@ pub fn measure_pair(
         on.options.instrument && !off.options.instrument,
         "the first trainer is the instrumented one, the second is not"
     );
-    let medians = measure_interleaved(&mut [&mut *on, &mut *off], steps, device, sink)?;
+    let mut trainers: Vec<&mut Trainer> = vec![&mut *on, &mut *off];
+    if let Some(third) = without_attention {
+        anyhow::ensure!(
+            third.options.instrument && !third.options.attention_statistics,
+            "the third trainer is instrumented without attention statistics"
+        );
+        trainers.push(third);
+    }
+    let medians = measure_interleaved(&mut trainers, steps, device, sink)?;
     Ok(Overhead {
         preset: on.model.preset.name.to_owned(),
         device: format!("{device:?}"),
@@ -159,6 +175,7 @@ pub fn measure_pair(
         steps,
         instrumented_ms: medians[0],
         uninstrumented_ms: medians[1],
+        without_attention_ms: medians.get(2).copied(),
         phases_instrumented: on.phases.as_ref().map(Phases::medians),
         phases_uninstrumented: off.phases.as_ref().map(Phases::medians),
     })

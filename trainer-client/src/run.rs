@@ -208,9 +208,23 @@ pub fn run(args: &Args) -> anyhow::Result<RunOutcome> {
             tokenizer()?,
             &device,
         )?;
+        let without_attention = if args.attention_cost {
+            Some(Trainer::with_tokenizer(
+                build_model()?,
+                TrainOptions {
+                    attention_statistics: false,
+                    ..trainer.options.clone()
+                },
+                tokenizer()?,
+                &device,
+            )?)
+        } else {
+            None
+        };
         let pair = Pair {
             on: trainer,
             off,
+            without_attention,
             device: &device,
         };
         return measure_overhead(args, pair, reporter, &telemetry, run_id, started);
@@ -294,10 +308,12 @@ fn start_reporter(
     Ok(Some(Reporter::start(config, registration)?))
 }
 
-/// An instrumented trainer and an uninstrumented one of the same options and seed.
+/// An instrumented trainer and an uninstrumented one of the same options and seed
+/// (and, for `--attention-cost`, the instrumented one without attention statistics).
 struct Pair<'a> {
     on: Trainer,
     off: Trainer,
+    without_attention: Option<Trainer>,
     device: &'a Device,
 }
 
@@ -319,6 +335,7 @@ fn measure_overhead(
     let mut overhead = overhead::measure_pair(
         &mut pair.on,
         &mut pair.off,
+        pair.without_attention.as_mut(),
         args.steps,
         pair.device,
         |_, mut record| {

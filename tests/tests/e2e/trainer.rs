@@ -268,3 +268,19 @@ async fn measuring_the_overhead_prints_both_medians_and_sends_the_instrumented_s
         "a healthy run: {alerts}"
     );
 }
+
+#[test]
+fn the_attention_cost_steps_a_third_trainer_and_prints_its_median() {
+    let measure = |extra: &[&str]| -> Value {
+        let mut args = vec!["--steps", "4", "--measure-overhead", "--no-report"];
+        args.extend_from_slice(extra);
+        let output = trainer(&args).output().unwrap();
+        assert!(output.status.success(), "{}", text(&output));
+        serde_json::from_slice(&output.stdout).expect("one JSON object")
+    };
+    let with = measure(&["--attention-cost"]);
+    let ms = with["without_attention_ms"].as_f64().unwrap_or(f64::NAN);
+    assert!(ms > 0.0 && ms.is_finite(), "{with}");
+    let without = measure(&[]);
+    assert!(without.get("without_attention_ms").is_none(), "{without}");
+}
