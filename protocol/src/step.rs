@@ -247,7 +247,10 @@ pub struct ModuleStep {
     /// v1.5: a fingerprint of the module's weights after the step's optimizer step:
     /// the sum (f64) of the elements the sending rank holds of its own parameters.
     /// Sent by each rank of a multi-rank run now and then; the replicas of a
-    /// replicated module must agree (`replica_divergence`, subject `weights`).
+    /// replicated module must agree (`replica_divergence`, subject `weights`). Any
+    /// run may send it now and then for the modules without a gradient on the step:
+    /// weights that change with no gradient were moved by the training code (a
+    /// target network, an EMA teacher), which `grad_stuck_zero` does not report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub param_sum: Option<Float>,
     /// v1.8, attention modules: the largest pre-softmax logit q·k/√d_h over the batch,

@@ -41,7 +41,8 @@ use gradflow_protocol::StepRecord;
 pub const METRIC: &str = DetectorMetric::GradsResetBetweenBackwards.as_str();
 /// Reported steps running with a reset that open the alert.
 pub const PERSIST: u32 = 3;
-const SUBJECT: &str = "gradients";
+/// The alert's subject: the run's gradients.
+pub const SUBJECT: &str = "gradients";
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]

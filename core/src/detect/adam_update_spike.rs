@@ -35,6 +35,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::accumulation_reset::SUBJECT as RESET_SUBJECT;
 use super::episode::Alerts;
 use super::update_levels::{JITTERS, MIN_READINGS, SPIKE_FACTOR, UpdateLevels, UpdateSpike};
 use super::view::StepView;
@@ -62,6 +63,13 @@ impl AdamUpdateSpike {
             if !spiking.contains(&subject.as_str()) {
                 alerts.clear(kind, &subject, step);
             }
+        }
+        // Gradients reset between the backward passes of one optimizer step
+        // (`accumulation_reset`, judged before this rule): every step is taken on one
+        // micro-batch's gradient, as noisy as that batch, so its updates jump. The
+        // spike is that verdict's consequence, not a second cause.
+        if alerts.is_open(AlertKind::AccumulationReset, RESET_SUBJECT) {
+            return;
         }
         spikes.sort_by(|a, b| b.ratio().total_cmp(&a.ratio()));
         let Some(worst) = spikes.first() else {
@@ -149,6 +157,29 @@ mod tests {
         };
         assert_eq!(o.subject, "tok");
         assert!(o.evidence["ratio"].as_f64().unwrap() > 4.0);
+    }
+
+    #[test]
+    fn a_spike_under_an_accumulation_reset_is_its_consequence() {
+        let mut detector = AdamUpdateSpike::default();
+        let mut reset = crate::detect::accumulation_reset::AccumulationReset::default();
+        // Three micro-batches a step, the gradients reset before each of the later
+        // two, from the first step: each step is one micro-batch's, and its update
+        // jumps 4.6× at step 150.
+        let records: Vec<_> = (0..30)
+            .map(|r| {
+                let rms = if r == 15 { 1.02 } else { 0.22 };
+                record(json!({"step": r * 10, "loss": 2.0,
+                    "metrics": {crate::detect::accumulation_reset::METRIC: 2},
+                    "modules": [{"module": "tok", "adam": {"update_rms": rms}}]}))
+            })
+            .collect();
+        let t = viewed(records, |view, alerts| {
+            reset.on_step(view, alerts);
+            detector.on_step(view, alerts);
+        });
+        let kinds = crate::detect::testing::opened_kinds(&t);
+        assert_eq!(kinds, [AlertKind::AccumulationReset], "{t:?}");
     }
 
     #[test]

@@ -297,13 +297,7 @@ mod tests {
             streak.on_step(view, alerts);
             collapse.on_step(view, alerts);
         });
-        let kinds: Vec<AlertKind> = t
-            .iter()
-            .filter_map(|(_, t)| match t {
-                Transition::Open(o) => Some(o.kind),
-                _ => None,
-            })
-            .collect();
+        let kinds = crate::detect::testing::opened_kinds(&t);
         assert_eq!(kinds, [AlertKind::ScalerOverflowStreak], "{t:?}");
     }
 

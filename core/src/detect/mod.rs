@@ -83,6 +83,7 @@ pub mod context;
 pub mod episode;
 pub mod layers;
 mod loop_wiring;
+mod moved_by_hand;
 pub mod precision;
 pub mod ranks;
 pub mod registration;

@@ -29,6 +29,11 @@
 //! 49 whether the client reported every step or every tenth. Steps where an entity
 //! is not reported neither extend nor break its streak: "not measured" is not
 //! "zero".
+//!
+//! A module whose weights change while it has no gradient (its fingerprints,
+//! `param_sum`, differ: [`super::moved_by_hand`]) is not stuck: a target network
+//! copied in by hand or an EMA teacher, held by the optimizer or not, is moved by the
+//! training code on purpose, while a module cut off from the graph never moves.
 
 use std::collections::BTreeMap;
 
@@ -39,6 +44,7 @@ use gradflow_protocol::{Dtype, GraphCut, GraphCutKind, GraphCutVia, LossScaler};
 
 use super::context::RunContext;
 use super::episode::{Alerts, Streak};
+use super::moved_by_hand::MovedByHand;
 use super::view::{GroupMap, StepView};
 use super::wording::{is_within, name_list, sci, step_range};
 use crate::model::alert::{AlertKind, Opened, Severity};
@@ -57,6 +63,9 @@ pub struct StuckZeroGrad {
     batches: BTreeMap<String, Vec<String>>,
     /// The latest graph cut the client reported for each module.
     cuts: BTreeMap<String, SeenCut>,
+    /// Modules whose weights move without a gradient (target networks, EMA
+    /// teachers): not stuck, whatever their gradient.
+    moved_by_hand: MovedByHand,
 }
 
 /// Cuts kept at most (the oldest go first): a client sends one per module per episode.
@@ -311,8 +320,15 @@ impl StuckZeroGrad {
         for (module, info) in view.trainable_modules() {
             let group = info.group.as_str();
             let norm = module.grad_norm.map(|n| n.get());
+            let param_sum = module.param_sum.map(|s| s.get());
+            // Weights that change while no gradient reaches them are moved by the
+            // training code on purpose (a target network copied in, an EMA teacher):
+            // not a module the graph was cut off from, whose weights never move.
+            let by_hand = self
+                .moved_by_hand
+                .observe(&module.module, norm.is_none(), param_sum);
             let reading = Reading {
-                zero: norm.is_none_or(|n| n == 0.0),
+                zero: !by_hand && norm.is_none_or(|n| n == 0.0),
                 hooks_silent: module.hook_hits == Some(0),
                 hooks_fired: module.hook_hits.is_some_and(|hits| hits > 0),
                 missing: norm.is_none(),
@@ -898,6 +914,39 @@ mod tests {
             {"file": "train.py", "line": 87, "function": "encode"},
             {"file": "train.py", "line": 120, "function": "forward"}
         ]}])
+    }
+
+    /// `detached(step)` with a fingerprint of each qwen module's weights.
+    fn detached_with_sums(step: u64, sum: f64) -> StepRecord {
+        let mut record = detached(step);
+        for module in record.modules.iter_mut().filter(|m| m.grad_norm.is_none()) {
+            module.param_sum = serde_json::from_value(json!(sum)).unwrap();
+        }
+        record
+    }
+
+    #[test]
+    fn a_module_moved_without_a_gradient_is_a_target_network_not_a_cut() {
+        // qwen never gets a gradient, and its weights change between fingerprints
+        // (copied in from a trained module every few steps): no alert.
+        let copied: Vec<StepRecord> = (0..12)
+            .map(|s| detached_with_sums(s, 1.0 + (s / 3) as f64))
+            .collect();
+        assert!(run(&copied).is_empty(), "{:?}", run(&copied));
+        // The same, its weights where they started on every fingerprint: a cut.
+        let cut: Vec<StepRecord> = (0..12).map(|s| detached_with_sums(s, 1.0)).collect();
+        let t = run(&cut);
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert_eq!(opened(&t[0].1).evidence["cause"], "backward_not_reached");
+        // Moved only after its alert opened: the alert resolves.
+        let mut late: Vec<StepRecord> = (0..8).map(|s| detached_with_sums(s, 1.0)).collect();
+        late.extend((8..20).map(|s| detached_with_sums(s, 2.0)));
+        let t = run(&late);
+        assert!(matches!(t[0], (4, Transition::Open(_))), "{t:?}");
+        assert!(
+            matches!(t.last(), Some((_, Transition::Resolve { .. }))),
+            "{t:?}"
+        );
     }
 
     #[test]

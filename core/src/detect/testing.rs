@@ -11,7 +11,7 @@ use super::context::RunContext;
 use super::episode::{Alerts, Episodes, Holds};
 use super::thresholds::Thresholds;
 use super::view::StepView;
-use crate::model::alert::Transition;
+use crate::model::alert::{AlertKind, Transition};
 
 /// Feeds `records` in order to `on_step` and collects every transition, with the
 /// step of the record that caused it.
@@ -87,4 +87,15 @@ pub fn registration_alerts(value: serde_json::Value) -> Vec<crate::model::alert:
         serde_json::from_value(value).expect("a registration");
     registration.validate().expect("a valid registration");
     super::registration::check(&RunContext::new(&registration, Thresholds::default()))
+}
+
+/// The kinds of the alerts that opened, in order.
+pub fn opened_kinds(transitions: &[(u64, Transition)]) -> Vec<AlertKind> {
+    transitions
+        .iter()
+        .filter_map(|(_, t)| match t {
+            Transition::Open(o) => Some(o.kind),
+            _ => None,
+        })
+        .collect()
 }

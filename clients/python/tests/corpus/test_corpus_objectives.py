@@ -12,7 +12,7 @@ step.
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Tuple
 
 import torch
 from corpus_support import (
@@ -20,6 +20,7 @@ from corpus_support import (
     Progress,
     expects_silence,
     judge,
+    not_caught,
     quickstart,
     seeded,
     three_windows,
@@ -232,3 +233,90 @@ def test_the_noisy_loss_of_batches_of_one(request, gradflow_server, gradflow_env
     assert not any(math.isnan(loss) for loss in losses)
     fitted = Progress("error on clean held-out data", start, error(), by=0.5)
     judge(request, gradflow_server, run_id, steps=STEPS, progress=fitted)
+
+
+# -- a KL weight switched on after a warm-up ---------------------------------------------
+
+VAE_DIM = 16
+VAE_LATENT = 4
+# The step the KL weight starts rising at, and over how many steps it reaches 1.
+WARM_UP = 150
+RAMP = 10
+
+
+class SmallVAE(nn.Module):
+    """A Gaussian VAE: the encoder gives the posterior's mean and log-variance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(VAE_DIM, 64), nn.ReLU(), nn.Linear(64, 2 * VAE_LATENT))
+        self.dec = nn.Sequential(nn.Linear(VAE_LATENT, 64), nn.ReLU(), nn.Linear(64, VAE_DIM))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The reconstruction error and the KL term, batch means."""
+        mu, logvar = self.enc(x).chunk(2, dim=1)
+        z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+        recon = nn.functional.mse_loss(self.dec(z), x, reduction="none").sum(1).mean()
+        kl = 0.5 * (mu.pow(2) + logvar.exp() - 1 - logvar).sum(1).mean()
+        return recon, kl
+
+
+def sheet_batch(size: int, basis: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Points on a curved 2-D sheet in VAE_DIM dimensions."""
+    u = torch.rand(size, 2, generator=g) * 2 - 1
+    return torch.cat([u, torch.sin(math.pi * u), u.prod(1, keepdim=True)], dim=1) @ basis
+
+
+@not_caught(
+    "false alarm: adam_update_spike on an encoder layer when the KL term comes in: the "
+    "new term turns the gradient at once and Adam's update jumps with it"
+)
+@seeded
+@expects_silence
+def test_a_kl_weight_switched_on_after_a_warm_up(request, gradflow_server, gradflow_env, seed):
+    """A VAE trained on its reconstruction alone for a warm-up, then the KL term's
+    weight raised from 0 to 1 over ten steps (CADA-VAE's schedule: the other terms
+    join once the autoencoders have learned to reconstruct): the loss climbs about
+    eightfold within those ten steps, its gradient norm about fivefold, because the
+    objective gained a term, then levels off while the posterior moves to the prior.
+
+    Threads: https://github.com/sbharadwajj/Generalized-Zero-Shot-Learning-via-Aligned-Variational-Autoencoders/issues/1
+    ("the loss increased very fast after epoch 22 ... because we are including a new
+    loss term using the annealing scheme"),
+    https://github.com/edgarschnfld/CADA-VAE-PyTorch/issues/25 (the warm-up schedule)
+    """
+    torch.manual_seed(seed)
+    data = torch.Generator().manual_seed(300 + seed)
+    basis = torch.randn(5, VAE_DIM, generator=data)
+    model = SmallVAE()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    probe = sheet_batch(512, basis, data)
+    # The error of predicting the data's mean: what a collapsed posterior reconstructs.
+    spread = probe.var(0).sum().item()
+    losses: List[float] = []
+    kls: List[float] = []
+
+    def step(i: int) -> torch.Tensor:
+        weight = min(1.0, max(0.0, (i - WARM_UP) / RAMP))
+        recon, kl = model(sheet_batch(64, basis, data))
+        loss = recon + weight * kl
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        kls.append(kl.item())
+        return loss
+
+    run_id = quickstart(model, optimizer, step, steps=STEPS)
+    with torch.no_grad():
+        recon_after, _ = model(probe)
+    # Alarming: within the ramp the loss rose to several times its level before it.
+    before = sorted(losses[WARM_UP - 10 : WARM_UP])[5]
+    assert max(losses[WARM_UP : WARM_UP + RAMP + 5]) > 5 * before, losses[
+        WARM_UP - 5 : WARM_UP + 15
+    ]
+    # Healthy: the reconstructions still beat the data's mean by far ...
+    assert recon_after.item() < 0.2 * spread, (recon_after.item(), spread)
+    # ... and the posterior moved toward the prior once its weight came in.
+    moved = Progress("KL term (the last 10 steps' mean)", kls[WARM_UP], sum(kls[-10:]) / 10, by=0.5)
+    judge(request, gradflow_server, run_id, steps=STEPS, progress=moved)

@@ -48,6 +48,15 @@ def true_values() -> torch.Tensor:
     return q[: CELLS - 1]
 
 
+def random_transitions(g: torch.Generator) -> Tuple[torch.Tensor, ...]:
+    """4096 transitions of a uniformly random policy (off-policy replay, as DQN
+    learns): the cells, actions, next cells and rewards."""
+    cells = torch.randint(0, CELLS - 1, (4096,), generator=g)
+    actions = torch.randint(0, 2, (4096,), generator=g)
+    nexts = torch.where(actions == 1, cells + 1, (cells - 1).clamp(min=0))
+    return cells, actions, nexts, (nexts == CELLS - 1).float()
+
+
 def dqn(seed: int) -> Tuple[str, List[float], float, float, int]:
     """DQN on the corridor with a replay buffer filled by a random policy, Adam at
     1e-3, the Huber loss of the tutorial, a hard target copy every `TARGET_EVERY`
@@ -60,11 +69,7 @@ def dqn(seed: int) -> Tuple[str, List[float], float, float, int]:
     target.load_state_dict(online.state_dict())
     optimizer = torch.optim.Adam(online.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(100 + seed)
-    # Transitions of a uniformly random policy (off-policy replay, as DQN learns).
-    cells = torch.randint(0, CELLS - 1, (4096,), generator=g)
-    actions = torch.randint(0, 2, (4096,), generator=g)
-    nexts = torch.where(actions == 1, cells + 1, (cells - 1).clamp(min=0))
-    rewards = (nexts == CELLS - 1).float()
+    cells, actions, nexts, rewards = random_transitions(g)
     done = rewards
     states = torch.arange(CELLS - 1)
     q_star = true_values()
@@ -119,5 +124,92 @@ def test_a_dqn_loss_that_jumps_at_every_target_copy(request, gradflow_server, gr
     jumps = jumps_at_copies(losses)
     assert min(jumps[1:]) > 100, jumps
     assert right == CELLS - 1  # the greedy policy heads for the goal from every cell
+    converged = Progress("distance of the Q-values from Q*", start, end, by=0.5)
+    judge(request, gradflow_server, run_id, steps=STEPS, progress=converged)
+
+
+# -- soft-updated target networks that require grad -------------------------------------
+
+# The target's share of the online weights at each soft update (DDPG's and MADDPG's
+# tau).
+TAU = 0.01
+
+
+class Agent(nn.Module):
+    """The online Q-network and its target as submodules of one agent, the target built
+    as a copy of the online network and left with `requires_grad=True`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(CELLS, 64), nn.ReLU(), nn.Linear(64, 2))
+        self.critic_target = nn.Sequential(nn.Linear(CELLS, 64), nn.ReLU(), nn.Linear(64, 2))
+        self.critic_target.load_state_dict(self.critic.state_dict())
+
+
+def soft_target_dqn(seed: int) -> Tuple[str, List[float], float, float, int, int]:
+    """The corridor's Q-learning with a target network soft-updated after every step
+    (target = (1 - TAU) target + TAU online, in place under `no_grad`), held with the
+    online network by one Adam over the whole agent, as stable-baselines3 lays a DQN
+    out. Returns the run id, the losses, the Q-values' error against Q* before and
+    after, the cells the greedy policy walks straight from, and how many steps gave
+    the target a gradient."""
+    torch.manual_seed(seed)
+    agent = Agent()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(200 + seed)
+    cells, actions, nexts, rewards = random_transitions(g)
+    states = torch.arange(CELLS - 1)
+    q_star = true_values()
+    target_grads = 0
+
+    def error() -> float:
+        with torch.no_grad():
+            return float((agent.critic(one_hot(states)) - q_star).abs().mean())
+
+    def soft_update(i: int) -> None:
+        nonlocal target_grads
+        target_grads += sum(p.grad is not None for p in agent.critic_target.parameters())
+        if i == 0:
+            return
+        with torch.no_grad():
+            for tp, p in zip(agent.critic_target.parameters(), agent.critic.parameters()):
+                tp.copy_((1 - TAU) * tp + TAU * p)
+
+    def td_loss() -> torch.Tensor:
+        pick = torch.randint(0, len(cells), (BATCH,), generator=g)
+        q = agent.critic(one_hot(cells[pick])).gather(1, actions[pick, None]).squeeze(1)
+        with torch.no_grad():
+            best_next = agent.critic_target(one_hot(nexts[pick])).max(1).values
+            goal = rewards[pick] + GAMMA * best_next * (1 - rewards[pick])
+        return nn.functional.mse_loss(q, goal)
+
+    start = error()
+    run_id, losses = fit(agent, optimizer, td_loss, STEPS, before=soft_update)
+    with torch.no_grad():
+        greedy = agent.critic(one_hot(states)).argmax(1)
+    return run_id, losses, start, error(), int((greedy == 1).sum()), target_grads
+
+
+@expects_silence
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_soft_updated_target_network_that_requires_grad(
+    request, gradflow_server, gradflow_env, seed
+):
+    """The target network keeps `requires_grad=True` ("the target network's fully
+    connected weights and biases have requires_grad=True") and sits in the optimizer
+    with the online network, yet backward never reaches it: its forward runs under
+    `no_grad`, and its weights move only by the soft update. Not a graph cut: a cut
+    module's weights never move.
+
+    Threads: https://github.com/starry-sky6688/MADDPG/issues/25 (the target networks
+    of MADDPG, soft-updated with tau after every step),
+    https://github.com/philtabor/Multi-Agent-Deep-Deterministic-Policy-Gradients/issues/10
+    """
+    run_id, losses, start, end, right, target_grads = soft_target_dqn(seed)
+    # Alarming to a rule that reads gradients alone: half the optimizer's parameters
+    # never get one, over the whole run ...
+    assert target_grads == 0
+    # ... while the online network learns the values and the greedy policy.
+    assert right == CELLS - 1
     converged = Progress("distance of the Q-values from Q*", start, end, by=0.5)
     judge(request, gradflow_server, run_id, steps=STEPS, progress=converged)

@@ -69,9 +69,11 @@ class Instruments:
         self.loss_shapes = LossShapes()
         self.hooks = ModelHooks(registry)
         self.measurer = Measurer(registry, self.hooks)
+        # Every how many steps weights are fingerprinted: every module's in a
+        # multi-rank run, the modules without a gradient in any run.
+        self.measurer.fingerprint_every = max(1, int(updates_every))
         if rank is not None:
             self.measurer.partial = True
-            self.measurer.fingerprint_every = max(1, int(updates_every))
             self.hooks.clock = _ranks.StepClock(
                 _ranks.step_clock_device([p.tensor for p in registry.params])
             )

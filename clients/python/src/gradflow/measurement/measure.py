@@ -29,12 +29,23 @@ import operator
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    List,
+    Optional,
+    Protocol,
+    Set,
+    Tuple,
+    Union,
+)
 
 import torch
 
 from .. import _torch_compat, wire
-from . import intended, modes, step_signals, vector
+from . import gradless, intended, modes, step_signals, vector
 from .overlap import StepWorker
 from .ranks import StepClock, is_dtensor, local, param_sums
 from .record import (
@@ -172,6 +183,7 @@ class Measurer:
         # Multi-rank: every how many steps each module's weights are summed, the
         # replicas' fingerprint (0: never).
         self.fingerprint_every = 0
+        self._gradless = gradless.GradlessSums()
         self.optimizer = registry.optimizer
         self._family = intended.family(self.optimizer) if self.optimizer is not None else None
         self._norms: List[_Norm] = []
@@ -261,6 +273,7 @@ class Measurer:
         self._shape = self._read_shape()
         self._layouts.clear()
         self._seg_cache.clear()
+        self._gradless.clear()
         # Anything measured against the old layout is dropped; collect() measures the
         # gradients again if they are still there.
         self._drop_measured()
@@ -424,6 +437,16 @@ class Measurer:
             self._layouts.clear()
         self._layouts[tuple(present)] = layout
         return layout
+
+    def _gradless_sums(self) -> Tuple[FrozenSet[int], Optional[torch.Tensor]]:
+        """The weights' fingerprint of the trainable modules without a gradient this
+        step (:mod:`gradflow.measurement.gradless`), and which they are."""
+        layout = self._grad_layout
+        if layout is None:
+            return frozenset(), None
+        return self._gradless.take(
+            layout, layout.module_grads, self._shape.trainable, self._tensors, self._module_of
+        )
 
     def snapshot_norms(self) -> None:
         if self._norms:
@@ -594,10 +617,14 @@ class Measurer:
         if signals is not None and not signals.empty():
             pending.signals = step_signals.place(signals, add)
         sums_at: Optional[int] = None
-        if self.partial and self.fingerprint_every and step % self.fingerprint_every == 0:
-            sums = param_sums(
-                [p.tensor for p in self.registry.params], self._module_of, len(self._modules)
-            )
+        summed: Optional[FrozenSet[int]] = None  # the modules summed (None: every one)
+        if self.fingerprint_every and step % self.fingerprint_every == 0:
+            if self.partial:
+                sums = param_sums(
+                    [p.tensor for p in self.registry.params], self._module_of, len(self._modules)
+                )
+            else:
+                summed, sums = self._gradless_sums()
             if sums is not None:
                 sums_at = add(sums)
         # The record's module and norm weight entries are made on the reporter thread,
@@ -610,6 +637,7 @@ class Measurer:
             stats_base,
             list(self._intended_runs),
             sums_at,
+            summed,
             self.hooks.take_reached(),
             set(self.hooks.fresh) if self.hooks.fresh else _NONE,
         )
@@ -683,6 +711,7 @@ def describe(
     stats_base: Optional[int],
     intended_runs: List[Tuple[int, int, int]],
     sums_at: Optional[int],
+    summed: Optional[FrozenSet[int]],
     reached: List[Any],
     fresh: Set[int],
 ) -> Tuple[List[ModuleAt], List[NormAt]]:
@@ -718,7 +747,9 @@ def describe(
                 None if grads is None else [grad_base + at for at in grads],
                 module_hits[m],
                 module_numel[m],
-                None if sums_at is None else sums_at + m,
+                None
+                if sums_at is None or (summed is not None and m not in summed)
+                else sums_at + m,
             )
         )
     norms = []
