@@ -19,7 +19,8 @@
 #
 # PARTS picks some of the parts (default: "0 1 2 3 4 5 6"), CLIENT_CASES the client's
 # cases ("TOKENS PARAM_DTYPE GIL_SWITCH_INTERVAL [EVERY]", comma-separated; EVERY is
-# gradflow.watch's every=, default 1), GRAD_SUMS the trainer's --grad-sums choices
+# gradflow.watch's every=, default 1), CLIENT_FLAGS more flags of overhead.py for
+# those cases (e.g. --breakdown), GRAD_SUMS the trainer's --grad-sums choices
 # measured beside its default (space-separated, default "per-tensor stacked fused"),
 # TRAINER_REPORT whether the trainer's overhead is measured reporting "on", "off" or
 # both (default "on off").
@@ -66,7 +67,8 @@ part 1 && for case in "${cases[@]}"; do
     "$python" "$client/bench/overhead.py" --device cuda --preset qwen2.5-0.5b \
         --seq "$seq" --param-dtype "$params" --modes bare,gradflow --steps "$steps" \
         --warmup 10 --block 10 --switch-interval "$switch" --every "$every" \
-        --server-bin "$server_bin" --json "$out/client-8x$seq-$params-$switch-every$every.json"
+        --server-bin "$server_bin" ${CLIENT_FLAGS:-} \
+        --json "$out/client-8x$seq-$params-$switch-every$every.json"
 done
 
 if part 2; then
