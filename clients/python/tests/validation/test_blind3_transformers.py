@@ -1,9 +1,10 @@
 """Transformers fine-tuning (the third set): a DistilBERT document regression head
 whose squeezed predictions meet unsqueezed labels in an element-wise MSE, so every
-prediction is compared with every label of the batch.
+prediction is compared with every label of the batch, and a T5 translation run whose
+prepared scheduler steps once per process at every optimizer step.
 
-The model is a tiny DistilBERT with random weights; a document's target is how often
-two marker tokens occur in it, standardised.
+The models are tiny, with random weights; a document's regression target is how
+often two marker tokens occur in it, standardised.
 """
 
 from __future__ import annotations
@@ -104,4 +105,85 @@ def test_farm_regression_head_loss_broadcasts(gradflow_server, gradflow_env, see
         gradflow_server,
         outcome,
         Diagnosis(run="model", kind="loss_broadcasts", causes=("loss_broadcasts",)),
+    )
+
+
+# -- huggingface/transformers#26827: the schedule runs twice as fast on two processes --
+
+
+def copy_task(size: int, g: torch.Generator):
+    """A translation task in small: the target is the source reversed."""
+    source = torch.randint(3, 32, (size, 8), generator=g)
+    return source, source.flip(1)
+
+
+def train_t5_no_trainer(run_id: str, seed: int, steps: int = 300) -> Outcome:
+    """run_translation_no_trainer.py on two processes: `get_scheduler("linear",
+    num_warmup_steps=30, num_training_steps=max_train_steps)` then
+    `accelerator.prepare(...)`. The prepared scheduler steps once per process at each
+    optimizer step (accelerate's AcceleratedScheduler with `split_batches=False`); on
+    this one process that is two `scheduler.step()` calls per step. A tiny T5 with
+    random weights, AdamW 5e-4."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(5200 + seed)
+    config = transformers.T5Config(
+        vocab_size=32,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    scheduler = transformers.get_scheduler(
+        "linear", optimizer=optimizer, num_warmup_steps=30, num_training_steps=steps
+    )
+    num_processes = 2
+    run = watch(run_id, model, optimizer)
+    lrs = []
+    for _ in range(steps):
+        source, target = copy_task(16, g)
+        loss = model(input_ids=source, labels=target).loss
+        loss.backward()
+        optimizer.step()
+        for _ in range(num_processes):
+            scheduler.step()
+        optimizer.zero_grad()
+        lrs.append(optimizer.param_groups[0]["lr"])
+        run.step(loss)
+    run.close()
+    return Outcome(
+        {"model": run},
+        {"zero_lr_steps": sum(lr == 0 for lr in lrs), "peak_step": lrs.index(max(lrs))},
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_t5_schedule_stepped_once_per_process(gradflow_server, gradflow_env, seed):
+    """https://github.com/huggingface/transformers/issues/26827"""
+    outcome = train_t5_no_trainer(gradflow_env, seed)
+
+    # The warm-up peaks at step 15 instead of 30, and the lr is 0 for the second half of
+    # the run, as the thread's plot shows.
+    facts = outcome.facts
+    assert facts["peak_step"] == 14, facts
+    assert facts["zero_lr_steps"] >= 149, facts
+
+    # The correct verdict names the cause: the scheduler advanced 2 steps at every
+    # optimizer step, so the schedule runs twice as fast (PROTOCOL:
+    # scheduler_per_micro_batch). Its symptom, an lr of exactly 0 over the second half
+    # (lr_vanished, cause lr_zero), is as true; the set's rule counts it as another
+    # kind.
+    assert_caught(
+        gradflow_server,
+        outcome,
+        Diagnosis(
+            run="model",
+            kind="scheduler_per_micro_batch",
+            causes=("scheduler_per_micro_batch",),
+        ),
     )
