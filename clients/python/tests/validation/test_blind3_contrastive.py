@@ -1,6 +1,8 @@
-"""Metric, self-supervised and graph-text contrastive learning (the third set), all
-healthy: a triplet fine-tune whose loss (and gradient) is exactly 0 on most batches,
-a DINO run whose loss climbs as its teacher temperature warms up, and a graph-text
+"""Metric, self-supervised, semi-supervised and graph-text contrastive learning (the
+third set): a semi-supervised expression classifier whose contrastive features are
+computed under `no_grad`, so its projection head never trains; and three healthy
+runs: a triplet fine-tune whose loss (and gradient) is exactly 0 on most batches, a
+DINO run whose loss climbs as its teacher temperature warms up, and a graph-text
 grounding whose temperature is a Parameter built anew, and never trained, at every
 call on purpose.
 """
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .support import SEEDS, Outcome, assert_silent, mean, watch
+from .support import SEEDS, Diagnosis, Outcome, assert_caught, assert_silent, mean, watch
 
 pytestmark = pytest.mark.validation
 
@@ -340,3 +342,120 @@ def test_graph_text_grounding_with_a_fixed_temperature(gradflow_server, gradflow
     # Healthy: the temperature Parameter is outside the model and fixed on purpose;
     # the model itself trains.
     assert_silent(gradflow_server, outcome)
+
+
+# -- hangyu94/Ada-CM#8: the contrastive features are computed under no_grad -----------
+
+
+class ExpressionNet(nn.Module):
+    """A backbone with a 7-way expression classifier and a projection head for the
+    contrastive term; `forward` returns both, as the repository's model does."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.classifier = nn.Linear(64, 7)
+        self.projection = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        h = self.backbone(x)
+        return self.classifier(h), F.normalize(self.projection(h), dim=1)
+
+
+def supcon_loss(features: torch.Tensor, temperature: float = 0.07) -> torch.Tensor:
+    """SupConLoss without labels (SimCLR's): features (n, 2 views, d)."""
+    n = features.shape[0]
+    z = torch.cat(features.unbind(1))
+    logits = z @ z.T / temperature
+    logits = logits - torch.eye(2 * n) * 1e9
+    positives = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    return F.cross_entropy(logits, positives)
+
+
+def train_ada_cm(run_id: str, seed: int, steps: int = 300) -> Outcome:
+    """Ada-CM's step as the thread found it uploaded: the two weak views of the
+    unlabeled batch go through the model under `torch.no_grad()`; their pseudo-labels
+    (confidence at least 0.8) drive a consistency CE on the strong view, and the
+    unconfident samples' features a SupCon term (weight 0.1); labeled CE weight 0.5;
+    Adam 2e-3 and the repository's WeightEMA (alpha 0.999, with its weight decay)."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(10700 + seed)
+    centres = clusters(7, 16, 10800 + seed)
+    model = ExpressionNet()
+    ema_model = copy.deepcopy(model).requires_grad_(False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    ema_params = list(ema_model.state_dict().values())
+    params = list(model.state_dict().values())
+    run = watch(run_id, model, optimizer)
+    head_grads, supcon_terms = 0, 0
+    before = nearest_centroid_accuracy(lambda x: model(x)[0], centres, g, 1.5)
+
+    def augment(x: torch.Tensor, strength: float) -> torch.Tensor:
+        return x + strength * torch.randn(x.shape, generator=g)
+
+    for _ in range(steps):
+        inputs_x, targets_x = cluster_batch(centres, 2, g, 1.5)
+        unlabeled, _ = cluster_batch(centres, 4, g, 1.5)
+        with torch.no_grad():
+            outputs_u, feature_u = model(augment(unlabeled, 0.3))
+            outputs_u2, feature_u2 = model(augment(unlabeled, 0.3))
+        p = (torch.softmax(outputs_u, dim=1) + torch.softmax(outputs_u2, dim=1)) / 2
+        max_probs, max_idx = torch.max(p, dim=1)
+        mask = max_probs.ge(0.8).float()
+        unsure = torch.where(mask == 0)[0]
+        output_x, _ = model(inputs_x)
+        lx = F.cross_entropy(output_x, targets_x)
+        if len(unsure) == 0:
+            ls = torch.tensor(0.0)
+        else:
+            ls = supcon_loss(torch.stack([feature_u[unsure], feature_u2[unsure]], 1))
+            supcon_terms += 1
+        output_strong, _ = model(augment(unlabeled, 0.8))
+        lu = (F.cross_entropy(output_strong, max_idx, reduction="none") * mask).mean()
+        loss = lx * 0.5 + lu + ls * 0.1
+        optimizer.zero_grad()
+        loss.backward()
+        head_grads += int(any(p.grad is not None for p in model.projection.parameters()))
+        optimizer.step()
+        with torch.no_grad():  # WeightEMA.step()
+            for param, ema_param in zip(params, ema_params):
+                ema_param.mul_(0.999).add_(param * 0.001)
+                param.mul_(1 - 0.02 * 2e-3)
+        run.step(loss)
+    run.close()
+    return Outcome(
+        {"model": run},
+        {
+            "head_grad_steps": head_grads,
+            "supcon_steps": supcon_terms,
+            "before": before,
+            "after": nearest_centroid_accuracy(lambda x: model(x)[0], centres, g, 1.5),
+        },
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_ada_cm_contrastive_term_never_reaches_the_head(gradflow_server, gradflow_env, seed):
+    """https://github.com/hangyu94/Ada-CM/issues/8"""
+    outcome = train_ada_cm(gradflow_env, seed)
+
+    # The contrastive term is in the loss on many steps (while some pseudo-labels are
+    # unsure) and is a constant: the projection head, which only it uses, never gets
+    # a gradient. The classifier trains.
+    facts = outcome.facts
+    assert facts["supcon_steps"] > 50, facts
+    assert facts["head_grad_steps"] == 0, facts
+    assert facts["after"] > facts["before"] + 0.2, facts
+
+    # The correct verdict: backward never reaches the projection head (PROTOCOL:
+    # grad_stuck_zero, cause backward_not_reached or grad_missing, on `projection`).
+    assert_caught(
+        gradflow_server,
+        outcome,
+        Diagnosis(
+            run="model",
+            kind="grad_stuck_zero",
+            causes=("backward_not_reached", "grad_missing"),
+            covers=("projection",),
+        ),
+    )
