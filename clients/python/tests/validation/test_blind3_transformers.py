@@ -1,7 +1,9 @@
 """Transformers fine-tuning (the third set): a DistilBERT document regression head
 whose squeezed predictions meet unsqueezed labels in an element-wise MSE, so every
-prediction is compared with every label of the batch, and a T5 translation run whose
-prepared scheduler steps once per process at every optimizer step.
+prediction is compared with every label of the batch; a T5 translation run whose
+prepared scheduler steps once per process at every optimizer step; a BERT classifier
+whose embeddings were "frozen" with a module attribute; and, healthy, a BERT frozen on
+purpose so that its classifier alone trains.
 
 The models are tiny, with random weights; a document's regression target is how
 often two marker tokens occur in it, standardised.
@@ -13,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from .support import SEEDS, Diagnosis, Outcome, assert_caught, watch
+from .support import SEEDS, Diagnosis, Outcome, assert_caught, assert_silent, watch
 
 pytestmark = pytest.mark.validation
 
@@ -187,3 +189,124 @@ def test_t5_schedule_stepped_once_per_process(gradflow_server, gradflow_env, see
             causes=("scheduler_per_micro_batch",),
         ),
     )
+
+
+# -- huggingface/transformers#95 and #400: freezing BERT's parts -----------------------
+
+
+def tiny_bert_classifier() -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=LENGTH,
+        num_labels=2,
+    )
+    return transformers.BertForSequenceClassification(config)
+
+
+def marker_documents(size: int, g: torch.Generator):
+    """Documents labelled by their first token's half of the vocabulary (the pooled
+    first position carries it even through a frozen random encoder)."""
+    tokens, _ = documents(size, g)
+    return tokens, (tokens[:, 0] < VOCAB // 2).long()
+
+
+def classification_accuracy(model: nn.Module, g: torch.Generator) -> float:
+    tokens, labels = marker_documents(512, g)
+    model.eval()
+    with torch.no_grad():
+        right = (model(input_ids=tokens).logits.argmax(1) == labels).float().mean().item()
+    model.train()
+    return right
+
+
+def train_bert_classifier(
+    run_id: str, seed: int, freeze, lr: float = 1e-3, steps: int = 300
+) -> Outcome:
+    """BertForSequenceClassification, batch 32, Adam over `model.parameters()` (lr 1e-3
+    for the tiny random model; a linear probe's 1e-2 when only the classifier trains);
+    `freeze(model)` runs before the optimizer."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(5300 + seed)
+    model = tiny_bert_classifier()
+    freeze(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    embeddings_before = model.bert.embeddings.word_embeddings.weight.detach().clone()
+    encoder_before = model.bert.encoder.layer[0].attention.self.query.weight.detach().clone()
+    before = classification_accuracy(model, g)
+    run = watch(run_id, model, optimizer)
+    for _ in range(steps):
+        tokens, labels = marker_documents(32, g)
+        loss = model(input_ids=tokens, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        run.step(loss)
+    run.close()
+    return Outcome(
+        {"model": run},
+        {
+            "embeddings_moved": not torch.equal(
+                model.bert.embeddings.word_embeddings.weight, embeddings_before
+            ),
+            "encoder_moved": not torch.equal(
+                model.bert.encoder.layer[0].attention.self.query.weight, encoder_before
+            ),
+            "before": before,
+            "after": classification_accuracy(model, g),
+        },
+    )
+
+
+def freeze_embeddings_by_attribute(model: nn.Module) -> None:
+    # The thread's line: a plain attribute on the module; its parameters keep
+    # requires_grad=True.
+    model.bert.embeddings.requires_grad = False
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_bert_embeddings_freeze_flag_ignored(gradflow_server, gradflow_env, seed):
+    """https://github.com/huggingface/transformers/issues/95"""
+    outcome = train_bert_classifier(gradflow_env, seed, freeze_embeddings_by_attribute)
+
+    # The embeddings the user meant to keep fixed were updated on every step.
+    facts = outcome.facts
+    assert facts["embeddings_moved"], facts
+    assert facts["after"] > facts["before"] + 0.2, facts
+
+    # The correct verdict: `requires_grad = False` set as a module attribute, its
+    # parameters still trainable (PROTOCOL: freeze_flag_ignored, on the module).
+    assert_caught(
+        gradflow_server,
+        outcome,
+        Diagnosis(
+            run="model",
+            kind="freeze_flag_ignored",
+            causes=("freeze_flag_ignored",),
+            covers=("bert.embeddings",),
+        ),
+    )
+
+
+def freeze_bert(model: nn.Module) -> None:
+    # The maintainer's answer: freeze the pretrained part, train the classifier.
+    for param in model.bert.parameters():
+        param.requires_grad = False
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_bert_frozen_to_train_the_classifier_alone(gradflow_server, gradflow_env, seed):
+    """https://github.com/huggingface/transformers/issues/400"""
+    outcome = train_bert_classifier(gradflow_env, seed, freeze_bert, lr=1e-2)
+
+    # BERT stayed as it was; the classifier on its features learned the task.
+    facts = outcome.facts
+    assert not facts["embeddings_moved"] and not facts["encoder_moved"], facts
+    assert facts["after"] > facts["before"] + 0.1, facts
+
+    # Healthy: a frozen encoder is the user's choice (the optimizer holds the frozen
+    # parameters, which never get a gradient).
+    assert_silent(gradflow_server, outcome)
