@@ -15,6 +15,7 @@ from torch import nn
 
 import gradflow
 from gradflow._torch_compat import ParkedForwardHooks, PausableForwardPreHooks
+from gradflow.capture.instrument import NORM_WEIGHTS_EVERY, NORM_WEIGHTS_FIRST
 from gradflow.measurement import intended, measure, vector
 from gradflow.measurement.measure import count_hits
 from gradflow.measurement.registration import SIGNATURE_EVERY
@@ -316,6 +317,45 @@ def test_a_change_after_the_gradient_read_is_amended_on_the_step_it_first_trains
         2: ["agent.head.bias", "agent.head.weight"],
         4: ["agent.hidden.bias", "agent.hidden.weight"],
     }, run["amendments"]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_norm_weights_are_measured_on_the_first_reports_then_every_fourth_step(
+    gradflow_server, every
+):
+    """The norm weights' update, drift and intended update come on the first
+    NORM_WEIGHTS_FIRST reported steps, then on every step number that is a multiple of
+    the reporting interval rounded up to NORM_WEIGHTS_EVERY; the gradient norms on
+    every reported step. Where they come, the intended update is the applied one."""
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=gradflow_server.url,
+        run_id=new_run_id(f"norm-cadence-{every}"),
+        on_alert=None,
+        signals=False,
+        every=every,
+    )
+    steps = 18
+    accumulate(model, optimizer, gf, steps, 1)
+    gf.close()
+    reported = list(range(0, steps, every))
+    period = every * -(-NORM_WEIGHTS_EVERY // every)
+    measured = reported[:NORM_WEIGHTS_FIRST] + [
+        s for s in reported[NORM_WEIGHTS_FIRST:] if s % period == 0
+    ]
+    assert measured == ([0, 1, 2, 3, 4, 8, 12, 16] if every == 1 else [0, 2, 4, 6, 8, 12, 16])
+    name = "agent.norm.weight"
+    assert [s for s, _ in gradflow_server.series(gf.run_id, "grad_norm", "agent")] == reported
+    for metric in ("update_norm", "drift", "intended_update_norm"):
+        points = gradflow_server.series(gf.run_id, metric, name)
+        assert [s for s, _ in points] == measured, (metric, points)
+    intended = gradflow_server.series(gf.run_id, "intended_update_norm", name)
+    applied = gradflow_server.series(gf.run_id, "update_norm", name)
+    for (_, want), (_, got) in zip(intended, applied):
+        assert got > 0 and abs(want - got) <= 1e-4 * got, (intended, applied)
 
 
 def test_a_change_no_gradient_shows_is_amended_within_the_signature_bound(gradflow_server):

@@ -5,8 +5,10 @@ anything can zero them; on a step the scaler skips, from its ``step`` wrapper): 
 ``torch._foreach_norm`` per dtype, each parameter's norm kept as it is, the squares
 summed per module on the host; on a CPU, under one of torch's optimizers, taken on a
 worker thread while the optimizer steps (:mod:`gradflow.measurement.overlap`). The
-norm weights are snapshotted there and compared in
-the step post-hook, and at ``gf.step`` every piece is concatenated into one vector and
+norm weights are snapshotted there and compared in the step post-hook on the steps
+the capture layer asks for (not every reported step:
+``Instruments._norm_weights_due``; a record without their numbers did not measure
+them), and at ``gf.step`` every piece is concatenated into one vector and
 copied to the host (non-blocking into pinned memory on CUDA). The reporter thread
 waits for the copy and turns the numbers into a step record (:mod:`gradflow.measurement.record`),
 with the record's per-module and per-weight entries (:func:`describe`), so the
