@@ -15,6 +15,7 @@ from torch import nn
 
 import gradflow
 from gradflow._torch_compat import ParkedForwardHooks, PausableForwardPreHooks
+from gradflow.capture.cuts import FULL_EVERY
 from gradflow.capture.instrument import NORM_WEIGHTS_EVERY, NORM_WEIGHTS_FIRST
 from gradflow.measurement import intended, measure, vector
 from gradflow.measurement.measure import count_hits
@@ -85,7 +86,8 @@ def test_the_cut_tracer_pauses_its_hooks_after_looking_and_puts_them_back(gradfl
     )
     armed = hooked_modules(model)
     assert armed > bare + 10  # the roots and every module that owns parameters
-    for tokens, target in batches(3):
+    after = []
+    for tokens, target in batches(2 * FULL_EVERY):
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(tokens), target)
         # Each group looked at its first module: the rest of its modules run bare.
@@ -93,9 +95,35 @@ def test_the_cut_tracer_pauses_its_hooks_after_looking_and_puts_them_back(gradfl
         loss.backward()
         optimizer.step()
         gf.step(loss=loss)
-        assert hooked_modules(model) == armed
+        after.append(hooked_modules(model))
     gf.close()
     assert hooked_modules(model) == bare
+    # Put back after a step: the hooks that looked (each group's first modules), and
+    # every hook on every FULL_EVERY-th step.
+    looked = after[0]
+    assert bare < looked < armed // 2, (bare, looked, armed)
+    assert after == ([looked] * (FULL_EVERY - 1) + [armed]) * 2, after
+
+
+def test_a_group_that_starts_elsewhere_gets_every_hook_back_after_its_step():
+    """A resume of some names leaves the others out until a resume of them all."""
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    calls = []
+    hooks = PausableForwardPreHooks()
+    hooks.add(first, lambda module, args, kwargs: calls.append("first"), "g", "first")
+    hooks.add(second, lambda module, args, kwargs: calls.append("second"), "g", "second")
+    x = torch.zeros(1, 2)
+    hooks.pause("g")
+    hooks.resume(only={"first"})
+    first(x)
+    second(x)
+    assert calls == ["first"]
+    hooks.resume(only={"first"})  # nothing paused since: nothing moves
+    second(x)
+    assert calls == ["first"]
+    hooks.resume()
+    second(x)
+    assert calls == ["first", "second"]
 
 
 def test_paused_hooks_are_put_back_once_and_never_after_removal():
