@@ -105,6 +105,74 @@ def test_the_cut_tracer_pauses_its_hooks_after_looking_and_puts_them_back(gradfl
     assert after == ([looked] * (FULL_EVERY - 1) + [armed]) * 2, after
 
 
+class Block(nn.Module):
+    """Two layers whose order a flag swaps: the block starts at `a`, or at `b`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.swap = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.a(self.b(h)) if self.swap else self.b(self.a(h))
+
+
+class DetachedBlock(nn.Module):
+    """An embedding whose output is detached before a block: the block is cut off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(tokens).mean(1).detach()))
+
+
+def test_a_cut_where_a_group_now_starts_is_seen_within_the_full_put_back(gradflow_server):
+    """The tracer's hooks that did not look are put back every FULL_EVERY-th step: a
+    block whose modules swap order after the first step has its cut, now at the
+    other module, reported by then, and each cut once."""
+    model = DetachedBlock()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=gradflow_server.url,
+        run_id=new_run_id("cut-moves"),
+        on_alert=None,
+        signals=False,
+    )
+    tracer = gf.instruments.tracer
+    taken = []
+    take = tracer.take
+
+    def noted():
+        cuts = take()
+        taken.append([(c["module"], c["kind"]) for c in cuts])
+        return cuts
+
+    tracer.take = noted
+    steps = FULL_EVERY + 4
+    for step in range(steps):
+        model.block.swap = step > 0
+        optimizer.zero_grad()
+        tokens = torch.randint(0, 50, (4, 6))
+        loss = model(tokens).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+    gf.close()
+    reported = {step: cuts for step, cuts in enumerate(taken[:steps]) if cuts}
+    assert reported == {
+        0: [("block.a", "detached_input")],
+        FULL_EVERY: [("block.b", "detached_input")],
+    }, taken
+
+
 def test_a_group_that_starts_elsewhere_gets_every_hook_back_after_its_step():
     """A resume of some names leaves the others out until a resume of them all."""
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)

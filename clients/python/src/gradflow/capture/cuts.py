@@ -131,6 +131,8 @@ class CutTracer:
         # steps since then.
         self._looked: Set[str] = set()
         self._partial_steps = 0
+        # Whether every hook was in place for the step now running.
+        self._all_hooked = True
         self._no_grad_checked: Set[str] = set()
         self._input_checked: Set[str] = set()
         self._reset_step()
@@ -154,7 +156,9 @@ class CutTracer:
         if complete and self._partial_steps < FULL_EVERY - 1 and self._looked:
             self._partial_steps += 1
             self._hooks.resume(only=self._looked)
+            self._all_hooked = False
             return
+        self._all_hooked = True
         self._partial_steps = 0
         self._looked = set()
         self._hooks.resume()
@@ -182,6 +186,7 @@ class CutTracer:
                 self._hooks.add(module, self._hook(module_name, group, leaf), group, module_name)
         self._looked = set()
         self._partial_steps = 0
+        self._all_hooked = True
 
     def remove(self) -> None:
         self._hooks.remove()
@@ -252,13 +257,16 @@ class CutTracer:
 
     def take(self) -> List[wire.GraphCut]:
         """The cuts first seen since the last call; ends the episodes of modules whose
-        group ran this step without their cut. Called once per optimizer step."""
-        ran = self._no_grad_checked
-        self._active = {
-            key: group
-            for key, group in self._active.items()
-            if key in self._seen or group not in ran
-        }
+        group ran this step without their cut, on a step that had every hook in place
+        (on the others a module that now runs first in its group, where the cut is,
+        may have had none). Called once per optimizer step."""
+        if self._all_hooked:
+            ran = self._no_grad_checked
+            self._active = {
+                key: group
+                for key, group in self._active.items()
+                if key in self._seen or group not in ran
+            }
         self._reset_step()
         pending, self._pending = self._pending, []
         return cast(List[wire.GraphCut], pending)
