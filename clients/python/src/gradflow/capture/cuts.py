@@ -25,8 +25,9 @@ the block.
 
 Each cut is recorded with the user's call site (the first frame outside torch,
 transformers, accelerate, the standard library, installed packages and gradflow,
-then its callers) once per module per episode: again only after the module has run
-without it. The server keeps the cuts and names the one behind an alert.
+then its callers) once per module per episode: again only after its group has run
+without it on a step with every hook in place. The server keeps the cuts and names
+the one behind an alert.
 
 A step's cost is a few hooked module calls per group: once a group's first module has
 been looked at (and its first module that owns parameters, with gradients enabled),
