@@ -15,6 +15,8 @@ from torch import nn
 
 import gradflow
 from gradflow._torch_compat import ParkedForwardHooks, PausableForwardPreHooks
+from gradflow.capture.cuts import FULL_EVERY
+from gradflow.capture.instrument import NORM_WEIGHTS_EVERY, NORM_WEIGHTS_FIRST
 from gradflow.measurement import intended, measure, vector
 from gradflow.measurement.measure import count_hits
 from gradflow.measurement.registration import SIGNATURE_EVERY
@@ -84,7 +86,8 @@ def test_the_cut_tracer_pauses_its_hooks_after_looking_and_puts_them_back(gradfl
     )
     armed = hooked_modules(model)
     assert armed > bare + 10  # the roots and every module that owns parameters
-    for tokens, target in batches(3):
+    after = []
+    for tokens, target in batches(2 * FULL_EVERY):
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(tokens), target)
         # Each group looked at its first module: the rest of its modules run bare.
@@ -92,9 +95,103 @@ def test_the_cut_tracer_pauses_its_hooks_after_looking_and_puts_them_back(gradfl
         loss.backward()
         optimizer.step()
         gf.step(loss=loss)
-        assert hooked_modules(model) == armed
+        after.append(hooked_modules(model))
     gf.close()
     assert hooked_modules(model) == bare
+    # Put back after a step: the hooks that looked (each group's first modules), and
+    # every hook on every FULL_EVERY-th step.
+    looked = after[0]
+    assert bare < looked < armed // 2, (bare, looked, armed)
+    assert after == ([looked] * (FULL_EVERY - 1) + [armed]) * 2, after
+
+
+class Block(nn.Module):
+    """Two layers whose order a flag swaps: the block starts at `a`, or at `b`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.swap = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.a(self.b(h)) if self.swap else self.b(self.a(h))
+
+
+class DetachedBlock(nn.Module):
+    """An embedding whose output is detached before a block: the block is cut off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(tokens).mean(1).detach()))
+
+
+def test_a_cut_where_a_group_now_starts_is_seen_within_the_full_put_back(gradflow_server):
+    """The tracer's hooks that did not look are put back every FULL_EVERY-th step: a
+    block whose modules swap order after the first step has its cut, now at the
+    other module, reported by then, and each cut once."""
+    model = DetachedBlock()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=gradflow_server.url,
+        run_id=new_run_id("cut-moves"),
+        on_alert=None,
+        signals=False,
+    )
+    tracer = gf.instruments.tracer
+    taken = []
+    take = tracer.take
+
+    def noted():
+        cuts = take()
+        taken.append([(c["module"], c["kind"]) for c in cuts])
+        return cuts
+
+    tracer.take = noted
+    steps = FULL_EVERY + 4
+    for step in range(steps):
+        model.block.swap = step > 0
+        optimizer.zero_grad()
+        tokens = torch.randint(0, 50, (4, 6))
+        loss = model(tokens).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        gf.step(loss=loss)
+    gf.close()
+    reported = {step: cuts for step, cuts in enumerate(taken[:steps]) if cuts}
+    assert reported == {
+        0: [("block.a", "detached_input")],
+        FULL_EVERY: [("block.b", "detached_input")],
+    }, taken
+
+
+def test_a_group_that_starts_elsewhere_gets_every_hook_back_after_its_step():
+    """A resume of some names leaves the others out until a resume of them all."""
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    calls = []
+    hooks = PausableForwardPreHooks()
+    hooks.add(first, lambda module, args, kwargs: calls.append("first"), "g", "first")
+    hooks.add(second, lambda module, args, kwargs: calls.append("second"), "g", "second")
+    x = torch.zeros(1, 2)
+    hooks.pause("g")
+    hooks.resume(only={"first"})
+    first(x)
+    second(x)
+    assert calls == ["first"]
+    hooks.resume(only={"first"})  # nothing paused since: nothing moves
+    second(x)
+    assert calls == ["first"]
+    hooks.resume()
+    second(x)
+    assert calls == ["first", "second"]
 
 
 def test_paused_hooks_are_put_back_once_and_never_after_removal():
@@ -316,6 +413,45 @@ def test_a_change_after_the_gradient_read_is_amended_on_the_step_it_first_trains
         2: ["agent.head.bias", "agent.head.weight"],
         4: ["agent.hidden.bias", "agent.hidden.weight"],
     }, run["amendments"]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_norm_weights_are_measured_on_the_first_reports_then_every_fourth_step(
+    gradflow_server, every
+):
+    """The norm weights' update, drift and intended update come on the first
+    NORM_WEIGHTS_FIRST reported steps, then on every step number that is a multiple of
+    the reporting interval rounded up to NORM_WEIGHTS_EVERY; the gradient norms on
+    every reported step. Where they come, the intended update is the applied one."""
+    model = PromptAgent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gf = gradflow.watch(
+        model,
+        optimizer,
+        server=gradflow_server.url,
+        run_id=new_run_id(f"norm-cadence-{every}"),
+        on_alert=None,
+        signals=False,
+        every=every,
+    )
+    steps = 18
+    accumulate(model, optimizer, gf, steps, 1)
+    gf.close()
+    reported = list(range(0, steps, every))
+    period = every * -(-NORM_WEIGHTS_EVERY // every)
+    measured = reported[:NORM_WEIGHTS_FIRST] + [
+        s for s in reported[NORM_WEIGHTS_FIRST:] if s % period == 0
+    ]
+    assert measured == ([0, 1, 2, 3, 4, 8, 12, 16] if every == 1 else [0, 2, 4, 6, 8, 12, 16])
+    name = "agent.norm.weight"
+    assert [s for s, _ in gradflow_server.series(gf.run_id, "grad_norm", "agent")] == reported
+    for metric in ("update_norm", "drift", "intended_update_norm"):
+        points = gradflow_server.series(gf.run_id, metric, name)
+        assert [s for s, _ in points] == measured, (metric, points)
+    intended = gradflow_server.series(gf.run_id, "intended_update_norm", name)
+    applied = gradflow_server.series(gf.run_id, "update_norm", name)
+    for (_, want), (_, got) in zip(intended, applied):
+        assert got > 0 and abs(want - got) <= 1e-4 * got, (intended, applied)
 
 
 def test_a_change_no_gradient_shows_is_amended_within_the_signature_bound(gradflow_server):

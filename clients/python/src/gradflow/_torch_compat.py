@@ -9,7 +9,7 @@ functions below and never touches a private name itself.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
@@ -113,11 +113,24 @@ class PausableForwardPreHooks(_HookSlots):
     hooked module call costs a few µs more than a bare one, whatever the hook does).
     A pause removes the hook's entry from ``module._forward_pre_hooks`` (the slow
     path iterates a copy of it, so a hook may pause its own module); a resume puts
-    it back, after any hook registered since (these hooks only read)."""
+    it back, after any hook registered since (these hooks only read). A resume may
+    put back only the hooks of some names (:meth:`resume` with `only`): the others
+    stay out until a resume of them all."""
 
-    def add(self, module: torch.nn.Module, hook: Callable[..., Any], key: Any) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        # name -> its hook's slot, for the hooks added with a name.
+        self._named: Dict[str, Any] = {}
+        # Whether some hook was left out by a resume of some names only.
+        self._left_out = False
+
+    def add(
+        self, module: torch.nn.Module, hook: Callable[..., Any], key: Any, name: Any = None
+    ) -> None:
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
         self._keep(key, module._forward_pre_hooks, handle, hook)
+        if name is not None:
+            self._named[name] = self._slots[key][-1]
 
     def pause(self, key: Any) -> None:
         """Takes every hook of `key` out of its module until :meth:`resume`."""
@@ -128,12 +141,29 @@ class PausableForwardPreHooks(_HookSlots):
             hooks.pop(hook_id, None)
         self._keys.append(key)
 
-    def resume(self) -> None:
-        """Puts every paused hook back."""
+    def resume(self, only: Optional[Set[Any]] = None) -> None:
+        """Puts every paused hook back; with `only`, the hooks of those names alone
+        (the rest stay out until a resume without it puts every hook back)."""
         paused, self._keys = self._keys, []
+        if only is not None:
+            if paused:
+                self._left_out = True
+                for name in only:
+                    slot = self._named.get(name)
+                    if slot is not None:
+                        slot[0][slot[1]] = slot[2]
+            return
+        if self._left_out:
+            self._left_out = False
+            paused = list(self._slots)
         for key in paused:
             for hooks, hook_id, hook in self._slots.get(key, ()):
                 hooks[hook_id] = hook
+
+    def remove(self) -> None:
+        super().remove()
+        self._named = {}
+        self._left_out = False
 
 
 class ParkedForwardHooks(_HookSlots):

@@ -5,8 +5,10 @@ anything can zero them; on a step the scaler skips, from its ``step`` wrapper): 
 ``torch._foreach_norm`` per dtype, each parameter's norm kept as it is, the squares
 summed per module on the host; on a CPU, under one of torch's optimizers, taken on a
 worker thread while the optimizer steps (:mod:`gradflow.measurement.overlap`). The
-norm weights are snapshotted there and compared in
-the step post-hook, and at ``gf.step`` every piece is concatenated into one vector and
+norm weights are snapshotted there and compared in the step post-hook on the steps
+the capture layer asks for (not every reported step:
+``Instruments._norm_weights_due``; a record without their numbers did not measure
+them), and at ``gf.step`` every piece is concatenated into one vector and
 copied to the host (non-blocking into pinned memory on CUDA). The reporter thread
 waits for the copy and turns the numbers into a step record (:mod:`gradflow.measurement.record`),
 with the record's per-module and per-weight entries (:func:`describe`), so the
@@ -585,7 +587,7 @@ class Measurer:
             return slots.take(vector.numel(t))
 
         if isinstance(loss, torch.Tensor):
-            pending.loss_at = add(_loss_piece(loss.detach()))
+            pending.loss_at = add(_loss_piece(loss))
         elif loss is not None:
             pending.loss = float(loss)
         grad_slots = [add(piece) for piece in self._grads or ()]
@@ -769,16 +771,21 @@ def describe(
 
 
 def _loss_piece(loss: torch.Tensor) -> Piece:
-    """The loss's mean as one number: on a CPU taken on the reporter thread (three
-    small torch calls cost ~0.1 ms on the training thread right after the step, when
-    their code is out of the caches), elsewhere on the device now."""
-    if loss.device.type == "cpu":
-        return Deferred(1, loss.device, functools.partial(_loss_mean, loss))
+    """The loss's mean as one number: on a CPU taken on the reporter thread, the loss
+    detached there too (even a ``detach`` costs ~40 µs on the training thread right
+    after the step, when torch's code is out of the caches; the graph's buffers are
+    gone after backward, what it keeps until then is its nodes), elsewhere on the
+    device now."""
+    if loss.is_cpu:
+        return Deferred(1, _CPU, functools.partial(_loss_mean, loss))
     return _loss_mean(loss)
 
 
 def _loss_mean(loss: torch.Tensor) -> torch.Tensor:
-    return loss.float().mean().reshape(1)
+    return loss.detach().float().mean().reshape(1)
+
+
+_CPU = torch.device("cpu")
 
 
 def _flat32(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """The applied and intended update of every low-precision parameter, now and then.
 
-Norm weights get their update measured every reported step (``measure.py``). Any
+Norm weights get their update measured on the first reported steps, then every
+few steps and on every step of this check (``measure.py``,
+``Instruments._norm_weights_due``). Any
 other bf16 or fp16 parameter can be frozen by rounding too — an embedding or a
 linear layer whose AdamW steps are all below half an ulp — so every ``every``-th
 reported step the trainable bf16/fp16 parameters that are not norm weights are
