@@ -110,6 +110,13 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub report_every: u64,
 
+    /// Compute the attention layers' statistics (largest logit, smallest head
+    /// entropy) on every K-th step only: they cost about 4 ms of a 150 ms step of
+    /// Qwen2.5-0.5B on an H200 (BENCHMARKS.md), which the Python client's default
+    /// interval for the same family (10) brings down tenfold. 1: every step.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub attention_every: u64,
+
     /// Pause this many milliseconds after each step, so a short demo run can be
     /// watched live on the dashboard.
     #[arg(long, env = "GRADFLOW_STEP_DELAY_MS", default_value_t = 0)]

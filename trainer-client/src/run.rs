@@ -265,6 +265,7 @@ fn train_options(args: &Args, settings: &ScenarioSettings) -> TrainOptions {
         seed: args.seed,
         instrument: !args.no_instrument,
         attention_statistics: true,
+        attention_every: args.attention_every,
         grad_sums: args.grad_sums,
     }
 }

@@ -65,6 +65,9 @@ pub struct TrainOptions {
     /// With `instrument`: compute each attention call's largest logit and smallest
     /// head entropy (off: to measure what they cost apart).
     pub attention_statistics: bool,
+    /// With `attention_statistics`: on every K-th step only (step numbers that are
+    /// multiples of K; 1 or 0: every step).
+    pub attention_every: u64,
     /// How the instrumented step sums each gradient's squares.
     pub grad_sums: GradSums,
 }
@@ -86,6 +89,7 @@ impl TrainOptions {
             seed: 0,
             instrument: true,
             attention_statistics: true,
+            attention_every: 1,
             grad_sums: GradSums::Auto,
         }
     }
@@ -298,9 +302,9 @@ impl Trainer {
         // Module outputs are recorded only when instrumented: hook hits are read
         // from them once the loss is known.
         let (logits, outputs) = if self.options.instrument {
-            let (logits, outputs) = trace::capture(self.options.attention_statistics, || {
-                self.forward(step, &ids, &grids)
-            });
+            let attention = self.options.attention_statistics
+                && step % self.options.attention_every.max(1) == 0;
+            let (logits, outputs) = trace::capture(attention, || self.forward(step, &ids, &grids));
             (logits?, outputs)
         } else {
             (self.forward(step, &ids, &grids)?, Outputs::default())
