@@ -192,7 +192,11 @@ class _Probe:
 
 def _unknown(device: torch.device) -> torch.Tensor:
     """Not measured: a tensor changed in place before it was read (its flag 0)."""
-    return torch.tensor([float("nan"), float("nan"), 0.0], device=device)
+    # Filled on the device: a tensor built on the host and copied would wait for the
+    # stream (pageable copies to a CUDA device do).
+    unknown = torch.full((3,), float("nan"), device=device)
+    unknown[2] = 0.0
+    return unknown
 
 
 def _measured(max_logit: torch.Tensor, min_entropy: torch.Tensor) -> torch.Tensor:

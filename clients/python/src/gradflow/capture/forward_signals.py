@@ -234,6 +234,13 @@ def _not_measured(width: int, device: torch.device) -> torch.Tensor:
     return torch.full((width,), float("nan"), device=device)
 
 
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """`value` as an f32 tensor on `device`, written there by a fill kernel: built on
+    the host and copied, it would wait for the device to finish the forward so far
+    (a copy from pageable memory to a CUDA device waits for the stream)."""
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
 def _activation(held: Held) -> torch.Tensor:
     """[sum of squares, elements, largest |value|] of a block's output."""
     x = held.get()
@@ -243,7 +250,7 @@ def _activation(held: Held) -> torch.Tensor:
         sumsq = torch.linalg.vector_norm(x, dtype=torch.float32).square()
         low, high = torch.aminmax(x)
         absmax = torch.maximum(high, -low).float()
-        count = torch.tensor(float(x.numel()), device=x.device)
+        count = _scalar(x.numel(), x.device)
         return torch.stack([sumsq, count, absmax])
 
 
@@ -260,7 +267,7 @@ def _logits(held: Held) -> torch.Tensor:
         sample = flat[::stride].float()
         logz = torch.logsumexp(sample, dim=-1)
         low, high = torch.aminmax(sample)
-        count = torch.tensor(float(sample.shape[0]), device=x.device)
+        count = _scalar(sample.shape[0], x.device)
         level = sample.mean(dim=-1).sum()
         return torch.stack([logz.sum(), count, torch.maximum(high, -low), level])
 
@@ -296,5 +303,5 @@ def _routing(logits: Held, indices: Optional[Held], experts: int, top_k: int) ->
             chosen = flat.topk(min(top_k, flat.shape[-1]), dim=-1).indices
         counts = torch.bincount(chosen.reshape(-1).long(), minlength=experts)[:experts]
         z = torch.logsumexp(flat.float(), dim=-1)
-        tokens = torch.tensor(float(flat.shape[0]), device=x.device)
+        tokens = _scalar(flat.shape[0], x.device)
         return torch.cat([counts.float(), (z * z).sum().reshape(1), tokens.reshape(1)])

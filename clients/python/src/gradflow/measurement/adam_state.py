@@ -235,8 +235,8 @@ def _stats(
 ) -> torch.Tensor:
     """Per parameter [Σ u², max |u|, updated, below ε, carrying] (see the module), from flat
     copies of the moments, `lengths` elements each: arithmetic on any thread."""
-    steps = steps.to(m.device)
-    sizes = torch.tensor(lengths, device=m.device)
+    steps = vector.to_device(steps, m.device)
+    sizes = vector.to_device(torch.tensor(lengths), m.device)
     bc1 = torch.repeat_interleave(1 - b1**steps, sizes, output_size=m.numel())
     bc2 = torch.repeat_interleave(1 - b2**steps, sizes, output_size=m.numel())
     v_hat = v / bc2

@@ -34,6 +34,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from .. import _env, _torch_compat
+from . import vector
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,7 @@ def param_sums(
         return None
     device, dtype = parts[0].device, parts[0].dtype
     sums = torch.zeros(modules, dtype=dtype, device=device)
-    at = torch.tensor(index, dtype=torch.long, device=device)
+    at = vector.to_device(torch.tensor(index, dtype=torch.long), device)
     return sums.index_add_(0, at, torch.stack([p.to(device, dtype) for p in parts]))
 
 

@@ -95,3 +95,15 @@ def to_host(pieces: List[Piece]) -> Tuple[object, Optional[torch.cuda.Event]]:
     event = torch.cuda.Event(blocking=True)
     event.record()
     return host, event
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (a small host tensor the client built) on `device`, without waiting for
+    the device: a copy from pageable host memory to a CUDA device first waits for
+    every kernel already queued on the stream, which on the training thread turns
+    the step's host work and the device's into one serial chain (the Adam state's
+    per-chunk sizes did that: +240 ms on a sampled step of Qwen2.5-0.5B on an H200).
+    Pinned, the copy is queued like a kernel."""
+    if t.device == device or t.device.type != "cpu" or device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
