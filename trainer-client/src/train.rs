@@ -303,7 +303,7 @@ impl Trainer {
         // from them once the loss is known.
         let (logits, outputs) = if self.options.instrument {
             let attention = self.options.attention_statistics
-                && step % self.options.attention_every.max(1) == 0;
+                && step.is_multiple_of(self.options.attention_every.max(1));
             let (logits, outputs) = trace::capture(attention, || self.forward(step, &ids, &grids));
             (logits?, outputs)
         } else {
