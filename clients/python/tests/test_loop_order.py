@@ -91,6 +91,35 @@ def test_a_value_clip_that_cuts_nothing_is_not_a_finding(gradflow_server):
     assert gradflow_server.serious(gf.run_id) == []
 
 
+def test_a_clip_after_the_step_that_cuts_only_later_is_watched_until_it_does(gradflow_server):
+    """The clip sits after the step from the start, but the gradients stay under its
+    bound for the first steps (jongwook/onsets-and-frames#24: a bound of 3 that early
+    gradients do not reach): the clips are watched on, alone, until one cuts."""
+    original = clip_grad._clip_grads_with_norm_
+    model, _ = model_and_optimizer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+    gf = gradflow.watch(model, optimizer, server=gradflow_server.url, run_id=new_run_id())
+    hooks = len(optimizer._optimizer_step_post_hooks)
+    norms = []
+    x = torch.randn(4, 8)
+    for step in range(40):
+        optimizer.zero_grad(set_to_none=True)
+        # The loss grows with the step, so the gradients pass the bound only after
+        # the first LOOKS steps.
+        (model(x).square().sum() * (1 + step)).backward()
+        optimizer.step()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 150.0)))
+        gf.step()
+    first_cut = next(i for i, n in enumerate(norms) if n > 150.0)
+    assert first_cut > loop_order.LOOKS, norms
+    alert = gradflow_server.wait_for_alert(gf.run_id, "clip_after_step", subject="gradients")
+    assert alert["evidence"]["params"] == 4
+    # Said, the watch ends: torch's clip and the optimizer's hooks are as before.
+    assert clip_grad._clip_grads_with_norm_.__wrapped__ is original
+    assert len(optimizer._optimizer_step_post_hooks) == hooks - 1
+    gf.close()
+
+
 def test_stacked_clip_observers_come_off_in_any_order():
     original = nn.utils.clip_grad_value_
     seen = []

@@ -32,7 +32,12 @@ says whether ``unscale_`` ran. The schedulers bound to the optimizer are found o
 after the first step, by ``gc.get_referrers(optimizer)`` (one walk of the heap,
 about 0.1 s in a process with 360 000 objects), then their ``last_epoch`` is read at
 each step. After ``LOOKS`` steps everything is removed and restored; ``close``
-removes it earlier.
+removes it earlier. One exception: a clip seen on used gradients at least ``CLIPS``
+times that has not cut yet (a misplaced clip whose bound the early gradients stay
+under; it matters once they pass it) keeps the clip observers and the step hook
+(nothing else) for up to ``MISPLACED_LOOKS`` optimizer steps, until it cuts (a host
+read of the clip's norm per clip there); a loop whose clips sit where they act never
+gets there.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from .._log import swallow
 
 # Optimizer steps watched.
 LOOKS = 12
+# Optimizer steps a misplaced clip that has not cut yet is watched for.
+MISPLACED_LOOKS = 1000
 # Clips seen where they cannot act before it is said (the loop repeats itself).
 CLIPS = 2
 # Scheduler advances, all equal and >= 2, before it is said.
@@ -72,6 +79,8 @@ class LoopOrder:
         self._noted: List[Tuple[Any, int, int]] = []
         self._steps = 0
         self._clipped_used = 0
+        # Clips seen on used gradients, whether they cut or not.
+        self._misplaced = 0
         self._clipped_scaled = 0
         self._clip_params = 0
         self._scale: Optional[float] = None
@@ -146,13 +155,25 @@ class LoopOrder:
             ]
             if self._steps == 1:
                 self._find_schedulers()
-            else:
+            elif self._steps <= LOOKS:
                 self._read_schedulers()
-            if self._steps >= LOOKS:
+            if self._steps >= LOOKS and not self._waiting_for_a_cut():
                 self._finish()
         except Exception as exc:
             swallow("watching the loop's order", exc)
             self._finish()
+
+    def _waiting_for_a_cut(self) -> bool:
+        """Whether a clip that cannot act has been seen but has not cut yet, within
+        ``MISPLACED_LOOKS`` steps: then only the clips are watched on."""
+        waiting = (
+            self._misplaced >= CLIPS
+            and "clip_after_step" not in self._said
+            and self._steps < MISPLACED_LOOKS
+        )
+        if waiting:
+            self._schedulers = []
+        return waiting
 
     def _find_schedulers(self) -> None:
         types = _torch_compat.lr_scheduler_types()
@@ -222,12 +243,13 @@ class LoopOrder:
         if first is None or id(first) not in self._params:
             return
         if self._used(params):
+            self._misplaced += 1
             if cut():
                 self._clipped_used += 1
                 self._clip_params, self._clip_name = len(params), name
             if self._clipped_used >= CLIPS:
                 self._say("clip_after_step", params=self._clip_params, attribute=self._name())
-        elif self._unscale_pending():
+        elif self._steps < LOOKS and self._unscale_pending():
             scale = _torch_compat.scaler_scale(self._scaler)
             if scale is not None and scale > 1.0 and cut():
                 self._clipped_scaled += 1
