@@ -124,19 +124,23 @@ pub fn measure_attention(
     let mut full = trainer(true, true)?;
     let mut without = trainer(true, false)?;
     let mut off = trainer(false, true)?;
-    let medians = measure_interleaved(
-        &mut [&mut full, &mut without, &mut off],
+    let overhead = measure_pair(
+        &mut full,
+        &mut off,
+        Some(&mut without),
         steps,
         device,
         |_, _| {},
     )?;
     Ok(AttentionCost {
-        preset: full.model.preset.name.to_owned(),
-        params: full.model.store.len(),
+        preset: overhead.preset,
+        params: overhead.params,
         steps,
-        instrumented_ms: medians[0],
-        without_attention_ms: medians[1],
-        uninstrumented_ms: medians[2],
+        instrumented_ms: overhead.instrumented_ms,
+        without_attention_ms: overhead
+            .without_attention_ms
+            .context("the third trainer was stepped")?,
+        uninstrumented_ms: overhead.uninstrumented_ms,
     })
 }
 
