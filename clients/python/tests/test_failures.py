@@ -398,6 +398,37 @@ def test_bf16_linear_layers_frozen_by_rounding_are_found_like_norm_weights(gradf
     assert all(r >= 0.98 * m for (_, r), (_, m) in zip(lost, meant)), (lost, meant)
 
 
+def test_a_large_model_checked_a_slice_at_a_time_is_found_as_quickly(gradflow_server, monkeypatch):
+    """A model past the per-step budget of the update check (here the budget is cut
+    to a few of PromptAgent's layers): each checked step measures the next slice of
+    its bf16 parameters, every parameter in turn, and the groups frozen by rounding
+    are found on the same steps as when all are checked at once."""
+    from gradflow.measurement import updates
+
+    monkeypatch.setattr(updates, "SLICE_ELEMENTS", 20_000)
+    model = PromptAgent().to(torch.bfloat16)
+    tracked = [n for n, p in model.named_parameters() if "norm" not in n and p.numel() > 0]
+    assert sum(p.numel() for p in model.parameters()) > 3 * updates.SLICE_ELEMENTS
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    gf = watch(
+        gradflow_server, model, optimizer, updates_every=2, detectors={"frozen_norm_steps": 6}
+    )
+    train(model, optimizer, gf, 16)
+    gf.close()
+    for group in ("qwen", "agent"):
+        alert = gradflow_server.wait_for_alert(gf.run_id, "update_rounded_away", subject=group)
+        assert alert["evidence"]["cause"] == "low_precision_underflow", alert
+        assert alert["step"] <= 8, alert  # as with every parameter checked at once
+    # Each parameter is measured on some checked steps, not all: slices in turn.
+    measured = {
+        n: [s for s, _ in gradflow_server.series(gf.run_id, "rounded_away", n)] for n in tracked
+    }
+    assert all(measured.values()), {n: s for n, s in measured.items() if not s}
+    assert all(len(s) < 8 for s in measured.values()), measured
+    checked = sorted({s for steps in measured.values() for s in steps})
+    assert checked == [0, 2, 4, 6, 8, 10, 12, 14], checked
+
+
 def test_bf16_layers_at_a_healthy_lr_are_not_frozen(gradflow_server):
     model = PromptAgent().to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
