@@ -117,6 +117,15 @@ pub struct Args {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub attention_every: u64,
 
+    /// Measure the norm weights' update, drift and intended update on the first
+    /// steps, then on every K-th step only: their statistics cost about 2 ms of a
+    /// 150 ms step of Qwen2.5-0.5B on an H200 (BENCHMARKS.md); a norm weight that
+    /// stops moving is then seen at most K − 1 steps later. Rounded up to a
+    /// multiple of `--report-every`, so that the steps measured are reported. 1:
+    /// every step.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    pub norm_weights_every: u64,
+
     /// Pause this many milliseconds after each step, so a short demo run can be
     /// watched live on the dashboard.
     #[arg(long, env = "GRADFLOW_STEP_DELAY_MS", default_value_t = 0)]

@@ -266,6 +266,11 @@ fn train_options(args: &Args, settings: &ScenarioSettings) -> TrainOptions {
         instrument: !args.no_instrument,
         attention_statistics: true,
         attention_every: args.attention_every,
+        norm_weights_every: args
+            .norm_weights_every
+            .div_ceil(args.report_every.max(1))
+            .max(1)
+            * args.report_every.max(1),
         grad_sums: args.grad_sums,
     }
 }

@@ -41,6 +41,10 @@ pub struct Faults {
 }
 
 /// The gradient made NaN by `Faults::nan_grad_at`.
+/// Steps on which the norm weights are always measured, whatever
+/// [`TrainOptions::norm_weights_every`]: `first_step_hint` judges the first reports.
+pub const NORM_WEIGHTS_FIRST: u64 = 4;
+
 pub const NAN_GRAD_PARAM: &str = "qwen.layers.0.mlp.down_proj.weight";
 
 #[derive(Debug, Clone)]
@@ -68,6 +72,11 @@ pub struct TrainOptions {
     /// With `attention_statistics`: on every K-th step only (step numbers that are
     /// multiples of K; 1 or 0: every step).
     pub attention_every: u64,
+    /// With `instrument`: the norm weights' update, drift, mean and intended update
+    /// on the first [`NORM_WEIGHTS_FIRST`] steps, then on every K-th step only (step
+    /// numbers that are multiples of K; 1 or 0: every step). A record without them
+    /// says they were not measured.
+    pub norm_weights_every: u64,
     /// How the instrumented step sums each gradient's squares.
     pub grad_sums: GradSums,
 }
@@ -90,6 +99,7 @@ impl TrainOptions {
             instrument: true,
             attention_statistics: true,
             attention_every: 1,
+            norm_weights_every: 1,
             grad_sums: GradSums::Auto,
         }
     }
@@ -378,7 +388,13 @@ impl Trainer {
             outputs.attention.into_iter().unzip();
         stage_a.extend(statistics);
 
-        let before = self.watched.before(&self.vars)?;
+        let norms_due = step < NORM_WEIGHTS_FIRST
+            || step.is_multiple_of(self.options.norm_weights_every.max(1));
+        let before = if norms_due {
+            Some(self.watched.before(&self.vars)?)
+        } else {
+            None
+        };
         self.mark("norm weights before")?;
 
         let stage_a_host = if self.scaler.is_some() {
@@ -396,20 +412,17 @@ impl Trainer {
         let moments = if skipped {
             StepMoments::none(self.watched.params().len())
         } else {
-            let watch: Vec<&Var> = self
-                .watched
-                .params()
-                .iter()
-                .map(|&i| &self.vars[i])
-                .collect();
-            self.optimizer.step(&grads, &watch)?
+            self.optimizer_step(&grads, before.is_some())?
         };
         self.mark("optimizer, with intended updates")?;
 
         // Stage B: per watched norm weight, squared update, drift, mean — on the
         // values in their own dtype (converting bf16 to f32 is exact) — then, where
         // the optimizer updated it, the summary of its intended update.
-        let stage_b = self.watched.statistics(&self.vars, &before, &moments)?;
+        let stage_b = match &before {
+            Some(before) => self.watched.statistics(&self.vars, before, &moments)?,
+            None => None,
+        };
         let has_intended = moments.updated();
         self.mark("norm weight stats")?;
         let (host_a, host_b) = match stage_a_host {
@@ -439,11 +452,31 @@ impl Trainer {
             has_grad: &has_grad,
             hook_hits: &hook_hits,
             has_intended: &has_intended,
+            norm_weights: before.is_some(),
             attention: (&attention, &host_a[gradient_sums.end..]),
         };
         let output = self.record(step, &measured, found_inf, skipped);
         self.mark("record")?;
         Ok(output)
+    }
+
+    /// The optimizer step, handing over the watched norm weights' moments when
+    /// `norm_weights` (their intended update is computed on this step).
+    fn optimizer_step(
+        &mut self,
+        grads: &candle_core::backprop::GradStore,
+        norm_weights: bool,
+    ) -> candle_core::Result<StepMoments> {
+        let watch: Vec<&Var> = if norm_weights {
+            self.watched
+                .params()
+                .iter()
+                .map(|&i| &self.vars[i])
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.optimizer.step(grads, &watch)
     }
 
     fn record(
@@ -460,6 +493,7 @@ impl Trainer {
             has_grad,
             hook_hits,
             has_intended,
+            norm_weights,
             attention,
         } = *measured;
         let loss = host_a[0] as f64;
@@ -503,30 +537,42 @@ impl Trainer {
             })
             .collect();
         modules.extend(attention_modules(attention.0, attention.1));
-        let stats = self.watched.decode(host_b, has_intended);
-        let param_steps: Vec<ParamStep> = self
-            .watched
-            .params()
-            .iter()
-            .zip(stats)
-            .map(|(&i, stats)| {
-                let mut param = ParamStep {
+        let param_steps: Vec<ParamStep> = if !norm_weights {
+            // Not measured on this step: the gradient norms alone.
+            self.watched
+                .params()
+                .iter()
+                .map(|&i| ParamStep {
                     name: params[i].name.clone(),
                     grad_norm: sumsq[i].map(|s| Float(s.sqrt())),
-                    update_norm: Some(norm((stats.update_squared as f64).sqrt())),
-                    drift: Some(norm(stats.drift as f64)),
-                    mean: Some(Float(stats.mean as f64)),
                     ..Default::default()
-                };
-                if let Some([squared, max_ulp, nonzero, rounded]) = stats.intended {
-                    param.intended_update_norm = Some(norm((squared as f64).sqrt()));
-                    param.intended_update_max_ulp = Some(norm(max_ulp as f64));
-                    param.intended_nonzero = Some(nonzero as u64);
-                    param.rounded_away = Some(rounded as u64);
-                }
-                param
-            })
-            .collect();
+                })
+                .collect()
+        } else {
+            let stats = self.watched.decode(host_b, has_intended);
+            self.watched
+                .params()
+                .iter()
+                .zip(stats)
+                .map(|(&i, stats)| {
+                    let mut param = ParamStep {
+                        name: params[i].name.clone(),
+                        grad_norm: sumsq[i].map(|s| Float(s.sqrt())),
+                        update_norm: Some(norm((stats.update_squared as f64).sqrt())),
+                        drift: Some(norm(stats.drift as f64)),
+                        mean: Some(Float(stats.mean as f64)),
+                        ..Default::default()
+                    };
+                    if let Some([squared, max_ulp, nonzero, rounded]) = stats.intended {
+                        param.intended_update_norm = Some(norm((squared as f64).sqrt()));
+                        param.intended_update_max_ulp = Some(norm(max_ulp as f64));
+                        param.intended_nonzero = Some(nonzero as u64);
+                        param.rounded_away = Some(rounded as u64);
+                    }
+                    param
+                })
+                .collect()
+        };
         let scaler = self.scaler.map(|s| ScalerState {
             scale: Some(Float(s.scale)),
             growth_tracker: Some(s.growth_tracker),
@@ -569,6 +615,8 @@ struct Measured<'a> {
     hook_hits: &'a [u32],
     /// Per watched parameter: whether `host_b` holds its intended-update summary.
     has_intended: &'a [bool],
+    /// Whether the norm weights' statistics were measured on this step.
+    norm_weights: bool,
     /// Per attention call: its module, and on the host its two statistics in a row.
     attention: (&'a [String], &'a [f32]),
 }

@@ -414,3 +414,46 @@ fn without_attention_statistics_a_record_has_no_attention_entries_and_the_rest_u
     assert_eq!(without.modules.iter().collect::<Vec<_>>(), trained);
     assert_eq!(without.loss, with.loss);
 }
+
+#[test]
+fn norm_weights_are_measured_on_the_first_steps_then_every_kth_and_training_is_unchanged() {
+    let preset = tiny();
+    let records_of = |norm_weights_every: u64| {
+        let model = HybridModel::random(&preset, DType::F32, &Device::Cpu, 1).unwrap();
+        let opts = TrainOptions {
+            norm_weights_every,
+            ..options(DType::F32, DType::F32)
+        };
+        let mut trainer = Trainer::new(model, opts, &Device::Cpu).unwrap();
+        (0..10)
+            .map(|step| trainer.step(step).unwrap().record.unwrap())
+            .collect::<Vec<_>>()
+    };
+    let every = records_of(1);
+    let sampled = records_of(4);
+    for (step, (all, some)) in every.iter().zip(&sampled).enumerate() {
+        // The same training: the loss and every module's gradient norm.
+        assert_eq!(all.loss, some.loss, "step {step}");
+        assert_eq!(all.modules, some.modules, "step {step}");
+        assert!(!all.params.is_empty());
+        assert!(all.params.iter().all(|p| p.update_norm.is_some()));
+        let due = step < 4 || step % 4 == 0;
+        if due {
+            assert_eq!(all.params, some.params, "step {step}");
+        } else {
+            // Not measured: each norm weight's gradient norm alone.
+            for (a, s) in all.params.iter().zip(&some.params) {
+                assert_eq!(
+                    (&a.name, a.grad_norm),
+                    (&s.name, s.grad_norm),
+                    "step {step}"
+                );
+                assert!(
+                    s.update_norm.is_none() && s.drift.is_none() && s.mean.is_none(),
+                    "step {step}: {s:?}"
+                );
+                assert!(s.intended_update_norm.is_none(), "step {step}: {s:?}");
+            }
+        }
+    }
+}
