@@ -23,7 +23,7 @@ use gradflow_protocol::{StepRecord, Timestamp};
 use super::error::{IngestError, IngestResult};
 use super::plan::{
     Batch, Clock, Codec, IngestOutcome, Preparation, Prepared, Refused, StepCells, check_amendment,
-    check_params, detect, new_columns, write_stream,
+    check_params, detect, new_columns, steps_measured, write_stream,
 };
 use super::state::RunState;
 use crate::store::{
@@ -442,7 +442,7 @@ fn store_combined(
     Ok(RunSteps {
         added,
         first_step: run_rows.first().map(|row| row.step),
-        steps: run_rows.len() as u64,
+        steps: steps_measured(&run_rows),
         alerts,
     })
 }

@@ -10,7 +10,7 @@ use gradflow_protocol::StepRecord;
 use super::error::IngestResult;
 use super::plan::{
     Batch, Codec, IngestOutcome, Preparation, Prepared, Refused, StepCells, check_amendment,
-    check_params, detect, new_columns, write_stream,
+    check_params, detect, new_columns, steps_measured, write_stream,
 };
 use super::state::RunState;
 use crate::store::{BatchWrite, Progress, RUN_STREAM};
@@ -123,7 +123,7 @@ pub fn prepare_single(
         progress: Progress {
             first_step: Some(new[0].step),
             last_step: Some(last),
-            steps: new.len() as u64,
+            steps: steps_measured(&rows),
         },
         amendments,
         columns: new_columns(added),
