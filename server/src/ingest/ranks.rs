@@ -506,6 +506,26 @@ mod tests {
     }
 
     #[test]
+    fn a_combined_step_with_only_an_amendment_is_not_counted() {
+        let mut batch = rank_steps(0, 0..2);
+        batch.extend(rank_steps(1, 0..2));
+        let first = written(run(), &batch);
+        assert_eq!(first.write.progress.steps, 2);
+        // Each rank's last record carries only the amendment (sent at close).
+        let closing = records((0..2).map(|rank| {
+            json!({"step": 2, "rank": rank,
+                   "amend": {"params": [{"name": "agent.head.weight", "requires_grad": false}]}})
+        }));
+        let second = written(first.next, &closing);
+        let write = &second.write;
+        assert_eq!(
+            (write.progress.last_step, write.progress.steps),
+            (Some(2), 0)
+        );
+        assert_eq!(write.amendments.len(), 1);
+    }
+
+    #[test]
     fn a_rank_outside_the_run_is_refused() {
         let Err(refused) = prepare_at(run(), &rank_steps(5, 0..1), 0.0, None) else {
             panic!("rank 5 of 2 is refused");

@@ -223,6 +223,23 @@ mod tests {
     }
 
     #[test]
+    fn a_record_with_only_an_amendment_is_stored_but_not_counted_as_a_step() {
+        let mut batch = steps(0..3, |_| json!(2.0));
+        batch.extend(records([json!({"step": 3, "time": 1_795_000_000.0,
+            "amend": {"params": [{"name": "agent.b.weight", "requires_grad": false}]}})]));
+        let prepared = written(run(), &batch);
+        let write = &prepared.write;
+        assert_eq!(
+            (write.progress.last_step, write.progress.steps),
+            (Some(3), 3)
+        );
+        assert_eq!(prepared.outcome.accepted, 4);
+        assert_eq!(write.amendments.len(), 1);
+        assert_eq!(write.amendments[0].0, 3);
+        assert_eq!(prepared.next.last_step, Some(3));
+    }
+
+    #[test]
     fn a_record_the_run_refuses_leaves_the_state_untouched() {
         let mut batch = steps(0..2, |_| json!(2.0));
         batch[1].params = records([json!({"step": 1, "params": [{"name": "nope.weight"}]})])
