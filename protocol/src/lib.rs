@@ -1,4 +1,4 @@
-//! The gradflow wire protocol, v1.10 (docs/PROTOCOL.md): the types every instrumented trainer sends and the
+//! The gradflow wire protocol, v1.11 (docs/PROTOCOL.md): the types every instrumented trainer sends and the
 //! server accepts, their parsing and validation, and the encoding of non-finite floats.
 //!
 //! This crate is the one boundary every client sees. It does no I/O and depends only

@@ -12,7 +12,7 @@ use crate::validate::check_name;
 pub const MAX_WIRING_FINDINGS: usize = 256;
 
 /// One finding about the model's wiring.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct WiringFinding {
@@ -30,7 +30,20 @@ pub struct WiringFinding {
     /// (`scheduler_per_micro_batch`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub measured: Option<u64>,
+    /// *(v1.11)* `clip_after_step` only: the bound of a clip that ran before the
+    /// backward that wrote the gradients the next step used (its `max_norm`, or
+    /// `clip_value`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound: Option<f64>,
+    /// *(v1.11)* With `bound`: the sizes of the gradients those steps used, above the
+    /// bound (their norm; for `clip_grad_value_` their largest element), at most
+    /// [`MAX_USED_NORMS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub used_norms: Vec<f64>,
 }
+
+/// Most `used_norms` one finding may carry.
+pub const MAX_USED_NORMS: usize = 16;
 
 crate::vocabulary! {
     /// What kind of wiring mistake a finding is. Each is also the alert kind the server
@@ -121,6 +134,34 @@ pub(crate) fn validate_wiring(
         if let Some(attribute) = &finding.attribute {
             check_name(&path.field("attribute"), attribute)?;
         }
+        check_clip_sizes(&path, finding)?;
+    }
+    Ok(())
+}
+
+/// A clip's `bound` and `used_norms`: finite and not negative, at most
+/// [`MAX_USED_NORMS`] norms.
+fn check_clip_sizes(path: &Path<'_>, finding: &WiringFinding) -> Result<(), InvalidBody> {
+    if let Some(bound) = finding.bound
+        && !(bound.is_finite() && bound >= 0.0)
+    {
+        return Err(path
+            .field("bound")
+            .error(format!("bound {bound} is not a finite number >= 0")));
+    }
+    if finding.used_norms.len() > MAX_USED_NORMS {
+        return Err(path.field("used_norms").error(format!(
+            "{} used norms are more than the limit of {MAX_USED_NORMS}",
+            finding.used_norms.len()
+        )));
+    }
+    let norms = path.field("used_norms");
+    for (i, norm) in finding.used_norms.iter().enumerate() {
+        if !(norm.is_finite() && *norm >= 0.0) {
+            return Err(norms
+                .index(i)
+                .error(format!("{norm} is not a finite number >= 0")));
+        }
     }
     Ok(())
 }
@@ -149,5 +190,26 @@ mod tests {
         .unwrap();
         let error = bad_name.validate().unwrap_err();
         assert!(error.to_string().contains("wiring[0].module"), "{error}");
+    }
+
+    #[test]
+    fn a_clip_before_backward_carries_its_bound_and_the_norms_used() {
+        let registration: RunRegistration = serde_json::from_value(serde_json::json!({
+            "params": [], "wiring": [{"kind": "clip_after_step", "module": "", "params": 4,
+                                      "bound": 1.0, "used_norms": [1.7, 2.25]}]
+        }))
+        .unwrap();
+        registration.validate().unwrap();
+        assert_eq!(registration.wiring[0].used_norms, vec![1.7, 2.25]);
+        let negative: RunRegistration = serde_json::from_value(serde_json::json!({
+            "params": [], "wiring": [{"kind": "clip_after_step", "module": "",
+                                      "bound": 1.0, "used_norms": [1.7, -2.0]}]
+        }))
+        .unwrap();
+        let error = negative.validate().unwrap_err();
+        assert!(
+            error.to_string().contains("wiring[0].used_norms[1]"),
+            "{error}"
+        );
     }
 }

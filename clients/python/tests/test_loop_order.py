@@ -137,3 +137,71 @@ def test_stacked_clip_observers_come_off_in_any_order():
     assert seen[-1] == ("upper", 0.25) and len(seen) == 3
     upper()
     assert nn.utils.clip_grad_value_ is original
+
+
+def clipped_before_backward(gradflow_server, bound: float, set_to_none: bool = True, steps=20):
+    """`zero_grad(); clip_grad_norm_(...); loss.backward(); optimizer.step()`
+    (Cranial-XIX/FAMO#4): the clip finds no gradient (or only zeros) every time."""
+    model, optimizer = model_and_optimizer()
+    gf = gradflow.watch(model, optimizer, server=gradflow_server.url, run_id=new_run_id())
+    used = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        assert float(nn.utils.clip_grad_norm_(model.parameters(), bound)) == 0.0
+        model(torch.randn(4, 8)).square().sum().backward()
+        used.append(float(nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        optimizer.step()
+        gf.step()
+    gf.close()
+    return gf.run_id, used
+
+
+def test_a_clip_before_backward_that_would_have_cut_is_named_with_its_numbers(gradflow_server):
+    run_id, used = clipped_before_backward(gradflow_server, bound=0.5)
+    assert sum(n > 0.5 for n in used) >= 2, used
+    alert = gradflow_server.wait_for_alert(run_id, "clip_after_step", subject="gradients")
+    evidence = alert["evidence"]
+    assert evidence["cause"] == "clip_after_step" and evidence["params"] == 4
+    assert evidence["bound"] == 0.5
+    # The first two steps above the bound, as the optimizer used them.
+    above = [n for n in used if n > 0.5][:2]
+    assert evidence["used_norms"][:2] == [float(f"{n:.4g}") for n in above], (evidence, used)
+    assert "before loss.backward()" in alert["detail"], alert["detail"]
+    assert "max_norm is 0.5" in alert["detail"], alert["detail"]
+
+
+def test_a_clip_of_zeroed_gradients_before_backward_is_named(gradflow_server):
+    """`zero_grad(set_to_none=False)` leaves zeros: the clip's total norm is 0."""
+    run_id, used = clipped_before_backward(gradflow_server, bound=0.5, set_to_none=False)
+    assert sum(n > 0.5 for n in used) >= 2, used
+    alert = gradflow_server.wait_for_alert(run_id, "clip_after_step", subject="gradients")
+    assert alert["evidence"]["bound"] == 0.5
+
+
+def test_a_clip_before_backward_whose_bound_is_never_reached_is_silent(gradflow_server):
+    """Misplaced, but it would have cut nothing: every step is what a clip in the right
+    place gives, so there is nothing to tell the user about their training."""
+    run_id, used = clipped_before_backward(gradflow_server, bound=1e6)
+    assert max(used) < 1e6
+    assert gradflow_server.run(run_id)["step_count"] == 20
+    assert gradflow_server.serious(run_id) == []
+
+
+def test_clips_where_they_act_are_silent(gradflow_server):
+    """Gradient accumulation clipped once after the last micro-batch's backward, and a
+    loop that zeroes in place (`set_to_none=False`) and clips after backward: both clip
+    the gradients the step uses, at a bound the gradients pass."""
+    for set_to_none in (True, False):
+        model, optimizer = model_and_optimizer()
+        run_id = new_run_id()
+        gf = gradflow.watch(model, optimizer, server=gradflow_server.url, run_id=run_id)
+        for _ in range(loop_order.LOOKS + 4):
+            optimizer.zero_grad(set_to_none=set_to_none)
+            for _ in range(3):
+                (model(torch.randn(4, 8)).square().sum() / 3).backward()
+            assert float(nn.utils.clip_grad_norm_(model.parameters(), 0.5)) > 0.5
+            optimizer.step()
+            gf.step()
+        gf.close()
+        assert gradflow_server.run(run_id)["step_count"] == loop_order.LOOKS + 4
+        assert gradflow_server.serious(run_id) == []

@@ -83,11 +83,42 @@ impl Clip {
     }
 }
 
-pub(super) fn clip_after_step(params: &str, clip: Clip) -> Worded {
+/// `clip_after_step`: a clip that cut gradients the last step had used, or *(v1.11)*
+/// one that ran before the backward that wrote the gradients the next step used (the
+/// finding's `bound` and `used_norms`).
+pub(super) fn clip_after_step(params: &str, finding: &WiringFinding) -> Worded {
+    let clip = clip_function(finding);
     let (name, call, cut) = (clip.name(), clip.call(), clip.cut());
-    let does_nothing = match clip {
-        Clip::Norm => "max_norm does nothing",
-        Clip::Value => "clip_value does nothing",
+    let (does_nothing, bound_name, size) = match clip {
+        Clip::Norm => ("max_norm does nothing", "max_norm", "gradient norm"),
+        Clip::Value => (
+            "clip_value does nothing",
+            "clip_value",
+            "largest gradient element",
+        ),
+    };
+    let detail = match finding.bound {
+        Some(bound) if !finding.used_norms.is_empty() => {
+            let used = finding
+                .used_norms
+                .iter()
+                .map(|n| format!("{n}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "{name} ran on {params} before loss.backward(): it found no gradient to \
+                 cut (none yet, or only zeros), then backward wrote the gradients the \
+                 optimizer stepped on, unclipped. Its {bound_name} is {bound}; the steps \
+                 used a {size} above it: {used}, so {does_nothing}."
+            )
+        }
+        _ => format!(
+            "During the first steps, {name} cut {params} ({cut}) while no backward had \
+             written them since the last optimizer.step(): it ran after the step, or \
+             before the next backward, so it clipped gradients already used (or about to \
+             be cleared). Every optimizer step used the unclipped gradients: \
+             {does_nothing}."
+        ),
     };
     (
         AlertKind::ClipAfterStep,
@@ -95,13 +126,7 @@ pub(super) fn clip_after_step(params: &str, clip: Clip) -> Worded {
         "Gradient clipping runs where it cannot act: the optimizer steps on unclipped \
          gradients"
             .to_owned(),
-        format!(
-            "During the first steps, {name} cut {params} ({cut}) while no backward had \
-             written them since the last optimizer.step(): it ran after the step, or \
-             before the next backward, so it clipped gradients already used (or about to \
-             be cleared). Every optimizer step used the unclipped gradients: \
-             {does_nothing}."
-        ),
+        detail,
         format!(
             "Clip between backward and the step: loss.backward(); {call}; optimizer.step() \
              (under a GradScaler: scaler.unscale_(optimizer) right before the clip)."
@@ -338,6 +363,27 @@ mod tests {
             found[3].detail
         );
         assert_eq!(found[1].evidence["cause"], "clip_after_step");
+    }
+
+    #[test]
+    fn a_clip_before_backward_is_said_with_its_bound_and_the_norms_used() {
+        let found = crate::detect::testing::registration_alerts(json!({
+            "params": [{"name": "shared.0.weight"}],
+            "wiring": [{"kind": "clip_after_step", "module": "", "params": 4,
+                        "bound": 1.0, "used_norms": [1.73, 2.5]}]
+        }));
+        assert_eq!(found.len(), 1);
+        let alert = &found[0];
+        assert_eq!(alert.evidence["cause"], "clip_after_step");
+        assert_eq!(alert.evidence["bound"], 1.0);
+        assert_eq!(alert.evidence["used_norms"], json!([1.73, 2.5]));
+        for said in [
+            "clip_grad_norm_ ran on 4 parameter tensors before loss.backward()",
+            "Its max_norm is 1",
+            "above it: 1.73, 2.5",
+        ] {
+            assert!(alert.detail.contains(said), "{said}: {}", alert.detail);
+        }
     }
 
     #[test]

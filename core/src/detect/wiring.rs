@@ -96,9 +96,7 @@ fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
             let clip = loop_wiring::clip_function(finding);
             loop_wiring::clip_before_unscale(&params, finding.measured, clip)
         }
-        WiringKind::ClipAfterStep => {
-            loop_wiring::clip_after_step(&params, loop_wiring::clip_function(finding))
-        }
+        WiringKind::ClipAfterStep => loop_wiring::clip_after_step(&params, finding),
         WiringKind::SchedulerPerMicroBatch => loop_wiring::scheduler(finding),
         WiringKind::PlateauModeMismatch => loop_wiring::plateau_mode(finding),
         WiringKind::ParamGroupEmpty => loop_wiring::empty_group(finding, registration),
@@ -118,14 +116,25 @@ fn opened(finding: &WiringFinding, registration: &RunRegistration) -> Opened {
         title,
         detail,
         fix,
-        evidence: json!({
-            "cause": finding.kind.as_str(),
-            "module": finding.module,
-            "attribute": finding.attribute,
-            "params": finding.params,
-            "measured": finding.measured,
-        }),
+        evidence: evidence(finding),
     }
+}
+
+/// The finding's fields, and *(v1.11)* a clip's `bound` and `used_norms` where it
+/// carries them (absent otherwise, as before).
+fn evidence(finding: &WiringFinding) -> serde_json::Value {
+    let mut evidence = json!({
+        "cause": finding.kind.as_str(),
+        "module": finding.module,
+        "attribute": finding.attribute,
+        "params": finding.params,
+        "measured": finding.measured,
+    });
+    if let Some(bound) = finding.bound {
+        evidence["bound"] = json!(bound);
+        evidence["used_norms"] = json!(finding.used_norms);
+    }
+    evidence
 }
 
 /// `attribute` names every such attribute of the module, comma-separated.

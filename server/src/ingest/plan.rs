@@ -211,6 +211,22 @@ pub struct StepCells {
     pub cells: Vec<u32>,
 }
 
+impl StepCells {
+    /// Whether the record carries a step's measurements: at least one value stored in
+    /// the stream. A record that only amends the registration (the last
+    /// `requires_grad_(False)` a client sends at `close`) is stored, and its amendment
+    /// judged, but it is not a step the run took (docs/PROTOCOL.md, "Streaming steps").
+    pub fn measured(&self) -> bool {
+        self.cells.iter().any(|cell| *cell != codec::ABSENT_BITS)
+    }
+}
+
+/// The steps among `rows`: the records that carry a measurement (the run's
+/// `step_count` adds these, not every record).
+pub fn steps_measured(rows: &[StepCells]) -> u64 {
+    rows.iter().filter(|row| row.measured()).count() as u64
+}
+
 /// Adds `rows` (new steps, ascending, all after the stream's last) to `stream`:
 /// queues every block and rollup bucket they touch for writing — the stream's last
 /// block again whole when they extend it — and returns the stream's new tail.

@@ -23,7 +23,7 @@ use gradflow_protocol::{StepRecord, Timestamp};
 use super::error::{IngestError, IngestResult};
 use super::plan::{
     Batch, Clock, Codec, IngestOutcome, Preparation, Prepared, Refused, StepCells, check_amendment,
-    check_params, detect, new_columns, write_stream,
+    check_params, detect, new_columns, steps_measured, write_stream,
 };
 use super::state::RunState;
 use crate::store::{
@@ -442,7 +442,7 @@ fn store_combined(
     Ok(RunSteps {
         added,
         first_step: run_rows.first().map(|row| row.step),
-        steps: run_rows.len() as u64,
+        steps: steps_measured(&run_rows),
         alerts,
     })
 }
@@ -503,6 +503,26 @@ mod tests {
         assert_eq!(second.next.pending.keys().collect::<Vec<_>>(), [&2]);
         // One rank's batch answers with that rank's last step.
         assert_eq!(second.outcome.last_step, Some(1));
+    }
+
+    #[test]
+    fn a_combined_step_with_only_an_amendment_is_not_counted() {
+        let mut batch = rank_steps(0, 0..2);
+        batch.extend(rank_steps(1, 0..2));
+        let first = written(run(), &batch);
+        assert_eq!(first.write.progress.steps, 2);
+        // Each rank's last record carries only the amendment (sent at close).
+        let closing = records((0..2).map(|rank| {
+            json!({"step": 2, "rank": rank,
+                   "amend": {"params": [{"name": "agent.head.weight", "requires_grad": false}]}})
+        }));
+        let second = written(first.next, &closing);
+        let write = &second.write;
+        assert_eq!(
+            (write.progress.last_step, write.progress.steps),
+            (Some(2), 0)
+        );
+        assert_eq!(write.amendments.len(), 1);
     }
 
     #[test]

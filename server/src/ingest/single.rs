@@ -10,7 +10,7 @@ use gradflow_protocol::StepRecord;
 use super::error::IngestResult;
 use super::plan::{
     Batch, Codec, IngestOutcome, Preparation, Prepared, Refused, StepCells, check_amendment,
-    check_params, detect, new_columns, write_stream,
+    check_params, detect, new_columns, steps_measured, write_stream,
 };
 use super::state::RunState;
 use crate::store::{BatchWrite, Progress, RUN_STREAM};
@@ -123,7 +123,7 @@ pub fn prepare_single(
         progress: Progress {
             first_step: Some(new[0].step),
             last_step: Some(last),
-            steps: new.len() as u64,
+            steps: steps_measured(&rows),
         },
         amendments,
         columns: new_columns(added),
@@ -220,6 +220,23 @@ mod tests {
             }
             _ => panic!("a resent batch is nothing new"),
         }
+    }
+
+    #[test]
+    fn a_record_with_only_an_amendment_is_stored_but_not_counted_as_a_step() {
+        let mut batch = steps(0..3, |_| json!(2.0));
+        batch.extend(records([json!({"step": 3, "time": 1_795_000_000.0,
+            "amend": {"params": [{"name": "agent.b.weight", "requires_grad": false}]}})]));
+        let prepared = written(run(), &batch);
+        let write = &prepared.write;
+        assert_eq!(
+            (write.progress.last_step, write.progress.steps),
+            (Some(3), 3)
+        );
+        assert_eq!(prepared.outcome.accepted, 4);
+        assert_eq!(write.amendments.len(), 1);
+        assert_eq!(write.amendments[0].0, 3);
+        assert_eq!(prepared.next.last_step, Some(3));
     }
 
     #[test]

@@ -193,3 +193,56 @@ async fn a_late_unfreeze_outside_the_optimizer_is_flagged_on_its_step() {
     assert_eq!(alerts[0]["opened_step"], 30);
     assert_eq!(alerts[0]["evidence"]["amended_at"], 30);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_amendment_alone_after_the_last_step_is_stored_but_is_no_step() {
+    // What a client sends at `close` when a registration change came after its last
+    // step (a `requires_grad_` flip): a record with a step number, a time and the
+    // amendment, and no measurement.
+    let app = TestApp::spawn().await;
+    assert_eq!(app.register("r", &registration()).await.status(), 201);
+    let steps: Vec<Value> = (0..40).map(step).collect();
+    assert_eq!(
+        app.post_steps("r", &Value::Array(steps)).await.status(),
+        200
+    );
+    let closing = json!({"step": 40, "time": 1_795_000_000.0,
+        "amend": {"params": [{"name": "qwen.layers.0.mlp.up_proj.weight",
+                              "requires_grad": true, "in_optimizer": false}]}});
+    let response = app.post_steps("r", &json!([closing])).await;
+    assert_eq!(response.status(), 200);
+    let outcome: Value = response.json().await.unwrap();
+    assert_eq!(
+        outcome,
+        json!({"accepted": 1, "duplicates": 0, "last_step": 40})
+    );
+
+    let (_, run) = app.get_json("/api/v1/runs/r").await;
+    assert_eq!(run["step_count"], 40, "the amendment is not a step: {run}");
+    assert_eq!(run["last_step"], 40);
+    let amendments = run["amendments"].as_array().expect("amendments");
+    assert_eq!(amendments.len(), 1, "{run}");
+    assert_eq!(amendments[0]["step"], 40);
+    let up = run["params"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "qwen.layers.0.mlp.up_proj.weight")
+        .unwrap();
+    assert_eq!(
+        up["requires_grad"], true,
+        "the amendment is in force: {run}"
+    );
+    // ...and judged as any amendment: trainable, outside the optimizer.
+    let (_, body) = app
+        .get_json("/api/v1/runs/r/alerts?kind=param_not_in_optimizer")
+        .await;
+    let alerts = body["alerts"].as_array().unwrap();
+    assert_eq!(alerts.len(), 1, "{body}");
+    assert_eq!(alerts[0]["opened_step"], 40);
+
+    // The next measured step counts again.
+    assert_eq!(app.post_steps("r", &json!([step(41)])).await.status(), 200);
+    let (_, run) = app.get_json("/api/v1/runs/r").await;
+    assert_eq!(run["step_count"], 41);
+}

@@ -231,6 +231,8 @@ class WiringFinding(_WiringKind, total=False):
     attribute: str
     params: int
     measured: int  # v1.6
+    bound: float  # v1.11: a clip before backward's max_norm or clip_value
+    used_norms: List[float]  # v1.11: the sizes of the gradients the steps used, above it
 
 
 class RunRegistration(TypedDict, total=False):

@@ -5,6 +5,10 @@ registration (``param_group_empty``) are :func:`gradflow.measurement.wiring.empt
 - ``clip_after_step``: ``clip_grad_norm_`` or ``clip_grad_value_`` cut gradients
   that no ``backward`` wrote since the last ``optimizer.step()`` (a clip after the
   step, or before the next backward): the optimizer steps on unclipped gradients.
+  Or a clip that ran before the backward that wrote the gradients the next step used
+  (it found none, or only zeros) while those gradients were above its bound on at
+  least two steps (:mod:`.clip_before_backward`): the finding then carries ``bound``
+  and ``used_norms`` (v1.11).
 - ``clip_before_unscale``: a clip ran on fresh gradients under a GradScaler whose
   ``unscale_`` had not run for the watched optimizer: it clipped the scaled norm, or
   clamped the scaled elements.
@@ -52,6 +56,7 @@ from torch import nn
 
 from .. import _torch_compat, wire
 from .._log import swallow
+from .clip_before_backward import ClipsBeforeBackward
 
 # Optimizer steps watched.
 LOOKS = 12
@@ -92,6 +97,7 @@ class LoopOrder:
         self._restores: List[Any] = []
         # The clip function of the last clip counted ("" for clip_grad_norm_).
         self._clip_name = ""
+        self._before_backward = ClipsBeforeBackward()
         if optimizer is None or not hasattr(optimizer, "register_step_post_hook"):
             return
         try:
@@ -153,6 +159,7 @@ class LoopOrder:
                 for p in self._noted_params
                 if p.grad is not None
             ]
+            self._judge_clips_before_backward()
             if self._steps == 1:
                 self._find_schedulers()
             elif self._steps <= LOOKS:
@@ -162,6 +169,19 @@ class LoopOrder:
         except Exception as exc:
             swallow("watching the loop's order", exc)
             self._finish()
+
+    def _judge_clips_before_backward(self) -> None:
+        clips = self._before_backward
+        seen = clips.seen
+        if clips.step():
+            self._say(
+                "clip_after_step",
+                params=clips.params,
+                attribute=clips.name or None,
+                bound=clips.bound,
+                used_norms=clips.sent_norms(),
+            )
+        self._misplaced += clips.seen - seen
 
     def _waiting_for_a_cut(self) -> bool:
         """Whether a clip that cannot act has been seen but has not cut yet, within
@@ -215,7 +235,9 @@ class LoopOrder:
         try:
             limit = float(max_norm)
             if math.isfinite(limit):  # clip_grad_norm_(..., inf) measures; it cuts nothing
-                self._on_any_clip(parameters, "", lambda: float(total_norm) > limit)
+                self._on_any_clip(
+                    parameters, "", lambda: float(total_norm) > limit, limit, total_norm
+                )
         except Exception as exc:
             swallow("watching gradient clipping", exc)
 
@@ -229,18 +251,25 @@ class LoopOrder:
                     largest = torch.stack(torch._foreach_norm(grads, math.inf)).max()
                     return bool(largest > limit)
 
-                self._on_any_clip(parameters, "clip_grad_value_", cut)
+                self._on_any_clip(parameters, "clip_grad_value_", cut, limit, None)
         except Exception as exc:
             swallow("watching gradient clipping", exc)
 
-    def _on_any_clip(self, parameters: Any, name: str, cut: Any) -> None:
-        """One clip of `parameters` by the function `name`; `cut()` says whether it
-        changed anything (read only when it matters: it may cost a host sync)."""
+    def _on_any_clip(
+        self, parameters: Any, name: str, cut: Any, limit: float, total_norm: Any
+    ) -> None:
+        """One clip of `parameters` by the function `name` with bound `limit`; `cut()`
+        says whether it changed anything (read only when it matters: it may cost a
+        host sync); `total_norm`: a norm clip's, None for a value clip."""
         if self._done:
             return
         params = _listed(parameters)
         first = next((p for p in params if p.grad is not None), None)
-        if first is None or id(first) not in self._params:
+        watched = first if first is not None else next(iter(params), None)
+        if watched is None or id(watched) not in self._params:
+            return
+        if first is None:  # nothing to cut yet: judged at the step, once backward ran
+            self._before_backward.clip(params, limit, name, None, None)
             return
         if self._used(params):
             self._misplaced += 1
@@ -249,7 +278,9 @@ class LoopOrder:
                 self._clip_params, self._clip_name = len(params), name
             if self._clipped_used >= CLIPS:
                 self._say("clip_after_step", params=self._clip_params, attribute=self._name())
-        elif self._steps < LOOKS and self._unscale_pending():
+            return
+        self._before_backward.clip(params, limit, name, first.grad, total_norm)
+        if self._steps < LOOKS and self._unscale_pending():
             scale = _torch_compat.scaler_scale(self._scaler)
             if scale is not None and scale > 1.0 and cut():
                 self._clipped_scaled += 1
