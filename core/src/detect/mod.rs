@@ -127,6 +127,10 @@ macro_rules! streaming_detectors {
             pub ranks: ranks::RankDetectors,
             /// Which alerts are open: every detector opens and ends alerts through it.
             pub episodes: Episodes,
+            /// The step of an amendment that left nothing to train, sent in a record
+            /// that carried no measurement (the last `requires_grad_(False)` a client
+            /// sends at `close`): judged on the next step that runs under it.
+            pub nothing_trains_amended_at: Option<u64>,
         }
 
         impl DetectorSet {
@@ -143,8 +147,15 @@ macro_rules! streaming_detectors {
             ) -> Vec<Transition> {
                 let step = StepView::new(context, record).with_ranks(ranks);
                 let mut alerts = self.episodes.at(record.step);
+                let measured = measures_anything(record);
                 if let Some(before) = amended {
-                    on_amendment(before, context, record.step, &mut alerts);
+                    let held = on_amendment(before, context, record.step, measured, &mut alerts);
+                    if held.is_some() {
+                        self.nothing_trains_amended_at = held;
+                    }
+                }
+                if measured && let Some(at) = self.nothing_trains_amended_at.take() {
+                    open_held_nothing_trains(context, at, &mut alerts);
                 }
                 $(self.$module.on_step(&step, &mut alerts);)*
                 if let Some(view) = ranks {
@@ -196,27 +207,69 @@ impl DetectorSet {
 /// What an amended registration proves wrong and the one before it (`before`) did
 /// not (a parameter unfrozen outside the optimizer, adapters cast to bf16 under a
 /// loss scaler) opens on the amendment's step.
-fn on_amendment(before: &RunContext, after: &RunContext, step: u64, alerts: &mut Alerts<'_>) {
+///
+/// `nothing_trains` says a run trains nothing: on an amendment sent in a record that
+/// measured nothing, no step has run under it yet (a GAN's discriminator frozen
+/// around the generator's update, its last freeze sent at `close`), so it is held
+/// and the amendment's step returned, to be judged on the next measured step.
+fn on_amendment(
+    before: &RunContext,
+    after: &RunContext,
+    step: u64,
+    measured: bool,
+    alerts: &mut Alerts<'_>,
+) -> Option<u64> {
     let known: Vec<(AlertKind, String)> = registration::check(before)
         .into_iter()
         .map(|a| (a.kind, a.subject))
         .collect();
+    let mut held = None;
     for mut alert in registration::check(after) {
         if known.contains(&(alert.kind, alert.subject.clone())) {
+            continue;
+        }
+        if alert.kind == AlertKind::NothingTrains && !measured {
+            held = Some(step);
             continue;
         }
         if alert.kind == AlertKind::ParamNotInOptimizer {
             registration::explain_replaced(&mut alert, before, step);
         }
-        alert.first_step = Some(step);
-        alert.step = Some(step);
-        alert.detail = format!(
-            "From step {step}, where the client amended the registration: {}",
-            alert.detail
-        );
-        alert.evidence["amended_at"] = serde_json::json!(step);
-        alerts.open(alert);
+        alerts.open(amended(alert, step));
     }
+    held
+}
+
+/// Opens `nothing_trains` on a measured step when the registration in force, amended
+/// at step `at` in a record that measured nothing, still trains nothing.
+fn open_held_nothing_trains(context: &RunContext, at: u64, alerts: &mut Alerts<'_>) {
+    for alert in registration::check(context) {
+        if alert.kind == AlertKind::NothingTrains {
+            alerts.open(amended(alert, at));
+        }
+    }
+}
+
+/// `alert` dated at the amendment of step `step` that proved it.
+fn amended(mut alert: Opened, step: u64) -> Opened {
+    alert.first_step = Some(step);
+    alert.step = Some(step);
+    alert.detail = format!(
+        "From step {step}, where the client amended the registration: {}",
+        alert.detail
+    );
+    alert.evidence["amended_at"] = serde_json::json!(step);
+    alert
+}
+
+/// Whether a record carries any measurement of a step (not a record that only
+/// amends the registration).
+fn measures_anything(record: &StepRecord) -> bool {
+    record.loss.is_some()
+        || !record.modules.is_empty()
+        || !record.params.is_empty()
+        || !record.metrics.is_empty()
+        || record.scaler.is_some()
 }
 
 #[cfg(test)]
@@ -239,6 +292,46 @@ mod tests {
     ) -> Vec<Transition> {
         let record = crate::detect::testing::record(serde_json::json!({"step": step}));
         detectors.on_step(after, &record, Some(before), None)
+    }
+
+    #[test]
+    fn everything_frozen_by_an_amendment_sent_alone_is_judged_on_the_next_step_run_under_it() {
+        let before = context(serde_json::json!({"params": [
+            {"name": "disc.conv.weight"}, {"name": "disc.head.weight"}
+        ]}));
+        let frozen = context(serde_json::json!({"params": [
+            {"name": "disc.conv.weight", "requires_grad": false},
+            {"name": "disc.head.weight", "requires_grad": false}
+        ]}));
+        // Sent at close, measuring nothing: no step ran under it, nothing opens.
+        let mut detectors = DetectorSet::default();
+        let t = on_amendment(&mut detectors, &before, &frozen, 300);
+        assert!(t.is_empty(), "{t:?}");
+        // A step that runs under it (a loss, nothing trained): opened, dated at the
+        // amendment.
+        let step = crate::detect::testing::record(serde_json::json!({"step": 301, "loss": 0.5}));
+        let t = detectors.on_step(&frozen, &step, None, None);
+        let [Transition::Open(o)] = &t[..] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(
+            (o.kind, o.subject.as_str()),
+            (AlertKind::NothingTrains, "run")
+        );
+        assert_eq!(o.evidence["amended_at"], 300);
+        // Unfrozen again before any step ran under it: nothing opens.
+        let mut detectors = DetectorSet::default();
+        assert!(on_amendment(&mut detectors, &before, &frozen, 40).is_empty());
+        let t = detectors.on_step(&before, &step, Some(&frozen), None);
+        assert!(t.is_empty(), "{t:?}");
+        // In a record that measured its step, it opens at once, as before.
+        let mut detectors = DetectorSet::default();
+        let t = detectors.on_step(&frozen, &step, Some(&before), None);
+        assert!(
+            t.iter()
+                .any(|t| matches!(t, Transition::Open(o) if o.kind == AlertKind::NothingTrains)),
+            "{t:?}"
+        );
     }
 
     #[test]
