@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .support import SEEDS, Diagnosis, Outcome, assert_caught, watch
+from .support import SEEDS, Diagnosis, Outcome, assert_caught, assert_silent, watch
 
 pytestmark = pytest.mark.validation
 
@@ -218,3 +218,106 @@ def test_open_wake_word_accumulation_zeroed_every_micro_batch(gradflow_server, g
             covers=("gradients",),
         ),
     )
+
+
+# -- liyaguang/DCRNN#38: scheduled sampling makes the training loss climb -------------
+
+SENSORS, HORIZON = 4, 12
+
+
+def traffic_batch(size: int, g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Daily-cycle readings of 4 sensors, each with a phase of its own, plus a random
+    walk (traffic that drifts from its usual level): 12 steps in, the next 12 to
+    forecast."""
+    start = torch.rand(size, 1, 1, generator=g) * 24
+    t = start + torch.arange(2 * HORIZON).float()[None, :, None]
+    phase = torch.linspace(0, 1.5, SENSORS)[None, None, :]
+    drift = 0.15 * torch.randn(size, 2 * HORIZON, SENSORS, generator=g).cumsum(1)
+    series = torch.sin(2 * torch.pi * t / 24 + phase) + drift
+    return series[:, :HORIZON], series[:, HORIZON:]
+
+
+class Seq2SeqForecaster(nn.Module):
+    """DCRNN's encoder-decoder in small, with plain GRU cells where DCRNN has its
+    diffusion-convolution GRU cells: the encoder reads the 12 inputs, the decoder
+    unrolls 12 forecasts, each fed the previous target or its own previous forecast."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.encoder = nn.GRUCell(SENSORS, hidden)
+        self.decoder = nn.GRUCell(SENSORS, hidden)
+        self.projection = nn.Linear(hidden, SENSORS)
+
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, teacher_p: float, g: torch.Generator
+    ) -> torch.Tensor:
+        h = torch.zeros(inputs.shape[0], self.encoder.hidden_size)
+        for t in range(inputs.shape[1]):
+            h = self.encoder(inputs[:, t], h)
+        previous = torch.zeros_like(inputs[:, 0])  # the GO symbol
+        outputs = []
+        for t in range(HORIZON):
+            h = self.decoder(previous, h)
+            out = self.projection(h)
+            outputs.append(out)
+            use_truth = float(torch.rand(1, generator=g)) < teacher_p
+            previous = targets[:, t] if use_truth else out
+        return torch.stack(outputs, 1)
+
+
+def train_dcrnn(run_id: str, seed: int, steps: int = 300, decay: float = 40.0) -> Outcome:
+    """DCRNN's supervisor as the maintainer describes it: scheduled sampling with the
+    inverse sigmoid decay `k / (k + exp(step / k))` (`cl_decay_steps`, here 40 for a
+    300-step run), MAE loss, Adam (lr 0.01, eps 1e-3), gradient clipping at 5."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(5100 + seed)
+    model = Seq2SeqForecaster()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
+    run = watch(run_id, model, optimizer)
+    validation = traffic_batch(256, torch.Generator().manual_seed(5150 + seed))
+
+    def free_running_mae() -> float:
+        with torch.no_grad():
+            forecast = model(validation[0], validation[1], 0.0, g)
+        return F.l1_loss(forecast, validation[1]).item()
+
+    start_mae = free_running_mae()
+    losses = []
+    for step in range(steps):
+        teacher_p = decay / (decay + float(torch.exp(torch.tensor(step / decay))))
+        inputs, targets = traffic_batch(64, g)
+        optimizer.zero_grad()
+        loss = F.l1_loss(model(inputs, targets, teacher_p, g), targets)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        optimizer.step()
+        run.step(loss)
+        losses.append(loss.item())
+    run.close()
+    windows = [sum(losses[i : i + 10]) / 10 for i in range(0, steps, 10)]
+    low = min(range(len(windows)), key=windows.__getitem__)
+    return Outcome(
+        {"model": run},
+        {
+            "start_mae": start_mae,
+            "end_mae": free_running_mae(),
+            "loss_low": windows[low],
+            "loss_after_low": max(windows[low:]),
+        },
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_dcrnn_training_loss_climbs_under_scheduled_sampling(gradflow_server, gradflow_env, seed):
+    """https://github.com/liyaguang/DCRNN/issues/38"""
+    outcome = train_dcrnn(gradflow_env, seed)
+
+    # The training loss went down, then climbed well above its low as the decoder
+    # was fed its own forecasts more and more; the free-running forecast (what the
+    # validation measures) got far better.
+    facts = outcome.facts
+    assert facts["loss_after_low"] > 1.3 * facts["loss_low"], facts
+    assert facts["end_mae"] < 0.6 * facts["start_mae"], facts
+
+    # The correct verdict: a healthy run whose training task gets harder by design.
+    assert_silent(gradflow_server, outcome)
