@@ -1,20 +1,25 @@
 """Reinforcement learning (the fourth set): Hands-on-RL's actor-critic on CartPole,
-regrouped so that the actor's update lost its `zero_grad`.
+regrouped so that the actor's update lost its `zero_grad`, and Coach's dueling double
+DQN, whose loss climbs while the agent learns.
 
 The actor and the critic each have an optimizer of their own and are watched as two
-runs. CartPole is the first set's copy of gym's CartPole-v0.
+runs. CartPole is the first set's copy of gym's CartPole-v0; the corridor is the
+second set's.
 """
 
 from __future__ import annotations
 
-from typing import List
+import random
+from collections import deque
+from typing import Deque, List, Tuple
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .support import SEEDS, Diagnosis, Outcome, assert_caught, mean, watch
+from .support import SEEDS, Diagnosis, Outcome, assert_caught, assert_silent, mean, watch
+from .test_holdout_rl import STATES, Chain, one_hot
 from .test_validation_rl import CartPole
 
 pytestmark = pytest.mark.validation
@@ -132,3 +137,118 @@ def test_actor_critic_regrouped_without_actor_zero_grad(gradflow_server, gradflo
         outcome,
         Diagnosis(run="actor", kind="grads_not_zeroed", causes=("not_zeroed",)),
     )
+
+
+# -- IntelLabs/coach#214: the dueling double DQN's loss climbs as it learns -----------
+
+
+class DuelingQ(nn.Module):
+    """Coach's dueling head: a shared layer, a state value and action advantages,
+    combined as V + A - mean(A)."""
+
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(STATES, hidden), nn.ReLU())
+        self.value = nn.Linear(hidden, 1)
+        self.advantage = nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        advantage = self.advantage(h)
+        return self.value(h) + advantage - advantage.mean(1, keepdim=True)
+
+
+def corridor_return(network: nn.Module) -> float:
+    env, total = Chain(), 0.0
+    state, done = env.reset(), False
+    while not done:
+        with torch.no_grad():
+            action = network(one_hot(torch.tensor([state]))).argmax(1).item()
+        state, reward, done = env.step(action)
+        total += reward
+    return total
+
+
+# The optimal value of moving right from the corridor's first cell: three moves at
+# -0.01, then the reward 1, discounted by 0.99 a move.
+Q_STAR_START = -0.01 * (1 + 0.99 + 0.99**2) + 0.99**3
+
+
+def start_value_error(network: nn.Module) -> float:
+    with torch.no_grad():
+        return abs(network(one_hot(torch.tensor([0])))[0, 1].item() - Q_STAR_START)
+
+
+def train_dueling_ddqn(run_id: str, seed: int, steps: int = 300) -> Outcome:
+    """Coach's Dueling DDQN preset in small: an online and a separate target network
+    (copied every 20 steps, never in the optimizer), the double-DQN target (the
+    online network picks the next action, the target network values it), MSE loss,
+    Adam (lr 3e-3, scaled up from 2.5e-4 for a 300-step run), epsilon from 1 to 0.05
+    over the first half, one step per environment step after 50 of warm-up."""
+    torch.manual_seed(seed)
+    rng = random.Random(5400 + seed)
+    online, target = DuelingQ(), DuelingQ()
+    target.load_state_dict(online.state_dict())
+    optimizer = torch.optim.Adam(online.parameters(), lr=3e-3)
+    run = watch(run_id, online, optimizer)
+    buffer: Deque[Tuple[int, int, float, int, bool]] = deque(maxlen=10_000)
+    env = Chain()
+    state = env.reset()
+    error_before = start_value_error(online)
+    losses: List[float] = []
+    warmup = 50
+    for t in range(warmup + steps):
+        epsilon = max(0.05, 1 - t / ((warmup + steps) * 0.5))
+        if rng.random() < epsilon:
+            action = rng.randrange(2)
+        else:
+            with torch.no_grad():
+                action = online(one_hot(torch.tensor([state]))).argmax(1).item()
+        nxt, reward, done = env.step(action)
+        buffer.append((state, action, reward, nxt, done))
+        state = env.reset() if done else nxt
+        if t < warmup:
+            continue
+        batch = rng.sample(list(buffer), min(32, len(buffer)))
+        s, a, r, s2, d = (torch.tensor(x) for x in zip(*batch))
+        with torch.no_grad():
+            next_action = online(one_hot(s2)).argmax(1, keepdim=True)
+            next_q = target(one_hot(s2)).gather(1, next_action).squeeze(1)
+            goal = r.float() + (1 - d.float()) * 0.99 * next_q
+        current = online(one_hot(s)).gather(1, a.unsqueeze(1)).squeeze(1)
+        loss = F.mse_loss(current, goal)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        run.step(loss)
+        losses.append(loss.item())
+        if (t - warmup) % 20 == 19:
+            target.load_state_dict(online.state_dict())
+    run.close()
+    return Outcome(
+        {"model": run},
+        {
+            "error_before": error_before,
+            "error_after": start_value_error(online),
+            "return_after": corridor_return(online),
+            "loss_first": mean(losses[:30]),
+            "loss_peak": max(mean(losses[i : i + 30]) for i in range(0, len(losses) - 30, 10)),
+        },
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_dueling_ddqn_loss_climbs_while_the_agent_learns(gradflow_server, gradflow_env, seed):
+    """https://github.com/IntelLabs/coach/issues/214"""
+    outcome = train_dueling_ddqn(gradflow_env, seed)
+
+    # The TD loss climbed well above where it started (the targets move as the
+    # values grow); the start's value came close to the optimal one and the greedy
+    # agent walks the corridor to its reward.
+    facts = outcome.facts
+    assert facts["loss_peak"] > 1.5 * facts["loss_first"], facts
+    assert facts["error_after"] < 0.3 * facts["error_before"], facts
+    assert facts["return_after"] > 0.9, facts
+
+    # The correct verdict: a healthy value-based agent.
+    assert_silent(gradflow_server, outcome)
