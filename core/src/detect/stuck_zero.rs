@@ -326,7 +326,7 @@ impl StuckZeroGrad {
             // not a module the graph was cut off from, whose weights never move.
             let by_hand = self
                 .moved_by_hand
-                .observe(&module.module, norm.is_none(), param_sum);
+                .observe(&module.module, step, norm.is_none(), param_sum);
             let reading = Reading {
                 zero: !by_hand && norm.is_none_or(|n| n == 0.0),
                 hooks_silent: module.hook_hits == Some(0),
