@@ -66,6 +66,9 @@ pub struct StuckZeroGrad {
     /// Modules whose weights move without a gradient (target networks, EMA
     /// teachers): not stuck, whatever their gradient.
     moved_by_hand: MovedByHand,
+    /// The run has reported a finite loss other than 0: a loss of exactly 0 from then
+    /// on was reached by training (a margin satisfied), not built that way.
+    loss_was_nonzero: bool,
 }
 
 /// Cuts kept at most (the oldest go first): a client sends one per module per episode.
@@ -315,6 +318,7 @@ impl StuckZeroGrad {
             .is_some_and(|n| n >= 1.0);
         let diverging = alerts.is_open(AlertKind::LossDivergence, "loss");
         let several_updates = record.optimizer_steps.is_some_and(|n| n >= 2);
+        let satisfied = self.loss_satisfied(view);
         let mut module_readings: Vec<(&str, &str, Reading)> = Vec::new();
         let mut group_readings: GroupMap<Option<Reading>> = GroupMap::default();
         for (module, info) in view.trainable_modules() {
@@ -326,7 +330,7 @@ impl StuckZeroGrad {
             // not a module the graph was cut off from, whose weights never move.
             let by_hand = self
                 .moved_by_hand
-                .observe(&module.module, norm.is_none(), param_sum);
+                .observe(&module.module, step, norm.is_none(), param_sum);
             let reading = Reading {
                 zero: !by_hand && norm.is_none_or(|n| n == 0.0),
                 hooks_silent: module.hook_hits == Some(0),
@@ -343,6 +347,12 @@ impl StuckZeroGrad {
             // measured. Hooks that never fired over the whole interval still show that
             // backward never reached the module.
             if several_updates && reading.zero && !reading.hooks_silent {
+                continue;
+            }
+            // The loss was exactly 0 and no module got a gradient: the loss had none
+            // to give (a margin every sample satisfies), and a step without one says
+            // nothing of whether backward can reach a module. Not measured.
+            if satisfied {
                 continue;
             }
             module_readings.push((&module.module, group, reading));
@@ -420,6 +430,24 @@ impl StuckZeroGrad {
         // Keep only what carries information: streaks in progress.
         self.groups.retain(|_, r| r.streak.count > 0);
         self.modules.retain(|_, r| r.streak.count > 0);
+    }
+
+    /// Whether this step's loss was satisfied: exactly 0, after the run had reported
+    /// another loss, with no trainable module given a gradient. A margin or hinge loss
+    /// (a triplet loss once the embedding separates the batch) is exactly 0, with a
+    /// gradient of exactly 0 everywhere, on every batch it has nothing to teach; the
+    /// steps between still train. A loss that was 0 from the first report (a mask
+    /// that leaves nothing in it) is not satisfied but empty, and stays counted, as is
+    /// a module at 0 while another module has a gradient.
+    fn loss_satisfied(&mut self, view: &StepView<'_>) -> bool {
+        let loss = view.record.loss.map(|l| l.get());
+        let satisfied = loss == Some(0.0)
+            && self.loss_was_nonzero
+            && view
+                .trainable_modules()
+                .all(|(m, _)| m.grad_norm.is_none_or(|n| n.get() == 0.0));
+        self.loss_was_nonzero |= loss.is_some_and(|l| l.is_finite() && l != 0.0);
+        satisfied
     }
 
     fn keep_cuts(&mut self, step: u64, cuts: &[GraphCut]) {
@@ -947,6 +975,58 @@ mod tests {
             matches!(t.last(), Some((_, Transition::Resolve { .. }))),
             "{t:?}"
         );
+    }
+
+    /// Every module reached with a gradient of exactly 0, the step's loss `loss`.
+    fn all_zero(step: u64, loss: f64) -> StepRecord {
+        let zero = |m: &'static str| (m, json!(0.0), 1);
+        let mut record = record(
+            step,
+            &["qwen.a", "qwen.b", "qwen.c", "agent.x", "agent.y"].map(zero),
+        );
+        record.loss = serde_json::from_value(json!(loss)).unwrap();
+        record
+    }
+
+    #[test]
+    fn a_loss_satisfied_to_zero_has_no_gradient_to_give_and_is_not_a_stuck_module() {
+        // A margin loss: positive at first, then exactly 0 (every gradient with it)
+        // on the batches it has nothing to teach, for longer than the threshold.
+        let mut first = healthy(0);
+        first.loss = serde_json::from_value(json!(0.4)).unwrap();
+        let mut satisfied = vec![first];
+        satisfied.extend((1..15).map(|s| all_zero(s, 0.0)));
+        assert!(run(&satisfied).is_empty(), "{:?}", run(&satisfied));
+        // A loss of 0 from the first report on (a mask that leaves nothing) is empty,
+        // not satisfied: still stuck.
+        let empty: Vec<StepRecord> = (0..15).map(|s| all_zero(s, 0.0)).collect();
+        let t = run(&empty);
+        assert!(!t.is_empty(), "{t:?}");
+        assert_eq!(opened(&t[0].1).evidence["cause"], "zero_gradient");
+        // Gradients of exactly 0 under a loss that is not 0: still stuck.
+        let mut flat = vec![satisfied[0].clone()];
+        flat.extend((1..15).map(|s| all_zero(s, 0.7)));
+        assert!(!run(&flat).is_empty());
+        // A module at 0 while the others carry a gradient, under a loss of 0 after a
+        // positive one: still stuck.
+        let mut alone = vec![satisfied[0].clone()];
+        alone.extend((1..15).map(|s| {
+            let mut r = record(
+                s,
+                &[
+                    ("qwen.a", json!(0.0), 1),
+                    ("qwen.b", json!(0.2), 1),
+                    ("qwen.c", json!(0.3), 1),
+                    ("agent.x", json!(0.5), 1),
+                    ("agent.y", json!(0.25), 1),
+                ],
+            );
+            r.loss = serde_json::from_value(json!(0.0)).unwrap();
+            r
+        }));
+        let t = run(&alone);
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert_eq!(opened(&t[0].1).subject, "qwen.a");
     }
 
     #[test]

@@ -108,9 +108,7 @@ impl UpdateLevels {
                     jitter,
                 });
             }
-            let clipped = rms.ln().min(*log_level + SPIKE_FACTOR.ln());
-            *log_level += (clipped - *log_level) / f64::from((*count + 1).min(SPAN));
-            *count = count.saturating_add(1);
+            let clipped = fold_level(log_level, count, rms);
             match self.jitter.get_mut(&module.module) {
                 Some(j) => {
                     let change = (clipped - j.last).abs();
@@ -129,6 +127,17 @@ impl UpdateLevels {
         }
         spikes
     }
+}
+
+/// Folds `reading` into a level (`log_level`, over `count` readings so far): the
+/// running mean of the logarithm over about [`SPAN`] readings, each clipped to
+/// [`SPIKE_FACTOR`]× the level first, so that a spike does not raise the bar for the
+/// next. The clipped logarithm that went in.
+pub fn fold_level(log_level: &mut f64, count: &mut u32, reading: f64) -> f64 {
+    let clipped = reading.ln().min(*log_level + SPIKE_FACTOR.ln());
+    *log_level += (clipped - *log_level) / f64::from((*count + 1).min(SPAN));
+    *count = count.saturating_add(1);
+    clipped
 }
 
 #[cfg(test)]

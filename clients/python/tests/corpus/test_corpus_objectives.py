@@ -20,7 +20,6 @@ from corpus_support import (
     Progress,
     expects_silence,
     judge,
-    not_caught,
     quickstart,
     seeded,
     three_windows,
@@ -267,10 +266,6 @@ def sheet_batch(size: int, basis: torch.Tensor, g: torch.Generator) -> torch.Ten
     return torch.cat([u, torch.sin(math.pi * u), u.prod(1, keepdim=True)], dim=1) @ basis
 
 
-@not_caught(
-    "false alarm: adam_update_spike on an encoder layer when the KL term comes in: the "
-    "new term turns the gradient at once and Adam's update jumps with it"
-)
 @seeded
 @expects_silence
 def test_a_kl_weight_switched_on_after_a_warm_up(request, gradflow_server, gradflow_env, seed):
