@@ -42,6 +42,7 @@ from typing import (
     Set,
     Tuple,
     Union,
+    cast,
 )
 
 import torch
@@ -117,6 +118,11 @@ class GradLayout:
     norm_grad: List[Optional[int]]  # per norm weight, its norm's position
     # Every gradient on the CPU: their norms may be taken on the worker thread.
     cpu_only: bool = False
+
+
+# What the worker hands back when it read the gradients itself: every parameter's
+# gradient (None: none), their layout and their norms.
+_ReadOnWorker = Tuple[List[Optional[torch.Tensor]], GradLayout, Optional[List[Piece]]]
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,10 @@ class Measurer:
         # norms are then taken on a worker while it steps (measure_grads_during_step).
         self.worker: Optional[StepWorker] = None
         self._during_step = False
+        # Whether the worker reads the gradients themselves this step, and those it
+        # read, for the registration check (measure_grads_during_step).
+        self._reading_on_worker = False
+        self._read_grads: Optional[List[Optional[torch.Tensor]]] = None
         self.rebuild()
         self.reset()
 
@@ -272,6 +282,9 @@ class Measurer:
         self._norms_on_cpu = not self._sharded and all(
             t.device.type == "cpu" for t in self._norm_tensors
         )
+        self._params_on_cpu = not self._sharded and all(
+            t.device.type == "cpu" for t in self._tensors
+        )
         self._shape = self._read_shape()
         self._layouts.clear()
         self._seg_cache.clear()
@@ -307,6 +320,8 @@ class Measurer:
         """Forgets what was measured of the step (and what the worker took of it)."""
         if self.worker is not None:
             self.worker.discard()
+        self._reading_on_worker = False
+        self._read_grads = None
         self._grads = None
         self._grad_layout = None
         self._before = None
@@ -315,7 +330,7 @@ class Measurer:
 
     @property
     def grads_measured(self) -> bool:
-        return self._grad_layout is not None
+        return self._grad_layout is not None or self._reading_on_worker
 
     # -- the optimizer step ------------------------------------------------------
 
@@ -328,6 +343,20 @@ class Measurer:
         every = self.registry.take_grads(self._tensors)
         if every is None:
             every = list(map(_GRAD, self._tensors))
+        layout, grads = self._present(every)
+        worker = self.worker
+        if grads and self._during_step and worker is not None and layout.cpu_only:
+            worker.start(functools.partial(group_norms, layout), grads)
+            self._grads = None
+        else:
+            self._grads = group_norms(layout, grads) if grads else None
+        self._grad_layout = layout
+
+    def _present(
+        self, every: List[Optional[torch.Tensor]]
+    ) -> Tuple[GradLayout, List[torch.Tensor]]:
+        """The layout of the gradients `every` parameter holds (None: none), and the
+        gradients measured: those of the trainable parameters, this rank's part."""
         trainable = self.registry.requires_grad
         if trainable is None or len(trainable) != len(every):
             trainable = tuple(map(_REQUIRES_GRAD, self._tensors))
@@ -339,34 +368,54 @@ class Measurer:
         else:
             present = [i for i, g in enumerate(every) if g is not None and trainable[i]]
         if not present:
-            self._grads = None
-            self._grad_layout = self._no_grads()
-            return
-        grads = every if len(present) == len(every) else [every[i] for i in present]
+            return self._no_grads(), []
+        # Only gradients that are there (present).
+        grads = cast(
+            List[torch.Tensor],
+            every if len(present) == len(every) else [every[i] for i in present],
+        )
         if self._sharded:
             grads = [local(g) for g in grads]
         key = self._every_key if present is self._every_index else tuple(present)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(present, grads)
-        worker = self.worker
-        if self._during_step and worker is not None and layout.cpu_only:
-            worker.start(functools.partial(group_norms, layout), grads)
-            self._grads = None
-        else:
-            self._grads = group_norms(layout, grads)
-        self._grad_layout = layout
+        return layout, grads
 
-    def measure_grads_during_step(self) -> None:
+    def reads_grads_on_worker(self) -> bool:
+        """Whether the gradients themselves can be read on the worker while the
+        optimizer steps (:meth:`measure_grads_during_step`): every parameter on the
+        CPU, so that their gradients' norms are the worker's to take."""
+        return self.worker is not None and self._params_on_cpu
+
+    def measure_grads_during_step(self, read_on_worker: bool = False) -> None:
         """:meth:`measure_grads` from the optimizer's pre-step hook, of an optimizer
         that leaves the gradients alone: on a CPU the norms are taken on a worker
         while the optimizer steps, and :meth:`settle_grads` (its post-step hook)
-        waits for them (:mod:`gradflow.measurement.overlap`)."""
+        waits for them (:mod:`gradflow.measurement.overlap`). `read_on_worker`: the
+        worker reads the gradients too (see :meth:`reads_grads_on_worker`), and
+        :meth:`take_read_grads` hands them to the registration check afterwards."""
+        if read_on_worker and self.worker is not None:
+            self._reading_on_worker = True
+            self.worker.start(self._read_and_norm, self._tensors)
+            return
         self._during_step = True
         try:
             self.measure_grads()
         finally:
             self._during_step = False
+
+    def _read_and_norm(self, tensors: List[torch.Tensor]) -> _ReadOnWorker:
+        """On the worker: the gradients `tensors` hold, their layout and norms."""
+        every = list(map(_GRAD, tensors))
+        layout, grads = self._present(every)
+        return every, layout, group_norms(layout, grads) if grads else None
+
+    def take_read_grads(self) -> Optional[List[Optional[torch.Tensor]]]:
+        """The gradients the worker read during the optimizer step, once, after
+        :meth:`settle_grads`; None when it read none."""
+        every, self._read_grads = self._read_grads, None
+        return every
 
     def _in_training_mode(self) -> bool:
         params = self.registry.params
@@ -379,7 +428,12 @@ class Measurer:
         """The norms the worker took, once it has them (the optimizer's post-step
         hook: before user code can change the gradients)."""
         if self.worker is not None and self.worker.pending:
-            self._grads = self.worker.finish()
+            result = self.worker.finish()
+            if self._reading_on_worker:
+                self._reading_on_worker = False
+                self._read_grads, self._grad_layout, self._grads = result
+            else:
+                self._grads = result
 
     def _no_grads(self) -> GradLayout:
         """The layout of a step with no gradient measured."""
