@@ -62,7 +62,7 @@ from .record import (
     UpdatesAt,
     width,
 )
-from .registration import Registry
+from .registration import GradsSeen, Registry, grads_seen
 from .step_signals import StepSignals
 from .updates import Updates
 from .vector import Deferred, Piece
@@ -120,9 +120,9 @@ class GradLayout:
     cpu_only: bool = False
 
 
-# What the worker hands back when it read the gradients itself: every parameter's
-# gradient (None: none), their layout and their norms.
-_ReadOnWorker = Tuple[List[Optional[torch.Tensor]], GradLayout, Optional[List[Piece]]]
+# What the worker hands back when it read the gradients itself: which parameters
+# hold one and their dtypes, their layout and their norms.
+_ReadOnWorker = Tuple[GradsSeen, GradLayout, Optional[List[Piece]]]
 
 
 @dataclass(frozen=True)
@@ -220,10 +220,10 @@ class Measurer:
         # norms are then taken on a worker while it steps (measure_grads_during_step).
         self.worker: Optional[StepWorker] = None
         self._during_step = False
-        # Whether the worker reads the gradients themselves this step, and those it
-        # read, for the registration check (measure_grads_during_step).
+        # Whether the worker reads the gradients themselves this step, and what it
+        # saw of them, for the registration check (measure_grads_during_step).
         self._reading_on_worker = False
-        self._read_grads: Optional[List[Optional[torch.Tensor]]] = None
+        self._grads_seen: Optional[GradsSeen] = None
         self.rebuild()
         self.reset()
 
@@ -321,7 +321,7 @@ class Measurer:
         if self.worker is not None:
             self.worker.discard()
         self._reading_on_worker = False
-        self._read_grads = None
+        self._grads_seen = None
         self._grads = None
         self._grad_layout = None
         self._before = None
@@ -394,7 +394,7 @@ class Measurer:
         while the optimizer steps, and :meth:`settle_grads` (its post-step hook)
         waits for them (:mod:`gradflow.measurement.overlap`). `read_on_worker`: the
         worker reads the gradients too (see :meth:`reads_grads_on_worker`), and
-        :meth:`take_read_grads` hands them to the registration check afterwards."""
+        :meth:`take_grads_seen` hands what it saw to the registration check."""
         if read_on_worker and self.worker is not None:
             self._reading_on_worker = True
             self.worker.start(self._read_and_norm, self._tensors)
@@ -406,16 +406,18 @@ class Measurer:
             self._during_step = False
 
     def _read_and_norm(self, tensors: List[torch.Tensor]) -> _ReadOnWorker:
-        """On the worker: the gradients `tensors` hold, their layout and norms."""
+        """On the worker: what the gradients `tensors` hold are (for the registration
+        check), their layout and their norms."""
         every = list(map(_GRAD, tensors))
         layout, grads = self._present(every)
-        return every, layout, group_norms(layout, grads) if grads else None
+        return grads_seen(every), layout, group_norms(layout, grads) if grads else None
 
-    def take_read_grads(self) -> Optional[List[Optional[torch.Tensor]]]:
-        """The gradients the worker read during the optimizer step, once, after
+    def take_grads_seen(self) -> Optional[GradsSeen]:
+        """What the worker saw of the gradients during the optimizer step
+        (:func:`gradflow.measurement.registration.grads_seen`), once, after
         :meth:`settle_grads`; None when it read none."""
-        every, self._read_grads = self._read_grads, None
-        return every
+        seen, self._grads_seen = self._grads_seen, None
+        return seen
 
     def _in_training_mode(self) -> bool:
         params = self.registry.params
@@ -431,7 +433,7 @@ class Measurer:
             result = self.worker.finish()
             if self._reading_on_worker:
                 self._reading_on_worker = False
-                self._read_grads, self._grad_layout, self._grads = result
+                self._grads_seen, self._grad_layout, self._grads = result
             else:
                 self._grads = result
 

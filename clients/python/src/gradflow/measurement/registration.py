@@ -32,8 +32,21 @@ WALK_EVERY = 16
 # forward, frozen with its gradient set to None, or cast while it trains, on the
 # step itself). Reading them every step was most of the
 # amendment check's cost (~0.45 ms at 290 tensors on a CPU, passes over every
-# parameter after backward), beside the gradients' own read.
+# parameter after backward), beside the gradients' own read. Where the worker reads
+# the gradients (Registry.leave_grads_to_worker), both are compared, and the
+# signature read, in the optimizer's post-step hook of the same step instead.
 SIGNATURE_EVERY = 4
+
+
+# Which parameters hold a gradient, and those gradients' dtypes, in order.
+GradsSeen = Tuple[Tuple[bool, ...], Tuple[torch.dtype, ...]]
+
+
+def grads_seen(grads: Sequence[Optional[torch.Tensor]]) -> GradsSeen:
+    """Which of `grads` are there and their dtypes: C-level maps, no Python frame per
+    gradient."""
+    presence = tuple(map(operator.is_not, grads, itertools.repeat(None)))
+    return presence, tuple(map(_DTYPE, itertools.compress(grads, presence)))
 
 
 @dataclass
@@ -259,32 +272,40 @@ class Registry:
         """The next check leaves the gradients unread: on a CPU the worker reads them
         while the optimizer steps (the first read after backward, which wraps each
         fresh ``.grad`` in a Python object: ~0.4 ms at 290 tensors, which the
-        optimizer's own loop pays when nothing read them before it), and the
-        post-step hook compares them (:meth:`grads_read_later`)."""
+        optimizer's own loop pays when nothing read them before it) and what it saw
+        is compared after the step (:meth:`grads_read_later`), where the signature's
+        cadence is counted too: the parameters are cold before the step (~0.45 ms a
+        read at 290 tensors), just touched by the optimizer after it."""
         self._grads_later = True
 
-    def grads_read_later(self, grads: List[Optional[torch.Tensor]]) -> bool:
-        """The gradients the worker read during the optimizer step, compared as the
-        check would have: when the parameters holding one, or their dtypes, changed,
-        the next check reads the signature (the post-step hook makes it), so a cast
-        or a freeze is still amended on its own step."""
-        changed = self._grads_changed(grads)
-        if changed:
+    def grads_read_later(self, seen: GradsSeen) -> bool:
+        """What the worker saw of the gradients during the optimizer step
+        (:func:`grads_seen`), compared as the check would have, with the signature's
+        cadence counted here: when the parameters holding a gradient, or their
+        dtypes, changed, or the signature is due, the next check reads it (the
+        post-step hook makes that check, on parameters the optimizer has just
+        touched: no cache misses), so a cast or a freeze is still amended on its own
+        step. Whether that check is due."""
+        changed = self._grads_changed(seen)
+        self._steps_unread += 1
+        if changed or self._steps_unread >= SIGNATURE_EVERY:
             self._signature_due = True
             self._signature_held = False
-        return changed
+            return True
+        return False
 
-    def _grads_changed(self, grads: Optional[List[Optional[torch.Tensor]]] = None) -> bool:
-        """Reads the gradients (kept for :meth:`take_grads`) unless given: whether the
-        parameters holding one, or those gradients' dtypes, are not those of the last
-        check. A pointer comparison and a dtype read each, C-level, on the gradients
-        the gradient norms read anyway (their objects just touched): a parameter cast
-        while it trains gets a gradient of its new dtype on the step of the cast."""
-        if grads is None:
+    def _grads_changed(self, seen: Optional[GradsSeen] = None) -> bool:
+        """Reads the gradients (kept for :meth:`take_grads`) unless `seen` says what
+        they were: whether the parameters holding one, or those gradients' dtypes,
+        are not those of the last check. A pointer comparison and a dtype read each,
+        C-level, on the gradients the gradient norms read anyway (their objects just
+        touched): a parameter cast while it trains gets a gradient of its new dtype on
+        the step of the cast."""
+        if seen is None:
             grads = list(map(_GRAD, self._tensors))
             self._grads, self._grads_of = grads, self._tensors
-        presence = tuple(map(operator.is_not, grads, itertools.repeat(None)))
-        dtypes = tuple(map(_DTYPE, itertools.compress(grads, presence)))
+            seen = grads_seen(grads)
+        presence, dtypes = seen
         changed = presence != self._grad_presence or dtypes != self._grad_dtypes
         self._grad_presence, self._grad_dtypes = presence, dtypes
         return changed
@@ -293,11 +314,13 @@ class Registry:
         """Whether this step's first check may leave the parameters unread: the
         signature was read fewer than ``SIGNATURE_EVERY`` steps ago, the optimizer's
         groups are as they were then, and so are the parameters that hold a
-        gradient and those gradients' dtypes (`grads_later`: compared after the
-        optimizer step instead, :meth:`grads_read_later`)."""
-        if not grads_later and self._grads_changed():
+        gradient and those gradients' dtypes (`grads_later`: those and the cadence
+        are left to :meth:`grads_read_later`, after the optimizer step)."""
+        if self._signature_due:
             return False
-        if self._signature_due or self._steps_unread + 1 >= SIGNATURE_EVERY:
+        if grads_later:
+            return self._optimizer_counts() == self._signature[2:]
+        if self._grads_changed() or self._steps_unread + 1 >= SIGNATURE_EVERY:
             return False
         if self._optimizer_counts() != self._signature[2:]:
             return False
