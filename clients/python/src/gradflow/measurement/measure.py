@@ -638,6 +638,8 @@ class Measurer:
         pieces: List[Piece] = []
         slots = Slots()
 
+        # A piece may be a device scalar: it is flattened where the vector is
+        # assembled (vector.flat), on the reporter thread on a CPU, not here.
         def add(t: Piece) -> int:
             pieces.append(t)
             return slots.take(vector.numel(t))
@@ -652,26 +654,26 @@ class Measurer:
         if scaler_state is not None:
             pending.scaler_at = add(scaler_state)
         if self.hooks.input_absmax is not None:
-            pending.input_at = add(self.hooks.input_absmax.reshape(1))
+            pending.input_at = add(self.hooks.input_absmax)
         if updates is not None and updates.stats is not None:
             pending.updates = UpdatesAt(
                 list(updates.names), list(updates.numels), add(updates.stats)
             )
         carried = self.hooks.carried
         if isinstance(carried, torch.Tensor):
-            pending.carried_at = add(carried.reshape(1))
+            pending.carried_at = add(carried)
         elif carried is False:
             pending.carried = False
         local_finite = self.hooks.local_grads_finite()
         if local_finite is not None:
-            pending.local_finite_at = add(local_finite.reshape(1))
+            pending.local_finite_at = add(local_finite)
         if self.hooks.step_backwards > 1:
             # Several backward passes before one optimizer step: how many of the later
             # ones found the gradient reset (None, or zeroed in place).
             pending.resets = self.hooks.resets_seen
             zeroed = self.hooks.resets_zeroed
             if zeroed is not None:
-                pending.resets_at = add(zeroed.reshape(1))
+                pending.resets_at = add(zeroed)
         if signals is not None and not signals.empty():
             pending.signals = step_signals.place(signals, add)
         sums_at: Optional[int] = None
