@@ -285,12 +285,10 @@ class Instruments:
                 self.worker.start_reads()
 
     def _compare_read_grads(self) -> None:
-        """What the worker saw of the gradients during the step, compared as the
-        pre-step check would have: a parameter that got or lost its gradient, or
-        whose gradient changed dtype, is amended on this step, its norms taken again
-        against the amended registration; and on every ``SIGNATURE_EVERY``-th step
-        the signature is read here, where the optimizer has just touched the
-        parameters."""
+        """What the worker saw of the gradients and parameters during the step,
+        compared as the pre-step check would have: a parameter that got or lost its
+        gradient, or was cast, frozen or unfrozen, is amended on this step, its norms
+        taken again against the amended registration."""
         seen = self.measurer.take_grads_seen()
         if seen is not None and self.registry.grads_read_later(seen):
             self._measure()

@@ -62,7 +62,7 @@ from .record import (
     UpdatesAt,
     width,
 )
-from .registration import GradsSeen, Registry, grads_seen
+from .registration import Registry, StepSeen, seen_during_step
 from .step_signals import StepSignals
 from .updates import Updates
 from .vector import Deferred, Piece
@@ -120,9 +120,9 @@ class GradLayout:
     cpu_only: bool = False
 
 
-# What the worker hands back when it read the gradients itself: which parameters
-# hold one and their dtypes, their layout and their norms.
-_ReadOnWorker = Tuple[GradsSeen, GradLayout, Optional[List[Piece]]]
+# What the worker hands back when it read the gradients itself: what the
+# registration check compares, their layout and their norms.
+_ReadOnWorker = Tuple[StepSeen, GradLayout, Optional[List[Piece]]]
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,7 @@ class Measurer:
         # Whether the worker reads the gradients themselves this step, and what it
         # saw of them, for the registration check (measure_grads_during_step).
         self._reading_on_worker = False
-        self._grads_seen: Optional[GradsSeen] = None
+        self._grads_seen: Optional[StepSeen] = None
         self.rebuild()
         self.reset()
 
@@ -406,15 +406,19 @@ class Measurer:
             self._during_step = False
 
     def _read_and_norm(self, tensors: List[torch.Tensor]) -> _ReadOnWorker:
-        """On the worker: what the gradients `tensors` hold are (for the registration
-        check), their layout and their norms."""
+        """On the worker: what the registration check compares of `tensors` and the
+        gradients they hold, and those gradients' layout and norms."""
         every = list(map(_GRAD, tensors))
         layout, grads = self._present(every)
-        return grads_seen(every), layout, group_norms(layout, grads) if grads else None
+        return (
+            seen_during_step(tensors, every),
+            layout,
+            group_norms(layout, grads) if grads else None,
+        )
 
-    def take_grads_seen(self) -> Optional[GradsSeen]:
-        """What the worker saw of the gradients during the optimizer step
-        (:func:`gradflow.measurement.registration.grads_seen`), once, after
+    def take_grads_seen(self) -> Optional[StepSeen]:
+        """What the worker saw of the gradients and parameters during the optimizer
+        step (:func:`gradflow.measurement.registration.seen_during_step`), once, after
         :meth:`settle_grads`; None when it read none."""
         seen, self._grads_seen = self._grads_seen, None
         return seen

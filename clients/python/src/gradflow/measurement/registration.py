@@ -33,8 +33,8 @@ WALK_EVERY = 16
 # step itself). Reading them every step was most of the
 # amendment check's cost (~0.45 ms at 290 tensors on a CPU, passes over every
 # parameter after backward), beside the gradients' own read. Where the worker reads
-# the gradients (Registry.leave_grads_to_worker), both are compared, and the
-# signature read, in the optimizer's post-step hook of the same step instead.
+# the gradients (Registry.leave_grads_to_worker) it reads the parameters' too, and
+# both are compared on every step, in the optimizer's post-step hook of that step.
 SIGNATURE_EVERY = 4
 
 
@@ -47,6 +47,19 @@ def grads_seen(grads: Sequence[Optional[torch.Tensor]]) -> GradsSeen:
     gradient."""
     presence = tuple(map(operator.is_not, grads, itertools.repeat(None)))
     return presence, tuple(map(_DTYPE, itertools.compress(grads, presence)))
+
+
+# What the worker saw during the optimizer step: the gradients (GradsSeen), and the
+# parameters' requires_grad and dtypes (the signature's first two parts).
+StepSeen = Tuple[GradsSeen, Tuple[Tuple[bool, ...], Tuple[torch.dtype, ...]]]
+
+
+def seen_during_step(
+    tensors: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
+) -> StepSeen:
+    """What the registration check compares, read on the worker while the optimizer
+    steps (which changes none of it): C-level maps over `tensors` and their `grads`."""
+    return grads_seen(grads), (tuple(map(_REQUIRES_GRAD, tensors)), tuple(map(_DTYPE, tensors)))
 
 
 @dataclass
@@ -272,23 +285,24 @@ class Registry:
         """The next check leaves the gradients unread: on a CPU the worker reads them
         while the optimizer steps (the first read after backward, which wraps each
         fresh ``.grad`` in a Python object: ~0.4 ms at 290 tensors, which the
-        optimizer's own loop pays when nothing read them before it) and what it saw
-        is compared after the step (:meth:`grads_read_later`), where the signature's
-        cadence is counted too: the parameters are cold before the step (~0.45 ms a
-        read at 290 tensors), just touched by the optimizer after it."""
+        optimizer's own loop pays when nothing read them before it), with the
+        parameters' requires_grad and dtypes, and what it saw is compared after the
+        step (:meth:`grads_read_later`): read on the training thread before the step,
+        the parameters were the first touch after backward (~0.45 ms a read at 290
+        tensors)."""
         self._grads_later = True
 
-    def grads_read_later(self, seen: GradsSeen) -> bool:
-        """What the worker saw of the gradients during the optimizer step
-        (:func:`grads_seen`), compared as the check would have, with the signature's
-        cadence counted here: when the parameters holding a gradient, or their
-        dtypes, changed, or the signature is due, the next check reads it (the
-        post-step hook makes that check, on parameters the optimizer has just
-        touched: no cache misses), so a cast or a freeze is still amended on its own
-        step. Whether that check is due."""
-        changed = self._grads_changed(seen)
-        self._steps_unread += 1
-        if changed or self._steps_unread >= SIGNATURE_EVERY:
+    def grads_read_later(self, seen: StepSeen) -> bool:
+        """What the worker saw during the optimizer step (:func:`seen_during_step`),
+        compared as the check would have, on every step: when the parameters holding
+        a gradient, those gradients' dtypes, or the parameters' requires_grad or
+        dtypes changed, the next check reads the signature (the post-step hook makes
+        it), so a cast, a freeze or an unfreeze is amended on its own step. Whether
+        that check is due."""
+        grads, params = seen
+        changed = self._grads_changed(grads)
+        self._steps_unread = 0  # compared just now
+        if changed or params != self._signature[:2]:
             self._signature_due = True
             self._signature_held = False
             return True
@@ -314,8 +328,9 @@ class Registry:
         """Whether this step's first check may leave the parameters unread: the
         signature was read fewer than ``SIGNATURE_EVERY`` steps ago, the optimizer's
         groups are as they were then, and so are the parameters that hold a
-        gradient and those gradients' dtypes (`grads_later`: those and the cadence
-        are left to :meth:`grads_read_later`, after the optimizer step)."""
+        gradient and those gradients' dtypes (`grads_later`: those and the
+        parameters are compared by :meth:`grads_read_later`, after the optimizer
+        step)."""
         if self._signature_due:
             return False
         if grads_later:
