@@ -199,12 +199,23 @@ class Instruments:
         weights' copies before the step too, taken first: once the worker has the
         gradients, each torch call here would hand it the GIL and wait to get it
         back."""
+        # The worker reads the gradients while the optimizer steps (the first read
+        # after backward, which the optimizer's own loop otherwise makes), and the
+        # post-step hook compares them as this check would have (_compare_read_grads).
+        on_worker = (
+            during_step
+            and self.reporting()
+            and not self.measurer.grads_measured
+            and self.measurer.reads_grads_on_worker()
+        )
+        if on_worker:
+            self.registry.leave_grads_to_worker()
         self._check_amend()
         if before_step:
             self._copy_before_step()
         if self.reporting() and not self.measurer.grads_measured:
             if during_step:
-                self.measurer.measure_grads_during_step()
+                self.measurer.measure_grads_during_step(read_on_worker=on_worker)
             else:
                 self.measurer.measure_grads()
 
@@ -262,6 +273,7 @@ class Instruments:
         self._forwards_at_step = self.hooks.forwards
         try:
             self.measurer.settle_grads()
+            self._compare_read_grads()
             if self.reporting():
                 self.measurer.after_step()
                 self.updates.after_step()
@@ -271,6 +283,15 @@ class Instruments:
             if self.worker is not None:
                 # Last: the reads of the state the step left, queued above.
                 self.worker.start_reads()
+
+    def _compare_read_grads(self) -> None:
+        """What the worker saw of the gradients and parameters during the step,
+        compared as the pre-step check would have: a parameter that got or lost its
+        gradient, or was cast, frozen or unfrozen, is amended on this step, its norms
+        taken again against the amended registration."""
+        seen = self.measurer.take_grads_seen()
+        if seen is not None and self.registry.grads_read_later(seen):
+            self._measure()
 
     @guarded("reading gradients at the end of backward")
     def _measure_at_backward_end(self) -> None:

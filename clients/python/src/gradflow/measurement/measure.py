@@ -42,6 +42,7 @@ from typing import (
     Set,
     Tuple,
     Union,
+    cast,
 )
 
 import torch
@@ -61,7 +62,7 @@ from .record import (
     UpdatesAt,
     width,
 )
-from .registration import Registry
+from .registration import Registry, StepSeen, seen_during_step
 from .step_signals import StepSignals
 from .updates import Updates
 from .vector import Deferred, Piece
@@ -117,6 +118,11 @@ class GradLayout:
     norm_grad: List[Optional[int]]  # per norm weight, its norm's position
     # Every gradient on the CPU: their norms may be taken on the worker thread.
     cpu_only: bool = False
+
+
+# What the worker hands back when it read the gradients itself: what the
+# registration check compares, their layout and their norms.
+_ReadOnWorker = Tuple[StepSeen, GradLayout, Optional[List[Piece]]]
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,10 @@ class Measurer:
         # norms are then taken on a worker while it steps (measure_grads_during_step).
         self.worker: Optional[StepWorker] = None
         self._during_step = False
+        # Whether the worker reads the gradients themselves this step, and what it
+        # saw of them, for the registration check (measure_grads_during_step).
+        self._reading_on_worker = False
+        self._grads_seen: Optional[StepSeen] = None
         self.rebuild()
         self.reset()
 
@@ -272,6 +282,9 @@ class Measurer:
         self._norms_on_cpu = not self._sharded and all(
             t.device.type == "cpu" for t in self._norm_tensors
         )
+        self._params_on_cpu = not self._sharded and all(
+            t.device.type == "cpu" for t in self._tensors
+        )
         self._shape = self._read_shape()
         self._layouts.clear()
         self._seg_cache.clear()
@@ -307,6 +320,8 @@ class Measurer:
         """Forgets what was measured of the step (and what the worker took of it)."""
         if self.worker is not None:
             self.worker.discard()
+        self._reading_on_worker = False
+        self._grads_seen = None
         self._grads = None
         self._grad_layout = None
         self._before = None
@@ -315,7 +330,7 @@ class Measurer:
 
     @property
     def grads_measured(self) -> bool:
-        return self._grad_layout is not None
+        return self._grad_layout is not None or self._reading_on_worker
 
     # -- the optimizer step ------------------------------------------------------
 
@@ -328,6 +343,20 @@ class Measurer:
         every = self.registry.take_grads(self._tensors)
         if every is None:
             every = list(map(_GRAD, self._tensors))
+        layout, grads = self._present(every)
+        worker = self.worker
+        if grads and self._during_step and worker is not None and layout.cpu_only:
+            worker.start(functools.partial(group_norms, layout), grads)
+            self._grads = None
+        else:
+            self._grads = group_norms(layout, grads) if grads else None
+        self._grad_layout = layout
+
+    def _present(
+        self, every: List[Optional[torch.Tensor]]
+    ) -> Tuple[GradLayout, List[torch.Tensor]]:
+        """The layout of the gradients `every` parameter holds (None: none), and the
+        gradients measured: those of the trainable parameters, this rank's part."""
         trainable = self.registry.requires_grad
         if trainable is None or len(trainable) != len(every):
             trainable = tuple(map(_REQUIRES_GRAD, self._tensors))
@@ -339,34 +368,60 @@ class Measurer:
         else:
             present = [i for i, g in enumerate(every) if g is not None and trainable[i]]
         if not present:
-            self._grads = None
-            self._grad_layout = self._no_grads()
-            return
-        grads = every if len(present) == len(every) else [every[i] for i in present]
+            return self._no_grads(), []
+        # Only gradients that are there (present).
+        grads = cast(
+            List[torch.Tensor],
+            every if len(present) == len(every) else [every[i] for i in present],
+        )
         if self._sharded:
             grads = [local(g) for g in grads]
         key = self._every_key if present is self._every_index else tuple(present)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(present, grads)
-        worker = self.worker
-        if self._during_step and worker is not None and layout.cpu_only:
-            worker.start(functools.partial(group_norms, layout), grads)
-            self._grads = None
-        else:
-            self._grads = group_norms(layout, grads)
-        self._grad_layout = layout
+        return layout, grads
 
-    def measure_grads_during_step(self) -> None:
+    def reads_grads_on_worker(self) -> bool:
+        """Whether the gradients themselves can be read on the worker while the
+        optimizer steps (:meth:`measure_grads_during_step`): every parameter on the
+        CPU, so that their gradients' norms are the worker's to take."""
+        return self.worker is not None and self._params_on_cpu
+
+    def measure_grads_during_step(self, read_on_worker: bool = False) -> None:
         """:meth:`measure_grads` from the optimizer's pre-step hook, of an optimizer
         that leaves the gradients alone: on a CPU the norms are taken on a worker
         while the optimizer steps, and :meth:`settle_grads` (its post-step hook)
-        waits for them (:mod:`gradflow.measurement.overlap`)."""
+        waits for them (:mod:`gradflow.measurement.overlap`). `read_on_worker`: the
+        worker reads the gradients too (see :meth:`reads_grads_on_worker`), and
+        :meth:`take_grads_seen` hands what it saw to the registration check."""
+        if read_on_worker and self.worker is not None:
+            self._reading_on_worker = True
+            self.worker.start(self._read_and_norm, self._tensors)
+            return
         self._during_step = True
         try:
             self.measure_grads()
         finally:
             self._during_step = False
+
+    def _read_and_norm(self, tensors: List[torch.Tensor]) -> _ReadOnWorker:
+        """On the worker: what the registration check compares of `tensors` and the
+        gradients they hold, and those gradients' layout and norms."""
+        every = list(map(_GRAD, tensors))
+        layout, grads = self._present(every)
+        return (
+            seen_during_step(tensors, every),
+            layout,
+            group_norms(layout, grads) if grads else None,
+        )
+
+    def take_grads_seen(self) -> Optional[StepSeen]:
+        """What the worker saw of the gradients and parameters during the optimizer
+        step (:func:`gradflow.measurement.registration.seen_during_step`), once, after
+        :meth:`settle_grads`; None when it read none."""
+        seen, self._grads_seen = self._grads_seen, None
+        return seen
 
     def _in_training_mode(self) -> bool:
         params = self.registry.params
@@ -379,7 +434,12 @@ class Measurer:
         """The norms the worker took, once it has them (the optimizer's post-step
         hook: before user code can change the gradients)."""
         if self.worker is not None and self.worker.pending:
-            self._grads = self.worker.finish()
+            result = self.worker.finish()
+            if self._reading_on_worker:
+                self._reading_on_worker = False
+                self._grads_seen, self._grad_layout, self._grads = result
+            else:
+                self._grads = result
 
     def _no_grads(self) -> GradLayout:
         """The layout of a step with no gradient measured."""
@@ -582,6 +642,8 @@ class Measurer:
         pieces: List[Piece] = []
         slots = Slots()
 
+        # A piece may be a device scalar: it is flattened where the vector is
+        # assembled (vector.flat), on the reporter thread on a CPU, not here.
         def add(t: Piece) -> int:
             pieces.append(t)
             return slots.take(vector.numel(t))
@@ -596,26 +658,26 @@ class Measurer:
         if scaler_state is not None:
             pending.scaler_at = add(scaler_state)
         if self.hooks.input_absmax is not None:
-            pending.input_at = add(self.hooks.input_absmax.reshape(1))
+            pending.input_at = add(self.hooks.input_absmax)
         if updates is not None and updates.stats is not None:
             pending.updates = UpdatesAt(
                 list(updates.names), list(updates.numels), add(updates.stats)
             )
         carried = self.hooks.carried
         if isinstance(carried, torch.Tensor):
-            pending.carried_at = add(carried.reshape(1))
+            pending.carried_at = add(carried)
         elif carried is False:
             pending.carried = False
         local_finite = self.hooks.local_grads_finite()
         if local_finite is not None:
-            pending.local_finite_at = add(local_finite.reshape(1))
+            pending.local_finite_at = add(local_finite)
         if self.hooks.step_backwards > 1:
             # Several backward passes before one optimizer step: how many of the later
             # ones found the gradient reset (None, or zeroed in place).
             pending.resets = self.hooks.resets_seen
             zeroed = self.hooks.resets_zeroed
             if zeroed is not None:
-                pending.resets_at = add(zeroed.reshape(1))
+                pending.resets_at = add(zeroed)
         if signals is not None and not signals.empty():
             pending.signals = step_signals.place(signals, add)
         sums_at: Optional[int] = None
