@@ -398,14 +398,16 @@ def test_bf16_linear_layers_frozen_by_rounding_are_found_like_norm_weights(gradf
     assert all(r >= 0.98 * m for (_, r), (_, m) in zip(lost, meant)), (lost, meant)
 
 
-def test_a_large_model_checked_a_slice_at_a_time_is_found_as_quickly(gradflow_server, monkeypatch):
+def test_a_large_model_checked_a_slice_at_a_time_is_still_found(gradflow_server, monkeypatch):
     """A model past the per-step budget of the update check (here the budget is cut
     to a few of PromptAgent's layers): each checked step measures the next slice of
     its bf16 parameters, every parameter in turn, and the groups frozen by rounding
-    are found on the same steps as when all are checked at once."""
+    are still found: a group is judged on the reports that hold some of it, so one
+    that fits in a single slice is found within two rounds of the slices (here 4
+    slices of a check every 2nd step: by step 14; all at once: by step 8)."""
     from gradflow.measurement import updates
 
-    monkeypatch.setattr(updates, "SLICE_ELEMENTS", 20_000)
+    monkeypatch.setattr(updates, "SLICE_ELEMENTS", 15_000)
     model = PromptAgent().to(torch.bfloat16)
     tracked = [n for n, p in model.named_parameters() if "norm" not in n and p.numel() > 0]
     assert sum(p.numel() for p in model.parameters()) > 3 * updates.SLICE_ELEMENTS
@@ -418,7 +420,7 @@ def test_a_large_model_checked_a_slice_at_a_time_is_found_as_quickly(gradflow_se
     for group in ("qwen", "agent"):
         alert = gradflow_server.wait_for_alert(gf.run_id, "update_rounded_away", subject=group)
         assert alert["evidence"]["cause"] == "low_precision_underflow", alert
-        assert alert["step"] <= 8, alert  # as with every parameter checked at once
+        assert alert["opened_step"] <= 14, alert
     # Each parameter is measured on some checked steps, not all: slices in turn.
     measured = {
         n: [s for s, _ in gradflow_server.series(gf.run_id, "rounded_away", n)] for n in tracked

@@ -20,8 +20,9 @@ on an H200 for Qwen2.5-0.5B's 494 M bf16 elements at once. A model with more tha
 ``SLICE_ELEMENTS`` such elements is checked a slice at a time, in turn, one slice
 each checked step: every parameter still gets checked, each report says which ones
 it measured (absent: not measured), and ``update_rounded_away`` judges each report
-over the parameters it holds, so a run frozen by rounding is found on as many
-reports as before. Slices are cut by the parameters' global sizes, so every rank of
+over the parameters it holds: a group that spans the slices is judged about as
+often as before, one that fits in a single slice once a round of the slices (it
+needs two reports). Slices are cut by the parameters' global sizes, so every rank of
 a sharded run checks the same parameters on the same steps.
 """
 
