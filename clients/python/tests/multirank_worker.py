@@ -282,6 +282,12 @@ def main() -> None:
             head.mul_(1.1)
         if step == exit_step and rank == exit_rank:
             print(f"rank {rank}: dying at step {step}", flush=True)
+            # The other ranks finish this step and wait in the next one's all-reduce
+            # before this process goes: torchrun stops them with SIGTERM at once when
+            # it does, and a process stopped outright loses its last gathered
+            # records (up to 0.2 s), which is the client's documented bound, not what
+            # the server's rank timeout is tested on here.
+            time.sleep(1.0)
             os._exit(1)
         optimizer.step()
         if step >= drift_step >= 0 and rank == drift_rank:

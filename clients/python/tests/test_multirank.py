@@ -475,9 +475,10 @@ def test_multirank_a_nan_on_one_rank_names_that_rank(gradflow_server, tmp_path):
 
 
 def test_multirank_a_killed_rank_goes_missing(tmp_path):
-    """Rank 1's process dies after its backward pass of step 5 (torchrun then stops
-    rank 0): rank 0's record of step 5 still reaches the server, which completes the
-    step without rank 1 once its rank timeout (2 s here) has passed: rank_missing."""
+    """Rank 1's process dies a second after its backward pass of step 5, while rank 0
+    waits in step 6's all-reduce (torchrun then stops rank 0): rank 0's record of
+    step 5 reaches the server, which completes the step without rank 1 once its rank
+    timeout (2 s here) has passed: rank_missing."""
     exit_step = 5
     server = ServerProcess(tmp_path / "gradflow.db", None, "--rank-timeout-secs", "2").start()
     try:
