@@ -221,10 +221,24 @@ def test_attention_at_a_sane_lr_or_with_qk_norm_stays_silent(gradflow_server, lr
 
 
 def test_an_eps_above_the_gradients_scale_is_caught(gradflow_server):
+    """ε = 1e-3 damps most elements, but the steps stay within a factor of Adam's own
+    (update RMS / lr about 0.2): a setting that slows training, said as info."""
     run_id, _ = train(gradflow_server, 60, eps=1e-3, signals={"adam": 5})
     alert = gradflow_server.wait_for_alert(run_id, "adam_eps_dominated", "param group 0")
     assert alert["evidence"]["below_eps"] >= 0.5
     assert alert["evidence"]["eps"] == pytest.approx(1e-3)
+    assert alert["severity"] == "info", alert
+    assert alert["evidence"]["update_rms_over_lr"] >= 0.02, alert
+
+
+def test_an_eps_that_shrinks_every_step_is_a_warning(gradflow_server):
+    """ε = 1 leaves every step a few hundredths of Adam's at the same lr: the group
+    barely trains, and the alert is a warning."""
+    run_id, _ = train(gradflow_server, 60, eps=1.0, signals={"adam": 5})
+    alert = gradflow_server.wait_for_alert(run_id, "adam_eps_dominated", "param group 0")
+    assert alert["severity"] == "warning", alert
+    assert alert["evidence"]["update_rms_over_lr"] < 0.02, alert
+    assert "barely trains" in alert["detail"], alert
 
 
 def test_a_sane_eps_stays_silent(gradflow_server):

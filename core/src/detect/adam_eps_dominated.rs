@@ -11,17 +11,26 @@
 //! out elements whose √v̂ is below 10⁻⁴ of their parameter's largest, the rows of
 //! tokens a model learnt to rule out) with √v̂ < ε, over its modules weighted by
 //! their updated elements. The alert opens when it is at least [`FRACTION`] on
-//! [`REPORTS`] reports running; critical when the group's update RMS / lr is also
-//! below [`DAMPED_UPDATE`] (updates an order of magnitude under Adam's healthy
-//! 0.2–0.4). Resolves on a report under [`FRACTION`]. The subject is
-//! `param group NAME`.
+//! [`REPORTS`] reports running. It is `info` (a setting that slows training, said
+//! with its numbers) unless the group's update RMS / lr is also below
+//! [`DAMPED_UPDATE`], a tenth of the floor of Adam's healthy 0.2–0.4: then the
+//! steps are too small to train at the lr the user set, a `warning`. Resolves on a
+//! report under [`FRACTION`]. The subject is `param group NAME`.
 //!
 //! # Why these numbers
 //!
-//! On a 2-layer GPT at lr 3e-3, ε = 1e-3 put 98–100 % of the elements below ε and the
-//! median update RMS / lr at 0.13–0.14; with ε = 1e-8 at most 3.1 % were (exactly the
-//! never-seen vocabulary rows, which the client leaves out) and the update RMS / lr
-//! was 0.22. Half the elements is far from both.
+//! On a 2-layer GPT at lr 3e-3, ε = 1e-3 put 62–79 % of the elements below ε and the
+//! update RMS / lr at 0.20–0.25; with ε = 1e-8 at
+//! most 3.1 % were (exactly the never-seen vocabulary rows, which the client leaves
+//! out) and the update RMS / lr was 0.30–0.54 (torch's own Adam state read at steps
+//! 10, 30 and 59). Half the elements is far from both.
+//!
+//! Whether ε costs the run is a matter of degree, not of the fraction: DCRNN's
+//! published setting (Adam lr 0.01, ε = 1e-3, clip 5) trains a GRU forecaster well
+//! with 46–82 % of its elements below ε and update RMS / lr 0.05–0.20; the GPT at
+//! ε = 1e-2 reads 0.07. Those are settings to revisit, not failures. At ε = 0.1 the
+//! GPT's update RMS / lr is 0.010 and at ε = 1 it is 0.001: every step is a
+//! twentieth to a two-hundredth of what Adam would take, and the run barely moves.
 
 use std::collections::BTreeMap;
 
@@ -37,8 +46,9 @@ use crate::model::alert::{AlertKind, Opened, Severity};
 pub const FRACTION: f64 = 0.5;
 /// Reports running.
 pub const REPORTS: u32 = 3;
-/// An update RMS / lr below this is damped (critical).
-pub const DAMPED_UPDATE: f64 = 0.1;
+/// An update RMS / lr below this (a tenth of the floor of Adam's healthy 0.2–0.4)
+/// means the steps are too small to train: a warning; above it the alert is info.
+pub const DAMPED_UPDATE: f64 = 0.02;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -126,9 +136,9 @@ fn alert(
     state: &GroupState<'_>,
 ) -> Opened {
     let severity = if update_rms < DAMPED_UPDATE {
-        Severity::Critical
-    } else {
         Severity::Warning
+    } else {
+        Severity::Info
     };
     let eps_text = eps.map_or("ε".to_owned(), |e| format!("ε = {}", sci(e)));
     let since = streak.first_step(step);
@@ -146,10 +156,17 @@ fn alert(
             "At step {step}, {:.0} % of the updated elements of {subject} ({}) have √v̂ below \
              {eps_text}, on {} reports running since step {since}: their updates are damped by \
              ε, not normalised by the gradient's scale. The update's RMS is {update_rms:.3} × \
-             the lr (Adam's healthy range is about 0.2–0.4).",
+             the lr (Adam's healthy range is about 0.2–0.4). {}",
             fraction * 100.0,
             name_list(&state.modules, 4),
             streak.count,
+            if severity == Severity::Warning {
+                "The steps are under a tenth of what Adam takes at this lr: the group barely \
+                 trains."
+            } else {
+                "The group still trains, more slowly than its lr says: ε acts as a smaller lr \
+                 on its damped elements."
+            },
         ),
         fix: "Lower Adam's eps (1e-15 in Wortsman et al. 2023; OLMo 2 went from 1e-5 to 1e-8), \
               or use Adam-atan2, which has no ε. A higher learning rate does not fix this: the \
@@ -196,11 +213,18 @@ mod tests {
             panic!("{t:?}")
         };
         assert_eq!(o.subject, "param group 0");
-        assert_eq!(o.severity, Severity::Warning);
+        assert_eq!(o.severity, Severity::Info);
         assert_eq!(o.first_step, Some(0));
-        // Damped to a twentieth of the lr: critical.
-        let t = run(1.0, 0.05, 3);
-        assert!(matches!(&t[..], [(20, Transition::Open(o))] if o.severity == Severity::Critical));
+        // DCRNN's ε = 1e-3 at its most damped (update RMS / lr 0.05) still trains: info.
+        let t = run(0.8, 0.05, 3);
+        assert!(matches!(&t[..], [(20, Transition::Open(o))] if o.severity == Severity::Info));
+        // ε = 0.1 on the GPT: update RMS / lr 0.010, steps too small to train.
+        let t = run(1.0, 0.010, 3);
+        let [(20, Transition::Open(o))] = &t[..] else {
+            panic!("{t:?}")
+        };
+        assert_eq!(o.severity, Severity::Warning);
+        assert!(o.detail.contains("barely trains"), "{}", o.detail);
     }
 
     #[test]

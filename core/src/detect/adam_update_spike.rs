@@ -48,6 +48,16 @@
 //! reports, and opens (its first step the spike's) on the first whose gradient is
 //! back under the bar — a batch's — or stands down once [`RISEN_REPORTS`] in a row
 //! keep it above: the objective changed, and the gradient with it.
+//!
+//! # A module whose ε sets the update
+//!
+//! A module with most of its elements' √v̂ below ε (its `below_eps` at least
+//! `adam_eps_dominated`'s 50 %) is not judged: its update is m̂/ε, which follows the
+//! gradient's size as momentum SGD's does. DCRNN's published setting (Adam lr 0.01,
+//! ε = 1e-3; 46–82 % of the elements below ε) fed its decoder its own forecasts more
+//! and more often (scheduled sampling), the gradient grew with the harder task, and
+//! the encoder's update read over twice its level in two of three seeds of a
+//! healthy run.
 
 use std::collections::BTreeMap;
 
@@ -55,6 +65,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::accumulation_reset::SUBJECT as RESET_SUBJECT;
+use super::adam_eps_dominated::FRACTION;
 use super::episode::Alerts;
 use super::update_levels::{
     JITTERS, MIN_READINGS, SPIKE_FACTOR, UpdateLevels, UpdateSpike, fold_level,
@@ -145,6 +156,21 @@ impl Spike {
     }
 }
 
+/// Whether most of `module`'s updated elements have √v̂ below ε on this step (its
+/// `adam.below_eps` at least `adam_eps_dominated`'s [`FRACTION`]). Their update is
+/// m̂/ε, not m̂/√v̂: no longer normalised, it grows and shrinks with the gradient as
+/// momentum SGD's does, and a jump in it says the gradient moved, not that Adam's
+/// second moment lagged its first.
+fn damped_by_eps(view: &StepView<'_>, module: &str) -> bool {
+    view.record
+        .modules
+        .iter()
+        .find(|m| m.module == module)
+        .and_then(|m| m.adam.as_ref())
+        .and_then(|adam| adam.below_eps)
+        .is_some_and(|below| below.get() >= FRACTION)
+}
+
 /// `module`'s finite, positive gradient norm on this step.
 fn grad_norm(view: &StepView<'_>, module: &str) -> Option<f64> {
     view.record
@@ -160,6 +186,7 @@ impl AdamUpdateSpike {
     pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let step = view.record.step;
         let mut spikes = self.levels.observe(view);
+        spikes.retain(|spike| !damped_by_eps(view, spike.module));
         let kind = AlertKind::AdamUpdateSpike;
         // Gradients reset between the backward passes of one optimizer step
         // (`accumulation_reset`, judged before this rule): every step is taken on one
@@ -320,6 +347,25 @@ mod tests {
         };
         assert_eq!(o.subject, "tok");
         assert!(o.evidence["ratio"].as_f64().unwrap() > 4.0);
+    }
+
+    #[test]
+    fn a_jump_in_an_update_that_eps_sets_is_not_judged() {
+        // The same jump as above, on a module with most elements below ε: the update
+        // is m̂/ε and jumps with the gradient. Under half below ε it is judged.
+        let jump = |below: f64| {
+            let mut detector = AdamUpdateSpike::default();
+            let records: Vec<_> = (0..30u64)
+                .map(|r| {
+                    let rms = if r == 15 { 1.02 } else { 0.22 };
+                    record(json!({"step": r * 10, "loss": 2.0, "modules": [
+                        {"module": "encoder", "adam": {"update_rms": rms, "below_eps": below}}]}))
+                })
+                .collect();
+            viewed(records, |view, alerts| detector.on_step(view, alerts))
+        };
+        assert!(jump(0.8).is_empty());
+        assert!(matches!(&jump(0.3)[..], [(150, Transition::Open(_)), (160, _)]));
     }
 
     #[test]

@@ -51,7 +51,7 @@ vocabulary! {
         LossSpike = "loss_spike" => KindSpec::new(&[Severity::Warning]),
         LossScaleCollapse = "loss_scale_collapse" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
         AttentionLogitGrowth = "attention_logit_growth" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
-        AdamEpsDominated = "adam_eps_dominated" => KindSpec::new(&[Severity::Critical, Severity::Warning]),
+        AdamEpsDominated = "adam_eps_dominated" => KindSpec::new(&[Severity::Warning, Severity::Info]),
         AdamUpdateSpike = "adam_update_spike" => KindSpec::new(&[Severity::Warning]),
         AdamSecondMomentStale = "adam_second_moment_stale" => KindSpec::new(&[Severity::Info]),
         MoeRouterCollapse = "moe_router_collapse" => KindSpec::new(&[Severity::Critical]),
