@@ -136,26 +136,7 @@ impl RowWriter<'_, '_> {
 
     /// Per parameter, field by field.
     fn param_fields(&mut self, record: &StepRecord) {
-        type ParamField = fn(&gradflow_protocol::ParamStep) -> Option<Float>;
-        let fields: [(SeriesKind, ParamField); 9] = [
-            (SeriesKind::ParamGradNorm, |p| p.grad_norm),
-            (SeriesKind::UpdateNorm, |p| p.update_norm),
-            (SeriesKind::Drift, |p| p.drift),
-            (SeriesKind::ParamMean, |p| p.mean),
-            (SeriesKind::IntendedUpdateNorm, |p| p.intended_update_norm),
-            (SeriesKind::IntendedUpdateMaxUlp, |p| {
-                p.intended_update_max_ulp
-            }),
-            (SeriesKind::IntendedNonzero, |p| {
-                p.intended_nonzero.map(|n| Float(n as f64))
-            }),
-            (SeriesKind::RoundedAway, |p| {
-                p.rounded_away.map(|n| Float(n as f64))
-            }),
-            (SeriesKind::ParamNumel, |p| p.numel.map(|n| Float(n as f64))),
-        ];
-
-        for (kind, field) in fields {
+        for (kind, field) in PARAM_FIELDS {
             for param in &record.params {
                 if let Some(value) = field(param) {
                     self.put(kind, &param.name, Cell::from_wire(Some(value.get())));
@@ -164,21 +145,10 @@ impl RowWriter<'_, '_> {
         }
     }
 
-    /// Device telemetry and the client's own named metrics.
     fn gpu_and_metrics(&mut self, record: &StepRecord) {
         for gpu in &record.gpu {
             let subject = gpu.index.to_string();
-            let bytes = |b: Option<u64>| b.map(|b| b as f64);
-            for (kind, value) in [
-                (SeriesKind::GpuMemoryUsedBytes, bytes(gpu.memory_used_bytes)),
-                (
-                    SeriesKind::GpuMemoryTotalBytes,
-                    bytes(gpu.memory_total_bytes),
-                ),
-                (SeriesKind::GpuUtilizationPct, wire(gpu.utilization_pct)),
-                (SeriesKind::GpuTemperatureC, wire(gpu.temperature_c)),
-                (SeriesKind::GpuPowerW, wire(gpu.power_w)),
-            ] {
+            for (kind, value) in gpu_fields(gpu) {
                 if let Some(value) = value {
                     self.put(kind, &subject, Cell::from_wire(Some(value)));
                 }
@@ -195,6 +165,69 @@ impl RowWriter<'_, '_> {
 /// server computed (a multi-rank step combined from its ranks' rows) that the
 /// detectors must see as a record. Group norms are left out (the detectors derive
 /// them from the modules); values come back as the `f32`s they were stored as.
+type ParamField = fn(&ParamStep) -> Option<Float>;
+
+/// A parameter's series, in the order their columns are handed out.
+const PARAM_FIELDS: [(SeriesKind, ParamField); 9] = [
+    (SeriesKind::ParamGradNorm, |p| p.grad_norm),
+    (SeriesKind::UpdateNorm, |p| p.update_norm),
+    (SeriesKind::Drift, |p| p.drift),
+    (SeriesKind::ParamMean, |p| p.mean),
+    (SeriesKind::IntendedUpdateNorm, |p| p.intended_update_norm),
+    (SeriesKind::IntendedUpdateMaxUlp, |p| {
+        p.intended_update_max_ulp
+    }),
+    (SeriesKind::IntendedNonzero, |p| {
+        p.intended_nonzero.map(|n| Float(n as f64))
+    }),
+    (SeriesKind::RoundedAway, |p| {
+        p.rounded_away.map(|n| Float(n as f64))
+    }),
+    (SeriesKind::ParamNumel, |p| p.numel.map(|n| Float(n as f64))),
+];
+
+/// A GPU's series and its values on this step.
+fn gpu_fields(gpu: &GpuStat) -> [(SeriesKind, Option<f64>); 5] {
+    let bytes = |b: Option<u64>| b.map(|b| b as f64);
+    [
+        (SeriesKind::GpuMemoryUsedBytes, bytes(gpu.memory_used_bytes)),
+        (
+            SeriesKind::GpuMemoryTotalBytes,
+            bytes(gpu.memory_total_bytes),
+        ),
+        (SeriesKind::GpuUtilizationPct, wire(gpu.utilization_pct)),
+        (SeriesKind::GpuTemperatureC, wire(gpu.temperature_c)),
+        (SeriesKind::GpuPowerW, wire(gpu.power_w)),
+    ]
+}
+
+/// Whether `record` measures a step: whether [`flatten`] stores any value of it,
+/// read from the record without building the row. A record that only amends the
+/// registration (the last `requires_grad_(False)` a client sends at `close`)
+/// stores none; it is not a step the run took (docs/PROTOCOL.md, "What a step is").
+/// The run's `step_count` counts rows with a value, the detectors ask this; a test
+/// holds the two to each other.
+pub fn measures_a_step(record: &StepRecord) -> bool {
+    SCALARS.iter().any(|scalar| (scalar.get)(record).is_some())
+        || !record.lrs.is_empty()
+        || !record.modules.is_empty()
+        || !record.metrics.is_empty()
+        || record
+            .params
+            .iter()
+            .any(|param| PARAM_FIELDS.iter().any(|(_, field)| field(param).is_some()))
+        || record
+            .gpu
+            .iter()
+            .any(|gpu| gpu_fields(gpu).iter().any(|(_, value)| value.is_some()))
+        // A valid MoE layer has at least one expert's count.
+        || !record.moe.is_empty()
+        || record
+            .batch
+            .as_ref()
+            .is_some_and(|batch| !batch.micro_losses.is_empty())
+}
+
 pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRecord {
     let mut record = StepRecord {
         step,
@@ -574,6 +607,54 @@ mod tests {
             dictionary.push(kind, &subject);
         }
         (row, dictionary)
+    }
+
+    /// `measures_a_step` says what the stored row says: a record measures a step
+    /// exactly when its row holds a value. A GPU-only record is a step (the server
+    /// stores its telemetry); one that only amends the registration, or whose
+    /// entries carry nothing, is not.
+    #[test]
+    fn a_record_measures_a_step_exactly_when_its_row_holds_a_value() {
+        let cases = [
+            (r#"{"step": 3}"#, false),
+            (
+                r#"{"step": 3, "amend": {"params": [{"name": "b.w", "requires_grad": false}]}}"#,
+                false,
+            ),
+            (r#"{"step": 3, "params": [{"name": "b.w"}]}"#, false),
+            (r#"{"step": 3, "gpu": [{"index": 0}]}"#, false),
+            (r#"{"step": 3, "batch": {"ids": ["b3"]}}"#, false),
+            (
+                r#"{"step": 3, "gpu": [{"index": 0, "power_w": 300}]}"#,
+                true,
+            ),
+            (r#"{"step": 3, "loss": 2.5}"#, true),
+            (r#"{"step": 3, "lr": 0.001}"#, true),
+            (r#"{"step": 3, "lrs": {"decay": 0.1}}"#, true),
+            (r#"{"step": 3, "step_time": 0.08}"#, true),
+            (r#"{"step": 3, "dropped_steps": 2}"#, true),
+            (r#"{"step": 3, "scaler": {"scale": 65536}}"#, true),
+            (
+                r#"{"step": 3, "modules": [{"module": "a", "grad_norm": null}]}"#,
+                true,
+            ),
+            (
+                r#"{"step": 3, "params": [{"name": "b.w", "drift": 0.5}]}"#,
+                true,
+            ),
+            (r#"{"step": 3, "metrics": {"acc": null}}"#, true),
+            (
+                r#"{"step": 3, "moe": [{"module": "m", "tokens_per_expert": [4, 0]}]}"#,
+                true,
+            ),
+            (r#"{"step": 3, "batch": {"micro_losses": [2.0]}}"#, true),
+        ];
+        for (json, measured) in cases {
+            let (row, _) = run(json, &HashMap::default());
+            let stored = row.iter().any(|&bits| bits != ABSENT_BITS);
+            assert_eq!(stored, measured, "the row of {json}");
+            assert_eq!(measures_a_step(&record(json)), measured, "{json}");
+        }
     }
 
     #[test]

@@ -97,6 +97,8 @@ pub mod wiring;
 pub mod wording;
 
 use gradflow_protocol::StepRecord;
+
+use crate::columnar::flatten::measures_a_step;
 use serde::{Deserialize, Serialize};
 
 pub use crate::model::alert::{AlertKind, Opened, Severity, Transition};
@@ -147,7 +149,7 @@ macro_rules! streaming_detectors {
             ) -> Vec<Transition> {
                 let step = StepView::new(context, record).with_ranks(ranks);
                 let mut alerts = self.episodes.at(record.step);
-                let measured = measures_anything(record);
+                let measured = measures_a_step(record);
                 if let Some(before) = amended {
                     let held = on_amendment(before, context, record.step, measured, &mut alerts);
                     if held.is_some() {
@@ -260,16 +262,6 @@ fn amended(mut alert: Opened, step: u64) -> Opened {
     );
     alert.evidence["amended_at"] = serde_json::json!(step);
     alert
-}
-
-/// Whether a record carries any measurement of a step (not a record that only
-/// amends the registration).
-fn measures_anything(record: &StepRecord) -> bool {
-    record.loss.is_some()
-        || !record.modules.is_empty()
-        || !record.params.is_empty()
-        || !record.metrics.is_empty()
-        || record.scaler.is_some()
 }
 
 #[cfg(test)]

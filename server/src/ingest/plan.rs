@@ -216,6 +216,9 @@ impl StepCells {
     /// the stream. A record that only amends the registration (the last
     /// `requires_grad_(False)` a client sends at `close`) is stored, and its amendment
     /// judged, but it is not a step the run took (docs/PROTOCOL.md, "Streaming steps").
+    /// The detectors ask the record the same question
+    /// (`gradflow_core::columnar::flatten::measures_a_step`, held to this by a test);
+    /// a rank-combined row has no single record, so the stream's own cells decide.
     pub fn measured(&self) -> bool {
         self.cells.iter().any(|cell| *cell != codec::ABSENT_BITS)
     }
