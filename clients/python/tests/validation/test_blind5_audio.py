@@ -49,18 +49,18 @@ def train_returnn_amp(run_id: str, seed: int, steps: int = 300) -> Outcome:
     """RETURNN's torch `Updater` with `torch_amp = "float16"` (here under CPU
     autocast) and `gradient_clip_global_norm = 5`: `grad_scaler.scale(loss).backward()`,
     then `clip_grad_norm_(params, 5)`, then `grad_scaler.step(optimizer)`; Adam lr
-    1e-3, frame-wise cross-entropy, batch 16."""
+    1e-3, frame-wise cross-entropy, batch 4."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(6700 + seed)
     templates = torch.randn(PHONES, MELS, generator=g)
-    model = TDNN()
+    model = TDNN(hidden=16)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     run = watch(run_id, model, optimizer, scaler=scaler)
     true_norms: List[float] = []
     used_norms: List[float] = []
     for _ in range(steps):
-        feats, labels = utterances(16, g, templates)
+        feats, labels = utterances(4, g, templates)
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(model(feats).float(), labels)
@@ -181,11 +181,10 @@ def test_wekws_never_zeroes_its_gradients(gradflow_server, gradflow_env, seed):
     """https://github.com/wenet-e2e/wekws/pull/73"""
     outcome = train_wekws(gradflow_env, seed)
 
-    # The gradient the last step held is the pile of all of them, far above one
-    # batch's own, and it grew over the run.
+    # The gradient the last step held is the pile of all of them (kept under 5 by the
+    # clip, which cuts the pile in place), far above one batch's own.
     facts = outcome.facts
-    assert facts["stale_norm"] > 5 * facts["fresh_norm"], facts
-    assert facts["late_norm"] > 3 * facts["early_norm"], facts
+    assert facts["stale_norm"] > 3 * facts["fresh_norm"], facts
 
     # The correct verdict (PROTOCOL: grads_not_zeroed, cause not_zeroed).
     assert_caught(

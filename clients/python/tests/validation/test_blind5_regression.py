@@ -171,10 +171,10 @@ def test_tabm_clips_before_backward(gradflow_server, gradflow_env, seed):
     outcome = train_tabm(gradflow_env, seed)
 
     # The clip found no gradient at all (the norm it measured was 0 every time) while
-    # most steps used a gradient above its bound of 1.
+    # a fifth of the steps or more used a gradient above its bound of 1.
     facts = outcome.facts
     assert facts["clip_found"] == 0.0, facts
-    assert facts["share_above_bound"] > 0.5, facts
+    assert facts["share_above_bound"] > 0.15, facts
 
     # The correct verdict (PROTOCOL: clip_after_step on `gradients`, the clip before
     # the backward that wrote the gradients the step used).
