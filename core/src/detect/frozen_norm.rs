@@ -6,8 +6,7 @@
 //! The cause is decided from the run's own numbers, best first:
 //!
 //! 1. the registration: not in the optimizer, or registered as frozen
-//!    (`requires_grad: false`) although gradients arrive → `not_in_optimizer`; the
-//!    parameter group's lr is 0 → `zero_lr`;
+//!    (`requires_grad: false`) although gradients arrive → `not_in_optimizer`;
 //! 2. the intended update (protocol v1.1), exact: every element whose intended update
 //!    was non-zero kept its stored value (`rounded_away == intended_nonzero`), or the
 //!    largest intended update is under a quarter of the weight's spacing → certainly
@@ -20,6 +19,12 @@
 //!    the step is estimated as `lr × the RMS gradient element`. Other optimizers
 //!    (Adagrad, RMSprop, Muon, …) have no step model here: only intended updates
 //!    decide for them.
+//!
+//! Weights whose parameter group's lr is 0 are not judged (since v1.11; the cause
+//! was `zero_lr`): they do not move because of the lr alone, which
+//! `lr_vanished` judges for the whole run — a fault when no group trains or a
+//! schedule reached 0, a choice when one group is held at 0 beside others that
+//! train (a backbone frozen by its lr). Two alerts of one cause said it twice.
 //!
 //! One alert per group: the weights of a group freeze together (one dtype, one lr).
 //! The threshold counts step numbers: a weight frozen on every report from step 10
@@ -152,7 +157,7 @@ impl FrozenNormWeight {
             }
         }
         for (group, frozen) in reached {
-            if alerts.holds(AlertKind::NormWeightFrozen, group) {
+            if alerts.holds(AlertKind::NormWeightFrozen, group) || held_by_zero_lr(&frozen[0]) {
                 continue;
             }
             alerts.open(open(context, group, &frozen, step));
@@ -214,12 +219,17 @@ fn unfrozen_outside_optimizer(
     }
 }
 
+/// Whether the weights are trainable, in the optimizer, and in a parameter group
+/// whose lr is 0: the lr alone explains them, and `lr_vanished` judges it.
+fn held_by_zero_lr(example: &Frozen<'_>) -> bool {
+    example.info.requires_grad && example.info.in_optimizer && example.lr == Some(0.0)
+}
+
 /// Why the updates are exactly zero, with the numbers that say so.
 enum Verdict {
     /// Registered as frozen, yet gradients arrive: unfrozen without the optimizer.
     UnfrozenOutsideOptimizer,
     NotInOptimizer,
-    ZeroLr,
     Underflow(Basis),
     Unknown(String),
 }
@@ -247,7 +257,6 @@ impl Verdict {
     fn cause(&self) -> &'static str {
         match self {
             Verdict::NotInOptimizer | Verdict::UnfrozenOutsideOptimizer => "not_in_optimizer",
-            Verdict::ZeroLr => "zero_lr",
             Verdict::Underflow(_) => "low_precision_underflow",
             Verdict::Unknown(_) => "unknown",
         }
@@ -266,9 +275,6 @@ fn verdict(context: &RunContext, example: &Frozen<'_>) -> Verdict {
     }
     if !example.info.in_optimizer {
         return Verdict::NotInOptimizer;
-    }
-    if example.lr == Some(0.0) {
-        return Verdict::ZeroLr;
     }
     if let (Some(nonzero), Some(rounded)) = (example.intended_nonzero, example.rounded_away) {
         if nonzero == 0 {
@@ -466,16 +472,6 @@ fn open(context: &RunContext, group: &str, frozen: &[Frozen<'_>], step: u64) -> 
                     .to_owned(),
             )
         }
-        Verdict::ZeroLr => {
-            detail
-                .push_str("The learning rate of their parameter group is 0, so every update is 0.");
-            (
-                format!("Norm weights of {group} are frozen: learning rate is 0"),
-                "Check the scheduler (a warm-up that starts at 0 and never rises, a decay that \
-                 reached 0) and the lr of this parameter group."
-                    .to_owned(),
-            )
-        }
         Verdict::Unknown(why) => {
             detail.push_str(&format!("No cause is certain: {why}."));
             (
@@ -643,11 +639,11 @@ mod tests {
         // f32 at 1.0 with lr 3e-4.
         let (_, o) = cause_of(&context("f32", 3e-4, "adamw", true), 1.0, None);
         assert_eq!(o.evidence["cause"], "unknown");
-        // Not in the optimizer, and a zero learning rate.
+        // Not in the optimizer; a zero learning rate is lr_vanished's to judge.
         let (_, o) = cause_of(&context("bf16", 3e-4, "adamw", false), 1.0, None);
         assert_eq!(o.evidence["cause"], "not_in_optimizer");
-        let (_, o) = cause_of(&context("f32", 3e-4, "adamw", true), 1.0, Some(0.0));
-        assert_eq!(o.evidence["cause"], "zero_lr");
+        let records: Vec<_> = (0..6).map(|s| step(s, 0.0, 1.0, Some(0.0))).collect();
+        assert!(run(&context("f32", 3e-4, "adamw", true), &records).is_empty());
         // SGD moves by lr × RMS gradient element: tiny here, so it rounds away in bf16.
         let (_, o) = cause_of(&context("bf16", 0.1, "sgd", true), 1.0, None);
         assert_eq!(o.evidence["cause"], "low_precision_underflow");
@@ -745,7 +741,7 @@ mod tests {
     }
 
     #[test]
-    fn the_parameter_groups_own_lr_decides_zero_lr() {
+    fn a_group_held_at_lr_zero_is_not_judged_even_when_the_record_says_another_lr() {
         let registration: RunRegistration = serde_json::from_value(json!({
             "precision": {"param_dtype": "f32"},
             "optimizer": {"name": "adamw", "lr": 1e-3, "param_groups": [
@@ -763,8 +759,9 @@ mod tests {
                 ..Thresholds::default()
             },
         );
-        let (_, o) = cause_of(&ctx, 1.0, Some(1e-3));
-        assert_eq!(o.evidence["cause"], "zero_lr", "{}", o.detail);
+        // The group's own lr (0, registered) decides, not the record's run-wide one.
+        let records: Vec<_> = (0..6).map(|s| step(s, 0.0, 1.0, Some(1e-3))).collect();
+        assert!(run(&ctx, &records).is_empty());
     }
 
     #[test]

@@ -8,7 +8,10 @@
 //!
 //! Per parameter group (the record's `lrs`, v1.1; else the run-wide `lr` as one group),
 //! the detector keeps the highest lr the group has had. A report counts when the
-//! group's lr is at most [`FLOOR`] × that peak (0 included) and the peak is above 0.
+//! group's lr is at most [`FLOOR`] × that peak (0 included) and the peak is above 0,
+//! or (v1.11) when no group of the run has had an lr above 0 and this one's is 0:
+//! nothing has trained since the start. A group at 0 from the start beside groups
+//! that train is frozen on purpose and never counts.
 //! The alert opens when such reports have run [`REPORTS`] long and make up at least
 //! [`SHARE`] of every report so far; an lr back above the floor (a warm restart) ends
 //! it. Subject: `run` when every group that had an lr vanished, else each group's
@@ -70,8 +73,19 @@ struct Group {
 }
 
 impl Group {
-    fn below(&self) -> bool {
-        self.peak > 0.0 && self.lr <= self.peak * FLOOR
+    /// Whether the group's lr is at the floor: under [`FLOOR`] of its peak, or, when
+    /// no group of the run has had an lr above 0 (`nothing_trained`), exactly 0.
+    fn below(&self, nothing_trained: bool) -> bool {
+        if self.peak > 0.0 {
+            self.lr <= self.peak * FLOOR
+        } else {
+            nothing_trained && self.lr == 0.0
+        }
+    }
+
+    /// Whether the group has never had an lr above 0.
+    fn never_above_zero(&self) -> bool {
+        self.peak <= 0.0
     }
 }
 
@@ -96,22 +110,33 @@ impl LrVanished {
             return;
         }
         self.reports += 1;
-        for (name, lr) in lrs {
-            let group = self.groups.entry(name).or_default();
-            group.lr = lr;
-            if lr > group.peak {
-                group.peak = lr;
+        for (name, lr) in &lrs {
+            let group = self.groups.entry(name.clone()).or_default();
+            group.lr = *lr;
+            if *lr > group.peak {
+                group.peak = *lr;
                 group.peak_step = step;
             }
-            let below = group.below();
-            group.streak.observe(below, step);
+        }
+        // A group at 0 from the start while another trains is frozen on purpose (a
+        // backbone given lr 0); when no group has ever had an lr, nothing trains.
+        let nothing_trained = self.groups.values().all(Group::never_above_zero);
+        for (name, _) in &lrs {
+            if let Some(group) = self.groups.get_mut(name) {
+                let below = group.below(nothing_trained);
+                group.streak.observe(below, step);
+            }
         }
         let vanished: Vec<(&String, &Group)> = self
             .groups
             .iter()
-            .filter(|(_, g)| g.below() && self.long_enough(&g.streak))
+            .filter(|(_, g)| g.below(nothing_trained) && self.long_enough(&g.streak))
             .collect();
-        let held = self.groups.values().filter(|g| g.peak > 0.0).count();
+        let held = if nothing_trained {
+            self.groups.len()
+        } else {
+            self.groups.values().filter(|g| g.peak > 0.0).count()
+        };
         let subject = match vanished.len() {
             0 => None,
             n if n == held => Some("run".to_owned()),
@@ -153,6 +178,7 @@ impl LrVanished {
             .min()
             .unwrap_or(0);
         let zero = vanished.iter().all(|(_, g)| g.lr == 0.0);
+        let never = vanished.iter().all(|(_, g)| g.never_above_zero());
         let said: Vec<String> = vanished
             .iter()
             .map(|(name, g)| {
@@ -161,15 +187,27 @@ impl LrVanished {
                 } else {
                     format!("group {name}'s lr")
                 };
-                format!(
-                    "{who} is {} after a peak of {} at step {}",
-                    sci(g.lr),
-                    sci(g.peak),
-                    g.peak_step
-                )
+                if g.never_above_zero() {
+                    format!("{who} has been 0 on every report")
+                } else {
+                    format!(
+                        "{who} is {} after a peak of {} at step {}",
+                        sci(g.lr),
+                        sci(g.peak),
+                        g.peak_step
+                    )
+                }
             })
             .collect();
-        let (cause, how) = if zero {
+        let (cause, how) = if never {
+            (
+                "lr_zero",
+                "No parameter group has had an lr above 0 since the run began: a warm-up \
+                 or schedule that starts at 0 and is not stepped (or asked for a step it \
+                 is past), or an lr of 0 set by mistake."
+                    .to_owned(),
+            )
+        } else if zero {
             (
                 "lr_zero",
                 "The schedule reached 0 and stays there: it was built for fewer steps \
@@ -328,5 +366,26 @@ mod tests {
         let (_, o) = opened(&t);
         assert_eq!(o.subject, "param group backbone");
         assert_eq!(o.evidence["groups"][0]["group"], "backbone");
+    }
+
+    #[test]
+    fn an_lr_of_zero_from_the_start_on_every_group_opens_it() {
+        // A warm-up asked for its last step at every step: lr 0 throughout.
+        let t = run((0..100).map(|_| json!({"0": 0.0, "1": 0.0})));
+        let (step, o) = opened(&t);
+        assert_eq!(step, 19);
+        assert_eq!(o.subject, "run");
+        assert_eq!(o.evidence["cause"], "lr_zero");
+        assert!(o.detail.contains("has been 0 on every report"), "{}", o.detail);
+        assert!(o.detail.contains("since the run began"), "{}", o.detail);
+    }
+
+    #[test]
+    fn a_group_held_at_zero_beside_groups_that_train_is_frozen_on_purpose() {
+        let lrs = (0..400).map(|s| json!({"stem": 0.0, "head": 1e-3 * 0.999f64.powi(s)}));
+        assert!(run(lrs).is_empty());
+        // Nor does a warm-up that starts later make the zero steps before it count.
+        let late = (0..400u32).map(|s| json!(if s < 10 { 0.0 } else { 1e-3 }));
+        assert!(run(late).is_empty());
     }
 }

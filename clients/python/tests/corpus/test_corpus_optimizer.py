@@ -35,7 +35,7 @@ NORMS = ("model.layers", "model.norm")
 
 
 @seeded
-@expects("norm_weight_frozen", NORMS, "zero_lr")
+@expects("lr_vanished", "run", "lr_zero")
 def test_warmup_scheduler_stepped_per_epoch(request, gradflow_server, gradflow_env, seed):
     """`get_polynomial_decay_schedule_with_warmup` (a per-step schedule) stepped once
     per epoch by the training framework: its factor is 0 for the whole first epoch,
@@ -61,7 +61,7 @@ def test_warmup_scheduler_stepped_per_epoch(request, gradflow_server, gradflow_e
 
 
 @seeded
-@expects("norm_weight_frozen", NORMS, "zero_lr", also=["lr_vanished"])
+@expects("lr_vanished", "run", "lr_zero")
 def test_schedule_length_too_short_decays_lr_to_zero(request, gradflow_server, gradflow_env, seed):
     """`num_training_steps` set far below the real number of optimizer steps: the
     linear schedule reaches lr 0 early and the rest of the run learns nothing
