@@ -14,8 +14,11 @@
 //! the series that spiked is beyond its own tail: its logarithm at least
 //! [`LOG_DEVIATIONS`] robust standard deviations (the median absolute deviation of
 //! the window's logarithms, scaled) above the median of the window's logarithms. A
-//! loss that has been zero or below within the window has no log scale, and spikes
-//! through the gradient norm's rule only. A reading goes into the window clipped to
+//! loss that has been zero or below (since v1.11: at any step of the run, as
+//! `loss_divergence` judges it) is not an error training drives down to 0 but an
+//! objective of another kind (a policy-gradient or actor-critic loss, an
+//! adversarial or contrastive term, a density's negative log-likelihood): it has no
+//! log scale, and spikes through the gradient norm's rule only. A reading goes into the window clipped to
 //! the σ bar, so one spike does not hide the next.
 //!
 //! The alert opens on the report after the spike, dated at the spike's step, when
@@ -124,6 +127,11 @@ const SUBJECT: &str = "loss";
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct LossSpike {
+    /// Whether the loss has been 0 or below: an objective training does not drive
+    /// down to 0 (a policy-gradient surrogate, an adversarial or contrastive term,
+    /// a negative log-likelihood of a density), whose size has no log scale.
+    #[serde(default)]
+    crossed_zero: bool,
     loss: Rolling,
     grad: Rolling,
     embedding: Rolling,
@@ -194,6 +202,7 @@ impl LossSpike {
         }
         let grad = global_norm(view);
         let (embedding, rest) = embedding_split(view);
+        self.crossed_zero |= loss <= 0.0;
         let spiked = self.judge(loss, grad);
         match spiked {
             Some(spike) if !alerts.holds(AlertKind::LossSpike, SUBJECT) => {
@@ -238,7 +247,8 @@ impl LossSpike {
     /// The loss's and the gradient norm's levels, when this step spikes.
     fn judge(&self, loss: f64, grad: Option<f64>) -> Option<(Level, Option<Level>)> {
         let level = self.loss.level().filter(|l| l.count >= MIN_HISTORY)?;
-        let loss_spikes = loss > level.bar(SIGMAS)
+        let loss_spikes = !self.crossed_zero
+            && loss > level.bar(SIGMAS)
             && loss - level.mean >= MIN_LOSS_EXCESS * level.mean.abs()
             && beyond_its_tail(&self.loss, loss);
         let grad_level = self.grad.level().filter(|l| l.count >= MIN_HISTORY);
@@ -603,6 +613,28 @@ mod tests {
     /// 0.125 as the client reads them).
     fn usual_share(step: u64) -> f64 {
         0.0625 * (1 + step % 5) as f64
+    }
+
+    #[test]
+    fn a_loss_that_has_crossed_zero_spikes_only_through_its_gradient() {
+        // An actor-critic loss: negative once at step 10, a value-loss jump of 7x at
+        // step 150 under a gradient at its usual level: silent. The same jump with
+        // the gradient 30x its level still opens.
+        let crossed = |grad: f64| {
+            run(300, move |step, v| {
+                if step == 10 {
+                    v["loss"] = json!(-0.3);
+                }
+                if step == 150 {
+                    v["loss"] = json!(8.05);
+                    v["modules"][1]["grad_norm"] = json!(grad);
+                }
+            })
+        };
+        assert!(opened(&crossed(0.6)).is_empty());
+        let spikes = opened(&crossed(20.9));
+        assert_eq!(spikes.len(), 1, "{spikes:?}");
+        assert_eq!(spikes[0].1.first_step, Some(150));
     }
 
     #[test]
