@@ -98,3 +98,29 @@ def test_kendall_tau_reads_a_steady_trend():
     assert plateau._kendall_tau([1, 2, 3, 4]) == 1.0
     assert plateau._kendall_tau([4, 3, 2, 1]) == -1.0
     assert abs(plateau._kendall_tau([1, 3, 1, 3, 1, 3])) < 0.3
+
+
+def _findings(mode: str, metrics: List[float]) -> List[str]:
+    """The findings of a plateau scheduler (patience 0) stepped with `metrics`."""
+    optimizer = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    watch = plateau.PlateauWatch(optimizer)
+    try:
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode, patience=0)
+        for metric in metrics:
+            scheduler.step(metric)
+    finally:
+        watch.remove()
+    return [f["kind"] for f in watch.findings()]
+
+
+def test_a_first_reading_s_jitter_is_not_an_improvement():
+    """A validation loss in mode "max" whose second reading is 0.1 % above its first
+    (selene's loss at one seed) and that then falls to 0.47 never improved: named.
+    A loss that fell from 2.0 to 1.0 and overfits back up in mode "min" did improve
+    (by far more than it has since risen above its first reading): silent, though
+    its latest readings climb steadily."""
+    falling = [0.6924, 0.6932] + [0.69 - 0.02 * i for i in range(12)]
+    assert _findings("max", falling) == ["plateau_mode_mismatch"]
+    overfit = [2.0, 1.0] + [1.05 + 0.05 * i for i in range(12)]
+    assert plateau._kendall_tau(overfit) >= plateau.TREND
+    assert _findings("min", overfit) == []

@@ -6,8 +6,12 @@ the model gets better (md-mohaiminul/ViS4mer#4). Sent as the wiring finding
 scheduler's mode, ``measured`` the lr cuts.
 
 The rule, on the scheduler's own calls: the lr was cut at least ``CUTS`` times; no
-metric since the first was better than the first under the scheduler's mode (every
-cut came from a metric that never improved on its first reading); and the metric
+metric since the first was better than the first under the scheduler's mode by more
+than ``NOISE`` of how far the metric has since moved the other way (every cut came
+from a metric that never improved on its first reading, beyond the jitter of its
+first evaluations: a validation loss of 0.6924 then 0.6932 that falls to 0.47 did not
+improve in mode ``"max"``, while one that fell from 2.0 to 1.0 and overfits back up to
+1.3 did in mode ``"min"``); and the metric
 moved the other way steadily (Kendall's tau of the readings against their order at
 least ``TREND`` in the direction the mode calls worse, over at least ``READINGS``
 readings). A healthy plateau schedule sees its metric improve before it flattens,
@@ -37,6 +41,9 @@ READINGS = 4
 TREND = 0.6
 # Readings kept per scheduler (the trend is judged over the latest).
 KEPT = 64
+# An improvement on the first reading smaller than this share of the metric's
+# movement the other way since is the jitter of the first evaluations.
+NOISE = 0.05
 
 
 class _Readings:
@@ -45,7 +52,13 @@ class _Readings:
         self.first: Optional[float] = None
         self.values: List[float] = []
         self.cuts = 0
-        self.improved = False
+        # The most the metric has been better, and worse, than its first reading,
+        # under the scheduler's mode.
+        self.gain = 0.0
+        self.loss = 0.0
+
+    def improved(self) -> bool:
+        return self.gain > NOISE * self.loss
 
 
 class PlateauWatch:
@@ -94,12 +107,13 @@ class PlateauWatch:
             worse = 1.0 if mode == "min" else -1.0  # the sign of a change the mode calls worse
             if readings.first is None:
                 readings.first = value
-            elif (value - readings.first) * worse < 0:
-                readings.improved = True
+            change = (value - readings.first) * worse  # > 0: worse than the first
+            readings.gain = max(readings.gain, -change)
+            readings.loss = max(readings.loss, change)
             readings.values = (readings.values + [value])[-KEPT:]
             if (
                 readings.cuts >= CUTS
-                and not readings.improved
+                and not readings.improved()
                 and len(readings.values) >= READINGS
                 and worse * _kendall_tau(readings.values) >= TREND
             ):
