@@ -145,6 +145,7 @@ impl RowWriter<'_, '_> {
         }
     }
 
+    /// Device telemetry and the client's own named metrics.
     fn gpu_and_metrics(&mut self, record: &StepRecord) {
         for gpu in &record.gpu {
             let subject = gpu.index.to_string();
@@ -161,10 +162,6 @@ impl RowWriter<'_, '_> {
     }
 }
 
-/// The step record a row of cells stands for: [`flatten`]'s inverse, for a row the
-/// server computed (a multi-rank step combined from its ranks' rows) that the
-/// detectors must see as a record. Group norms are left out (the detectors derive
-/// them from the modules); values come back as the `f32`s they were stored as.
 type ParamField = fn(&ParamStep) -> Option<Float>;
 
 /// A parameter's series, in the order their columns are handed out.
@@ -228,6 +225,10 @@ pub fn measures_a_step(record: &StepRecord) -> bool {
             .is_some_and(|batch| !batch.micro_losses.is_empty())
 }
 
+/// The step record a row of cells stands for: [`flatten`]'s inverse, for a row the
+/// server computed (a multi-rank step combined from its ranks' rows) that the
+/// detectors must see as a record. Group norms are left out (the detectors derive
+/// them from the modules); values come back as the `f32`s they were stored as.
 pub fn unflatten(step: u64, cells: &[u32], columns: &ColumnDictionary) -> StepRecord {
     let mut record = StepRecord {
         step,

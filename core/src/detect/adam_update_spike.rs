@@ -162,10 +162,7 @@ impl Spike {
 /// momentum SGD's does, and a jump in it says the gradient moved, not that Adam's
 /// second moment lagged its first.
 fn damped_by_eps(view: &StepView<'_>, module: &str) -> bool {
-    view.record
-        .modules
-        .iter()
-        .find(|m| m.module == module)
+    view.module(module)
         .and_then(|m| m.adam.as_ref())
         .and_then(|adam| adam.below_eps)
         .is_some_and(|below| below.get() >= FRACTION)
@@ -173,10 +170,7 @@ fn damped_by_eps(view: &StepView<'_>, module: &str) -> bool {
 
 /// `module`'s finite, positive gradient norm on this step.
 fn grad_norm(view: &StepView<'_>, module: &str) -> Option<f64> {
-    view.record
-        .modules
-        .iter()
-        .find(|m| m.module == module)
+    view.module(module)
         .and_then(|m| m.grad_norm)
         .map(|n| n.get())
         .filter(|n| n.is_finite() && *n > 0.0)

@@ -18,8 +18,8 @@
 //! `loss_divergence` judges it) is not an error training drives down to 0 but an
 //! objective of another kind (a policy-gradient or actor-critic loss, an
 //! adversarial or contrastive term, a density's negative log-likelihood): it has no
-//! log scale, and spikes through the gradient norm's rule only. A reading goes into the window clipped to
-//! the σ bar, so one spike does not hide the next.
+//! log scale, and spikes through the gradient norm's rule only. A reading goes into
+//! the window clipped to the σ bar, so one spike does not hide the next.
 //!
 //! The alert opens on the report after the spike, dated at the spike's step, when
 //! the cause can be read:
@@ -130,7 +130,6 @@ pub struct LossSpike {
     /// Whether the loss has been 0 or below: an objective training does not drive
     /// down to 0 (a policy-gradient surrogate, an adversarial or contrastive term,
     /// a negative log-likelihood of a density), whose size has no log scale.
-    #[serde(default)]
     crossed_zero: bool,
     loss: Rolling,
     grad: Rolling,

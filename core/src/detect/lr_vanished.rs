@@ -110,22 +110,19 @@ impl LrVanished {
             return;
         }
         self.reports += 1;
-        for (name, lr) in &lrs {
-            let group = self.groups.entry(name.clone()).or_default();
-            group.lr = *lr;
-            if *lr > group.peak {
-                group.peak = *lr;
-                group.peak_step = step;
-            }
-        }
         // A group at 0 from the start while another trains is frozen on purpose (a
         // backbone given lr 0); when no group has ever had an lr, nothing trains.
-        let nothing_trained = self.groups.values().all(Group::never_above_zero);
-        for (name, _) in &lrs {
-            if let Some(group) = self.groups.get_mut(name) {
-                let below = group.below(nothing_trained);
-                group.streak.observe(below, step);
+        let nothing_trained = lrs.iter().all(|(_, lr)| *lr <= 0.0)
+            && self.groups.values().all(Group::never_above_zero);
+        for (name, lr) in lrs {
+            let group = self.groups.entry(name).or_default();
+            group.lr = lr;
+            if lr > group.peak {
+                group.peak = lr;
+                group.peak_step = step;
             }
+            let below = group.below(nothing_trained);
+            group.streak.observe(below, step);
         }
         let vanished: Vec<(&String, &Group)> = self
             .groups

@@ -97,10 +97,9 @@ pub mod wiring;
 pub mod wording;
 
 use gradflow_protocol::StepRecord;
-
-use crate::columnar::flatten::measures_a_step;
 use serde::{Deserialize, Serialize};
 
+use crate::columnar::flatten::measures_a_step;
 pub use crate::model::alert::{AlertKind, Opened, Severity, Transition};
 pub use context::RunContext;
 pub use episode::{Alerts, Episodes};

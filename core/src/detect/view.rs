@@ -116,6 +116,11 @@ impl<'a> StepView<'a> {
             })
     }
 
+    /// The record's entry for `module`, when it reported one.
+    pub fn module(&self, module: &str) -> Option<&'a ModuleStep> {
+        self.record.modules.iter().find(|m| m.module == module)
+    }
+
     /// Whether the loss scaler reported an overflow on this step.
     pub fn found_inf(&self) -> bool {
         self.record.scaler.as_ref().and_then(|s| s.found_inf) == Some(true)
