@@ -45,6 +45,28 @@ def foreach_norm(grads: List[torch.Tensor], ord: float = 2) -> List[torch.Tensor
         return [n.float() for n in foreach(grads, ord)]
 
 
+def foreach_max(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The largest element of each of non-negative `tensors`, in f32
+    (``torch._foreach_max``, torch 2.6 on; the inf-norm, which also takes the absolute
+    values, where this torch has none)."""
+    foreach = getattr(torch, "_foreach_max", None)
+    if foreach is None:
+        return foreach_norm(tensors, float("inf"))
+    return [n.float() for n in foreach(tensors)]
+
+
+def segment_sum(values: torch.Tensor, lengths: List[int]) -> Optional[torch.Tensor]:
+    """The sum of each run of `lengths` consecutive elements of `values` in one call
+    (``torch.segment_reduce``, a prototype), or None where this torch lacks it."""
+    reduce = getattr(torch, "segment_reduce", None)
+    if reduce is None:
+        return None
+    try:
+        return reduce(values, "sum", lengths=torch.tensor(lengths, device=values.device))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
 def flatten_dense(tensors: List[torch.Tensor]) -> torch.Tensor:
     """The elements of `tensors`, one tensor after another, in one new 1-D tensor: one
     call into C++ (``torch._utils._flatten_dense_tensors``, what DDP's buckets use)
