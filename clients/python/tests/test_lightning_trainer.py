@@ -161,3 +161,39 @@ def test_lightning_cut_graph_is_diagnosed(gradflow_server):
     assert alert["severity"] == "critical"
     assert alert["evidence"]["cause"] == "backward_not_reached", alert
     assert gradflow_server.serious(run_id) == [alert]
+
+
+class BadBatch(PromptAgent):
+    """One batch whose targets are ten thousand off the others' (a mislabelled sample):
+    the gradients of that step are thousands of times their usual norm."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__()
+        self.bad_step = bad_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        target = 1e4 if self.global_step == self.bad_step else 0.0
+        return (self.agent(self.encoder(x)) - target).pow(2).mean()
+
+
+@pytest.mark.parametrize("clip", [1.0, None], ids=["clipped", "unclipped"])
+def test_lightning_a_bad_batch_the_clip_cut_is_no_explosion(gradflow_server, clip):
+    torch.manual_seed(0)
+    options: Dict[str, Any] = {} if clip is None else {"gradient_clip_val": clip}
+    run_id, truth = fit(gradflow_server, BadBatch(bad_step=40), steps=60, batches=60, **options)
+    # The bad batch's gradients were thousands of times the usual, before the clip.
+    usual = sorted(n["agent"] for n in truth.norms[:40])[20]
+    assert truth.norms[40]["agent"] > 1000 * usual, (truth.norms[40], usual)
+    assert gradflow_server.run(run_id)["step_count"] == 60
+    explosions = [a for a in gradflow_server.alerts(run_id) if a["kind"] == "grad_explosion"]
+    if clip is None:
+        # Nothing bounded the update: the spike is the alert it always was.
+        assert explosions, gradflow_server.alerts(run_id)
+        assert {a["evidence"]["cause"] for a in explosions} == {"spike"}
+        assert {a["first_step"] for a in explosions} == {40}
+    else:
+        # Lightning cut it to max_norm 1 before the step: one batch, one ordinary update.
+        assert explosions == [], explosions
+        stored = gradflow_server.series(run_id, "metric", "grad_clip_max_norm")
+        assert [value for _, value in stored] == [clip] * 60

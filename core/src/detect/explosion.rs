@@ -15,6 +15,13 @@
 //!
 //! It resolves on the first reading back under [`FACTOR`] × the level.
 //!
+//! A spike the loop's own clip cut is not one: where the client read the norms
+//! before a norm clip of all the gradients (the step metric [`CLIP_METRIC`], the
+//! clip's `max_norm`: Lightning's `gradient_clip_val`), a reading above that bound was
+//! scaled down to it before the optimizer used it, and one bad batch moved the
+//! weights no further than a clipped step does. The reading still counts towards a
+//! sustained explosion: a clip that cuts every step hides a divergence, not a batch.
+//!
 //! # Why these numbers
 //!
 //! Healthy training moves gradient norms a lot: they fall by orders of magnitude
@@ -44,6 +51,7 @@ use super::episode::{Alerts, Streak};
 use super::view::StepView;
 use super::wording::sci;
 use crate::model::alert::{AlertKind, Opened, Severity};
+use crate::model::metric::DetectorMetric;
 
 /// How many times the level a norm must stay, [`PERSIST`] readings running.
 pub const FACTOR: f64 = 100.0;
@@ -57,6 +65,9 @@ pub const WINDOW: usize = 100;
 pub const WARM_UP: usize = 20;
 /// A remembered reading is clipped to this many orders of magnitude above the level.
 const CLIP_ORDERS: f64 = 1.0;
+/// The step metric that carries the `max_norm` of the loop's norm clip, when the
+/// reported norms were read before it.
+pub const CLIP_METRIC: &str = DetectorMetric::GradClipMaxNorm.as_str();
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -159,6 +170,11 @@ impl GradExplosion {
         if view.found_inf() {
             return;
         }
+        let clipped_above = record
+            .metrics
+            .get(CLIP_METRIC)
+            .and_then(|v| v.map(|v| v.get()))
+            .filter(|bound| bound.is_finite() && *bound > 0.0);
         for (group, &norm) in view.group_norms.iter() {
             if !(norm.is_finite() && norm > 0.0) {
                 continue;
@@ -174,7 +190,8 @@ impl GradExplosion {
             history.remember(log_norm, Some(level));
             // A spike opens on its own reading; a run above the bar, once it is
             // long enough and the loss rises with it.
-            let spike = above >= spike_factor.log10();
+            let cut_by_clip = clipped_above.is_some_and(|bound| norm > bound);
+            let spike = above >= spike_factor.log10() && !cut_by_clip;
             let high = above >= factor.log10();
             let opens = alerts.observe(
                 AlertKind::GradExplosion,
@@ -272,6 +289,15 @@ mod tests {
 
     /// Norms of group qwen with an optional loss per step.
     fn run_with(norms: &[f64], losses: Option<&[f64]>) -> Vec<(u64, Transition)> {
+        run_clipped(norms, losses, None)
+    }
+
+    /// As [`run_with`], each step's record carrying the loop's clip bound if any.
+    fn run_clipped(
+        norms: &[f64],
+        losses: Option<&[f64]>,
+        clip: Option<f64>,
+    ) -> Vec<(u64, Transition)> {
         let registration: RunRegistration =
             serde_json::from_value(json!({"params": [{"name": "qwen.a.weight"}]})).unwrap();
         let context = RunContext::new(&registration, Thresholds::default());
@@ -280,6 +306,9 @@ mod tests {
             let mut r = json!({"step": step, "modules": [{"module": "qwen.a", "grad_norm": norm}]});
             if let Some(losses) = losses {
                 r["loss"] = json!(losses[step]);
+            }
+            if let Some(bound) = clip {
+                r["metrics"] = json!({CLIP_METRIC: bound});
             }
             record(r)
         });
@@ -316,6 +345,27 @@ mod tests {
         let t = run(&norms);
         assert_eq!(opened_at(&t), [(50, "spike".to_owned())], "{t:?}");
         assert!(matches!(t[1], (51, Transition::Resolve { .. })), "{t:?}");
+    }
+
+    #[test]
+    fn a_spike_the_loops_clip_cut_is_no_explosion_and_one_it_did_not_is() {
+        let mut norms = noisy(50);
+        norms.extend([4000.0, 1.2]);
+        let t = run_clipped(&norms, None, Some(1.0));
+        assert!(opened_at(&t).is_empty(), "cut to max_norm 1: {t:?}");
+        // A bound above the spike cut nothing: the update took it whole.
+        let t = run_clipped(&norms, None, Some(1e4));
+        assert_eq!(opened_at(&t), [(50, "spike".to_owned())], "{t:?}");
+    }
+
+    #[test]
+    fn a_clip_on_every_step_does_not_hide_a_sustained_blow_up() {
+        let mut norms = noisy(40);
+        norms.extend([5000.0, 6000.0, 7000.0]);
+        let mut losses = vec![2.0; 40];
+        losses.extend([3.0, 4.0, 5.0]);
+        let t = run_clipped(&norms, Some(&losses), Some(1.0));
+        assert_eq!(opened_at(&t), [(42, "sustained".to_owned())], "{t:?}");
     }
 
     #[test]

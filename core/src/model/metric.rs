@@ -90,6 +90,9 @@ vocabulary! {
         /// On a step of several backward passes, how many after the first found the
         /// gradient reset (`accumulation_reset`).
         GradsResetBetweenBackwards = "grads_reset_between_backwards",
+        /// The `max_norm` of a norm clip of all the gradients that ran after the
+        /// client read them, before the optimizer step (`grad_explosion`).
+        GradClipMaxNorm = "grad_clip_max_norm",
     }
 }
 
@@ -175,6 +178,7 @@ mod tests {
     fn the_detectors_names_are_not_the_users() {
         assert!(!is_users_metric("model_training"));
         assert!(!is_users_metric("grads_reset_between_backwards"));
+        assert!(!is_users_metric("grad_clip_max_norm"));
         assert!(is_users_metric("reward"));
     }
 

@@ -14,7 +14,10 @@ reports once per optimizer step:
   micro-batches, and the mean of their losses (the loss ``training_step`` returned,
   before Lightning divides it by k for backward), kept on the device;
 - the step number as Lightning counts optimizer steps (``trainer.global_step`` before
-  the step, from 0, as ``self.log`` records it).
+  the step, from 0, as ``self.log`` records it);
+- with ``gradient_clip_val`` and the ``norm`` algorithm, the clip's ``max_norm`` as the
+  step metric ``grad_clip_max_norm``: the gradients were read before that clip, and a
+  norm above it reached the optimizer cut down to it.
 
 Lightning runs ``training_step`` and backward inside ``optimizer.step(closure)`` (unless
 a loss scaler is on), after the optimizer's step pre-hooks; the callback adds a pre-hook
@@ -38,6 +41,9 @@ try:
     from lightning.pytorch import Callback
 except ImportError:  # the standalone package
     from pytorch_lightning import Callback
+
+# The step metric the server's `grad_explosion` reads (docs/PROTOCOL.md, `metrics`).
+CLIP_METRIC = "grad_clip_max_norm"
 
 _CONFIG_KEYS = (
     "max_epochs",
@@ -65,6 +71,7 @@ class GradflowCallback(Callback):  # type: ignore[misc]
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._steps_done = 0
+        self._metrics: Optional[Dict[str, float]] = None
 
     # -- Lightning's events ------------------------------------------------------
 
@@ -83,6 +90,8 @@ class GradflowCallback(Callback):  # type: ignore[misc]
             pl_module, optimizer, scaler, run_id=self.run_id, server=self.server, **options
         )
         self._steps_done = int(trainer.global_step)
+        bound = _norm_clip(trainer)
+        self._metrics = None if bound is None else {CLIP_METRIC: bound}
         if not getattr(self.gf, "enabled", False):
             self._remove_closure_hook()
 
@@ -100,7 +109,7 @@ class GradflowCallback(Callback):  # type: ignore[misc]
         self._add_loss(outputs)
         done = int(trainer.global_step)
         if done > self._steps_done:  # the optimizer stepped on this batch
-            self.gf.step(loss=self._take_loss(), step=done - 1)
+            self.gf.step(loss=self._take_loss(), step=done - 1, metrics=self._metrics)
             self._steps_done = done
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -167,6 +176,18 @@ def _last_micro_batch(trainer: Any, batch_idx: int) -> bool:
         return True
     batches = getattr(trainer, "num_training_batches", None)
     return isinstance(batches, int) and batch_idx + 1 >= batches
+
+
+def _norm_clip(trainer: Any) -> Optional[float]:
+    """The ``max_norm`` of the clip Lightning runs on every optimizer step, after the
+    callback has read the gradients: ``gradient_clip_val`` under the ``norm`` algorithm
+    (its default), None without one or under ``value``."""
+    config = _config(trainer)
+    bound = config.get("gradient_clip_val")
+    algorithm = str(config.get("gradient_clip_algorithm") or "norm").lower()
+    if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not bound > 0:
+        return None
+    return float(bound) if algorithm.endswith("norm") else None
 
 
 def _config(trainer: Any) -> Dict[str, Any]:
