@@ -25,6 +25,10 @@
 //! `lr_vanished` judges for the whole run — a fault when no group trains or a
 //! schedule reached 0, a choice when one group is held at 0 beside others that
 //! train (a backbone frozen by its lr). Two alerts of one cause said it twice.
+//! Nor are weights that moved under their group's higher lr and froze once it had
+//! fallen [`LR_FALLEN`] times below its peak (v1.12): the schedule's fall stopped
+//! them — a decay at the end of a run, or a per-epoch scheduler stepped per batch,
+//! which `lr_vanished` names — and no precision would have kept an update so small.
 //!
 //! One alert per group: the weights of a group freeze together (one dtype, one lr).
 //! The threshold counts step numbers: a weight frozen on every report from step 10
@@ -39,7 +43,7 @@
 //! not (an episode per weight would end at other steps when weights are reported
 //! unevenly).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -51,10 +55,21 @@ use super::view::StepView;
 use super::wording::{name_list, sci, step_range};
 use crate::model::alert::{AlertKind, Opened, Severity};
 
+/// How many times below its group's peak an lr has fallen when a weight that moved
+/// under the peak and froze since is the schedule's doing, not the precision's.
+pub const LR_FALLEN: f64 = 100.0;
+
 /// A stored state's `open_groups` is read and ignored: the episodes are [`Alerts`]'.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct FrozenNormWeight {
     params: BTreeMap<String, WeightRun>,
+    /// The highest lr each weight's parameter group has had (by the weight: the
+    /// groups' lrs are looked up per weight).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    lr_peaks: BTreeMap<String, f64>,
+    /// The weights seen to move (a non-zero update) at least once.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    moved: BTreeSet<String>,
 }
 
 /// One weight's run of frozen reports, stored in the layout it had before it
@@ -91,6 +106,9 @@ struct Frozen<'a> {
     grad_norm: f64,
     mean: Option<f64>,
     lr: Option<f64>,
+    /// The weight moved before, and its group's lr has since fallen [`LR_FALLEN`]
+    /// times below its peak.
+    fallen: bool,
     intended_norm: Option<f64>,
     intended_max_ulp: Option<f64>,
     intended_nonzero: Option<u64>,
@@ -111,10 +129,21 @@ impl FrozenNormWeight {
             let Some(info) = context.norm_params.get(&param.name) else {
                 continue;
             };
+            let lr = context.optimizer.lr_of(info.param_group.as_deref(), record);
+            let peak = match (self.lr_peaks.get(&param.name), lr) {
+                (Some(&peak), Some(lr)) if lr.is_finite() => peak.max(lr),
+                (Some(&peak), _) => peak,
+                (None, Some(lr)) if lr.is_finite() => lr,
+                (None, _) => 0.0,
+            };
+            self.lr_peaks.insert(param.name.clone(), peak);
             let (Some(grad), Some(update)) = (param.grad_norm, param.update_norm) else {
                 continue; // not measured this step
             };
             let frozen = grad.get() > 0.0 && grad.is_finite() && update.get() == 0.0;
+            if update.get() > 0.0 && !self.moved.contains(&param.name) {
+                self.moved.insert(param.name.clone());
+            }
             if !frozen {
                 if self
                     .params
@@ -133,7 +162,9 @@ impl FrozenNormWeight {
                     info,
                     grad_norm: grad.get(),
                     mean: param.mean.map(|m| m.get()),
-                    lr: context.optimizer.lr_of(info.param_group.as_deref(), record),
+                    lr,
+                    fallen: self.moved.contains(&param.name)
+                        && lr.is_some_and(|lr| lr * LR_FALLEN <= peak),
                     intended_norm: param.intended_update_norm.map(|f| f.get()),
                     intended_max_ulp: param.intended_update_max_ulp.map(|f| f.get()),
                     intended_nonzero: param.intended_nonzero,
@@ -157,7 +188,7 @@ impl FrozenNormWeight {
             }
         }
         for (group, frozen) in reached {
-            if alerts.holds(AlertKind::NormWeightFrozen, group) || held_by_zero_lr(&frozen[0]) {
+            if alerts.holds(AlertKind::NormWeightFrozen, group) || held_by_lr(&frozen[0]) {
                 continue;
             }
             alerts.open(open(context, group, &frozen, step));
@@ -220,9 +251,12 @@ fn unfrozen_outside_optimizer(
 }
 
 /// Whether the weights are trainable, in the optimizer, and in a parameter group
-/// whose lr is 0: the lr alone explains them, and `lr_vanished` judges it.
-fn held_by_zero_lr(example: &Frozen<'_>) -> bool {
-    example.info.requires_grad && example.info.in_optimizer && example.lr == Some(0.0)
+/// whose lr is 0, or has fallen [`LR_FALLEN`] times below the peak they moved under:
+/// the lr alone explains them, and `lr_vanished` judges it.
+fn held_by_lr(example: &Frozen<'_>) -> bool {
+    example.info.requires_grad
+        && example.info.in_optimizer
+        && (example.lr == Some(0.0) || example.fallen)
 }
 
 /// Why the updates are exactly zero, with the numbers that say so.
@@ -762,6 +796,29 @@ mod tests {
         // The group's own lr (0, registered) decides, not the record's run-wide one.
         let records: Vec<_> = (0..6).map(|s| step(s, 0.0, 1.0, Some(1e-3))).collect();
         assert!(run(&ctx, &records).is_empty());
+    }
+
+    #[test]
+    fn weights_that_froze_once_the_schedule_cut_their_lr_a_hundredfold_are_the_lrs() {
+        let ctx = context("f32", 1e-3, "sgd", true);
+        // They moved under lr 1e-3, then a step schedule took the lr down tenfold
+        // every 2 steps: the updates round away from 1e-7 on.
+        let mut records: Vec<_> = (0..4).map(|s| step(s, 1e-4, 1.0, Some(1e-3))).collect();
+        records.extend((4..14).map(|s| {
+            let lr = 1e-3 * 0.1f64.powi((s as i32 - 2) / 2);
+            step(s, if lr > 1e-7 { 1e-6 } else { 0.0 }, 1.0, Some(lr))
+        }));
+        assert!(run(&ctx, &records).is_empty(), "the schedule's fall stopped them");
+        // The same weights frozen while the lr stays at its peak are judged.
+        let mut records: Vec<_> = (0..4).map(|s| step(s, 1e-4, 1.0, Some(1e-3))).collect();
+        records.extend((4..14).map(|s| step(s, 0.0, 1.0, Some(1e-3))));
+        assert_eq!(run(&ctx, &records).len(), 1);
+        // And weights that never moved, with the lr fallen since: the precision was
+        // theirs from the start.
+        let records: Vec<_> = (0..10)
+            .map(|s| step(s, 0.0, 1.0, Some(if s < 2 { 1e-3 } else { 1e-6 })))
+            .collect();
+        assert_eq!(run(&ctx, &records).len(), 1);
     }
 
     #[test]

@@ -32,8 +32,37 @@ pub fn check(context: &RunContext) -> Vec<Opened> {
     param_not_in_optimizer(context, &mut alerts);
     group_not_training(context, &mut alerts);
     nothing_trains(context, &mut alerts);
+    one_cause_once(&mut alerts);
     super::wiring::check(context, &mut alerts);
     alerts
+}
+
+/// A run whose optimizer holds none of its trainable parameters is one cause:
+/// `nothing_trains` says it for the run, with the modules, and the modules'
+/// `param_not_in_optimizer` alerts, which would each say a part of it, are dropped.
+fn one_cause_once(alerts: &mut Vec<Opened>) {
+    let Some(at) = alerts.iter().position(|a| {
+        a.kind == AlertKind::NothingTrains && a.evidence["cause"] == "none_in_optimizer"
+    }) else {
+        return;
+    };
+    let modules: Vec<String> = alerts
+        .iter()
+        .filter(|a| a.kind == AlertKind::ParamNotInOptimizer)
+        .map(|a| a.subject.clone())
+        .collect();
+    if modules.is_empty() {
+        return;
+    }
+    let names: Vec<&str> = modules.iter().map(String::as_str).collect();
+    let run = &mut alerts[at];
+    run.detail = format!(
+        "{} Outside the optimizer: {}.",
+        run.detail,
+        super::wording::name_list(&names, 8)
+    );
+    run.evidence["modules"] = json!(modules);
+    alerts.retain(|a| a.kind != AlertKind::ParamNotInOptimizer);
 }
 
 /// A run none of whose parameters can change: every one frozen, or the optimizer
@@ -462,6 +491,22 @@ mod tests {
         assert_eq!(nothing.len(), 1, "{found:?}");
         assert_eq!(nothing[0].evidence["cause"], "none_in_optimizer");
         assert_eq!(nothing[0].evidence["frozen_params"], 1);
+        // An optimizer built over another copy of the model (spro/practical-pytorch#9):
+        // one alert for the run, naming the modules, not one more per module.
+        let found = alerts(json!({"params": [
+            {"name": "i2h.weight", "in_optimizer": false},
+            {"name": "i2o.weight", "in_optimizer": false}
+        ]}));
+        let [alert] = &found[..] else {
+            panic!("{found:?}")
+        };
+        assert_eq!(alert.kind, AlertKind::NothingTrains);
+        assert_eq!(alert.evidence["modules"], json!(["i2h", "i2o"]));
+        assert!(
+            alert.detail.ends_with("Outside the optimizer: i2h, i2o."),
+            "{}",
+            alert.detail
+        );
         // One trainable parameter in the optimizer is enough; no parameters says nothing.
         let one = alerts(json!({"params": [
             {"name": "base.w", "requires_grad": false},
