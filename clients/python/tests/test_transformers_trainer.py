@@ -94,6 +94,9 @@ def test_trainer_bf16_with_accumulation_and_clipping(tmp_path, gradflow_server):
         assert loss[step] == pytest.approx(entry["loss"], abs=2e-3), (step, loss, logs)
         assert entry["grad_norm"] > 0.05, "the test needs clipping to be active"
         assert norms[step] == pytest.approx(entry["grad_norm"], rel=1e-3), (step, norms, logs)
+    # The clip's bound, which those raw norms went through before the step.
+    bound = gradflow_server.series(run_id, "metric", "grad_clip_max_norm")
+    assert [value for _, value in bound] == [0.05] * 12
     # Two backward passes reached every module in each optimizer step.
     hits = gradflow_server.series(run_id, "hook_hits", "model.layers.1.mlp.down_proj")
     assert [value for _, value in hits] == [2] * 12

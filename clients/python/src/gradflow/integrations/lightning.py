@@ -36,14 +36,12 @@ import torch
 
 from .. import _log
 from ..watcher import watch
+from ._clip import clip_metrics
 
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the standalone package
     from pytorch_lightning import Callback
-
-# The step metric the server's `grad_explosion` reads (docs/PROTOCOL.md, `metrics`).
-CLIP_METRIC = "grad_clip_max_norm"
 
 _CONFIG_KEYS = (
     "max_epochs",
@@ -90,8 +88,7 @@ class GradflowCallback(Callback):  # type: ignore[misc]
             pl_module, optimizer, scaler, run_id=self.run_id, server=self.server, **options
         )
         self._steps_done = int(trainer.global_step)
-        bound = _norm_clip(trainer)
-        self._metrics = None if bound is None else {CLIP_METRIC: bound}
+        self._metrics = clip_metrics(_norm_clip(trainer))
         if not getattr(self.gf, "enabled", False):
             self._remove_closure_hook()
 
@@ -178,16 +175,13 @@ def _last_micro_batch(trainer: Any, batch_idx: int) -> bool:
     return isinstance(batches, int) and batch_idx + 1 >= batches
 
 
-def _norm_clip(trainer: Any) -> Optional[float]:
+def _norm_clip(trainer: Any) -> Any:
     """The ``max_norm`` of the clip Lightning runs on every optimizer step, after the
     callback has read the gradients: ``gradient_clip_val`` under the ``norm`` algorithm
     (its default), None without one or under ``value``."""
     config = _config(trainer)
-    bound = config.get("gradient_clip_val")
     algorithm = str(config.get("gradient_clip_algorithm") or "norm").lower()
-    if not isinstance(bound, (int, float)) or isinstance(bound, bool) or not bound > 0:
-        return None
-    return float(bound) if algorithm.endswith("norm") else None
+    return config.get("gradient_clip_val") if algorithm.endswith("norm") else None
 
 
 def _config(trainer: Any) -> Dict[str, Any]:

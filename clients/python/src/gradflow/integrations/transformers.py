@@ -12,7 +12,9 @@ under ``fp16=True``) when training begins, and reports once per optimizer step:
 - the loss of the step: the model's ``loss`` output of every training micro-batch,
   combined as the Trainer combines them for backward (summed when the model normalised
   it by the step's token count, averaged otherwise), kept on the device;
-- the step number as the Trainer counts it (``state.global_step``, from 1).
+- the step number as the Trainer counts it (``state.global_step``, from 1);
+- with ``max_grad_norm`` above 0 (1.0 by default), the clip's bound as the step metric
+  ``grad_clip_max_norm``: a norm above it reached the optimizer cut down to it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers import TrainerCallback
 from .. import _log
 from ..api import Watch
 from ..watcher import watch
+from ._clip import clip_metrics
 
 _CONFIG_KEYS = (
     "learning_rate",
@@ -93,7 +96,8 @@ class GradflowCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.gf is None:
             return
-        self.gf.step(loss=self._take_loss(), step=int(state.global_step))
+        metrics = clip_metrics(getattr(args, "max_grad_norm", None))
+        self.gf.step(loss=self._take_loss(), step=int(state.global_step), metrics=metrics)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
