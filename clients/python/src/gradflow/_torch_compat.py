@@ -62,9 +62,12 @@ def segment_sum(values: torch.Tensor, lengths: List[int]) -> Optional[torch.Tens
     if reduce is None:
         return None
     try:
-        return reduce(values, "sum", lengths=torch.tensor(lengths, device=values.device))
+        sums: torch.Tensor = reduce(
+            values, "sum", lengths=torch.tensor(lengths, device=values.device)
+        )
     except (RuntimeError, TypeError, NotImplementedError):
         return None
+    return sums
 
 
 def flatten_dense(tensors: List[torch.Tensor]) -> torch.Tensor:
