@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::episode::{Alerts, Streak};
-use super::view::StepView;
+use super::view::{StepView, metric};
 use super::wording::step_range;
 use crate::model::alert::{AlertKind, Opened, Severity};
 use crate::model::metric::DetectorMetric;
@@ -105,10 +105,7 @@ impl AccumulationReset {
 /// The backward passes after the first of this optimizer step that found the
 /// gradient reset, as the client counts them; `None` when not measured.
 fn resets(record: &StepRecord) -> Option<f64> {
-    let resets = record
-        .metrics
-        .get(METRIC)
-        .and_then(|v| v.map(|f| f.get()))?;
+    let resets = metric(record, METRIC)?;
     resets.is_finite().then_some(resets)
 }
 

@@ -56,7 +56,7 @@ pub struct EvalMode {
 impl EvalMode {
     pub fn on_step(&mut self, view: &StepView<'_>, alerts: &mut Alerts<'_>) {
         let record = view.record;
-        let Some(flag) = record.metrics.get(METRIC).and_then(|v| v.map(|f| f.get())) else {
+        let Some(flag) = view.metric(METRIC) else {
             return;
         };
         let training = flag >= 0.5;

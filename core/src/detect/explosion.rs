@@ -170,10 +170,8 @@ impl GradExplosion {
         if view.found_inf() {
             return;
         }
-        let clipped_above = record
-            .metrics
-            .get(CLIP_METRIC)
-            .and_then(|v| v.map(|v| v.get()))
+        let clipped_above = view
+            .metric(CLIP_METRIC)
             .filter(|bound| bound.is_finite() && *bound > 0.0);
         for (group, &norm) in view.group_norms.iter() {
             if !(norm.is_finite() && norm > 0.0) {

@@ -130,13 +130,14 @@ impl FrozenNormWeight {
                 continue;
             };
             let lr = context.optimizer.lr_of(info.param_group.as_deref(), record);
-            let peak = match (self.lr_peaks.get(&param.name), lr) {
-                (Some(&peak), Some(lr)) if lr.is_finite() => peak.max(lr),
-                (Some(&peak), _) => peak,
-                (None, Some(lr)) if lr.is_finite() => lr,
-                (None, _) => 0.0,
-            };
-            self.lr_peaks.insert(param.name.clone(), peak);
+            if !self.lr_peaks.contains_key(&param.name) {
+                self.lr_peaks.insert(param.name.clone(), 0.0);
+            }
+            let peak = self.lr_peaks.get_mut(&param.name).expect("inserted above");
+            if let Some(lr) = lr.filter(|lr| lr.is_finite()) {
+                *peak = peak.max(lr);
+            }
+            let peak = *peak;
             let (Some(grad), Some(update)) = (param.grad_norm, param.update_norm) else {
                 continue; // not measured this step
             };

@@ -311,10 +311,8 @@ impl StuckZeroGrad {
         let step = record.step;
         self.keep_cuts(step, &record.graph_cuts);
         let threshold = u64::from(context.thresholds.stuck_zero_steps);
-        let clipped = record
-            .metrics
-            .get(CLIPPED_TO_ZERO_METRIC)
-            .and_then(|v| v.map(|v| v.get()))
+        let clipped = view
+            .metric(CLIPPED_TO_ZERO_METRIC)
             .is_some_and(|n| n >= 1.0);
         let diverging = alerts.is_open(AlertKind::LossDivergence, "loss");
         let several_updates = record.optimizer_steps.is_some_and(|n| n >= 2);

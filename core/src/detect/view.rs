@@ -125,4 +125,15 @@ impl<'a> StepView<'a> {
     pub fn found_inf(&self) -> bool {
         self.record.scaler.as_ref().and_then(|s| s.found_inf) == Some(true)
     }
+
+    /// The step's metric `name` (one the detectors read), when measured.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        metric(self.record, name)
+    }
+}
+
+/// `record`'s metric `name` (one the detectors read), when measured: absent and
+/// `null` both mean "not measured this step".
+pub fn metric(record: &StepRecord, name: &str) -> Option<f64> {
+    record.metrics.get(name).copied().flatten().map(|v| v.get())
 }

@@ -62,6 +62,7 @@ class GradflowCallback(TrainerCallback):
         self._loss_summed = False
         self._accumulation = 1
         self._micro = 0
+        self._metrics: Optional[Dict[str, float]] = None
 
     # -- the Trainer's events ----------------------------------------------------
 
@@ -80,6 +81,7 @@ class GradflowCallback(TrainerCallback):
         if not self.gf.enabled:
             return
         self._accumulation = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+        self._metrics = clip_metrics(getattr(args, "max_grad_norm", None))
         self._hook_loss(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -96,8 +98,7 @@ class GradflowCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.gf is None:
             return
-        metrics = clip_metrics(getattr(args, "max_grad_norm", None))
-        self.gf.step(loss=self._take_loss(), step=int(state.global_step), metrics=metrics)
+        self.gf.step(loss=self._take_loss(), step=int(state.global_step), metrics=self._metrics)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
