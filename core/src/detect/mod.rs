@@ -54,7 +54,9 @@
 //!   while β₂ is slow; [`moe_routing`]: `moe_router_collapse` and
 //!   `moe_load_imbalance`, an MoE layer's tokens on one expert or unevenly spread.
 //!   [`activation_norm_growth`]: `activation_norm_growth` (info), blocks' outputs
-//!   that keep growing while the loss is flat.
+//!   that keep growing while the loss is flat. *(v1.13)* [`output_logit_drift`]:
+//!   `output_logit_drift`, the output logits' log Z far from its early level while
+//!   the loss worsens.
 //!   [`rolling`] is their window of recent readings,
 //!   [`update_levels`] each module's level of Adam's update.
 //! - [`ranks`]: what only multi-rank runs break, judged on each combined step:
@@ -193,6 +195,7 @@ streaming_detectors! {
     adam_second_moment_stale::AdamSecondMomentStale,
     moe_routing::MoeRouting,
     activation_norm_growth::ActivationNormGrowth,
+    output_logit_drift::OutputLogitDrift,
     // Last: after the streak verdicts of the same step, which confirm what it named.
     first_step::FirstStepHint,
 }

@@ -57,6 +57,7 @@ vocabulary! {
         MoeRouterCollapse = "moe_router_collapse" => KindSpec::new(&[Severity::Critical]),
         MoeLoadImbalance = "moe_load_imbalance" => KindSpec::new(&[Severity::Warning]),
         ActivationNormGrowth = "activation_norm_growth" => KindSpec::new(&[Severity::Info]),
+        OutputLogitDrift = "output_logit_drift" => KindSpec::new(&[Severity::Warning]),
         RankMissing = "rank_missing" => KindSpec::new(&[Severity::Critical]),
         RankStraggler = "rank_straggler" => KindSpec::new(&[Severity::Warning]),
         RankNonfinite = "rank_nonfinite" => KindSpec::new(&[Severity::Critical]),
