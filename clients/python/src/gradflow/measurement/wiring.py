@@ -4,8 +4,9 @@ for the server to word as alerts.
 
 - ``freeze_flag_ignored``: ``module.requires_grad = False`` set as a plain attribute,
   which ``nn.Module`` never reads, on a module whose parameters still require grad.
-- ``modules_not_registered``: modules held in a plain list, tuple or dict attribute,
-  so ``model.parameters()`` (and the optimizer built from it) never sees them.
+- ``modules_not_registered``: modules held in a plain list, tuple or dict attribute
+  (or in such containers nested in one: ``[[nn.Linear(...), nn.Tanh()], ...]``), so
+  ``model.parameters()`` (and the optimizer built from it) never sees them.
 - ``tied_weights_untied``: a Hugging Face config with ``tie_word_embeddings`` whose
   input and output embeddings are two tensors.
 - ``param_group_empty`` (protocol v1.6): a param group with no parameter whose lr
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from .._log import swallow
 
 # Findings sent at most (the protocol's limit is 256).
 MAX_FINDINGS = 64
+# Levels of plain containers looked into for modules: a list of lists of layers is
+# two; deeper nesting of modules in plain containers is not seen in practice.
+CONTAINER_DEPTH = 3
 
 
 def findings(model: nn.Module) -> List[wire.WiringFinding]:
@@ -68,8 +72,7 @@ def _plain_containers(
     for attribute, value in vars(module).items():
         if attribute.startswith("_") or not isinstance(value, (list, tuple, dict)):
             continue
-        items = value.values() if isinstance(value, dict) else value
-        held = [m for m in items if isinstance(m, nn.Module)]
+        held = list(_modules_within(value, CONTAINER_DEPTH))
         if not held:
             continue
         outside = {id(p): p for m in held for p in m.parameters() if id(p) not in registered}
@@ -83,6 +86,18 @@ def _plain_containers(
                 }
             )
     return found
+
+
+def _modules_within(value: Any, depth: int) -> Iterator[nn.Module]:
+    """The modules in a plain list, tuple or dict `value`, and in the plain
+    containers within it down to `depth` levels (a list of [layer, activation]
+    pairs)."""
+    items = value.values() if isinstance(value, dict) else value
+    for item in items:
+        if isinstance(item, nn.Module):
+            yield item
+        elif depth > 1 and isinstance(item, (list, tuple, dict)):
+            yield from _modules_within(item, depth - 1)
 
 
 def _untied_embeddings(model: nn.Module) -> List[wire.WiringFinding]:
