@@ -141,3 +141,39 @@ def test_steps_the_loss_scaler_skips_are_not_micro_batches(gradflow_server):
         resets = []
     assert not [p for p in resets if p[1]], resets
     assert not gradflow_server.serious(gf.run_id)
+
+
+def test_sam_resetting_after_its_climb_is_no_reset(gradflow_server):
+    """SAM (https://github.com/davda54/sam/issues/32): backward, climb to w + e(w) in
+    place, zero_grad, backward again at the climbed weights, back to w, step. The
+    second pass's gradient replaces the first on purpose: the weights changed in
+    place between the passes, so the reset is not counted. The same loop without the
+    climb is accumulation that keeps only its last pass: counted."""
+    for climb in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        params = list(model.parameters())
+        optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        gf = gradflow.watch(model, optimizer, server=gradflow_server.url, run_id=new_run_id("sam"))
+        for _ in range(10):
+            x, y = torch.randn(8, 16), torch.arange(8) % 4
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                climbs = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in params]
+                if climb:
+                    for p, e in zip(params, climbs):
+                        p.add_(e)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                if climb:
+                    for p, e in zip(params, climbs):
+                        p.sub_(e)
+            optimizer.step()
+            optimizer.zero_grad()
+            gf.step(loss=loss)
+        gf.close()
+        resets = gradflow_server.series(gf.run_id, "metric", RESETS)
+        assert len(resets) == 9, (climb, resets)
+        assert all(value == (0 if climb else 1) for _, value in resets), (climb, resets)

@@ -63,6 +63,11 @@ class ModelHooks:
         # Whether the last backward that reached the sentinel left its gradient
         # non-zero: a device bool, None before one did (or when it was not read).
         self._left_nonzero: Optional[torch.Tensor] = None
+        # The sentinel's in-place version when the last backward that reached it
+        # ended: a later one that finds it changed finds weights moved between the
+        # passes (SAM's climb to w + e(w), an extra-gradient step), whose reset starts
+        # a gradient at other weights on purpose, not an accumulation's.
+        self._version_left: Optional[int] = None
         # Whether the last optimizer step had exactly one backward pass: then the
         # first backward of the next is not read (a loop keeps its shape), so a loop
         # of one backward per step pays for one look at the sentinel, not two.
@@ -276,6 +281,7 @@ class ModelHooks:
         self._sentinel_hook = self._sentinel_left_hook = None
         self._sentinel = None
         self._left_nonzero = None
+        self._version_left = None
 
     def _pick_sentinel(self) -> Optional[torch.Tensor]:
         """A parameter the optimizer steps that got a gradient this step (one outside
@@ -317,6 +323,7 @@ class ModelHooks:
         gradient non-zero (one ``aminmax`` on the device, never read here). Not for
         the first backward of a step after a step of one: a loop that turns to several
         backward passes then has its first zero found uncounted, once."""
+        self._version_left = tensor._version
         if self._backwards <= 1 and self._one_backward_before:
             return
         try:
@@ -329,9 +336,14 @@ class ModelHooks:
         """A later backward pass of one optimizer step: a gradient set to None since
         the earlier ones is counted on the host; one found at zero, on the device, and
         only when the previous backward left it non-zero (a pass that added exactly
-        zero leaves a zero nobody reset; unread, nothing is counted)."""
+        zero leaves a zero nobody reset; unread, nothing is counted). Not when the
+        weights were changed in place since the previous backward (see
+        ``_version_left``): that reset belongs to a method of two passes."""
         try:
-            old = self._sentinel.grad if self._sentinel is not None else None
+            sentinel = self._sentinel
+            if sentinel is not None and sentinel._version != self._version_left:
+                return
+            old = sentinel.grad if sentinel is not None else None
             if old is None:
                 self.resets_seen += 1
                 return
