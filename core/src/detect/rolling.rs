@@ -117,6 +117,11 @@ impl Rolling {
         })
     }
 
+    /// The window's readings, oldest first.
+    pub fn values(&self) -> impl Iterator<Item = f64> + '_ {
+        self.values.iter().copied()
+    }
+
     /// The window's median; `None` when empty.
     pub fn median(&self) -> Option<f64> {
         median(self.values.iter().copied().collect())
