@@ -117,6 +117,21 @@ impl Rolling {
         })
     }
 
+    /// Times the window's readings rose to `value` or above from below it: its
+    /// separate excursions to that height (a run of readings above it that the window
+    /// begins with, a warm-up's, is not one).
+    pub fn rises_to(&self, value: f64) -> usize {
+        let mut rises = 0;
+        let mut below = false;
+        for v in &self.values {
+            if *v >= value && below {
+                rises += 1;
+            }
+            below = *v < value;
+        }
+        rises
+    }
+
     /// The window's readings, oldest first.
     pub fn values(&self) -> impl Iterator<Item = f64> + '_ {
         self.values.iter().copied()
@@ -173,6 +188,18 @@ mod tests {
             count: 9,
         };
         assert_eq!((flat.z(2.0), flat.z(3.0)), (0.0, f64::INFINITY));
+    }
+
+    #[test]
+    fn rises_count_separate_excursions_not_a_warm_up() {
+        let mut rolling = Rolling::default();
+        // A warm-up above 4, then two excursions to 9 and one to 5.
+        for v in [6.0, 5.0, 4.5, 1.0, 1.1, 9.0, 9.0, 1.0, 9.0, 1.2, 5.0, 1.0] {
+            rolling.push(v);
+        }
+        assert_eq!(rolling.rises_to(4.0), 3);
+        assert_eq!(rolling.rises_to(8.0), 2);
+        assert_eq!(rolling.rises_to(10.0), 0);
     }
 
     #[test]
