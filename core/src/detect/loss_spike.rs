@@ -564,8 +564,9 @@ fn ratio(window: &Rolling, value: Option<f64>) -> Option<f64> {
 /// above its window's median on a log scale, and the window neither leapt from its
 /// bulk at least half as far nor rose to half its size [`RECURRING`] separate times
 /// (a series whose excursions come back every few dozen steps has two regimes, not a
-/// spike: the median and MAD describe its bulk only). A window that holds a reading at or below zero has no
-/// such scale: a loss that crosses zero spikes only through the gradient norm's rule.
+/// spike: the median and MAD describe its bulk only). A window that holds a reading
+/// at or below zero has no such scale: a loss that crosses zero spikes only through
+/// the gradient norm's rule.
 fn beyond_its_tail(window: &Rolling, value: f64) -> bool {
     window.log_spread().is_some_and(|spread| {
         let z = spread.z(value);
@@ -581,16 +582,7 @@ fn beyond_its_tail(window: &Rolling, value: f64) -> bool {
 /// with falls through the tail into the bulk and never leaps out of it, so it counts
 /// none.
 fn excursions(window: &Rolling, spread: &LogSpread, height: f64) -> usize {
-    let mut count = 0;
-    let mut from_bulk = false;
-    for v in window.values() {
-        let z = spread.z(v);
-        if z >= height && from_bulk {
-            count += 1;
-        }
-        from_bulk = z < BULK;
-    }
-    count
+    window.leaps(|v| spread.z(v) < BULK, |v| spread.z(v) >= height)
 }
 
 /// A reading into its window, clipped to the spike bar so one spike does not hide

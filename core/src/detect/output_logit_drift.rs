@@ -32,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::episode::{Alerts, Streak};
+use super::explosion::median;
 use super::precision::smallest_change;
 use super::spaced::LossMean;
 use super::view::StepView;
@@ -122,17 +123,11 @@ impl OutputLogitDrift {
         if self.crossed_zero {
             return None;
         }
-        let early = median(&self.early);
+        let early = median(self.early.iter().copied())?;
         let (loss, lowest) = (self.loss_mean.get()?, self.lowest_loss?);
         let worse = lowest > 0.0 && loss >= lowest * (1.0 + LOSS_WORSE);
         ((logz - early).abs() >= DRIFT && worse).then_some((early, loss, lowest))
     }
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted[sorted.len() / 2]
 }
 
 fn alert(

@@ -117,24 +117,24 @@ impl Rolling {
         })
     }
 
-    /// Times the window's readings rose to `value` or above from below it: its
-    /// separate excursions to that height (a run of readings above it that the window
-    /// begins with, a warm-up's, is not one).
-    pub fn rises_to(&self, value: f64) -> usize {
-        let mut rises = 0;
-        let mut below = false;
-        for v in &self.values {
-            if *v >= value && below {
-                rises += 1;
+    /// Readings that are `to` right after a reading that is `from`: the window's
+    /// separate leaps from one region to another (a run the window begins with in
+    /// `to`, a warm-up's, is none).
+    pub fn leaps(&self, from: impl Fn(f64) -> bool, to: impl Fn(f64) -> bool) -> usize {
+        let mut count = 0;
+        let mut was_from = false;
+        for &v in &self.values {
+            if was_from && to(v) {
+                count += 1;
             }
-            below = *v < value;
+            was_from = from(v);
         }
-        rises
+        count
     }
 
-    /// The window's readings, oldest first.
-    pub fn values(&self) -> impl Iterator<Item = f64> + '_ {
-        self.values.iter().copied()
+    /// Times the window's readings rose to `value` or above from below it.
+    pub fn rises_to(&self, value: f64) -> usize {
+        self.leaps(|v| v < value, |v| v >= value)
     }
 
     /// The window's median; `None` when empty.
