@@ -33,12 +33,14 @@ training thread only) and prints gradflow's share of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -205,6 +207,7 @@ class Mode:
 
     def step(self, tokens: torch.Tensor) -> None:
         self.counting = len(self.times) >= self.warmup
+        PassHooks.stepping = self
         if self.profile is not None:
             self.profile.enable()
         start = time.perf_counter()
@@ -261,7 +264,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120, help="measured steps per mode")
     parser.add_argument("--warmup", type=int, default=10, help="unmeasured steps per mode")
     parser.add_argument("--block", type=int, default=10, help="steps per mode per round")
-    parser.add_argument("--modes", default="bare,gradflow,wandb")
+    parser.add_argument(
+        "--modes",
+        default="bare,gradflow,wandb",
+        help="comma-separated: bare, gradflow, gradflow:none|all|FAMILY, wandb, and bare:NAME "
+        "(another unwatched copy: its difference from bare is the method's own resolution)",
+    )
     parser.add_argument("--batch", type=int, help="the preset's batch size, overridden")
     parser.add_argument("--seq", type=int, help="the preset's sequence length, overridden")
     parser.add_argument("--profile", help="write a cProfile of the gradflow mode's steps here")
@@ -299,6 +307,14 @@ def main() -> None:
         "run on every step, so the median of the steps between separates their cost from "
         "the per-step measuring and reporting",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="Linux: the training thread on the first CPU alone, every other thread of this "
+        "process and the server's on the others (re-applied each round, as threads come and "
+        "go): the training thread's CPU time then holds its own work, not the time it loses "
+        "to other threads sharing its core and caches",
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     preset_name = args.preset or ("qwen2.5-0.5b" if args.device == "cuda" else "cpu")
@@ -326,6 +342,8 @@ def main() -> None:
                 server, url = start_server(server_binary(args.server_bin), workdir)
                 # The run whose stored steps are checked at the end: the first watched.
                 checked_run = f"bench-overhead-{len(modes)}"
+            if args.breakdown or args.breakdown_fine:
+                PassHooks.install()
             gf = gradflow.watch(
                 mode.model,
                 mode.optimizer,
@@ -352,7 +370,7 @@ def main() -> None:
             wandb.watch(mode.model, log="all", log_freq=1)
             mode.after_step = lambda loss, run=run: run.log({"loss": loss.item()})
             mode.close = run.finish
-        elif name != "bare":
+        elif name != "bare" and not name.startswith("bare:"):
             sys.exit(f"unknown mode {name!r}")
         mode.warmup = args.warmup
         modes.append(mode)
@@ -361,7 +379,11 @@ def main() -> None:
     vocab = 64 if preset.get("model") == "prompt-agent" else preset["config"]["vocab_size"]
     total = args.warmup + args.steps
     done = 0
+    # The CPUs the process may use, read before any thread is pinned.
+    allowed = sorted(os.sched_getaffinity(0)) if args.pin else []
     while done < total:
+        if args.pin:
+            pin_threads(allowed, server)
         block = min(args.block, total - done)
         batches = [
             torch.randint(0, vocab, (preset["batch"], preset["seq"]), generator=g).to(args.device)
@@ -396,7 +418,8 @@ def main() -> None:
         f"preset {preset_name}, {args.device} ({device_name}), autocast {autocast}, "
         f"parameters {args.param_dtype}, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms, "
         f"batch {preset['batch']}x{preset['seq']}, torch {torch.__version__}; "
-        f"median of {args.steps} steps after {args.warmup} warm-up, rounds of {args.block}"
+        + (f"training thread alone on CPU {allowed[0]}; " if len(allowed) > 1 else "")
+        + f"median of {args.steps} steps after {args.warmup} warm-up, rounds of {args.block}"
     )
     result: Dict[str, Any] = {
         "preset": preset_name,
@@ -406,6 +429,7 @@ def main() -> None:
         "param_dtype": args.param_dtype,
         "autocast": autocast,
         "modes": {},
+        "pinned": len(allowed) > 1,
     }
     for mode in modes:
         median = medians[mode.name]
@@ -491,6 +515,22 @@ def stored_steps(url: str, run_id: str, module: str) -> Optional[Dict[str, int]]
     return {"steps": int(run["step_count"]), "module_grad_norms": len(finite)}
 
 
+def pin_threads(cpus: List[int], server: Optional[subprocess.Popen[str]]) -> None:
+    """Puts this thread on the first of `cpus` alone and every other thread of this
+    process and of the server on the rest (Linux). Threads started later inherit their
+    creator's CPUs, so this is called again at every round."""
+    if len(cpus) < 2:
+        return
+    mine, rest = {cpus[0]}, set(cpus[1:])
+    me = threading.get_native_id()
+    pids = [os.getpid()] + ([server.pid] if server is not None else [])
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            tid = int(task.name)
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                os.sched_setaffinity(tid, mine if tid == me else rest)
+
+
 def thread_cpu(reporter: Any) -> Callable[[], Optional[float]]:
     """The CPU seconds the reporter thread has used so far (Linux), read later."""
     thread = getattr(reporter, "_thread", None)
@@ -528,12 +568,106 @@ def report_profile(profile: Any, path: str, steps: int) -> None:
         print(f"  {per_step} {name}")
 
 
+class PassHooks:
+    """Times the hooks gradflow registers on the model and its tensors, which run inside
+    the forward and backward passes: each hook whose function is gradflow's is wrapped
+    when it is registered (and re-registered: some are put back every step), and its
+    training-thread CPU goes to the breakdown of the mode being stepped. The attention
+    capture's own work on the calls it intercepts is timed the same way; the calls it
+    passes through are counted, each at the mode's dispatch cost measured on a small op
+    (an estimate). Each timing costs ~0.7 us of its own, part of it counted: the calls
+    a step are given beside the times."""
+
+    stepping: Optional[Mode] = None
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+        cls.installed = True
+        module_hooks = (
+            ("register_forward_pre_hook", "forward hooks"),
+            ("register_forward_hook", "forward hooks"),
+            ("register_full_backward_pre_hook", "backward hooks"),
+            ("register_full_backward_hook", "backward hooks"),
+        )
+        for name, label in module_hooks:
+            cls._wrap_registration(torch.nn.Module, name, label)
+        for name in ("register_hook", "register_post_accumulate_grad_hook"):
+            cls._wrap_registration(torch.Tensor, name, "backward hooks")
+        from gradflow.capture.attention_stats import AttentionCapture
+
+        for name in ("_softmax", "_sdpa"):
+            setattr(
+                AttentionCapture,
+                name,
+                cls._timed(getattr(AttentionCapture, name), "attention capture"),
+            )
+        passing = AttentionCapture.__torch_function__
+        dispatch = cls._dispatch_cost(AttentionCapture)
+
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            cls._add("attention capture, calls passed through (estimated)", dispatch)
+            return passing(self, *args, **kwargs)
+
+        AttentionCapture.__torch_function__ = counted  # type: ignore[method-assign]
+
+    @staticmethod
+    def _dispatch_cost(capture: Any) -> float:
+        """What the attention capture's mode adds to a torch call it passes through,
+        in training-thread CPU seconds: a small op timed inside the mode and outside,
+        the median of five tries."""
+        x = torch.zeros(8)
+
+        def run(calls: int = 4000) -> float:
+            start = time.thread_time()
+            for _ in range(calls):
+                torch.add(x, 1.0)
+            return (time.thread_time() - start) / calls
+
+        tries = []
+        for _ in range(5):
+            outside = run()
+            with capture(lambda compute, device: None):
+                inside = run()
+            tries.append(inside - outside)
+        return max(0.0, statistics.median(tries))
+
+    @classmethod
+    def _wrap_registration(cls, owner: Any, name: str, label: str) -> None:
+        register = getattr(owner, name)
+
+        def registering(self: Any, hook: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(getattr(hook, "__module__", "")).startswith("gradflow"):
+                hook = cls._timed(hook, label)
+            return register(self, hook, *args, **kwargs)
+
+        setattr(owner, name, registering)
+
+    @classmethod
+    def _timed(cls, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cls._add(label, time.thread_time() - start)
+
+        return timed
+
+    @classmethod
+    def _add(cls, label: str, seconds: float) -> None:
+        mode = cls.stepping
+        if mode is not None and mode.parts is not None and mode.counting:
+            mode.parts.add("inside forward and backward: " + label, seconds)
+
+
 class Breakdown:
     """gradflow's own work on the training thread, by entry point: the optimizer's
     step hooks it registered and ``gf.step``, each timed whole (``time.thread_time``),
-    and the parts of them named in PARTS. What runs inside the forward and backward
-    passes (the model's hooks) is not in it: the forward+backward phase's difference
-    says that. Counted after the warm-up steps only."""
+    the parts of them named in PARTS, and the hooks that run inside the forward and
+    backward passes (:class:`PassHooks`). Counted after the warm-up steps only."""
 
     PARTS = (
         ("registry", "amendment", "registration check"),
@@ -569,6 +703,8 @@ class Breakdown:
     def __init__(self, gf: Any, mode: Mode, fine: bool = False) -> None:
         self.mode = mode
         self.seconds: Dict[str, float] = {}
+        # Calls a step of the hooks timed inside the passes (PassHooks).
+        self.calls: Dict[str, int] = {}
         instruments = gf.instruments
         optimizer = mode.optimizer
         for hooks, label in (
@@ -601,11 +737,20 @@ class Breakdown:
 
         return timed
 
+    def add(self, label: str, seconds: float) -> None:
+        self.seconds[label] = self.seconds.get(label, 0.0) + seconds
+        self.calls[label] = self.calls.get(label, 0) + 1
+
     def report(self, steps: int) -> Dict[str, float]:
         per_step = {label: s / steps * 1e6 for label, s in self.seconds.items()}
         print("gradflow's training-thread CPU by entry point, us a step (parts indented):")
         for label, us in per_step.items():
-            print(f"  {us:9.1f}  {label}")
+            calls = self.calls.get(label)
+            print(f"  {us:9.1f}  {label}" + (f" ({calls / steps:.1f} calls)" if calls else ""))
+        # Parts are indented under their entry point: only the entry points add up.
+        total = sum(us for label, us in per_step.items() if not label.startswith(" "))
+        print(f"  {total:9.1f}  in all (the entry points and the hooks inside the passes)")
+        per_step["total"] = total
         return per_step
 
 
