@@ -422,3 +422,83 @@ def test_bf16_layernorm_gains_round_back_to_one(gradflow_server, gradflow_env, s
             outcome,
             Diagnosis(run="model", kind="norm_weight_frozen", causes=("low_precision_underflow",)),
         )
+
+
+# -- p3i0t/SimCLR-CIFAR10#1: `model.enc.requires_grad = False` freezes nothing ------------
+
+
+class SimCLRNet(nn.Module):
+    """A SimCLR model's shape at small size: a CNN encoder `enc` with batch norm and,
+    for linear evaluation, a linear classifier `lin` on its features."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.lin = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.enc(x))
+
+
+def train_simclr_linear_eval(run_id: str, seed: int, steps: int = 300) -> Outcome:
+    """`simclr_lin.py`: `model.enc.requires_grad = False` (a plain attribute on the
+    module), then the optimizer takes `[p for p in model.parameters() if
+    p.requires_grad]`, which is every parameter: the encoder meant to stay frozen for
+    the linear evaluation trains with the classifier (SGD 0.1 momentum 0.9, cosine,
+    batches of 32)."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(9450 + seed)
+    model = SimCLRNet()
+    model.enc.requires_grad = False
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(parameters, lr=0.1, momentum=0.9, weight_decay=1e-6)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    run = watch(run_id, model, optimizer)
+    before = snapshot(model)
+    templates = torch.randn(5, 1, 12, 12, generator=torch.Generator().manual_seed(55))
+    for _ in range(steps):
+        label = torch.randint(0, 5, (32,), generator=g)
+        x = templates[label] + torch.randn(32, 1, 12, 12, generator=g)
+        loss = F.cross_entropy(model(x), label)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        run.step(loss)
+    run.close()
+    return Outcome(
+        {"model": run},
+        {"moved": moved(before, model), "in_optimizer": len(parameters)},
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_simclr_linear_eval_freeze_flag_on_the_module(gradflow_server, gradflow_env, seed):
+    """https://github.com/p3i0t/SimCLR-CIFAR10/issues/1"""
+    outcome = train_simclr_linear_eval(gradflow_env, seed)
+
+    # The flag froze nothing: all 10 parameters went to the optimizer and the
+    # encoder's weights moved.
+    facts = outcome.facts
+    assert facts["in_optimizer"] == 10
+    assert {"enc.0.weight", "enc.3.weight", "lin.weight"} <= facts["moved"], facts["moved"]
+
+    assert_caught(
+        gradflow_server,
+        outcome,
+        Diagnosis(
+            run="model",
+            kind="freeze_flag_ignored",
+            causes=("freeze_flag_ignored",),
+            covers=("enc",),
+        ),
+    )
