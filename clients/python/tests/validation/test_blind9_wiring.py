@@ -208,6 +208,21 @@ def test_hvpnet_classifier_and_crf_left_out_of_the_optimizer(gradflow_server, gr
 # -- edreisMD/ConVIRT-pytorch#7: the text side's projection under torch.no_grad() ---------
 
 
+def conv_features() -> nn.Sequential:
+    """Two convolutions with batch norm and a global average pool: 32 features from a
+    one-channel image (the image encoders of the ConVIRT and SimCLR cases)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    )
+
+
 class ConvirtModel(nn.Module):
     """ConVIRT's `ModelCLR` at small size: a CNN image encoder with a two-layer
     projection (`res_l1`, `res_l2`); a text encoder (`bert_model`: embeddings and
@@ -216,16 +231,7 @@ class ConvirtModel(nn.Module):
 
     def __init__(self, vocab: int = 64, dim: int = 32, out: int = 16) -> None:
         super().__init__()
-        self.res_features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.BatchNorm2d(16),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1),
-            nn.BatchNorm2d(32),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-        )
+        self.res_features = conv_features()
         self.res_l1 = nn.Linear(32, 32)
         self.res_l2 = nn.Linear(32, out)
         self.bert_model = nn.ModuleDict(
@@ -433,16 +439,7 @@ class SimCLRNet(nn.Module):
 
     def __init__(self, classes: int = 5) -> None:
         super().__init__()
-        self.enc = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.BatchNorm2d(16),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1),
-            nn.BatchNorm2d(32),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-        )
+        self.enc = conv_features()
         self.lin = nn.Linear(32, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
