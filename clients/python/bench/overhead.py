@@ -568,6 +568,19 @@ def report_profile(profile: Any, path: str, steps: int) -> None:
         print(f"  {per_step} {name}")
 
 
+def thread_timed(fn: Callable[..., Any], record: Callable[[float], None]) -> Callable[..., Any]:
+    """`fn`, with the training-thread CPU seconds of each call handed to `record`."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.thread_time() - start)
+
+    return timed
+
+
 class PassHooks:
     """Times the hooks gradflow registers on the model and its tensors, which run inside
     the forward and backward passes: each hook whose function is gradflow's is wrapped
@@ -647,14 +660,7 @@ class PassHooks:
 
     @classmethod
     def _timed(cls, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                cls._add(label, time.thread_time() - start)
-
-        return timed
+        return thread_timed(fn, lambda spent: cls._add(label, spent))
 
     @classmethod
     def _add(cls, label: str, seconds: float) -> None:
@@ -724,18 +730,13 @@ class Breakdown:
         mode.after_step = self._timed(mode.after_step, "gf.step")
 
     def _timed(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        seconds = self.seconds
-        mode = self.mode
+        seconds, mode = self.seconds, self.mode
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if mode.counting:
-                    seconds[label] = seconds.get(label, 0.0) + time.thread_time() - start
+        def record(spent: float) -> None:
+            if mode.counting:
+                seconds[label] = seconds.get(label, 0.0) + spent
 
-        return timed
+        return thread_timed(fn, record)
 
     def add(self, label: str, seconds: float) -> None:
         self.seconds[label] = self.seconds.get(label, 0.0) + seconds
