@@ -15,7 +15,9 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 py="$venv/bin/python"
-pip=("$py" -m pip install --quiet --disable-pip-version-check)
+# No pip cache: torch and its CUDA libraries would be kept twice (several GB), once
+# installed and once as downloaded wheels that nothing here reads again.
+pip=("$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
 
 # torch's default PyPI wheel; installed only when missing, so the cached venv is reused.
 "$py" -c "import torch" 2>/dev/null || "${pip[@]}" torch

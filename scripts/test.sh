@@ -46,8 +46,14 @@ if [ -n "$postgres_url" ]; then
     fi
     export GRADFLOW_TEST_POSTGRES_URL=$postgres_url
     # A filter among the arguments may leave one of the two runs with no test.
-    GRADFLOW_TEST_BACKEND=postgres cargo nextest run -p gradflow-server --no-tests=warn "$@"
-    cargo nextest run -p gradflow-e2e --test e2e -E "test(/^replicas::/)" --no-tests=warn "$@"
+    # Both select with a filterset over the whole workspace, not with `-p`: cargo
+    # resolves dependency features for the packages it is asked to build, so `-p`
+    # would compile a second copy of most dependencies (minutes, and gigabytes of
+    # target/), where the workspace's test build above already has every binary.
+    GRADFLOW_TEST_BACKEND=postgres cargo nextest run --workspace \
+        -E "package(=gradflow-server)" --no-tests=warn "$@"
+    cargo nextest run --workspace -E "package(=gradflow-e2e) & binary(=e2e) & test(/^replicas::/)" \
+        --no-tests=warn "$@"
     stop_postgres
     postgres_dir=""
 fi
