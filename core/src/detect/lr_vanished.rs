@@ -139,6 +139,18 @@ impl LrVanished {
             n if n == held => Some("run".to_owned()),
             _ => Some(format!("param group {}", vanished[0].0)),
         };
+        // One cause, one alert: a scheduler that steps k times per optimizer step
+        // (`scheduler_per_micro_batch`, named from the loop's first steps) spends its
+        // schedule in 1/k of the run, and its alert says the lr then sits at its floor.
+        // The lr's fall is what that cause does, not a second finding; an alert
+        // already open stays as it is.
+        let subject = subject.filter(|_| {
+            self.open.is_some()
+                || alerts
+                    .open_subjects(AlertKind::SchedulerPerMicroBatch)
+                    .next()
+                    .is_none()
+        });
         match (&self.open, subject) {
             (Some(open), Some(now)) if *open == now => {
                 alerts.holds(KIND, open);
@@ -272,7 +284,8 @@ impl LrVanished {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::testing::{record, transitions};
+    use crate::detect::episode::{Episodes, Holds};
+    use crate::detect::testing::{record, transitions, transitions_from};
     use crate::detect::{RunContext, Thresholds};
     use crate::model::alert::Transition;
     use serde_json::Value;
@@ -294,6 +307,37 @@ mod tests {
         transitions(records, |r, out| {
             detector.on_step(&StepView::new(&context, r), out)
         })
+    }
+
+    #[test]
+    fn a_scheduler_named_for_stepping_per_micro_batch_is_the_one_alert() {
+        // get_scheduler("linear", warm-up 30, 300 steps) stepped twice per optimizer
+        // step: 0 from step 150, with scheduler_per_micro_batch open since the start.
+        let lr = |s: i32| {
+            let t = 2 * s;
+            1e-3 * if t < 30 {
+                f64::from(t) / 30.0
+            } else {
+                (f64::from(300 - t) / 270.0).max(0.0)
+            }
+        };
+        let registration =
+            serde_json::from_value(json!({"params": [{"name": "a.weight"}]})).unwrap();
+        let context = RunContext::new(&registration, Thresholds::default());
+        let mut episodes = Episodes::new(Holds::Immediate);
+        episodes.restore(AlertKind::SchedulerPerMicroBatch, "LambdaLR".into(), Some(0));
+        let mut detector = LrVanished::default();
+        let records = (0..300).map(|s| record(json!({"step": s, "loss": 1.0, "lr": lr(s)})));
+        let t = transitions_from(&mut episodes, records, |r, out| {
+            detector.on_step(&StepView::new(&context, r), out)
+        });
+        assert!(t.is_empty(), "{t:?}");
+
+        // The same schedule with no such finding: the lr's fall is the finding.
+        let t = run((0..300).map(|s| json!(lr(s))));
+        let (step, o) = opened(&t);
+        assert!((169..=180).contains(&step), "{step}");
+        assert_eq!(o.evidence["cause"], "lr_zero");
     }
 
     fn opened(t: &[(u64, Transition)]) -> (u64, &Opened) {
