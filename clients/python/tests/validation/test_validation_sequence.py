@@ -332,20 +332,22 @@ def test_convlstm_peepholes_are_not_parameters(gradflow_server, gradflow_env, se
     assert facts["peepholes_unchanged"], facts
     assert facts["convs_moved"] == facts["convs"], facts
 
-    # PROTOCOL has no kind for learnable tensors that are not parameters. The correct
-    # diagnosis is a wiring finding at registration, like `modules_not_registered` for
-    # modules in a plain list: a module holds tensors that require grad but are not
-    # registered, so no optimizer can hold them. Written as that kind, on `cell0`
-    # (a kind of its own naming the same finding would be as right: whoever reads the
-    # result judges). The plain list `_all_layers` repeats registered cells and must not
-    # be reported: an alert of this kind on `run` is a wrong subject.
+    # When this case was written, PROTOCOL had no kind for learnable tensors that are
+    # not parameters. The correct diagnosis is a wiring finding at registration, like
+    # `modules_not_registered` for modules in a plain list: a module holds tensors that
+    # require grad but are not registered, so no optimizer can hold them. It was
+    # written as that kind, on `cell0`, saying that a kind of its own naming the same
+    # finding would be as right. PROTOCOL v1.9 added that kind,
+    # `tensors_not_registered`: the expectation names it now, on the same subject.
+    # The plain list `_all_layers` repeats registered cells and must not be reported:
+    # an alert on `run` is a wrong subject.
     assert_caught(
         gradflow_server,
         outcome,
         Diagnosis(
             run="model",
-            kind="modules_not_registered",
-            causes=("modules_not_registered",),
+            kind="tensors_not_registered",
+            causes=("tensors_not_registered",),
             covers=("convlstm.cell0",),
         ),
     )
