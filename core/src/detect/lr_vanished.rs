@@ -285,12 +285,20 @@ impl LrVanished {
 mod tests {
     use super::*;
     use crate::detect::episode::{Episodes, Holds};
-    use crate::detect::testing::{record, transitions, transitions_from};
+    use crate::detect::testing::{record, transitions_from};
     use crate::detect::{RunContext, Thresholds};
     use crate::model::alert::Transition;
     use serde_json::Value;
 
     fn run(lrs: impl Iterator<Item = Value>) -> Vec<(u64, Transition)> {
+        run_from(&mut Episodes::new(Holds::Immediate), lrs)
+    }
+
+    /// [`run`] beside the episodes already open in `episodes`.
+    fn run_from(
+        episodes: &mut Episodes,
+        lrs: impl Iterator<Item = Value>,
+    ) -> Vec<(u64, Transition)> {
         let registration =
             serde_json::from_value(json!({"params": [{"name": "a.weight"}]})).unwrap();
         let context = RunContext::new(&registration, Thresholds::default());
@@ -304,7 +312,7 @@ mod tests {
             }
             record(r)
         });
-        transitions(records, |r, out| {
+        transitions_from(episodes, records, |r, out| {
             detector.on_step(&StepView::new(&context, r), out)
         })
     }
@@ -321,16 +329,9 @@ mod tests {
                 (f64::from(300 - t) / 270.0).max(0.0)
             }
         };
-        let registration =
-            serde_json::from_value(json!({"params": [{"name": "a.weight"}]})).unwrap();
-        let context = RunContext::new(&registration, Thresholds::default());
         let mut episodes = Episodes::new(Holds::Immediate);
         episodes.restore(AlertKind::SchedulerPerMicroBatch, "LambdaLR".into(), Some(0));
-        let mut detector = LrVanished::default();
-        let records = (0..300).map(|s| record(json!({"step": s, "loss": 1.0, "lr": lr(s)})));
-        let t = transitions_from(&mut episodes, records, |r, out| {
-            detector.on_step(&StepView::new(&context, r), out)
-        });
+        let t = run_from(&mut episodes, (0..300).map(|s| json!(lr(s))));
         assert!(t.is_empty(), "{t:?}");
 
         // The same schedule with no such finding: the lr's fall is the finding.
